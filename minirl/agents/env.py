@@ -1,0 +1,139 @@
+"""The `doors` task: a multi-turn, verifiable environment whose observations carry bulky media.
+
+An episode walks through `num_rooms` rooms. Each room is shown as a picture (a text stand-in for an
+image) listing objects with numbers; the agent reads the number next to the door and calls
+`open_door(code)`. A right code opens the door and shows the next room; a wrong one shows the same
+room again. So the context grows with every call, and old pictures and old `<think>` blocks pile up:
+exactly what context compaction drops.
+
+Invariant: an episode is a pure function of its task spec (`{"env": "doors", "seed", "num_rooms"}`)
+and the agent's calls, and `verify` recomputes the reward from the transcript alone, never from the
+live environment's state.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+OBJECTS = ("lamp", "rug", "box", "desk", "vase", "bell", "coat", "sofa", "clock", "plant")
+COLORS = ("red", "blue", "gray", "green", "white", "black", "brown", "gold")
+TOOL_NAME = "open_door"
+
+SYSTEM_PROMPT = "Each picture lists objects with numbers. Call open_door with the door's number."
+TOOLS = [
+    {
+        "type": "function",
+        "name": TOOL_NAME,
+        "description": "Try a code on the door.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "integer"}},
+            "required": ["code"],
+        },
+    }
+]
+
+
+@dataclass(frozen=True)
+class Room:
+    """One room: the door's code and the objects the picture shows (door included)."""
+
+    code: int
+    objects: tuple[tuple[str, int], ...]
+    pixels: tuple[str, ...]
+
+    def picture(self) -> str:
+        listed = " , ".join(f"{name} {num}" for name, num in self.objects)
+        return f"{listed} ; {' '.join(self.pixels)}"
+
+
+def make_rooms(seed: int, num_rooms: int, distractors: int = 3, pixels: int = 12) -> list[Room]:
+    """The rooms of one episode, derived from `seed` alone."""
+    rng = random.Random(seed)
+    rooms = []
+    for _ in range(num_rooms):
+        code = rng.randrange(10)
+        others = [d for d in range(10) if d != code]
+        objects = [("door", code)] + [
+            (name, rng.choice(others)) for name in rng.sample(OBJECTS, distractors)
+        ]
+        rng.shuffle(objects)
+        rooms.append(Room(code, tuple(objects), tuple(rng.choice(COLORS) for _ in range(pixels))))
+    return rooms
+
+
+def image_part(text: str) -> dict:
+    """A media content part: a text stand-in for an image, as a Responses `input_image`."""
+    return {"type": "input_image", "image_url": "data:text/plain," + text}
+
+
+def image_text(part: dict) -> str:
+    return part["image_url"].split(",", 1)[1]
+
+
+@dataclass
+class DoorsEnv:
+    """Live state of one episode; `step` answers one tool call with the observation parts."""
+
+    seed: int
+    num_rooms: int = 2
+    rooms: list[Room] = field(init=False)
+    room: int = 0
+
+    def __post_init__(self) -> None:
+        self.rooms = make_rooms(self.seed, self.num_rooms)
+
+    @property
+    def done(self) -> bool:
+        return self.room >= self.num_rooms
+
+    def initial_input(self) -> list[dict]:
+        """The episode's opening items: system prompt, then the first room's picture."""
+        return [
+            {"type": "message", "role": "system", "content": SYSTEM_PROMPT},
+            {"type": "message", "role": "user", "content": self._room_parts("Room 1.")},
+        ]
+
+    def _room_parts(self, text: str) -> list[dict]:
+        return [{"type": "input_text", "text": text}, image_part(self.rooms[self.room].picture())]
+
+    def step(self, name: str, arguments: str) -> list[dict]:
+        code = parse_code(name, arguments)
+        if code is None:
+            return [{"type": "input_text", "text": "Error: call open_door with an integer code."}]
+        if code != self.rooms[self.room].code:
+            return self._room_parts("Wrong code.")
+        self.room += 1
+        if self.done:
+            return [{"type": "input_text", "text": "All doors are open."}]
+        return self._room_parts(f"Opened. Room {self.room + 1}.")
+
+
+def parse_code(name: str, arguments: str) -> int | None:
+    """The integer code of an `open_door` call, or None when the call is malformed."""
+    if name != TOOL_NAME:
+        return None
+    try:
+        code = json.loads(arguments).get("code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def verify(task: dict, output_items: list[dict]) -> float:
+    """Reward in [0, 1]: per room, 1 if opened on the first try, 0.5 if later, 0 if never.
+
+    Replays the agent's `open_door` calls against the task's rooms; the live env is not consulted.
+    """
+    rooms = make_rooms(task["seed"], task["num_rooms"])
+    room, tries, score = 0, 0, 0.0
+    for item in output_items:
+        if item.get("type") != "function_call" or room >= len(rooms):
+            continue
+        tries += 1
+        if parse_code(item.get("name", ""), item.get("arguments", "")) == rooms[room].code:
+            score += 1.0 if tries == 1 else 0.5
+            room, tries = room + 1, 0
+    return score / len(rooms)
