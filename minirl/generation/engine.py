@@ -1,0 +1,157 @@
+"""An in-process vLLM engine driven by one thread, with continuous batching across callers.
+
+HTTP handlers (any thread, any event loop) call `generate`, which returns a future; the engine
+thread adds requests, steps the engine while anything is unfinished, and resolves futures as
+requests finish. Weight updates run on the same thread between steps.
+
+Invariant: every call into vLLM (add_request, step, collective_rpc) happens on the engine thread,
+so a weight update never interleaves with a decoding step; each result records the weight
+version at its submission and at its completion, so a caller can tell if an update fell between.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def configure_cpu_env(kv_cache_gb: int, omp_threads: int) -> None:
+    """Environment vLLM-CPU needs inside a Ray actor; must run before `import vllm`."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ["OMP_NUM_THREADS"] = str(omp_threads)
+
+
+@dataclass
+class GenResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    version_start: int
+    version_end: int
+
+
+def _reload_weights(worker, named: list) -> None:
+    """Runs inside vLLM's worker (collective_rpc): load new weights in place."""
+    import torch
+
+    worker.reload_weights(weights_iterator=iter((n, torch.from_numpy(np.asarray(a))) for n, a in named))
+
+
+class VllmEngine:
+    def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
+                 enforce_eager: bool = True):
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",  # after temperature: what the sampler drew from
+        )
+        self.max_model_len = max_model_len
+        self.version = 0
+        self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
+        self.dead: BaseException | None = None  # set when a step fails: the engine serves no more
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[str, tuple[Future, int]] = {}
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API (thread-safe) -------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[int], params) -> Future:
+        fut: Future = Future()
+        if self.dead is not None:
+            fut.set_exception(RuntimeError(f"vLLM engine is dead: {self.dead!r}"))
+            return fut
+        self._inbox.put(("gen", (prompt_token_ids, params), fut))
+        return fut
+
+    def update_weights(self, named: list, version: int) -> Future:
+        def apply(llm):
+            llm.collective_rpc(_reload_weights, args=(named,))
+            llm.reset_prefix_cache()
+            self.version = version
+
+        return self.run(apply)
+
+    def run(self, fn) -> Future:
+        """Run `fn(llm)` on the engine thread, between steps."""
+        fut: Future = Future()
+        self._inbox.put(("run", fn, fut))
+        return fut
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _accept(self, kind, payload, fut: Future) -> None:
+        if kind == "run":
+            try:
+                fut.set_result(payload(self.llm))
+            except BaseException as exc:  # hand any failure to the caller
+                fut.set_exception(exc)
+            return
+        prompt, params = payload
+        rid = uuid.uuid4().hex
+        try:
+            self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            return
+        self._pending[rid] = (fut, self.version)
+
+    def _loop(self) -> None:
+        engine = self.llm.llm_engine
+        while True:
+            idle = not self._pending
+            try:
+                item = self._inbox.get(block=idle)
+                self._accept(*item)
+                while True:
+                    self._accept(*self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not self._pending:
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except BaseException as exc:  # the engine is unusable: fail everything, loudly
+                self.dead = exc
+                for fut, _ in self._pending.values():
+                    fut.set_exception(RuntimeError(f"vLLM engine step failed: {exc!r}"))
+                self._pending.clear()
+                raise
+            self.busy_s += time.perf_counter() - t0
+            for out in outputs:
+                if not out.finished:
+                    continue
+                fut, version = self._pending.pop(out.request_id)
+                comp = out.outputs[0]
+                logprobs = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], comp.token_ids)]
+                fut.set_result(
+                    GenResult(
+                        prompt_token_ids=list(out.prompt_token_ids),
+                        token_ids=list(comp.token_ids),
+                        logprobs=logprobs,
+                        text=comp.text,
+                        finish_reason=comp.finish_reason or "stop",
+                        version_start=version,
+                        version_end=self.version,
+                    )
+                )

@@ -1,0 +1,64 @@
+"""Serve an aiohttp app from a dedicated thread and event loop.
+
+Servers start in their actor's constructor, so a restarted actor (Ray re-runs `__init__`, never a
+later method) serves again at the same address without anyone asking.
+
+Invariant: `url` is answered once the constructor returns; `stop` closes the listener and
+everything `setup` opened, on the server's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+
+class HttpThread:
+    def __init__(self, setup: Callable[[], Awaitable[web.Application]], host: str, port: int, name: str):
+        self.host, self.port = host, port
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._setup = setup
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            app = self.loop.run_until_complete(self._setup())
+            self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as exc:  # report start-up failures to the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop from another thread; return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, *closers: Callable[[], Awaitable]) -> None:
+        async def shutdown():
+            for close in closers:
+                await close()
+            await self.runner.cleanup()
+
+        self.run(shutdown(), timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
