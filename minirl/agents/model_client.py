@@ -1,0 +1,83 @@
+"""The agent's side of the model server: chat completions with token evidence, and `/tokenize`.
+
+Like Gym's model proxy, it asks for `logprobs=true, top_logprobs=0` and token ids, and maps
+vLLM's HTTP 400 for an over-long prompt to an empty reply with `finish_reason="length"` (lane A).
+
+Invariant: an HTTP error *answered* by the model server becomes a failed call (a reply without
+token evidence: the agent ends the episode and the rollout is masked); a server that cannot be
+reached raises GenerationUnavailable, which fails the whole `/run` (INFRA, retried upstream).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import aiohttp
+
+from minirl.agents.agent import ModelReply
+from minirl.faults import ROLLOUT_HEADER
+from minirl.rollout.failures import GenerationUnavailable
+
+LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
+
+
+class HttpModelClient:
+    def __init__(self, urls: list[str], model: str, session: aiohttp.ClientSession):
+        self.urls, self.model, self.session = urls, model, session
+
+    def _url(self, key: str) -> str:
+        # sticky per rollout (prefix cache), spread across workers
+        rollout = key.rsplit(".", 1)[0]
+        return self.urls[zlib.crc32(rollout.encode()) % len(self.urls)]
+
+    async def _post(self, url: str, path: str, body: dict, key: str | None) -> tuple[int, dict]:
+        headers = {ROLLOUT_HEADER: key} if key and key.startswith("s") else {}
+        try:
+            async with self.session.post(url + path, json=body, headers=headers) as resp:
+                return resp.status, await resp.json(content_type=None)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
+            raise GenerationUnavailable(f"model server {url} unreachable: {exc!r}") from exc
+
+    async def chat(self, messages, tools, params, key, required_prefix) -> ModelReply:
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if tools:
+            body["tools"] = tools
+        for ours, theirs in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("max_output_tokens", "max_completion_tokens"),
+            ("seed", "seed"),
+        ):
+            if ours in params:
+                body[theirs] = params[ours]
+        if required_prefix:
+            body["required_prefix_token_ids"] = required_prefix
+        status, data = await self._post(self._url(key), "/v1/chat/completions", body, key)
+        if status != 200:
+            message = (data.get("error") or {}).get("message", str(data)) if isinstance(data, dict) else str(data)
+            if status == 400 and any(m in message for m in LANE_A_MARKERS):
+                return ModelReply({"content": ""}, "length", None, f"context_length: {message}")
+            return ModelReply({"content": ""}, "error", None, f"HTTP {status}: {message}")
+        choice = data["choices"][0]
+        evidence = {
+            "prompt_token_ids": data["prompt_token_ids"],
+            "generation_token_ids": choice["token_ids"],
+            "generation_log_probs": [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []],
+        }
+        return ModelReply(choice["message"], choice["finish_reason"], evidence)
+
+    async def count_tokens(self, messages, tools) -> int:
+        body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
+        if tools:
+            body["tools"] = tools
+        status, data = await self._post(self.urls[0], "/tokenize", body, None)
+        if status != 200:
+            raise GenerationUnavailable(f"/tokenize failed with HTTP {status}: {data}")
+        return data["count"]
