@@ -1,0 +1,157 @@
+"""Placement and start-up: Ray, then the generation workers, the agent pool, the policy workers
+and the controller, each a Ray actor with the resources `cluster.*` gives it.
+
+Generation and policy workers take the real CPUs (or GPUs); the controller, the agent servers and
+the weights store are light (`num_cpus=0`): on a 2-core machine four actors asking for a CPU each
+would leave some pending forever. A placement group reserves all the heavy actors' bundles at once
+(STRICT_PACK on one node, PACK across several) so a run never starts half-placed.
+
+Invariant: after `__enter__` every server answers on its URL and every generation worker serves
+the policy's current weights; `__exit__` always shuts Ray down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from minirl.agents.server import AgentServer
+from minirl.config import MinirlConfig
+from minirl.controller import Controller
+from minirl.generation.worker import GenerationWorker
+from minirl.trainer import checkpoint
+from minirl.trainer.policy_worker import PolicyWorker
+from minirl.trainer.weight_sync import WeightsStore, publish
+
+ACTOR_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TQDM_DISABLE": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_host(cfg: MinirlConfig) -> str:
+    """127.0.0.1 on one node; the node's own address when the cluster spans several."""
+    if cfg.cluster.host != "auto":
+        return cfg.cluster.host
+    return ray.util.get_node_ip_address() if len(ray.nodes()) > 1 else "127.0.0.1"
+
+
+class Cluster:
+    def __init__(self, cfg: MinirlConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+
+    def __enter__(self) -> "Cluster":
+        cfg, cl = self.cfg, self.cfg.cluster
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        env = {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}
+        ray.init(
+            address=cl.ray_address,
+            num_cpus=cl.num_cpus if cl.ray_address is None else None,
+            num_gpus=cl.num_gpus if cl.ray_address is None else None,
+            include_dashboard=False,
+            runtime_env={"env_vars": env},
+            logging_level="warning",
+            log_to_driver=True,
+        )
+        try:
+            self._start()
+        except BaseException:
+            ray.shutdown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ray.shutdown()
+
+    def _start(self) -> None:
+        cfg, cl = self.cfg, self.cfg.cluster
+        host = node_host(cfg)
+        light = {"num_cpus": 0}
+        gen_bundle = {"CPU": cl.cpus_per_generation_worker, "GPU": cl.gpus_per_generation_worker}
+        pol_bundle = {"CPU": cl.cpus_per_policy_worker, "GPU": cl.gpus_per_policy_worker}
+        bundles = [gen_bundle] * cl.num_generation_workers + [pol_bundle] * cl.num_policy_workers
+        bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.001} for b in bundles]
+        strategy = "STRICT_PACK" if len(ray.nodes()) == 1 else "PACK"
+        self.pg = placement_group(bundles, strategy=strategy)
+        ray.get(self.pg.ready(), timeout=120)
+
+        def on(bundle: int) -> dict:
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
+
+        self.store = ray.remote(WeightsStore).options(**light).remote()
+        self.gen = [
+            ray.remote(GenerationWorker)
+            .options(num_cpus=cl.cpus_per_generation_worker, num_gpus=cl.gpus_per_generation_worker,
+                     max_restarts=-1, **on(i))
+            .remote(cfg, i, host, free_port(host), self.store)
+            for i in range(cl.num_generation_workers)
+        ]
+        world = cl.num_policy_workers
+        master = f"{host}:{free_port(host)}"
+        first = cl.num_generation_workers
+        self.policy = [
+            ray.remote(PolicyWorker)
+            .options(num_cpus=cl.cpus_per_policy_worker, num_gpus=cl.gpus_per_policy_worker, **on(first + r))
+            .remote(cfg, r, world, master)
+            for r in range(world)
+        ]
+        model_urls = ray.get([g.start.remote() for g in self.gen])
+        if cfg.agent.external_url:
+            agent_urls = [cfg.agent.external_url.rstrip("/")]
+            self.agents = []
+        else:
+            self.agents = [
+                ray.remote(AgentServer).options(**light, max_restarts=-1)
+                .remote(cfg, model_urls, host, free_port(host))
+                for _ in range(cl.num_agent_servers)
+            ]
+            agent_urls = ray.get([a.start.remote() for a in self.agents])
+        model_cfg = json.loads((Path(cfg.policy.model_name) / "config.json").read_text())
+        pad_id = model_cfg.get("pad_token_id") or 0
+        self.controller = (
+            ray.remote(Controller).options(**light, max_concurrency=4)
+            .remote(cfg, str(self.run_dir), agent_urls, self.gen, model_cfg["vocab_size"], pad_id)
+        )
+        self.urls = {"model": model_urls, "agents": agent_urls}
+
+    # -- used by the training loop ---------------------------------------------------------------
+    def sync_weights(self, version: int) -> None:
+        publish(self.policy[0], self.gen, self.store, version)
+
+    def save_checkpoint(self, step: int) -> None:
+        state = {"step": step, "next_step": step + 1, "rollout_manager": ray.get(self.controller.state.remote())}
+        checkpoint.save(
+            self.run_dir, step, state,
+            lambda d: ray.get([w.save.remote(d) for w in self.policy]),
+            self.cfg.policy.model_name, self.cfg.checkpoint.keep_last_k,
+        )
+
+    def resume(self) -> int:
+        """Load the checkpoint `checkpoint.resume` names; returns the first step to run."""
+        which = self.cfg.checkpoint.resume
+        if which == "none":
+            return 0
+        path = checkpoint.latest(self.run_dir) if which == "auto" else Path(which)
+        if path is None:
+            return 0
+        state = checkpoint.read_state(path)
+        ray.get([w.load.remote(str(path)) for w in self.policy])
+        ray.get(self.controller.load_state.remote(state["rollout_manager"]))
+        self.sync_weights(version=state["next_step"])
+        return state["next_step"]

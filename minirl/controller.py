@@ -1,0 +1,166 @@
+"""The single controller (a Ray actor): the only place where optimizer steps are assembled.
+
+`collect(step, version)` dispatches the step's prompt groups through the rollout manager, drains
+the generation servers' call logs into the ledger, and assembles the training batch:
+- floor: a step that lost more groups than `min_step_batch_fraction` allows raises upstream's
+  RuntimeError ("training step … lost … below the floor …");
+- context compaction: every kept group must hold all its rollouts (masked ones with mask 0); with
+  `allow_step_shrink=false` (upstream) the step must hold the full logical sample count;
+- advantages per group (masked rollouts count toward the baseline), shared by all the physical
+  traces of a rollout.
+
+Invariant: a batch holds every rollout of every kept group and nothing else, each from the one
+attempt that succeeded, all generated under the step's policy version.
+"""
+
+from __future__ import annotations
+
+import time
+import numpy as np
+
+from minirl.algo.grpo import group_advantages
+from minirl.config import MinirlConfig, step_floor
+from minirl.data import prompt_row
+from minirl.rollout.evidence import Ledger, Rollout
+from minirl.rollout.manager import GroupOutcome, RolloutManager
+
+
+def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> None:
+    """Upstream's step checks, in upstream's order: the floor, then the CC sample count."""
+    n = cfg.grpo.num_prompts_per_step
+    g = cfg.grpo.num_generations_per_prompt
+    kept = [o for o in outcomes if o.status == "committed"]
+    lost = n - len(kept)
+    floor = step_floor(cfg)
+    if len(kept) < floor:
+        fraction = cfg.async_rl.rollout_failure.min_step_batch_fraction
+        raise RuntimeError(
+            f"training step {step} lost {lost} of {n} prompt group(s), leaving {len(kept)}, below the floor of "
+            f"{floor} set by async_rl.rollout_failure.min_step_batch_fraction={fraction}. Either the generation "
+            "fleet is failing a whole step's worth of prompts, or the drop budgets are set too high to catch it: "
+            "they are run-scoped and cannot bound how short a single step gets."
+        )
+    cc = cfg.context_compaction
+    if not cc.enabled:
+        return
+    logical = sum(len(o.rollouts) for o in kept)
+    if not cc.allow_step_shrink:
+        if len(kept) != n or logical != cfg.policy.train_global_batch_size:
+            raise ValueError("CC optimizer step requires the full logical sample count")
+    elif any(sorted(o.rollouts) != list(range(g)) for o in kept):
+        raise ValueError("CC optimizer step requires every rollout of every kept group")
+
+
+def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tuple[dict, dict]:
+    """Kept groups -> padded training arrays + the step's rollout statistics."""
+    kept = [o for o in outcomes if o.status == "committed"]
+    rows: list[tuple[Rollout, object, float]] = []
+    rewards = []
+    for o in kept:
+        rollouts = [o.rollouts[r] for r in sorted(o.rollouts)]
+        adv = group_advantages(
+            [r.reward for r in rollouts], cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards
+        )
+        rewards += [r.reward for r in rollouts]
+        for rollout, a in zip(rollouts, adv):
+            rows += [(rollout, trace, float(a)) for trace in rollout.traces]
+    width = max((len(t.tokens) for _, t, _ in rows), default=1)
+    T = len(rows)
+    batch = {
+        "input_ids": np.full((T, width), pad_id, dtype=np.int64),
+        "loss_mask": np.zeros((T, width), dtype=np.float32),
+        "gen_logprobs": np.zeros((T, width), dtype=np.float32),
+        "lengths": np.zeros(T, dtype=np.int64),
+        "advantages": np.zeros(T, dtype=np.float32),
+        "sample_mask": np.zeros(T, dtype=np.float32),
+        "group": np.zeros(T, dtype=np.int64),
+        "rollout": np.zeros(T, dtype=np.int64),
+    }
+    for i, (rollout, trace, adv) in enumerate(rows):
+        n = len(trace.tokens)
+        batch["input_ids"][i, :n] = trace.tokens
+        batch["loss_mask"][i, :n] = trace.loss_mask
+        batch["gen_logprobs"][i, :n] = trace.logprobs
+        batch["lengths"][i] = n
+        batch["advantages"][i] = adv
+        batch["sample_mask"][i] = rollout.sample_mask
+        batch["group"][i] = rollout.coords.group
+        batch["rollout"][i] = rollout.coords.rollout
+    valid = batch["loss_mask"] * batch["sample_mask"][:, None]
+    batch["global_valid_tokens"] = float(valid.sum())
+    batch["global_valid_samples"] = float((valid.sum(-1) > 0).sum())
+
+    all_rollouts = [r for o in kept for r in o.rollouts.values()]
+    trained = [r for r in all_rollouts if r.sample_mask]
+    stats = {
+        "groups_target": len(kept),
+        "groups_trained": len(kept),
+        "dropped_prompt_groups": sum(o.status == "dropped" for o in outcomes),
+        "skipped_prompt_groups": sum(o.status == "skipped" for o in outcomes),
+        "redispatched_groups": sum(o.redispatched for o in outcomes),
+        "redispatched_rows": sum(o.row_retries for o in outcomes),
+        "group_attempts": sum(o.group_attempts for o in outcomes),
+        "backoff_s": sum(o.backoff_s for o in outcomes),
+        "rollouts_trained": len(trained),
+        "rollouts_masked": len(all_rollouts) - len(trained),
+        "traces_trained": sum(len(r.traces) for r in trained),
+        "tokens_trained": int(batch["global_valid_tokens"]),
+        "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
+        "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+        "episode_calls_mean": float(np.mean([len(r.calls) for r in all_rollouts])) if all_rollouts else 0.0,
+    }
+    return batch, stats
+
+
+class Controller:
+    def __init__(self, cfg: MinirlConfig, run_dir: str, agent_urls: list[str], gen_workers: list, vocab_size: int, pad_id: int):
+        from pathlib import Path
+
+        from minirl.metrics import EventLog
+
+        self.cfg, self.gen_workers, self.pad_id = cfg, gen_workers, pad_id
+        self.events = EventLog(Path(run_dir) / "events.jsonl")
+        self.ledger = Ledger(Path(run_dir) / "ledger")
+        self.manager = RolloutManager(cfg, agent_urls, self.events.write, vocab_size)
+
+    def state(self) -> dict:
+        return self.manager.state()
+
+    def load_state(self, state: dict) -> None:
+        self.manager.load_state(state)
+
+    async def collect(self, step: int, version: int) -> tuple[dict, dict]:
+        """Rollouts for `step` under the failure policy, then the assembled batch and its stats."""
+        t0 = time.perf_counter()
+        rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
+        try:
+            outcomes = await self.manager.run_step(step, rows)
+        except BaseException as exc:
+            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"})
+            raise
+        gen_s = time.perf_counter() - t0
+        server_calls = [c for calls in [await w.take_calls.remote(step) for w in self.gen_workers] for c in calls]
+        kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
+        try:
+            check_step(self.cfg, step, outcomes)
+        except (RuntimeError, ValueError) as exc:
+            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"})
+            raise
+        ledger = self.ledger.close_step(step, server_calls, kept, version)
+        batch, stats = assemble(self.cfg, outcomes, self.pad_id)
+        for r in kept:
+            if r.mask_reason:
+                self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
+                                   "errors": r.evidence.get("errors", [])})
+        generated = sum(len(c.get("generation_token_ids") or []) for c in server_calls)
+        stats.update(
+            rollouts_generated=sum(o.row_sends for o in outcomes),
+            guard_rejections=self.manager.guard_rejections
+            + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
+            calls_retired=ledger.get("calls_retired", 0),
+            gen_time_s=gen_s,
+            gen_tokens=generated,
+            gen_tokens_per_s=generated / gen_s if gen_s > 0 else 0.0,
+            policy_version=version,
+        )
+        return batch, stats

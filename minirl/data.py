@@ -1,0 +1,39 @@
+"""The prompt stream: the `/run` row of prompt group (step, group), as a pure function.
+
+Invariant: the prompt of (step, group) depends on `env.*` and nothing else (not on earlier drops,
+retries or a resume), so a resumed run sees exactly the prompts it would have seen, and every
+failure policy is compared on the same prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from minirl.agents.env import TOOLS, DoorsEnv
+from minirl.config import MinirlConfig
+
+
+def _seed(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=4).digest(), "big")
+
+
+def prompt_row(cfg: MinirlConfig, step: int, group: int) -> dict:
+    """The row shared by all rollouts of one prompt group (no rollout coordinates yet)."""
+    env = DoorsEnv(seed=_seed(cfg.env.data_seed, step, group), num_rooms=cfg.env.num_rooms)
+    gen = cfg.policy.generation
+    return {
+        "responses_create_params": {
+            "input": env.initial_input(),
+            "tools": TOOLS,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
+            "max_output_tokens": gen.max_new_tokens,
+        },
+        "agent_ref": {"name": cfg.agent.name},
+        "task": {"env": cfg.env.name, "seed": env.seed, "num_rooms": env.num_rooms},
+    }
+
+
+def sampling_seed(cfg: MinirlConfig, step: int, group: int, rollout: int, attempt: int) -> int:
+    """Per-attempt sampling seed: reproducible runs, fresh samples on every retry."""
+    return _seed(cfg.grpo.seed, step, group, rollout, attempt) % (2**31)

@@ -1,0 +1,190 @@
+"""Per-call evidence -> physical traces -> a validated rollout; and the ledger of every attempt.
+
+A `/run` result carries, per model call, `prompt_token_ids`, `generation_token_ids` and
+`generation_log_probs` on one output item. A call whose prompt starts with the previous call's
+prompt + generation extends that trace (append-compatible); any other call (the agent rewrote its
+history) starts a new physical trace. Each trace is one training sequence whose loss mask covers
+only generated tokens; every trace of a rollout carries that rollout's advantage and identity.
+
+Invariant: `parse_rollout` either returns a rollout whose traces hold exactly the result's
+generated tokens, in order, each once, or raises RolloutDataFailure naming what is wrong; and the
+Ledger lets only a committed attempt's calls reach the optimizer, retiring the rest as a unit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minirl.faults import Coords
+from minirl.rollout.failures import RolloutDataFailure
+
+
+@dataclass
+class Call:
+    prompt: list[int]
+    gen: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Trace:
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]  # the generator's logprob per token (0 where loss_mask is 0)
+    calls: int = 1
+
+
+@dataclass
+class Rollout:
+    """One committed rollout attempt: what the trainer needs, plus what the metrics report."""
+
+    coords: Coords
+    reward: float
+    calls: list[Call]
+    traces: list[Trace]
+    capture_failed: bool
+    truncated: bool
+    evidence: dict = field(default_factory=dict)
+    mask_reason: str | None = None
+
+    @property
+    def sample_mask(self) -> int:
+        return 0 if self.mask_reason else 1
+
+
+def split_traces(calls: list[Call]) -> list[Trace]:
+    traces: list[Trace] = []
+    for c in calls:
+        last = traces[-1] if traces else None
+        if last is not None and c.prompt[: len(last.tokens)] == last.tokens:
+            gap = len(c.prompt) - len(last.tokens)  # tool output and template between the calls
+            last.tokens = c.prompt + c.gen
+            last.loss_mask += [0] * gap + [1] * len(c.gen)
+            last.logprobs += [0.0] * gap + list(c.logprobs)
+            last.calls += 1
+        else:
+            traces.append(Trace(c.prompt + c.gen, [0] * len(c.prompt) + [1] * len(c.gen), [0.0] * len(c.prompt) + list(c.logprobs)))
+    return traces
+
+
+def _int_list(value, what: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise RolloutDataFailure(f"malformed /run result: {what} must be a list of integers")
+    bad = next((t for t in value if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RolloutDataFailure(f"token id {bad} in {what} is out of vocabulary (size {vocab_size})")
+    return value
+
+
+def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, overlong_filtering: bool) -> Rollout:
+    """Validate a `/run` result and turn it into a Rollout. Raises RolloutDataFailure."""
+    if not isinstance(result, dict):
+        raise RolloutDataFailure("malformed /run result: not a JSON object")
+    response, reward = result.get("response"), result.get("reward")
+    if not isinstance(response, dict) or not isinstance(response.get("output"), list):
+        raise RolloutDataFailure("malformed /run result: missing response.output")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise RolloutDataFailure(f"malformed /run result: reward must be a finite number, got {reward!r}")
+    evidence = result.get("evidence") if isinstance(result.get("evidence"), dict) else {}
+
+    calls: list[Call] = []
+    capture_failed = bool(evidence.get("capture_failed"))
+    for item in response["output"]:
+        if not isinstance(item, dict):
+            raise RolloutDataFailure("malformed /run result: an output item is not an object")
+        if "generation_token_ids" not in item:
+            if item.get("type") == "message" and item.get("role") == "assistant" and not _text(item):
+                capture_failed = True  # an empty model reply without tokens: the call failed (lane A)
+            continue
+        gen = _int_list(item["generation_token_ids"], "generation_token_ids", vocab_size)
+        prompt = _int_list(item.get("prompt_token_ids"), "prompt_token_ids", vocab_size)
+        lps = item.get("generation_log_probs")
+        if not isinstance(lps, list) or len(lps) != len(gen) or not all(isinstance(x, (int, float)) for x in lps):
+            raise RolloutDataFailure("malformed /run result: generation_log_probs must be one number per generated token")
+        if any(math.isnan(x) for x in lps):
+            raise RolloutDataFailure("Generation logprobs contain NaN")
+        if gen:
+            calls.append(Call(prompt, gen, [float(x) for x in lps]))
+    # a reply cut off by the length cap (Gym reports it as max_output_tokens)
+    truncated = (response.get("incomplete_details") or {}).get("reason") in ("length", "max_output_tokens")
+    if not calls and not capture_failed:
+        raise RolloutDataFailure("empty episode: the /run result has no trainable model call")
+    traces = split_traces(calls)
+    for t in traces:
+        if len(t.tokens) > max_len:
+            raise RolloutDataFailure(
+                f"trace of {len(t.tokens)} tokens exceeds policy.max_total_sequence_length={max_len}"
+            )
+    mask_reason = "capture_failed" if capture_failed else ("overlong" if truncated and overlong_filtering else None)
+    return Rollout(coords, float(reward), calls, traces, capture_failed, truncated, evidence, mask_reason)
+
+
+def _text(item: dict) -> str:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
+
+
+class Ledger:
+    """Every model call of every attempt, keyed by (step, group, rollout, attempt), owned by the
+    controller and written to `run_dir/ledger/step_N.jsonl`.
+
+    Sources: the generation servers' call logs (what the engine produced for each attempt, even
+    when the attempt then failed) and the committed `/run` results (which calls the agent kept).
+    """
+
+    def __init__(self, directory: Path | None):
+        self.dir = directory
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _attempt_key(record: dict) -> tuple:
+        return (record["step"], record["group"], record["rollout"], record["attempt"])
+
+    def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int) -> Counter:
+        """Check the committed rollouts against the server's record, retire the rest, persist.
+
+        Raises RuntimeError if a trained call is missing from (or differs from) the record of its
+        own attempt, or was generated under another policy version than the step's.
+        """
+        by_attempt: dict[tuple, list[dict]] = {}
+        for rec in server_calls:
+            by_attempt.setdefault(self._attempt_key(rec), []).append(rec)
+        committed = {(r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt): r for r in rollouts}
+        counts: Counter = Counter()
+        lines = []
+        for key, recs in sorted(by_attempt.items()):
+            rollout = committed.get(key)
+            if rollout is None:
+                status = "retired"
+            else:
+                status = "masked" if rollout.sample_mask == 0 else "trained"
+                recorded = [(r.get("prompt_token_ids"), r.get("generation_token_ids")) for r in recs if r.get("status") == 200]
+                for call in rollout.calls:
+                    if (call.prompt, call.gen) not in recorded:
+                        raise RuntimeError(
+                            f"ledger mismatch: a trained call of attempt {Coords(*key).key} is not in the generation "
+                            "server's record of that attempt"
+                        )
+            for rec in recs:
+                versions = {rec.get("version_start"), rec.get("version_end")} - {None}
+                if status in ("trained", "masked") and versions and versions != {version}:
+                    raise RuntimeError(
+                        f"policy-version discipline: call {rec['key']} ran under weights {sorted(versions)}, "
+                        f"but step {step} trains version {version}"
+                    )
+                counts[f"calls_{status}"] += 1
+                lines.append({**{k: rec.get(k) for k in ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",
+                                                          "version_start", "version_end", "generation_token_ids")},
+                              "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")})
+        if self.dir is not None:
+            with open(self.dir / f"step_{step}.jsonl", "w") as f:
+                for line in lines:
+                    f.write(json.dumps(line) + "\n")
+        return counts

@@ -1,0 +1,293 @@
+"""The rollout manager: runs a step's prompt groups through `POST /run` under the failure policy.
+
+Per group (NeMo-RL's `generate_and_push`, plus minirl's fixes):
+- every group attempt reserves a fresh group id and releases it, whatever happens;
+- an INFRA failure is retried after min(backoff_base_s * 2**(k-1), max_backoff_s), up to
+  `max_infra_attempts_per_prompt` attempts; then the group is dropped, and more than
+  `max_consecutive_dropped_prompts` drops with no commit in between raise RolloutRedispatchExhausted;
+- a DATA failure is retried without backoff up to `max_data_attempts_per_prompt`, then skipped
+  within `max_skipped_prompts`, or re-raised;
+- within a group attempt, a row that failed with INFRA is re-sent alone, up to
+  `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch);
+- under context compaction with `redispatch_dropped_groups=false` (upstream), nothing is re-sent:
+  the first failure drops the group (INFRA) or goes straight to skip-or-raise (DATA);
+- a group whose rollouts are all masked has no valid owner and is dropped;
+- cancellation is never retried; it propagates after the reservations are released.
+
+Invariant: a group's outcome holds only rollouts whose own `/run` succeeded and validated; every
+failure, retry, drop, skip and raise is written to the event log with its coordinates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import aiohttp
+
+from minirl.config import FAULT_KINDS, MinirlConfig
+from minirl.data import sampling_seed
+from minirl.faults import Coords, FaultPlan
+from minirl.rollout.evidence import Rollout, parse_rollout
+from minirl.rollout.failures import (
+    INFRA,
+    GymTransportError,
+    RolloutDataFailure,
+    RolloutRedispatchExhausted,
+    RolloutStall,
+    RolloutTimeout,
+    classify,
+    http_class,
+)
+
+Emit = Callable[[dict], None]
+
+
+@dataclass
+class GroupOutcome:
+    group: int
+    status: str  # committed | dropped | skipped
+    rollouts: dict[int, Rollout] = field(default_factory=dict)
+    reason: str | None = None
+    group_attempts: int = 0
+    row_sends: int = 0
+    row_retries: int = 0
+    backoff_s: float = 0.0
+
+    @property
+    def redispatched(self) -> bool:
+        return self.group_attempts > 1 or self.row_retries > 0
+
+
+async def post_run(session: aiohttp.ClientSession, url: str, row: dict, timeout_s: float | None) -> dict:
+    """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording)."""
+    what = f"NeMo-Gym /run for {Coords(**{k: row['_minirl'][k] for k in ('step', 'group', 'rollout', 'attempt')}).key}"
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(url + "/run", json=row) as resp:
+                status, body = resp.status, await resp.read()
+    except TimeoutError as exc:
+        raise RolloutTimeout(f"{what} exceeded {timeout_s}s") from exc
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        raise GymTransportError(f"{what} failed in transport: {exc!r}") from exc
+    if status != 200:
+        error = body[:400].decode(errors="replace")
+        message = f"NeMo-Gym /run failed with HTTP {status}: {error}"
+        raise GymTransportError(message) if http_class(status) == INFRA else RolloutDataFailure(message)
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise RolloutDataFailure(f"malformed /run result: {what} returned invalid JSON ({exc})") from exc
+
+
+class RolloutManager:
+    def __init__(
+        self,
+        cfg: MinirlConfig,
+        agent_urls: list[str],
+        emit: Emit,
+        vocab_size: int,
+        sleep: Callable[[float], Awaitable] = asyncio.sleep,
+        post: Callable[..., Awaitable[dict]] = post_run,
+    ):
+        self.cfg, self.agent_urls, self.emit, self.vocab_size = cfg, agent_urls, emit, vocab_size
+        self.sleep, self.post = sleep, post
+        self.rf = cfg.async_rl.rollout_failure
+        cc = cfg.context_compaction
+        self.can_redispatch = not cc.enabled or cc.redispatch_dropped_groups
+        self.plan = FaultPlan(cfg.faults)
+        self.consecutive_drops = 0  # run-scoped, as upstream: reset by every committed group
+        self.skipped = 0  # run-scoped skip budget use
+        self.reservations: dict[str, tuple[int, int]] = {}
+        self.in_flight: dict[str, float] = {}
+        self.last_progress = time.monotonic()
+        self.guard_rejections = 0  # this step's guard rejections that failed an attempt (on_reject=raise)
+        self.session: aiohttp.ClientSession | None = None
+
+    def backoff(self, k: int) -> float:
+        """Delay before INFRA retry k (k = INFRA attempts failed so far, from 1)."""
+        return min(self.rf.backoff_base_s * 2 ** (k - 1), self.rf.max_backoff_s)
+
+    def state(self) -> dict:
+        return {"consecutive_drops": self.consecutive_drops, "skipped": self.skipped}
+
+    def load_state(self, state: dict) -> None:
+        self.consecutive_drops, self.skipped = state["consecutive_drops"], state["skipped"]
+
+    # -- a step ----------------------------------------------------------------------------------
+    async def run_step(self, step: int, rows: list[dict]) -> list[GroupOutcome]:
+        """All groups concurrently; the first run-ending error cancels the rest and propagates."""
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.last_progress = time.monotonic()
+        self.guard_rejections = 0
+        tasks = [asyncio.create_task(self.run_group(step, g, row)) for g, row in enumerate(rows)]
+        watchdog = asyncio.create_task(self._watchdog(step))
+        try:
+            done_or_stall = asyncio.gather(*tasks)
+            finished, _ = await asyncio.wait([done_or_stall, watchdog], return_when=asyncio.FIRST_COMPLETED)
+            if watchdog in finished:
+                watchdog.result()  # raises RolloutStall
+            return done_or_stall.result()
+        finally:
+            watchdog.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, watchdog, return_exceptions=True)
+
+    async def _watchdog(self, step: int) -> None:
+        wd = self.cfg.async_rl.stall_watchdog
+        if wd.stall_timeout_s is None:
+            await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(min(1.0, wd.stall_timeout_s / 4))
+            idle = time.monotonic() - self.last_progress
+            if self.in_flight and idle > wd.stall_timeout_s:
+                oldest = sorted(self.in_flight.items(), key=lambda kv: kv[1])[:8]
+                what = ", ".join(f"{k} ({time.monotonic() - t0:.0f}s)" for k, t0 in oldest)
+                message = (
+                    f"no rollout completed for {idle:.1f}s (async_rl.stall_watchdog.stall_timeout_s="
+                    f"{wd.stall_timeout_s}); {len(self.in_flight)} in flight: {what}"
+                )
+                self.emit({"type": "stall", "step": step, "in_flight": len(self.in_flight), "decision": wd.action, "message": message})
+                if wd.action == "raise":
+                    raise RolloutStall(message)
+                print(f"warning: {message}", flush=True)
+                self.last_progress = time.monotonic()
+
+    # -- a group ---------------------------------------------------------------------------------
+    async def run_group(self, step: int, group: int, row: dict) -> GroupOutcome:
+        G = self.cfg.grpo.num_generations_per_prompt
+        out = GroupOutcome(group, "committed")
+        row_attempt = [0] * G
+        infra = data = 0
+        while True:
+            gid = f"grp-{uuid.uuid4().hex[:12]}"
+            self.reservations[gid] = (step, group)
+            out.group_attempts += 1
+            try:
+                failures = await self._attempt(step, group, gid, row, out, row_attempt)
+            finally:
+                del self.reservations[gid]
+            if not failures:
+                break
+            coords, exc = failures[0]
+            kind = classify(exc)
+            if kind == INFRA:
+                infra += 1
+                if self.can_redispatch and infra < self.rf.max_infra_attempts_per_prompt:
+                    delay = self.backoff(infra)
+                    self._failed(failures, kind, "retried", backoff_s=delay, group_attempt=gid)
+                    out.backoff_s += delay
+                    await self.sleep(delay)
+                    continue
+                self._failed(failures, kind, "dropped", group_attempt=gid)
+                return self._drop(step, group, out, infra, exc)
+            data += 1
+            if self.can_redispatch and data < self.rf.max_data_attempts_per_prompt:
+                self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=gid)
+                continue
+            if self.skipped < self.rf.max_skipped_prompts:
+                self.skipped += 1
+                self._failed(failures, kind, "skipped", group_attempt=gid)
+                out.status, out.reason, out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
+                return out
+            self._failed(failures, kind, "raised", group_attempt=gid)
+            raise exc
+
+        if all(r.sample_mask == 0 for r in out.rollouts.values()):
+            # upstream: a group with no valid owner is dropped the same way
+            return self._drop(step, group, out, infra, RolloutDataFailure("every rollout of the group is masked (no valid owner)"))
+        self.consecutive_drops = 0
+        return out
+
+    def _drop(self, step: int, group: int, out: GroupOutcome, attempts: int, exc: BaseException) -> GroupOutcome:
+        self.consecutive_drops += 1
+        budget = self.rf.max_consecutive_dropped_prompts
+        over = self.consecutive_drops > budget
+        self.emit({"type": "drop", "step": step, "group": group, "reason": f"{type(exc).__name__}: {exc}",
+                   "consecutive_drops": self.consecutive_drops, "decision": "raised" if over else "dropped"})
+        if over:
+            raise RolloutRedispatchExhausted(
+                f"prompt idx={group} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
+                f"(max_infra_attempts_per_prompt={self.rf.max_infra_attempts_per_prompt}), and this was drop "
+                f"{self.consecutive_drops} with no rollout committed in between, exceeding "
+                f"max_consecutive_dropped_prompts={budget}; the generation fleet is not recovering. "
+                f"Last failure was {type(exc).__name__}: {exc}"
+            )
+        out.status, out.reason, out.rollouts = "dropped", f"{type(exc).__name__}: {exc}", {}
+        return out
+
+    def _failed(self, failures, kind: str, decision: str, **extra) -> None:
+        for coords, exc in failures:
+            self.guard_rejections += "ContextGuardRejected" in str(exc)
+            self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
+                       "error": str(exc)[:300], "decision": decision, **extra})
+
+    async def _attempt(self, step, group, gid, row, out: GroupOutcome, row_attempt) -> list[tuple[Coords, BaseException]]:
+        """Send every row the group still lacks; return the rows' final failures (empty: success)."""
+        pending = [r for r in range(self.cfg.grpo.num_generations_per_prompt) if r not in out.rollouts]
+        results = await asyncio.gather(*(self._row(step, group, r, gid, row, out, row_attempt) for r in pending), return_exceptions=True)
+        failures = []
+        for r, res in zip(pending, results):
+            if isinstance(res, asyncio.CancelledError):
+                raise res
+            if isinstance(res, tuple):
+                failures.append(res)
+            else:
+                out.rollouts[r] = res
+        return failures
+
+    async def _row(self, step, group, r, gid, row, out: GroupOutcome, row_attempt):
+        """One row, re-sent alone on INFRA failures (row redispatch). Returns a Rollout or (coords, exc)."""
+        sends = 0
+        max_sends = self.rf.nemo_gym.max_row_attempts if self.can_redispatch else 1
+        while True:
+            coords = Coords(step, group, r, row_attempt[r])
+            row_attempt[r] += 1
+            sends += 1
+            out.row_sends += 1
+            self._planned_faults(coords)
+            body = {**row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": gid}}
+            body["responses_create_params"] = {**row["responses_create_params"], "seed": sampling_seed(self.cfg, step, group, r, coords.attempt)}
+            url = self.agent_urls[(group * self.cfg.grpo.num_generations_per_prompt + r) % len(self.agent_urls)]
+            self.in_flight[coords.key] = time.monotonic()
+            try:
+                result = await self.post(self.session, url, body, self.rf.nemo_gym.rollout_timeout_s)
+                rollout = parse_rollout(
+                    result, coords, vocab_size=self.vocab_size,
+                    max_len=self.cfg.policy.max_total_sequence_length,
+                    overlong_filtering=self.cfg.grpo.overlong_filtering,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if classify(exc) == INFRA and sends < max_sends:
+                    out.row_retries += 1
+                    self.emit({"type": "failure", **coords.as_dict(), "class": INFRA, "reason": type(exc).__name__,
+                               "error": str(exc)[:300], "decision": "retried", "scope": "row", "group_attempt": gid})
+                    continue
+                return coords, exc
+            finally:
+                self.in_flight.pop(coords.key, None)
+                self.last_progress = time.monotonic()
+            self._agent_events(rollout)
+            return rollout
+
+    def _planned_faults(self, c: Coords) -> None:
+        for kind in FAULT_KINDS:
+            call = self.plan.call_of(kind, c)
+            if call is not None:
+                self.emit({"type": "fault", "kind": kind, **c.as_dict(), "call": call})
+
+    def _agent_events(self, r: Rollout) -> None:
+        ev, c = r.evidence, r.coords.as_dict()
+        if ev.get("compactions"):
+            self.emit({"type": "compaction", **c, "compactions": ev["compactions"],
+                       "images_dropped": ev.get("images_dropped", 0), "reasoning_dropped": ev.get("reasoning_dropped", 0)})
+        for g in ev.get("guard", []):
+            self.emit({"type": "guard", **c, **g})

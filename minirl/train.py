@@ -1,0 +1,111 @@
+"""Entry point: `python -m minirl.train [--config PATH] [dotted.key=value ...]`.
+
+With no arguments it trains the default: context-compaction GRPO of the tiny model on the `doors`
+task, on this machine's CPUs, with the review's three fixes on. Exit codes: 0 on success, 2 for a
+bad config key or value (one line naming the key), 1 for a run-ending failure, whose
+`ExceptionClass: message` is the last line on stderr.
+
+The loop, one optimizer step per iteration:
+  1. the controller collects the step's rollouts under the failure policy and assembles the batch;
+  2. the policy workers take one GRPO step on it;
+  3. the new weights go to every generation worker;
+  4. metrics are logged, and a checkpoint is written when due.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import time
+from pathlib import Path
+
+from minirl.config import REPO_ROOT, ConfigError, MinirlConfig, load_config, to_yaml
+
+
+def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
+    import ray
+
+    from minirl.metrics import MetricsLogger
+
+    start = cluster.resume()
+    _truncate_metrics(run_dir, start)
+    log = MetricsLogger(run_dir, cfg.logger.tensorboard, cfg.logger.progress, cfg.grpo.max_num_steps)
+    ckpt = cfg.checkpoint
+    for step in range(start, cfg.grpo.max_num_steps):
+        t0 = time.perf_counter()
+        batch, rollout_stats = cluster.controller.collect.options(num_returns=2).remote(step, version=step)
+        rollout_stats = ray.get(rollout_stats)
+        t1 = time.perf_counter()
+        train_stats = ray.get([w.train.remote(batch) for w in cluster.policy])[0]
+        t2 = time.perf_counter()
+        cluster.sync_weights(version=step + 1)
+        t3 = time.perf_counter()
+        log.log({"step": step, **rollout_stats, **train_stats,
+                 "rollout_time_s": t1 - t0, "train_time_s": t2 - t1, "sync_time_s": t3 - t2, "step_time_s": t3 - t0})
+        last = step == cfg.grpo.max_num_steps - 1
+        if ckpt.enabled and ((step + 1) % ckpt.save_period == 0 or last):
+            cluster.save_checkpoint(step)
+    log.close()
+
+
+def _truncate_metrics(run_dir: Path, start: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint: they will be run again."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    if start == 0 or not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def prepare_run_dir(cfg: MinirlConfig) -> Path:
+    if cfg.run_dir is None:
+        cfg.run_dir = str(REPO_ROOT / "runs" / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+    run_dir = Path(cfg.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The user's exception behind Ray's wrapper (RayTaskError carries it as `.cause`)."""
+    while getattr(exc, "cause", None) is not None and type(exc).__name__.startswith("RayTaskError"):
+        exc = exc.cause
+    return exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minirl.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML file merged over the defaults (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value, applied last")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"ConfigError: {exc}", file=sys.stderr)
+        return 2
+    run_dir = prepare_run_dir(cfg)
+    print(f"minirl: run directory {run_dir}", flush=True)
+    from minirl.cluster import Cluster
+
+    failure = None
+    try:
+        with Cluster(cfg, run_dir) as cluster:
+            train(cfg, cluster, run_dir)
+    except KeyboardInterrupt:
+        failure = KeyboardInterrupt("interrupted")
+    except Exception as exc:  # the run ends: report the root cause, last, after Ray is down
+        failure = _cause(exc)
+    if failure is not None:
+        sys.stdout.flush()
+        print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+        return 1
+    print(f"minirl: done, metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The policy worker (a Ray actor): recompute logprobs, GRPO loss, one AdamW step per RL step.
+
+With N workers, they form one torch.distributed group (gloo on CPU, NCCL on GPU) and run DDP:
+each rank takes every N-th trace, the loss is divided by the *global* valid-token count (summed
+across ranks with an all-reduce), and DDP's gradient average is undone by scaling the loss by N,
+so N workers compute the same update as one.
+
+Invariant: one `train` call makes exactly one optimizer step over every trace with a non-zero
+mask; the loss is token-normalised over what is trained, whatever the step's size; and the
+logprobs it trains against are its own (the generator's are only compared, as a metric).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from minirl.algo.grpo import clipped_pg_loss
+from minirl.config import MinirlConfig
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, T] logprob of each token given its prefix (position 0 gets 0)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return F.pad(lp, (1, 0))
+
+
+class PolicyWorker:
+    def __init__(self, cfg: MinirlConfig, rank: int = 0, world_size: int = 1, master: str | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        torch.set_num_threads(cfg.policy.train_threads)  # Ray pins OMP threads to num_cpus otherwise
+        torch.manual_seed(cfg.grpo.seed)
+        self.device = torch.device("cuda" if torch.cuda.is_available() and cfg.cluster.gpus_per_policy_worker > 0 else "cpu")
+        dtype = torch.bfloat16 if cfg.policy.precision == "bfloat16" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=dtype).to(self.device)
+        self.model.config.use_cache = False
+        self.reference = None
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=dtype).to(self.device).eval()
+        opt = cfg.policy.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.net = self.model
+        if world_size > 1:
+            import torch.distributed as dist
+
+            addr, port = master.split(":")
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.steps_done = 0
+
+    def _global(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def train(self, batch: dict) -> dict:
+        cfg = self.cfg
+        valid = batch["loss_mask"] * batch["sample_mask"][:, None]
+        rows = np.flatnonzero(valid.sum(-1) > 0)
+        mine = rows[self.rank :: self.world_size]
+        local_tokens = float(valid[mine].sum())
+        token_level = cfg.loss_fn.token_level_loss
+        normalizer = self._global(local_tokens if token_level else float(len(mine)))
+        per_rank = math.ceil(len(rows) / self.world_size)
+        micro = cfg.policy.train_micro_batch_size
+        n_micro = max(1, math.ceil(per_rank / micro))  # the same on every rank (DDP needs it)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        temperature = cfg.policy.generation.temperature
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "abs_err": 0.0, "mult_err": 0.0, "tokens": 0.0}
+        for k in range(n_micro):
+            idx = mine[k * micro : (k + 1) * micro]
+            last = k == n_micro - 1
+            ctx = self.net.no_sync() if (self.world_size > 1 and not last) else nullcontext()
+            with ctx:
+                if len(idx) == 0:  # keep DDP's collective count equal across ranks
+                    out = self.net(input_ids=torch.zeros((1, 2), dtype=torch.long, device=self.device)).logits
+                    (out.sum() * 0.0).backward()
+                    continue
+                width = int(batch["lengths"][idx].max())
+                ids = torch.as_tensor(batch["input_ids"][idx, :width], device=self.device)
+                attn = (torch.arange(width)[None, :] < torch.as_tensor(batch["lengths"][idx])[:, None]).long().to(self.device)
+                mask = torch.as_tensor(valid[idx, :width], device=self.device)
+                gen_lp = torch.as_tensor(batch["gen_logprobs"][idx, :width], device=self.device)
+                adv = torch.as_tensor(batch["advantages"][idx], device=self.device)
+                curr = token_logprobs(self.net, ids, attn, temperature)
+                prev = curr.detach()  # one optimizer step per batch: the pre-update policy is this one
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref = token_logprobs(self.reference, ids, attn, temperature)
+                loss, m = clipped_pg_loss(
+                    curr, prev, adv, mask, max(normalizer, 1.0),
+                    cfg.loss_fn.ratio_clip_min, cfg.loss_fn.ratio_clip_max,
+                    ref, cfg.loss_fn.reference_policy_kl_penalty, token_level,
+                )
+                (loss * self.world_size).backward()  # DDP averages gradients over ranks
+                with torch.no_grad():
+                    n = float(mask.sum())
+                    diff = (prev - gen_lp) * mask
+                    totals["loss"] += float(loss)
+                    totals["clip_fraction"] += m["clip_fraction"] * n
+                    totals["kl"] += m["kl"] * n
+                    totals["abs_err"] += float(diff.abs().sum())
+                    totals["mult_err"] += float((torch.exp(diff.abs()) * mask).sum())
+                    totals["tokens"] += n
+        clip = cfg.policy.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.steps_done += 1
+        tokens = self._global(totals["tokens"])
+        return {
+            "loss": self._global(totals["loss"]),
+            "grad_norm": float(grad_norm),
+            "clip_fraction": self._global(totals["clip_fraction"]) / max(tokens, 1),
+            "kl": self._global(totals["kl"]) / max(tokens, 1),
+            "logprob_abs_error": self._global(totals["abs_err"]) / max(tokens, 1),
+            "token_mult_prob_error": self._global(totals["mult_err"]) / max(tokens, 1),
+            "train_tokens": tokens,
+        }
+
+    def get_weights(self) -> list[tuple[str, np.ndarray]]:
+        """Hugging Face names -> float32 numpy arrays (cheap to send through Ray)."""
+        return [(k, v.detach().to("cpu", torch.float32).numpy()) for k, v in self.model.state_dict().items()]
+
+    def logprobs(self, batch: dict) -> np.ndarray:
+        """Re-score a batch's tokens (for tests and the engine-contract check)."""
+        self.model.eval()
+        with torch.no_grad():
+            width = int(batch["lengths"].max())
+            ids = torch.as_tensor(batch["input_ids"][:, :width], device=self.device)
+            attn = (torch.arange(width)[None, :] < torch.as_tensor(batch["lengths"])[:, None]).long().to(self.device)
+            return token_logprobs(self.model, ids, attn, self.cfg.policy.generation.temperature).float().cpu().numpy()
+
+    def save(self, directory: str) -> None:
+        path = Path(directory)
+        if self.rank == 0:
+            self.model.save_pretrained(path / "policy", safe_serialization=True)
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(), "steps_done": self.steps_done},
+                path / "trainer_state.pt",
+            )
+
+    def load(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        path = Path(directory)
+        state = load_file(str(path / "policy" / "model.safetensors"))
+        self.model.load_state_dict(state, strict=False)
+        if self.model.config.tie_word_embeddings:
+            self.model.tie_weights()
+        extra = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(extra["optimizer"])
+        torch.set_rng_state(extra["torch_rng"])
+        self.steps_done = extra["steps_done"]
