@@ -1,0 +1,89 @@
+"""Shared fixtures. Everything here is a real part: the committed tiny model loaded with
+`from_pretrained`, a real in-process vLLM engine, real aiohttp servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minirl.config import REPO_ROOT, MinirlConfig, load_config
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def base_cfg() -> MinirlConfig:
+    return load_config()
+
+
+@pytest.fixture(scope="session")
+def engine(base_cfg):
+    """One vLLM engine for the whole session (start-up is ~15 s on this machine)."""
+    from minirl.generation.engine import VllmEngine, configure_cpu_env
+
+    configure_cpu_env(1, 2)
+    return VllmEngine(base_cfg.policy.model_name, max_model_len=base_cfg.policy.generation.vllm_cfg.max_model_len, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(base_cfg):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_cfg.policy.model_name)
+
+
+class Stack:
+    """A model server and an agent server over the shared engine, with this test's config."""
+
+    def __init__(self, cfg, engine, tokenizer):
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        from minirl.agents.server import AgentServer
+        from minirl.faults import FaultPlan
+        from minirl.generation.server import ModelServer
+
+        self.model = ModelServer(self.engine, self.tokenizer, self.cfg.policy.model_name, FaultPlan(self.cfg.faults))
+        self.runner = web.AppRunner(self.model.app(), access_log=None, shutdown_timeout=2.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.model_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.agent = AgentServer(self.cfg, [self.model_url])
+        self.agent_url = self.agent.url
+        return self
+
+    async def __aexit__(self, *exc):
+        await asyncio.get_running_loop().run_in_executor(None, self.agent.stop)
+        await self.runner.cleanup()
+
+
+@pytest.fixture
+def stack(engine, tokenizer, base_cfg):
+    """`async with stack(cfg) as s:` -> s.model_url, s.agent_url, s.model (call log)."""
+
+    def make(cfg=None):
+        return Stack(cfg or copy.deepcopy(base_cfg), engine, tokenizer)
+
+    return make
+
+
+def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """`python -m minirl.train ARGS` in a subprocess, as a user would run it."""
+    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "minirl.train", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT, env=full_env)
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""

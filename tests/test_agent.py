@@ -1,0 +1,143 @@
+"""The compaction agent through real `/run` calls: the guard's three decisions, both lanes, and
+how a rejection's switch (`on_reject`) changes what the controller sees."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import aiohttp
+import pytest
+
+from minirl.agents.agent import Evidence, _guard
+from minirl.agents.env import TOOLS, DoorsEnv, image_part
+from minirl.agents.items import items_to_messages
+from minirl.agents.model_client import HttpModelClient
+from minirl.config import FaultSpec
+from minirl.data import prompt_row
+
+
+def row(cfg, group=0, rollout=0, attempt=0):
+    r = {**prompt_row(cfg, 0, group), "_rowidx": rollout, "_minirl": {"step": 0, "group": group, "rollout": rollout, "attempt": attempt}}
+    r["responses_create_params"]["seed"] = 7
+    return r
+
+
+async def post(url, body):
+    async with aiohttp.ClientSession() as http, http.post(url + "/run", json=body) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def with_faults(base_cfg, *specs, **changes):
+    cfg = copy.deepcopy(base_cfg)
+    cfg.faults.inject = [FaultSpec(**s) for s in specs]
+    for key, value in changes.items():
+        obj = cfg
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return cfg
+
+
+def test_guard_reject_with_raise_is_http_500_lane_b(stack, base_cfg):
+    cfg = with_faults(base_cfg, {"kind": "guard_reject", "step": 0, "group": 0, "rollout": 0},
+                      **{"agent.context_history.guards.on_reject": "raise"})
+
+    async def go():
+        async with stack(cfg) as s:
+            return await post(s.agent_url, row(cfg))
+
+    status, body = asyncio.run(go())
+    assert status == 500
+    assert "Context guard rejected model call at complete action boundary: step=0 guards=max_total_tokens" in body["error"]
+
+
+def test_guard_reject_with_end_episode_is_a_masked_200_fix_2(stack, base_cfg):
+    cfg = with_faults(base_cfg, {"kind": "guard_reject", "step": 0, "group": 0, "rollout": 0})
+
+    async def go():
+        async with stack(cfg) as s:
+            return await post(s.agent_url, row(cfg))
+
+    status, body = asyncio.run(go())
+    assert status == 200
+    ev = body["evidence"]
+    assert ev["capture_failed"] and ev["end_reason"] == "guard_reject" and ev["calls"] == 0
+    assert ev["guard"] == [{"call": 0, "limit": None, "reserved": 0, "injected": True, "decision": "reject"}]
+    assert body["response"]["status"] == "incomplete"
+
+
+def test_lane_a_overflow_is_an_empty_reply_and_a_200(stack, base_cfg):
+    cfg = with_faults(base_cfg, {"kind": "context_overflow", "step": 0, "group": 0, "rollout": 0})
+
+    async def go():
+        async with stack(cfg) as s:
+            return await post(s.agent_url, row(cfg)), s.model.take_calls(0)
+
+    (status, body), calls = asyncio.run(go())
+    assert status == 200
+    assert body["evidence"]["capture_failed"] and body["evidence"]["end_reason"] == "model_call_failed"
+    last = body["response"]["output"][-1]
+    assert last["type"] == "message" and "generation_token_ids" not in last
+    assert "maximum context length" in body["evidence"]["errors"][0]
+    assert calls[0]["status"] == 400  # the server recorded the refused call
+
+
+def test_model_error_masks_the_rollout(stack, base_cfg):
+    cfg = with_faults(base_cfg, {"kind": "model_error", "step": 0, "group": 0, "rollout": 0})
+
+    async def go():
+        async with stack(cfg) as s:
+            return await post(s.agent_url, row(cfg))
+
+    status, body = asyncio.run(go())
+    assert status == 200 and body["evidence"]["capture_failed"]
+    assert body["evidence"]["errors"][0].startswith("HTTP 500")
+
+
+def history_with_pictures(n: int) -> list[dict]:
+    env = DoorsEnv(3, 3)
+    items = env.initial_input()
+    for k in range(n):
+        items += [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": f"lamp {k}"}]},
+            {"type": "function_call", "call_id": f"c{k}", "name": "open_door", "arguments": f'{{"code": {k}}}'},
+            {"type": "function_call_output", "call_id": f"c{k}",
+             "output": [{"type": "input_text", "text": "Wrong code."}, image_part(env.rooms[0].picture())]},
+        ]
+    return items
+
+
+@pytest.mark.parametrize("schedule", ["turn_chunked_recency", "rolling_recency"])
+def test_guard_admit_admit_after_compaction_and_reject(stack, base_cfg, schedule):
+    cfg = copy.deepcopy(base_cfg)
+    ch = cfg.agent.context_history
+    ch.schedule.type, ch.schedule.actions_per_chunk = schedule, (8 if schedule == "turn_chunked_recency" else 1)
+    tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+
+    async def decide(limit):
+        from minirl.agents.compaction import compact
+
+        async with stack(cfg) as s, aiohttp.ClientSession() as session:
+            client = HttpModelClient([s.model_url], "tiny", session)
+            full = history_with_pictures(3)
+            n_full = await client.count_tokens(items_to_messages(full), tools)
+            n_small = await client.count_tokens(items_to_messages(compact(full, ch, 2).items), tools)
+            if limit is None:
+                return n_full, n_small
+            ch.guards.max_total_tokens = limit
+            hist, ev = list(full), Evidence()
+            decision = await _guard(hist, tools, ch, True, client, False, 2, ev)
+            return decision, ev.guard[-1], len(hist) < len(full)
+
+    n_full, n_small = asyncio.run(decide(None))
+    assert n_small < n_full
+    assert asyncio.run(decide(n_full))[0] == "admit"
+    decision, record, compacted = asyncio.run(decide((n_full + n_small) // 2))
+    if schedule == "turn_chunked_recency":
+        assert decision == "admit_after_compaction" and compacted
+        assert record["prompt_tokens"] == n_full and record["prompt_tokens_after_compaction"] == n_small
+    else:  # rolling_recency: the history is already compacted, a hit rejects at once
+        assert decision == "reject" and not compacted
+    assert asyncio.run(decide(n_small - 1))[0] == "reject"

@@ -1,0 +1,132 @@
+"""Per-call evidence -> traces, and the DATA checks on /run results."""
+
+import math
+
+import numpy as np
+import pytest
+
+from minirl.config import MinirlConfig
+from minirl.controller import assemble, check_step
+from minirl.faults import Coords
+from minirl.rollout.evidence import Call, parse_rollout, split_traces
+from minirl.rollout.failures import RolloutDataFailure
+from minirl.rollout.manager import GroupOutcome
+
+C = Coords(0, 0, 0, 0)
+
+
+def item(prompt, gen, lps=None):
+    return {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
+            "prompt_token_ids": prompt, "generation_token_ids": gen,
+            "generation_log_probs": lps if lps is not None else [-0.5] * len(gen)}
+
+
+def result(items, reward=1.0, **evidence):
+    return {"response": {"output": items}, "reward": reward, "evidence": evidence}
+
+
+def parse(res, max_len=100, overlong=False):
+    return parse_rollout(res, C, vocab_size=50, max_len=max_len, overlong_filtering=overlong)
+
+
+def test_prefix_compatible_calls_extend_one_trace():
+    calls = [Call([1, 2], [3, 4], [-1.0, -2.0]), Call([1, 2, 3, 4, 9, 9], [5], [-3.0])]
+    (t,) = split_traces(calls)
+    assert t.tokens == [1, 2, 3, 4, 9, 9, 5]
+    assert t.loss_mask == [0, 0, 1, 1, 0, 0, 1]
+    assert t.logprobs == [0, 0, -1.0, -2.0, 0, 0, -3.0]
+    assert t.calls == 2
+
+
+def test_rewritten_history_starts_a_new_trace():
+    calls = [Call([1, 2], [3, 4], [-1.0, -1.0]), Call([1, 7, 3, 4], [5], [-1.0]), Call([1, 7, 3, 4, 5, 8], [6], [-1.0])]
+    traces = split_traces(calls)
+    assert [t.tokens for t in traces] == [[1, 2, 3, 4], [1, 7, 3, 4, 5, 8, 6]]
+    assert [t.loss_mask for t in traces] == [[0, 0, 1, 1], [0, 0, 0, 0, 1, 0, 1]]
+    # every generated token is trained exactly once
+    assert sum(sum(t.loss_mask) for t in traces) == sum(len(c.gen) for c in calls)
+
+
+def test_all_traces_of_a_rollout_share_its_advantage():
+    cfg = MinirlConfig()
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 3
+    rollouts = {}
+    for r, reward in enumerate([1.0, 0.0, 0.5]):
+        items = [item([1, 2], [3, 4]), item([1, 9, 3, 4], [5])] if r == 0 else [item([1, 2], [3])]
+        rollouts[r] = parse_rollout(result(items, reward), Coords(0, 0, r, 0), vocab_size=50, max_len=100, overlong_filtering=False)
+    assert len(rollouts[0].traces) == 2
+    batch, stats = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
+    # rollout 0: others {0, 0.5}: mean 0.25, unbiased std sqrt(0.03125*... ) -> computed by hand
+    others = [0.0, 0.5]
+    mean = sum(others) / 2
+    std = math.sqrt(sum((x - mean) ** 2 for x in others) / 1)
+    want = (1.0 - mean) / (std + 1e-6)
+    rows0 = batch["rollout"] == 0
+    assert rows0.sum() == 2
+    np.testing.assert_allclose(batch["advantages"][rows0], [want, want], rtol=1e-6)
+    assert stats["traces_trained"] == 4 and stats["rollouts_trained"] == 3
+
+
+def test_lane_a_empty_reply_without_tokens_masks_the_rollout():
+    empty = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ""}]}
+    r = parse(result([item([1, 2], [3]), empty]))
+    assert r.capture_failed and r.sample_mask == 0 and r.mask_reason == "capture_failed"
+    assert len(r.traces) == 1  # its tokens are present, with mask 0
+
+
+def test_overlong_filtering_masks_truncated_rollouts():
+    res = result([item([1, 2], [3])])
+    res["response"]["incomplete_details"] = {"reason": "length"}
+    assert parse(res).sample_mask == 1
+    assert parse(res, overlong=True).mask_reason == "overlong"
+
+
+@pytest.mark.parametrize(
+    "res,message",
+    [
+        ("nope", "not a JSON object"),
+        ({"reward": 1.0}, "missing response.output"),
+        (result([item([1], [2])], reward=float("nan")), "reward must be a finite number"),
+        (result([item([1], [2, 99])]), "token id 99 in generation_token_ids is out of vocabulary (size 50)"),
+        (result([item([1], [2], [float("nan")])]), "Generation logprobs contain NaN"),
+        (result([item([1], [2, 3], [-1.0])]), "one number per generated token"),
+        (result([]), "empty episode"),
+        (result([item(list(range(1, 40)), [1] * 70)]), "trace of 109 tokens exceeds policy.max_total_sequence_length=100"),
+    ],
+)
+def test_bad_results_are_data_failures_naming_the_problem(res, message):
+    with pytest.raises(RolloutDataFailure, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse(res)
+
+
+def outcome(g, status, n=2):
+    rollouts = {r: parse_rollout(result([item([1], [2])]), Coords(0, g, r, 0), vocab_size=50, max_len=100,
+                                 overlong_filtering=False) for r in range(n)} if status == "committed" else {}
+    return GroupOutcome(g, status, rollouts)
+
+
+def step_cfg(shrink, fraction, cc=True):
+    cfg = MinirlConfig()
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 4, 2
+    cfg.policy.train_global_batch_size = 8
+    cfg.context_compaction.enabled = cc
+    cfg.context_compaction.allow_step_shrink = shrink
+    cfg.async_rl.rollout_failure.min_step_batch_fraction = fraction
+    return cfg
+
+
+def test_floor_message_is_upstreams():
+    outs = [outcome(0, "committed"), outcome(1, "dropped"), outcome(2, "committed"), outcome(3, "committed")]
+    with pytest.raises(RuntimeError, match=r"training step 7 lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4 set by async_rl.rollout_failure.min_step_batch_fraction=1.0"):
+        check_step(step_cfg(False, 1.0), 7, outs)
+    check_step(step_cfg(True, 0.75), 7, outs)  # fix 1: trains 3 of 4
+
+
+def test_cc_step_checks():
+    partial = [outcome(g, "committed") for g in range(4)]
+    del partial[2].rollouts[1]
+    with pytest.raises(ValueError, match="CC optimizer step requires every rollout of every kept group"):
+        check_step(step_cfg(True, 0.75), 0, partial)
+    with pytest.raises(ValueError, match="CC optimizer step requires the full logical sample count"):
+        check_step(step_cfg(False, 1.0), 0, partial)
+    check_step(step_cfg(True, 0.75, cc=False), 0, partial)  # the ordinary path does not demand it

@@ -1,0 +1,212 @@
+"""The failure policy, driven through real servers with faults from the seeded fault config.
+
+Like NeMo-RL's redispatch tests, these assert invariants rather than call counts: nothing is
+committed unless it succeeded, every reservation is released, each attempt gets a fresh id,
+cancellation is never retried, and the backoff schedule (recorded by an injected sleep)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+
+from minirl.config import FaultSpec
+from minirl.data import prompt_row
+from minirl.rollout.evidence import Ledger
+from minirl.rollout.failures import (
+    GymTransportError,
+    RolloutDataFailure,
+    RolloutRedispatchExhausted,
+    RolloutStall,
+    RolloutTimeout,
+)
+from minirl.rollout.manager import RolloutManager
+
+VOCAB = 512
+
+
+def policy_cfg(base_cfg, faults=(), groups=2, gens=2, **rf):
+    cfg = copy.deepcopy(base_cfg)
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = groups, gens
+    cfg.policy.train_global_batch_size = groups * gens
+    cfg.faults.inject = [FaultSpec(**f) for f in faults]
+    r = cfg.async_rl.rollout_failure
+    r.backoff_base_s, r.max_backoff_s, r.max_infra_attempts_per_prompt = 1.0, 3.0, 4
+    r.max_consecutive_dropped_prompts = r.max_skipped_prompts = 0
+    r.nemo_gym.max_row_attempts = 2
+    for key, value in rf.items():
+        if key == "redispatch":
+            cfg.context_compaction.redispatch_dropped_groups = value
+        elif key == "rollout_timeout_s":
+            r.nemo_gym.rollout_timeout_s = value
+        elif key == "stall_timeout_s":
+            cfg.async_rl.stall_watchdog.stall_timeout_s = value
+        else:
+            setattr(r, key, value)
+    return cfg
+
+
+class Run:
+    def __init__(self):
+        self.events, self.sleeps, self.manager, self.outcomes, self.calls, self.error = [], [], None, None, [], None
+
+    def failures(self, decision=None):
+        return [e for e in self.events if e["type"] == "failure" and (decision is None or e["decision"] == decision)]
+
+
+def run_step(stack, cfg, step=0, cancel_after=None) -> Run:
+    run = Run()
+
+    async def sleep(s):
+        run.sleeps.append(s)
+
+    async def go():
+        async with stack(cfg) as s:
+            m = run.manager = RolloutManager(cfg, [s.agent_url], run.events.append, VOCAB, sleep=sleep)
+            rows = [prompt_row(cfg, step, g) for g in range(cfg.grpo.num_prompts_per_step)]
+            task = asyncio.create_task(m.run_step(step, rows))
+            try:
+                if cancel_after is not None:
+                    while not m.in_flight:
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(cancel_after)
+                    task.cancel()
+                run.outcomes = await task
+            except BaseException as exc:
+                run.error = exc
+            finally:
+                await m.session.close()
+                run.calls = s.model.take_calls(step)
+
+    asyncio.run(go())
+    return run
+
+
+def committed_attempts(run):
+    return {r.coords for o in run.outcomes or [] for r in o.rollouts.values()}
+
+
+def assert_invariants(run):
+    m = run.manager
+    assert m.reservations == {} and m.in_flight == {}, "every reservation is released"
+    failed = {(e["step"], e["group"], e["rollout"], e["attempt"]) for e in run.failures()}
+    ok = {(c.step, c.group, c.rollout, c.attempt) for c in committed_attempts(run)}
+    assert not failed & ok, "nothing is committed unless it succeeded"
+    gids = [e["group_attempt"] for e in run.failures() if e.get("scope") != "row"]
+    assert len(gids) == len(set(gids)), "each group attempt gets a fresh id"
+
+
+def test_infra_backoff_schedule_then_drop_budget(stack, base_cfg):
+    always = {"kind": "agent_exception", "step": 0, "group": 0, "rollout": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [always]))
+    assert run.sleeps == [1.0, 2.0, 3.0], "min(base * 2**(k-1), max) between the 4 attempts"
+    assert isinstance(run.error, RolloutRedispatchExhausted)
+    msg = str(run.error)
+    assert msg.startswith("prompt idx=0 exhausted its infrastructure retry budget after 4 attempt(s) (max_infra_attempts_per_prompt=4)")
+    assert "this was drop 1 with no rollout committed in between, exceeding max_consecutive_dropped_prompts=0" in msg
+    assert "Last failure was GymTransportError: NeMo-Gym /run failed with HTTP 500" in msg
+    # each group attempt re-sent only the failing row, twice (max_row_attempts=2): attempts 0..7
+    assert sorted(e["attempt"] for e in run.failures() if e["group"] == 0) == list(range(8))
+    assert_invariants(run)
+
+    run = run_step(stack, policy_cfg(base_cfg, [always], max_consecutive_dropped_prompts=1))
+    assert run.error is None
+    assert [o.status for o in run.outcomes] == ["dropped", "committed"]
+    assert [e["decision"] for e in run.events if e["type"] == "drop"] == ["dropped"]
+    assert_invariants(run)
+
+
+def test_row_redispatch_resends_only_the_failed_row(stack, base_cfg):
+    once = {"kind": "agent_exception", "step": 0, "group": 1, "rollout": 0, "attempt": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [once]))
+    assert run.error is None and run.sleeps == []
+    g1 = run.outcomes[1]
+    assert g1.status == "committed" and g1.row_retries == 1 and g1.redispatched
+    assert g1.rollouts[0].coords.attempt == 1 and g1.rollouts[1].coords.attempt == 0
+    sibling_calls = {c["attempt"] for c in run.calls if (c["group"], c["rollout"]) == (1, 1)}
+    assert sibling_calls == {0}, "the successful sibling was not re-run"
+    assert_invariants(run)
+
+
+def test_failed_attempt_calls_are_retired_never_trained(stack, base_cfg):
+    once = {"kind": "agent_exception", "step": 0, "group": 0, "rollout": 1, "attempt": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [once]))
+    rollouts = [r for o in run.outcomes for r in o.rollouts.values()]
+    counts = Ledger(None).close_step(0, run.calls, rollouts, version=0)
+    retired = [c for c in run.calls if (c["group"], c["rollout"], c["attempt"]) == (0, 1, 0)]
+    assert retired and counts["calls_retired"] == len(retired)
+    trained = {tuple(c.gen) for r in rollouts for c in r.calls}
+    ledger_keys = {tuple(c["generation_token_ids"]): (c["group"], c["rollout"], c["attempt"]) for c in run.calls if c["status"] == 200}
+    assert all(ledger_keys[g] != (0, 1, 0) for g in trained), "no trained call comes from the failed attempt"
+    assert all(ledger_keys[g][2] == (1 if ledger_keys[g][:2] == (0, 1) else 0) for g in trained)
+
+
+def test_upstream_cc_never_redispatches(stack, base_cfg):
+    once = {"kind": "agent_exception", "step": 0, "group": 1, "rollout": 0, "attempt": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [once], redispatch=False))
+    assert isinstance(run.error, RolloutRedispatchExhausted) and run.sleeps == []
+    assert "after 1 attempt(s)" in str(run.error) and "exceeding max_consecutive_dropped_prompts=0" in str(run.error)
+    assert [e["decision"] for e in run.failures()] == ["dropped"]
+    assert_invariants(run)
+
+
+@pytest.mark.parametrize("kind,cls,text", [("transport", GymTransportError, "failed in transport"),
+                                            ("timeout", RolloutTimeout, "exceeded 2.0s")])
+def test_transport_and_timeout_are_infra_with_upstream_wording(stack, base_cfg, kind, cls, text):
+    fault = {"kind": kind, "step": 0, "group": 0, "rollout": 1}
+    run = run_step(stack, policy_cfg(base_cfg, [fault], redispatch=False, rollout_timeout_s=2.0, max_consecutive_dropped_prompts=1))
+    assert run.error is None and run.outcomes[0].status == "dropped"
+    (failure,) = run.failures()
+    assert failure["class"] == "infra" and failure["reason"] == cls.__name__ and text in failure["error"]
+
+
+def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base_cfg):
+    bad = {"kind": "bad_output", "step": 0, "group": 0, "rollout": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [bad], max_data_attempts_per_prompt=2))
+    assert isinstance(run.error, RolloutDataFailure) and "invalid JSON" in str(run.error)
+    assert run.sleeps == []
+    assert [e["decision"] for e in run.failures()] == ["retried", "raised"]
+    assert_invariants(run)
+
+    run = run_step(stack, policy_cfg(base_cfg, [bad], max_data_attempts_per_prompt=2, max_skipped_prompts=1))
+    assert run.error is None and run.outcomes[0].status == "skipped" and run.manager.skipped == 1
+
+
+def test_a_group_with_every_rollout_masked_has_no_owner_and_drops(stack, base_cfg):
+    overflow = {"kind": "context_overflow", "step": 0, "group": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [overflow], max_consecutive_dropped_prompts=1))
+    assert run.error is None
+    assert run.outcomes[0].status == "dropped" and "no valid owner" in run.outcomes[0].reason
+    assert run.outcomes[1].status == "committed"
+
+
+def test_lane_a_masks_one_rollout_and_its_sibling_trains(stack, base_cfg):
+    overflow = {"kind": "context_overflow", "step": 0, "group": 1, "rollout": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [overflow]))
+    g1 = run.outcomes[1]
+    assert g1.status == "committed"
+    assert g1.rollouts[0].mask_reason == "capture_failed" and g1.rollouts[1].sample_mask == 1
+    assert run.failures() == []
+
+
+def test_cancellation_is_never_retried(stack, base_cfg):
+    hang = {"kind": "timeout", "step": 0, "group": 0, "rollout": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [hang], rollout_timeout_s=60.0), cancel_after=0.5)
+    assert isinstance(run.error, asyncio.CancelledError)
+    assert run.failures("retried") == [] and run.sleeps == []
+    assert_invariants(run)
+
+
+def test_stall_watchdog_raises_with_what_is_in_flight(stack, base_cfg):
+    hang = {"kind": "timeout", "step": 0, "group": 1, "rollout": 1}
+    cfg = policy_cfg(base_cfg, [hang], rollout_timeout_s=120.0, stall_timeout_s=2.0)
+    import time
+
+    t0 = time.monotonic()
+    run = run_step(stack, cfg)
+    elapsed = time.monotonic() - t0
+    assert isinstance(run.error, RolloutStall)
+    assert "s0.g1.r1.a0" in str(run.error) and "stall_timeout_s=2.0" in str(run.error)
+    assert elapsed < 20
+    assert_invariants(run)

@@ -1,0 +1,92 @@
+"""`python -m minirl.train` end to end, as a user runs it: Ray actors, vLLM, HTTP servers, torch.
+
+The failure table is the review's (cc-dropped-group-review.txt): one step of 4 groups x 2
+rollouts with one bad rollout, group 1 rollout 0, under the upstream preset and each fix."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import last_line, run_cli
+from minirl.metrics import REQUIRED_FIELDS
+
+pytestmark = pytest.mark.slow
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_two_step_default_run_writes_the_contract(tmp_path):
+    proc = run_cli("grpo.max_num_steps=2", f"run_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        missing = [k for k in REQUIRED_FIELDS if k not in r]
+        assert not missing, missing
+        assert r["groups_trained"] == 8 and r["tokens_trained"] > 0 and r["gen_tokens_per_s"] > 0
+    assert (tmp_path / "config.yaml").exists() and (tmp_path / "events.jsonl").exists()
+    assert any((tmp_path / "tensorboard").iterdir())
+    assert (tmp_path / "checkpoints" / "step_1" / "state.json").exists()
+    assert "step    2/2" in proc.stdout
+
+
+def test_cc_config_compacts_and_splits_rollouts_into_traces(tmp_path):
+    proc = run_cli("--config", "configs/cc.yaml", "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 3
+    assert any(r["compactions"] > 0 and r["traces_trained"] > r["rollouts_trained"] for r in rows), rows
+    assert any(e["type"] == "compaction" for e in events(tmp_path))
+
+
+UPSTREAM = ["--config", "configs/upstream_pr4124.yaml", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
+            "grpo.max_num_steps=1", "checkpoint.enabled=false", "logger.tensorboard=false",
+            "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=5"]
+
+
+def bad(kind: str) -> str:
+    return f"faults.inject=[{{kind: {kind}, step: 0, group: 1, rollout: 0, attempt: 0}}]"
+
+
+FLOOR = re.compile(r"^RuntimeError: training step \S+ lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4")
+CASES = {
+    "lane_a": (["context_overflow"], [], ("ok", 4, 1)),
+    "lane_b_budget_0": (["guard_reject"], [], ("exhausted",)),
+    "lane_b_budget_5": (["guard_reject"], ["async_rl.rollout_failure.max_consecutive_dropped_prompts=5"], ("floor",)),
+    "fix_1": (["guard_reject"], ["async_rl.rollout_failure.max_consecutive_dropped_prompts=5",
+                                 "context_compaction.allow_step_shrink=true",
+                                 "async_rl.rollout_failure.min_step_batch_fraction=0.75"], ("ok", 3, 0)),
+    "fix_2": (["guard_reject"], ["agent.context_history.guards.on_reject=end_episode"], ("ok", 4, 1)),
+    "transport_budget_0": (["transport"], [], ("exhausted",)),
+    "timeout_budget_5": (["timeout"], ["async_rl.rollout_failure.max_consecutive_dropped_prompts=5"], ("floor",)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_review_failure_table(tmp_path, case):
+    (kind,), extra, expect = CASES[case]
+    proc = run_cli(*UPSTREAM, bad(kind), *extra, f"run_dir={tmp_path}")
+    tail = last_line(proc.stderr)
+    if expect[0] == "ok":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (row,) = metrics(tmp_path)
+        assert (row["groups_trained"], row["rollouts_masked"]) == expect[1:]
+        assert row["dropped_prompt_groups"] == 4 - expect[1]
+    elif expect[0] == "exhausted":
+        assert proc.returncode != 0
+        assert tail.startswith("RolloutRedispatchExhausted:") and "exceeding max_consecutive_dropped_prompts=0" in tail, tail
+    else:
+        assert proc.returncode != 0
+        assert FLOOR.match(tail), tail
+    faults = [e for e in events(tmp_path) if e["type"] == "fault"]
+    assert faults and all((e["kind"], e["step"], e["group"], e["rollout"]) == (kind, 0, 1, 0) for e in faults)
