@@ -1,0 +1,321 @@
+"""slurm/minirl.sbatch, run on this machine with stand-in `scontrol`, `srun` and `hostname`.
+
+The fake allocation has two "nodes", node-a (the head) and node-b, whose sidecars both run here,
+each with a real `ray start`. The real `ray stop` kills every Ray process on the machine, which
+could take down a Ray cluster that is not this test's, so a stand-in `ray` passes everything to
+the real one except `stop`, which it turns into a stop of this test's Ray processes only. The
+fixture's finalizer kills whatever of this test is left, even when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = REPO_ROOT / "slurm" / "minirl.sbatch"
+VENV_BIN = os.path.dirname(sys.executable)
+NODES = ["node-a", "node-b"]
+
+# `python ours.py TAG TMP MODE`. This test's processes are those with MINIRL_TEST_TAG=TAG in their
+# environment or their working directory under TMP (Ray's workers and agents rewrite their title,
+# which can blank /proc/PID/environ), and their descendants; never this script's caller chain.
+# MODE "ray": stop the Ray processes among them the way `ray stop` does (SIGTERM, SIGKILL after a
+# grace period); "all": SIGKILL every one of them; "list": print the Ray processes still alive.
+OURS_PY = r'''
+import os, sys, psutil
+tag, tmp, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+me = psutil.Process()
+spared = {me.pid} | {p.pid for p in me.parents()}
+
+def mine(p):
+    try:
+        if p.environ().get("MINIRL_TEST_TAG") == tag:
+            return True
+    except psutil.Error:
+        pass
+    cwd = p.cwd()
+    return cwd == tmp or cwd.startswith(tmp + os.sep)
+
+def is_ray(p):
+    cmd = " ".join(p.cmdline())
+    return (p.name() in ("raylet", "gcs_server") or cmd.startswith("ray::")
+            or "/site-packages/ray/" in cmd or "-m ray." in cmd)
+
+found = {}
+for p in psutil.process_iter():
+    try:
+        if p.pid not in spared and p.status() != psutil.STATUS_ZOMBIE and mine(p):
+            for q in [p, *p.children(recursive=True)]:
+                found[q.pid] = q
+    except psutil.Error:
+        pass
+procs = []
+for pid, p in found.items():
+    try:
+        if pid not in spared and p.status() != psutil.STATUS_ZOMBIE and (mode == "all" or is_ray(p)):
+            procs.append(p)
+    except psutil.Error:
+        pass
+if mode == "list":
+    for p in procs:
+        try:
+            print(p.pid, " ".join(p.cmdline())[:160])
+        except psutil.Error:
+            pass
+    sys.exit(0)
+for p in procs:
+    try:
+        p.kill() if mode == "all" else p.terminate()
+    except psutil.Error:
+        pass
+gone, alive = psutil.wait_procs(procs, timeout=5)
+for p in alive:
+    try:
+        p.kill()
+    except psutil.Error:
+        pass
+psutil.wait_procs(alive, timeout=5)
+print(f"stopped {len(procs)} processes")
+'''
+
+
+def _write_exe(path: Path, text: str) -> None:
+    path.write_text(textwrap.dedent(text).lstrip())
+    path.chmod(0o755)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+class FakeSlurm:
+    """Stand-in executables, the environment for one run of the script, and the cleanup."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp = tmp_path
+        self.tag = uuid.uuid4().hex
+        self.port = _free_port()
+        self.log_dir = tmp_path / "logs"
+        # Ray puts Unix sockets under its temp dir: keep the path short (sun_path is 108 bytes).
+        self.ray_tmp = tempfile.mkdtemp(prefix="mrl", dir="/tmp")
+        self.bin = tmp_path / "bin"
+        self.bin.mkdir()
+        self.srun_calls_dir = tmp_path / "srun-calls"  # one file per call: concurrent appends interleave
+        self.srun_calls_dir.mkdir()
+        self.stop_log = tmp_path / "ray-stop-calls.txt"
+        self.ours_py = tmp_path / "ours.py"
+        self.ours_py.write_text(OURS_PY)
+
+        _write_exe(self.bin / "scontrol", """
+            #!/usr/bin/env bash
+            [[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: unsupported: $*" >&2; exit 1; }
+            printf '%s\\n' node-a node-b
+            """)
+        # Records the call, drops srun's own options (everything up to the first non-option) and
+        # runs the command here; FAKE_SRUN_FAIL_NODES lists nodes whose srun fails instead.
+        _write_exe(self.bin / "srun", """
+            #!/usr/bin/env bash
+            printf '%q ' "$@" >"$FAKE_SRUN_CALLS/$$"
+            node=""
+            while [[ $# -gt 0 && $1 == -* ]]; do
+                case $1 in
+                    -w|--nodelist) node=$2; shift 2 ;;
+                    --nodelist=*) node=${1#*=}; shift ;;
+                    *) shift ;;
+                esac
+            done
+            if [[ " ${FAKE_SRUN_FAIL_NODES:-} " == *" $node "* ]]; then
+                echo "fake srun: node $node is down" >&2
+                exit 1
+            fi
+            export FAKE_NODE=$node
+            exec "$@"
+            """)
+        _write_exe(self.bin / "hostname", """
+            #!/usr/bin/env bash
+            case ${1:-} in
+                -i|--ip-address|-I|--all-ip-addresses) echo 127.0.0.1 ;;
+                *) echo "${FAKE_NODE:-fakehost}" ;;
+            esac
+            """)
+        _write_exe(self.bin / "ray", f"""
+            #!/usr/bin/env bash
+            if [[ ${{1:-}} == stop ]]; then
+                echo "stop ${{FAKE_NODE:-driver}}" >>"$FAKE_RAY_STOP_LOG"
+                exec {shlex.quote(sys.executable)} {shlex.quote(str(self.ours_py))} "$MINIRL_TEST_TAG" \\
+                    {shlex.quote(str(tmp_path))} ray
+            fi
+            exec {shlex.quote(os.path.join(VENV_BIN, "ray"))} "$@"
+            """)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("MINIRL_", "SLURM_", "FAKE_")) and k != "RAY_ADDRESS"}
+        activate = shlex.quote(os.path.join(VENV_BIN, "activate"))
+        env.update({
+            "PATH": f"{self.bin}:{env.get('PATH', '')}",
+            "MINIRL_TEST_TAG": self.tag,
+            "FAKE_SRUN_CALLS": str(self.srun_calls_dir),
+            "FAKE_RAY_STOP_LOG": str(self.stop_log),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "node-[a-b]",
+            "MINIRL_LOG_DIR": str(self.log_dir),
+            # The venv of the interpreter running the tests, then the stand-ins in front of it again.
+            "MINIRL_SETUP": f"source {activate} && export PATH={shlex.quote(str(self.bin))}:$PATH",
+            "MINIRL_GPUS_PER_NODE": "1",
+            "MINIRL_RAY_PORT": str(self.port),
+            "MINIRL_RAY_START_ARGS": f"--num-cpus=1 --object-store-memory=100000000 --temp-dir={self.ray_tmp}",
+            "MINIRL_STOP_TIMEOUT_S": "40",
+            "RAY_AUTH_MODE": "disabled",
+        })
+        env.update(extra)
+        return env
+
+    def run(self, timeout: float, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=self.tmp, env=self.env(**env), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"slurm/minirl.sbatch ran past {timeout}s\n{self.diagnostics(out, err)}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
+
+    def diagnostics(self, out: str, err: str) -> str:
+        parts = [f"--- stdout\n{out}", f"--- stderr\n{err}"]
+        for node in NODES:
+            log = self.log_dir / f"{node}.log"
+            parts.append(f"--- {log.name}\n{log.read_text() if log.exists() else '(missing)'}")
+        return "\n".join(parts)
+
+    def ours(self, mode: str) -> str:
+        return subprocess.run([sys.executable, str(self.ours_py), self.tag, str(self.tmp), mode],
+                              capture_output=True, text=True, timeout=60).stdout
+
+    def ray_processes_left(self) -> list[str]:
+        return self.ours("list").splitlines()
+
+    def srun_calls(self) -> list[str]:
+        """The argument lists srun got, `printf %q`-quoted, sorted."""
+        return sorted(path.read_text() for path in self.srun_calls_dir.iterdir())
+
+    def stop_calls(self) -> list[str]:
+        return sorted(self.stop_log.read_text().splitlines()) if self.stop_log.exists() else []
+
+    def cleanup(self) -> None:
+        self.ours("all")
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    fake = FakeSlurm(tmp_path)
+    yield fake
+    fake.cleanup()
+
+
+DRIVER_PY = """
+import os, ray
+ray.init(address=os.environ["MINIRL_RAY_ADDRESS"], logging_level="error")
+alive = [n for n in ray.nodes() if n["Alive"]]
+gpus = ray.cluster_resources().get("GPU", 0)
+assert len(alive) == 2 and gpus == 2, (len(alive), gpus)
+print("DRIVER OK", len(alive), gpus)
+"""
+
+
+@pytest.mark.slow
+def test_two_node_bootstrap_runs_the_driver_and_stops_ray(fake_slurm):
+    res, elapsed = fake_slurm.run(timeout=120, MINIRL_READY_TIMEOUT_S="60",
+                                  MINIRL_DRIVER_CMD=f"python -c {shlex.quote(DRIVER_PY)}")
+    diag = fake_slurm.diagnostics(res.stdout, res.stderr)
+    assert res.returncode == 0, diag
+    assert "DRIVER OK 2 2" in res.stdout, diag
+    assert (fake_slurm.log_dir / "ray-head.ready").read_text().strip() == f"127.0.0.1:{fake_slurm.port}"
+    assert (fake_slurm.log_dir / "ENDED").exists()
+    # One sidecar per node, each through `srun ... --nodes=1 --ntasks=1 -w NODE`.
+    calls = fake_slurm.srun_calls()
+    assert len(calls) == 2, calls
+    for node, call in zip(NODES, calls):
+        assert call.startswith(f"--overlap --nodes=1 --ntasks=1 -w {node} bash -c "), call[:200]
+    # Both sidecars saw the end marker and ran `ray stop`; nothing of this test's Ray is left.
+    for node in NODES:
+        assert "end marker seen" in (fake_slurm.log_dir / f"{node}.log").read_text(), diag
+    assert fake_slurm.stop_calls() == ["stop node-a", "stop node-b"]
+    assert fake_slurm.ray_processes_left() == []
+    print(f"bootstrap, driver and stop: {elapsed:.1f}s")
+
+
+@pytest.mark.slow
+def test_cluster_short_of_gpus_fails_at_the_deadline_and_cleans_up(fake_slurm):
+    """node-b's srun fails, so the cluster never shows the 2 GPUs the allocation should have.
+
+    The deadline leaves the head's `ray start` (7-9 s on a busy 2-core machine) time to finish,
+    so that the error is the one about GPUs, not the one about a head that never came up."""
+    res, elapsed = fake_slurm.run(timeout=90, MINIRL_READY_TIMEOUT_S="20", FAKE_SRUN_FAIL_NODES="node-b",
+                                  MINIRL_DRIVER_CMD="echo DRIVER RAN")
+    diag = fake_slurm.diagnostics(res.stdout, res.stderr)
+    assert res.returncode != 0, diag
+    assert elapsed < 60, diag
+    last = _last_line(res.stderr)
+    assert last.startswith("error: "), diag
+    assert "1 of 2 expected GPUs after 20s" in last, diag
+    assert str(fake_slurm.log_dir) in last, diag
+    assert "DRIVER RAN" not in res.stdout
+    assert (fake_slurm.log_dir / "ENDED").exists()
+    assert fake_slurm.stop_calls() == ["stop node-a"]
+    assert fake_slurm.ray_processes_left() == []
+    print(f"deadline path: {elapsed:.1f}s")
+
+
+@pytest.mark.slow
+def test_container_mode_runs_the_driver_under_srun_and_keeps_its_exit_status(fake_slurm):
+    """With MINIRL_CONTAINER every srun gets --container-image, and the driver (which needs the
+    container's Ray) runs on the head through `srun --overlap`; its exit status is the job's."""
+    res, elapsed = fake_slurm.run(timeout=120, MINIRL_READY_TIMEOUT_S="60", MINIRL_CONTAINER="nvcr.io#org/img:1",
+                                  MINIRL_DRIVER_CMD='echo "DRIVER AT $MINIRL_RAY_ADDRESS ON $FAKE_NODE"; exit 7')
+    diag = fake_slurm.diagnostics(res.stdout, res.stderr)
+    assert res.returncode == 7, diag
+    assert f"DRIVER AT 127.0.0.1:{fake_slurm.port} ON node-a" in res.stdout, diag
+    calls = fake_slurm.srun_calls()
+    assert len(calls) == 3, calls
+    assert all(" --container-image=nvcr.io#org/img:1 " in call for call in calls), [c[:200] for c in calls]
+    driver_calls = [call for call in calls if """\\ndriver "$@"' driver """ in call]
+    assert len(driver_calls) == 1 and driver_calls[0].startswith("--overlap --nodes=1 --ntasks=1 -w node-a "), calls
+    assert (fake_slurm.log_dir / "ENDED").exists()
+    assert fake_slurm.stop_calls() == ["stop node-a", "stop node-b"]
+    assert fake_slurm.ray_processes_left() == []
+    print(f"container mode: {elapsed:.1f}s")
+
+
+def test_sbatch_script_parses_and_passes_shellcheck():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    assert os.access(SCRIPT, os.X_OK)
+    sbatch_lines = [line for line in SCRIPT.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert not [line for line in sbatch_lines if "partition" in line or "account" in line]
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is not installed; `bash -n` passed")
+    res = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
