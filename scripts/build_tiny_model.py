@@ -10,8 +10,10 @@
    (split regex, then ByteLevel without regex), so Hugging Face's Qwen2Tokenizer and vLLM produce
    the same ids as the saved tokenizer.json.
 3. A freshly initialised Qwen2ForCausalLM is fine-tuned on the teacher's replies (loss on reply
-   tokens only). The result imitates the teacher: it opens about half the doors on the first try,
-   which leaves GRPO clear room to improve.
+   tokens only), mixed with synthetic look-up drills (`<think>lamp` -> `3` from a picture) that
+   grow the copying heads a 2-layer model otherwise learns slowly. Batches are windows of
+   length-sorted examples, so little compute goes to padding. The result imitates the teacher:
+   it reads the door about as often as the teacher did, which leaves GRPO clear room to improve.
 
 Everything runs offline on CPU; the output loads with `from_pretrained(out_dir)`.
 """
@@ -34,7 +36,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from minirl.agents.agent import ModelReply, run_episode  # noqa: E402
-from minirl.agents.env import TOOLS, DoorsEnv  # noqa: E402
+from minirl.agents.env import COLORS, OBJECTS, TOOLS, DoorsEnv  # noqa: E402
 from minirl.config import AgentConfig  # noqa: E402
 from minirl.generation.chat_format import (  # noqa: E402
     ADDED_TOKENS,
@@ -53,6 +55,7 @@ SIZES = {
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4),
 }
 _PICTURE = re.compile(r"<image>(.*?)</image>", re.DOTALL)
+_LABEL = re.compile(r"([a-z]+)(\d)")
 
 
 class ScriptedTeacher:
@@ -64,10 +67,10 @@ class ScriptedTeacher:
 
     async def chat(self, messages, tools, params, key, required_prefix):
         picture = _PICTURE.findall(messages[-1]["content"])[-1]
-        objects = [tuple(o.split()) for o in picture.split(" ; ")[0].split(" , ")]
+        objects = [_LABEL.fullmatch(line).groups() for line in picture.split("\n")[1:]]
         door = next(o for o in objects if o[0] == "door")
         name, num = door if self.rng.random() < self.p else self.rng.choice([o for o in objects if o[0] != "door"])
-        reply = f'<think>{name} {num}</think><tool_call>{{"name": "open_door", "arguments": {{"code": {num}}}}}</tool_call>'
+        reply = f'<think>{name}{num}</think><tool_call>{{"name": "open_door", "arguments": {{"code": {num}}}}}</tool_call>'
         self.examples.append((self.render(messages, tools), reply + EOS_TOKEN))
         tokens = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
         return ModelReply(parse_reply(reply), "stop", tokens)
@@ -133,27 +136,45 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return hf
 
 
-def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int) -> list[float]:
-    g = torch.Generator().manual_seed(seed)
+def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int = 8) -> tuple[list[int], list[int]]:
+    """A picture followed by `queries` think blocks naming a random label: loss on the digits only."""
+    names = rng.sample(OBJECTS + ("door",), 4)
+    nums = [rng.randrange(10) for _ in names]
+    picture = " ".join(rng.choice(COLORS) for _ in range(pixels)) + "\n" + "\n".join(f"{n}{d}" for n, d in zip(names, nums))
+    text = f"<|im_start|>user\nRoom 1.<image>{picture}</image>{EOS_TOKEN}\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    targets = []
+    for _ in range(queries):
+        q = rng.randrange(len(names))
+        ids += tokenizer("<think>" + names[q], add_special_tokens=False)["input_ids"]
+        targets.append(len(ids))
+        ids += tokenizer(f"{nums[q]}</think>", add_special_tokens=False)["input_ids"]
+    return ids, targets
+
+
+def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int, drill_fraction: float) -> list[float]:
+    rng = random.Random(seed)
     encoded = []
     for prompt, reply in examples:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         r = tokenizer(reply, add_special_tokens=False)["input_ids"]
-        encoded.append((p + r, len(p)))
+        encoded.append((p + r, list(range(len(p), len(p) + len(r)))))
+    encoded.sort(key=lambda e: len(e[0]))  # windows of similar lengths: little padding
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    drills = int(batch * drill_fraction)
     losses = []
     model.train()
     for step in range(steps):
-        idx = torch.randint(len(encoded), (batch,), generator=g).tolist()
-        seqs = [encoded[i] for i in idx]
+        start = rng.randrange(0, max(1, len(encoded) - batch))
+        seqs = encoded[start : start + batch - drills] + [lookup_drill(rng, tokenizer) for _ in range(drills)]
         width = max(len(s) for s, _ in seqs)
-        ids = torch.full((batch, width), tokenizer.pad_token_id)
-        labels = torch.full((batch, width), -100)
-        attn = torch.zeros((batch, width), dtype=torch.long)
-        for row, (s, plen) in enumerate(seqs):
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+        labels = torch.full((len(seqs), width), -100)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, (s, targets) in enumerate(seqs):
             ids[row, : len(s)] = torch.tensor(s)
-            labels[row, plen : len(s)] = torch.tensor(s[plen:])
+            labels[row, targets] = torch.tensor([s[t] for t in targets])
             attn[row, : len(s)] = 1
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
@@ -169,19 +190,21 @@ def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int
 
 
 @torch.no_grad()
-def door_rate(model, tokenizer, examples, n: int, seed: int) -> dict:
-    """Sample one reply per held-out prompt at temperature 1: how often the model reads the door."""
+def quality(model, tokenizer, examples, n: int, seed: int) -> dict:
+    """Sample one reply per held-out prompt at temperature 1: how often the model reads the door,
+    and how often its call carries the right code (what the reward pays for)."""
     torch.manual_seed(seed)
-    door = wellformed = 0
-    for prompt, _ in examples[:n]:
+    door = right = wellformed = 0
+    for prompt, reply in examples[:n]:
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         out = model.generate(ids, max_new_tokens=40, do_sample=True, temperature=1.0, top_k=0,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        msg = parse_reply(text)
+        msg = parse_reply(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        want = parse_reply(reply.removesuffix(EOS_TOKEN))["tool_calls"][0]["function"]["arguments"]
         wellformed += bool(msg["tool_calls"])
-        door += (msg["reasoning"] or "").startswith("door ")
-    return {"door_rate": door / n, "wellformed_rate": wellformed / n}
+        door += (msg["reasoning"] or "").startswith("door")
+        right += bool(msg["tool_calls"]) and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == json.loads(want)
+    return {"door_rate": door / n, "right_code_rate": right / n, "wellformed_rate": wellformed / n}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,9 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--p-correct", type=float, default=0.3)
     ap.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary learned from the corpus")
     ap.add_argument("--pad-vocab-to", type=int, default=0, help="grow the embedding to this many rows (e.g. 32768)")
-    ap.add_argument("--sft-steps", type=int, default=1500)
+    ap.add_argument("--sft-steps", type=int, default=1200)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--drill-fraction", type=float, default=0.25, help="share of each batch that is look-up drills")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -231,15 +255,15 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters, vocab {vocab} ({len(tokenizer)} used)", flush=True)
 
-    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed)
-    quality = door_rate(model, tokenizer, held_out, 100, args.seed)
-    print(f"warm start: {quality}", flush=True)
+    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction)
+    scores = quality(model, tokenizer, held_out, 100, args.seed)
+    print(f"warm start: {scores}", flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    info = {"args": vars(args), "parameters": params, "vocab_size": vocab, **quality, "build_s": round(time.time() - t0, 1)}
+    info = {"args": vars(args), "parameters": params, "vocab_size": vocab, **scores, "build_s": round(time.time() - t0, 1)}
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)
 

@@ -45,8 +45,16 @@ class Room:
     pixels: tuple[str, ...]
 
     def picture(self) -> str:
-        listed = " , ".join(f"{name} {num}" for name, num in self.objects)
-        return f"{listed} ; {' '.join(self.pixels)}"
+        """Pixels, then one label per line, the door's last (`red blue …\nlamp3\nrug5\ndoor7`).
+
+        Built for a tiny model to read: a name tokenizes the same here as in the agent's reasoning
+        (`door`, not the space-prefixed `Ġdoor`), its digit is the very next token, and the door's
+        digit sits at a fixed distance before the reply, so reading the door is a fixed-offset copy
+        (learned within a few hundred SFT steps) while reading another object needs a content
+        lookup the 2-layer warm start barely learns. GRPO then has one clear thing to learn.
+        """
+        labels = [f"{name}{num}" for name, num in self.objects if name != "door"] + [f"door{self.code}"]
+        return " ".join(self.pixels) + "\n" + "\n".join(labels)
 
 
 def make_rooms(seed: int, num_rooms: int, distractors: int = 3, pixels: int = 12) -> list[Room]:
@@ -56,10 +64,7 @@ def make_rooms(seed: int, num_rooms: int, distractors: int = 3, pixels: int = 12
     for _ in range(num_rooms):
         code = rng.randrange(10)
         others = [d for d in range(10) if d != code]
-        objects = [("door", code)] + [
-            (name, rng.choice(others)) for name in rng.sample(OBJECTS, distractors)
-        ]
-        rng.shuffle(objects)
+        objects = [(name, rng.choice(others)) for name in rng.sample(OBJECTS, distractors)] + [("door", code)]
         rooms.append(Room(code, tuple(objects), tuple(rng.choice(COLORS) for _ in range(pixels))))
     return rooms
 
