@@ -39,6 +39,9 @@ ACTOR_ENV = {
 }
 
 
+NAMESPACE = "minirl"
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -65,6 +68,7 @@ class Cluster:
             num_cpus=cl.num_cpus if cl.ray_address is None else None,
             num_gpus=cl.num_gpus if cl.ray_address is None else None,
             include_dashboard=False,
+            namespace=NAMESPACE,
             runtime_env={"env_vars": env},
             logging_level="warning",
             log_to_driver=True,
@@ -83,9 +87,10 @@ class Cluster:
         cfg, cl = self.cfg, self.cfg.cluster
         host = node_host(cfg)
         light = {"num_cpus": 0}
+        attach = cl.attach_generation_workers
         gen_bundle = {"CPU": cl.cpus_per_generation_worker, "GPU": cl.gpus_per_generation_worker}
         pol_bundle = {"CPU": cl.cpus_per_policy_worker, "GPU": cl.gpus_per_policy_worker}
-        bundles = [gen_bundle] * cl.num_generation_workers + [pol_bundle] * cl.num_policy_workers
+        bundles = ([] if attach else [gen_bundle] * cl.num_generation_workers) + [pol_bundle] * cl.num_policy_workers
         bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.001} for b in bundles]
         strategy = "STRICT_PACK" if len(ray.nodes()) == 1 else "PACK"
         self.pg = placement_group(bundles, strategy=strategy)
@@ -95,23 +100,24 @@ class Cluster:
             return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
 
         self.store = ray.remote(WeightsStore).options(**light).remote()
-        self.gen = [
-            ray.remote(GenerationWorker)
-            .options(num_cpus=cl.cpus_per_generation_worker, num_gpus=cl.gpus_per_generation_worker,
-                     max_restarts=-1, **on(i))
-            .remote(cfg, i, host, free_port(host), self.store)
-            for i in range(cl.num_generation_workers)
-        ]
+        if attach:
+            self.gen = [ray.get_actor(f"{attach}-{i}", namespace=NAMESPACE) for i in range(cl.num_generation_workers)]
+            model_urls = ray.get([g.reset.remote(cfg) for g in self.gen])
+        else:
+            self.gen = start_generation_workers(cfg, host, self.store, placement=on)
         world = cl.num_policy_workers
         master = f"{host}:{free_port(host)}"
-        first = cl.num_generation_workers
+        first = 0 if attach else cl.num_generation_workers
         self.policy = [
             ray.remote(PolicyWorker)
             .options(num_cpus=cl.cpus_per_policy_worker, num_gpus=cl.gpus_per_policy_worker, **on(first + r))
             .remote(cfg, r, world, master)
             for r in range(world)
         ]
-        model_urls = ray.get([g.start.remote() for g in self.gen])
+        if attach:
+            self.sync_weights(version=0)  # a reused engine may hold another run's weights
+        else:
+            model_urls = ray.get([g.start.remote() for g in self.gen])
         if cfg.agent.external_url:
             agent_urls = [cfg.agent.external_url.rstrip("/")]
             self.agents = []
@@ -154,4 +160,21 @@ class Cluster:
         ray.get([w.load.remote(str(path)) for w in self.policy])
         ray.get(self.controller.load_state.remote(state["rollout_manager"]))
         self.sync_weights(version=state["next_step"])
+        ray.get(self.controller.note.remote({"type": "resumed", "checkpoint": str(path), "from_step": state["next_step"]}))
         return state["next_step"]
+
+
+def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement=None, name: str | None = None) -> list:
+    """Generation worker actors (restarted on death, at the same port). With `name`, they are
+    detached and named `<name>-<rank>`, to outlive the driver for `attach_generation_workers`."""
+    cl = cfg.cluster
+    workers = []
+    for i in range(cl.num_generation_workers):
+        options = {"num_cpus": cl.cpus_per_generation_worker, "num_gpus": cl.gpus_per_generation_worker, "max_restarts": -1}
+        if placement is not None:
+            options.update(placement(i))
+        if name is not None:
+            options.update(name=f"{name}-{i}", namespace=NAMESPACE, lifetime="detached")
+        workers.append(ray.remote(GenerationWorker).options(**options).remote(cfg, i, host, free_port(host), store))
+    return workers
+

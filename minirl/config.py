@@ -86,8 +86,6 @@ class VllmConfig:
 
 @dataclass
 class GenerationConfig:
-    backend: str = "vllm"
-    """`vllm` (the real engine). The benchmark-only `instant` backend is documented in bench/."""
     temperature: float = 1.0
     """Sampling temperature for rollouts."""
     top_p: float = 1.0
@@ -281,6 +279,10 @@ class ClusterConfig:
     """GPUs a locally started Ray advertises (None: detect; >0 on a CPU box fakes them for tests)."""
     num_generation_workers: int = 1
     """vLLM engines, each behind its own HTTP endpoint."""
+    attach_generation_workers: Optional[str] = None
+    """Reuse running detached generation workers named `<this>-<rank>` (namespace `minirl`): they
+    are reset to this run's faults and initial weights. For sweeps of short runs, which then skip
+    engine start-up (see scripts/compare_drop_budgets.py). None starts new ones."""
     num_policy_workers: int = 1
     """Data-parallel torch policy workers (one torch.distributed group)."""
     num_agent_servers: int = 1
@@ -327,6 +329,7 @@ FAULT_KINDS = (
     "transport",
     "bad_output",
     "worker_kill",
+    "agent_kill",
 )
 
 
@@ -517,7 +520,6 @@ def validate(cfg: MinirlConfig) -> None:
     wd = cfg.async_rl.stall_watchdog
     _require(wd.action in ("raise", "warn"), "async_rl.stall_watchdog.action", f"must be raise or warn, got {wd.action!r}")
     _require(cfg.policy.precision in ("float32", "bfloat16"), "policy.precision", "must be float32 or bfloat16")
-    _require(cfg.policy.generation.backend in ("vllm", "instant"), "policy.generation.backend", "must be vllm or instant")
     _require(
         cfg.agent.name in ("simple_agent", "compaction_agent"),
         "agent.name",

@@ -129,22 +129,32 @@ class Controller:
     def load_state(self, state: dict) -> None:
         self.manager.load_state(state)
 
+    def note(self, event: dict) -> None:
+        """Write an event from outside the step (e.g. the loop's `resumed`)."""
+        self.events.write(event)
+
     async def collect(self, step: int, version: int) -> tuple[dict, dict]:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats."""
         t0 = time.perf_counter()
+        busy0 = sum(s["busy_s"] for s in [await w.stats.remote() for w in self.gen_workers])
         rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
         try:
             outcomes = await self.manager.run_step(step, rows)
         except BaseException as exc:
-            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"})
+            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}",
+                               "rollout_attempts": self.manager.sends,
+                               "rollouts_generated": self.manager.returned})
             raise
         gen_s = time.perf_counter() - t0
+        engine_busy_s = sum(s["busy_s"] for s in [await w.stats.remote() for w in self.gen_workers]) - busy0
         server_calls = [c for calls in [await w.take_calls.remote(step) for w in self.gen_workers] for c in calls]
         kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
         try:
             check_step(self.cfg, step, outcomes)
         except (RuntimeError, ValueError) as exc:
-            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"})
+            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}",
+                               "rollout_attempts": self.manager.sends,
+                               "rollouts_generated": self.manager.returned})
             raise
         ledger = self.ledger.close_step(step, server_calls, kept, version)
         batch, stats = assemble(self.cfg, outcomes, self.pad_id)
@@ -154,13 +164,16 @@ class Controller:
                                    "errors": r.evidence.get("errors", [])})
         generated = sum(len(c.get("generation_token_ids") or []) for c in server_calls)
         stats.update(
-            rollouts_generated=sum(o.row_sends for o in outcomes),
+            rollout_attempts=sum(o.row_sends for o in outcomes),
+            rollouts_generated=sum(o.rows_returned for o in outcomes),
             guard_rejections=self.manager.guard_rejections
             + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
             calls_retired=ledger.get("calls_retired", 0),
             gen_time_s=gen_s,
+            engine_busy_s=engine_busy_s,
             gen_tokens=generated,
             gen_tokens_per_s=generated / gen_s if gen_s > 0 else 0.0,
             policy_version=version,
+            prompt_seeds=[row["task"]["seed"] for row in rows],
         )
         return batch, stats

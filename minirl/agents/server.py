@@ -7,7 +7,8 @@ model call's token ids and logprobs), `reward` and the agent's `evidence`.
 As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`. An
 unknown `agent_ref.name` is a 404 and a body over `agent.max_request_bytes` a 413, never a 500.
 The HTTP-layer fault sites fire here: `timeout` (the answer never comes in time), `transport`
-(the connection drops mid-response) and `bad_output` (a malformed 200).
+(the connection drops mid-response), `bad_output` (a malformed 200) and `agent_kill` (the server's
+process dies, taking every row in flight with it; Ray restarts it at the same port).
 
 Invariant: every request gets exactly one of: a well-formed 200, a 4xx naming the problem, a 500
 carrying the agent's exception, or (only under an injected fault) a hang, a cut or a bad body.
@@ -19,6 +20,7 @@ import asyncio
 import copy
 import json
 import os
+import signal
 
 import aiohttp
 from aiohttp import web
@@ -97,6 +99,8 @@ class AgentServer:
         fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords) is not None)
         self.in_flight += 1
         try:
+            if fires("agent_kill"):
+                os.kill(os.getpid(), signal.SIGKILL)  # the whole server dies with every row in flight
             if fires("timeout"):
                 await asyncio.sleep(self.cfg.faults.hang_s)
             try:

@@ -17,10 +17,6 @@ from minirl.http_thread import HttpThread
 
 def make_engine(cfg: MinirlConfig, rank: int):
     gen = cfg.policy.generation
-    if gen.backend == "instant":  # benchmark-only backend, see bench/README.md
-        from minirl.generation.instant import InstantEngine
-
-        return InstantEngine(cfg)
     from minirl.generation.engine import VllmEngine, configure_cpu_env
 
     configure_cpu_env(gen.vllm_cfg.kv_cache_space_gb, gen.vllm_cfg.omp_threads)
@@ -60,6 +56,17 @@ class GenerationWorker:
 
     def start(self) -> str:
         """The base URL (the server is already up: it starts in the constructor)."""
+        return self.http.url
+
+    def reset(self, cfg: MinirlConfig) -> str:
+        """Serve a new run (sweeps reuse workers): its fault plan, an empty call log. The run then
+        publishes its initial weights before its first step."""
+
+        async def apply():
+            self.server.plan = FaultPlan(cfg.faults)
+            self.server.calls.clear()
+
+        self.http.run(apply())
         return self.http.url
 
     def update_weights(self, named: list, version: int) -> int:

