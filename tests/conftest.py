@@ -77,6 +77,37 @@ def stack(engine, tokenizer, base_cfg):
     return make
 
 
+_START_WORKER = """
+import sys, ray
+from minirl.cluster import NAMESPACE, start_generation_workers
+from minirl.config import load_config
+ray.init(address=sys.argv[1], namespace=NAMESPACE, logging_level="error", log_to_driver=False)
+ray.get([w.start.remote() for w in start_generation_workers(load_config(), "127.0.0.1", name=sys.argv[2])])
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_engine():
+    """A Ray head and one detached generation worker for a module's CLI runs, which attach with
+    the returned overrides (`cluster.attach_generation_workers`) and so skip vLLM start-up."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, capture_output=True, env=env)
+    address = f"127.0.0.1:{port}"
+    try:
+        subprocess.run([sys.executable, "-c", _START_WORKER, address, "shared-gen"], check=True, cwd=REPO_ROOT, env=env,
+                       capture_output=True, timeout=300)
+        yield [f"cluster.ray_address={address}", "cluster.attach_generation_workers=shared-gen"]
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env)
+
+
 def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
     """`python -m minirl.train ARGS` in a subprocess, as a user would run it."""
     full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}

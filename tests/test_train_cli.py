@@ -40,8 +40,9 @@ def test_two_step_default_run_writes_the_contract(tmp_path):
     assert "step    2/2" in proc.stdout
 
 
-def test_cc_config_compacts_and_splits_rollouts_into_traces(tmp_path):
-    proc = run_cli("--config", "configs/cc.yaml", "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false")
+def test_cc_config_compacts_and_splits_rollouts_into_traces(tmp_path, shared_engine):
+    proc = run_cli("--config", "configs/cc.yaml", "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false",
+                   *shared_engine)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 3
@@ -73,9 +74,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_review_failure_table(tmp_path, case):
+def test_review_failure_table(tmp_path, case, shared_engine):
     (kind,), extra, expect = CASES[case]
-    proc = run_cli(*UPSTREAM, bad(kind), *extra, f"run_dir={tmp_path}")
+    proc = run_cli(*UPSTREAM, bad(kind), *extra, f"run_dir={tmp_path}", *shared_engine)
     tail = last_line(proc.stderr)
     if expect[0] == "ok":
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,137 @@
+"""P4 and P5: what the controller costs, in a real run and at scale.
+
+    python bench/controller_overhead.py --quick
+
+P4: a default training run (`python -m minirl.train`, real everything). Per step, overhead =
+step wall time - engine busy time (the vLLM engine stepping) - trainer time (the GRPO update);
+reported as a fraction of step time, median over the steps after the first (warm-up).
+Target <= 5% on CPU.
+
+P5: one step of G groups x 16 rollouts through the rollout manager, the ledger and the step
+assembly, in this process, with the *instant /run backend*: a benchmark-only stand-in for the
+agent pool that answers each `/run` at once with a canned, well-formed two-call episode (token
+evidence included), so everything the controller does (dispatch, validation, trace splitting,
+advantages, padding) is measured and nothing else. Not used by any test of the real path.
+Reported for 64, 256 and 1024 groups (1x, 4x, 16x): seconds and peak traced memory.
+Target at 1024 x 16: < 10 s and < 2 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def p4(steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "minirl.train", f"grpo.max_num_steps={steps}", f"run_dir={tmp}",
+             "checkpoint.enabled=false", "logger.tensorboard=false"],
+            cwd=REPO, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"P4 run failed: {proc.stderr[-2000:]}")
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    per_step = []
+    for r in rows[1:]:
+        overhead = r["step_time_s"] - r["engine_busy_s"] - r["train_time_s"]
+        per_step.append({"step": r["step"], "step_s": r["step_time_s"], "engine_s": r["engine_busy_s"],
+                         "train_s": r["train_time_s"], "sync_s": r["sync_time_s"], "overhead_s": overhead,
+                         "fraction": overhead / r["step_time_s"]})
+    for s in per_step:
+        print(f"  P4 step {s['step']}: step {s['step_s']:.2f}s = engine {s['engine_s']:.2f}s + trainer {s['train_s']:.2f}s"
+              f" + other {s['overhead_s']:.2f}s ({100 * s['fraction']:.1f}%; weight sync {s['sync_s']:.2f}s of it)", flush=True)
+    return {"fraction": statistics.median(s["fraction"] for s in per_step), "steps": per_step}
+
+
+class InstantRunBackend:
+    """Benchmark-only: answers `/run` at once with a canned two-call episode (see module doc)."""
+
+    def __init__(self, vocab: int = 512, prompt_len: int = 150, gen_len: int = 24):
+        rng = random.Random(0)
+        self.prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        self.gen = [rng.randrange(3, vocab) for _ in range(gen_len - 1)] + [2]
+        self.lps = [-0.5] * gen_len
+
+    async def __call__(self, session, url, row, timeout_s):
+        m = row["_minirl"]
+        first = {"type": "function_call", "call_id": "c0", "name": "open_door", "arguments": '{"code": 1}',
+                 "prompt_token_ids": self.prompt, "generation_token_ids": self.gen, "generation_log_probs": self.lps}
+        second_prompt = self.prompt + self.gen + self.prompt[:20]  # extends the trace
+        second = {**first, "call_id": "c1", "prompt_token_ids": second_prompt}
+        reward = ((m["group"] * 31 + m["rollout"] * 7) % 5) / 4
+        return {**row, "response": {"output": [first, second]}, "reward": reward, "evidence": {"calls": 2}}
+
+
+def p5(groups: int, rollouts: int = 16) -> dict:
+    from minirl.config import load_config
+    from minirl.controller import assemble, check_step
+    from minirl.data import prompt_row
+    from minirl.rollout.evidence import Ledger
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, [f"grpo.num_prompts_per_step={groups}", f"grpo.num_generations_per_prompt={rollouts}"])
+    events = []
+    manager = RolloutManager(cfg, ["http://instant"], events.append, vocab_size=512, post=InstantRunBackend())
+    rows = [prompt_row(cfg, 0, g) for g in range(groups)]
+
+    async def step():
+        outcomes = await manager.run_step(0, rows)
+        await manager.session.close()
+        return outcomes
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    outcomes = asyncio.run(step())
+    check_step(cfg, 0, outcomes)
+    kept = [r for o in outcomes for r in o.rollouts.values()]
+    Ledger(None).close_step(0, [], kept, version=0)
+    batch, stats = assemble(cfg, outcomes, pad_id=0)
+    seconds = time.perf_counter() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert stats["rollouts_trained"] == groups * rollouts and stats["traces_trained"] == groups * rollouts
+    return {"groups": groups, "rollouts": groups * rollouts, "seconds": seconds, "peak_mib": peak / 2**20,
+            "batch_mib": sum(v.nbytes for v in batch.values() if hasattr(v, "nbytes")) / 2**20}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="P4 over 5 steps")
+    ap.add_argument("--skip-p4", action="store_true")
+    args = ap.parse_args(argv)
+    scale = [p5(g) for g in (64, 256, 1024)]
+    for s in scale:
+        print(f"  P5 {s['groups']:>5} groups x 16: {s['seconds']:.2f}s, peak {s['peak_mib']:.0f} MiB "
+              f"(batch arrays {s['batch_mib']:.0f} MiB)", flush=True)
+    four = None if args.skip_p4 else p4(5 if args.quick else 12)
+    print()
+    print("| benchmark | measured | target |")
+    print("|---|---|---|")
+    if four:
+        print(f"| P4 controller overhead, default run (median of steps 2+) | {100 * four['fraction']:.1f}% of step time | <= 5% |")
+    for s in scale:
+        print(f"| P5 {s['groups']} groups x 16 rollouts, instant /run | {s['seconds']:.2f} s, {s['peak_mib']:.0f} MiB peak | "
+              f"{'< 10 s, < 2 GiB' if s['groups'] == 1024 else '(scaling)'} |")
+    base = scale[0]
+    print(f"\nscaling 1x -> 4x -> 16x groups: time x{scale[1]['seconds'] / base['seconds']:.1f} -> "
+          f"x{scale[2]['seconds'] / base['seconds']:.1f}, memory x{scale[1]['peak_mib'] / base['peak_mib']:.1f} -> "
+          f"x{scale[2]['peak_mib'] / base['peak_mib']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

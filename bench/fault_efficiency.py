@@ -1,0 +1,60 @@
+"""P3: the fraction of generated rollouts that reach an optimizer step, per failure policy, at
+0%, 2%, 5% and 10% injected `agent_exception` rates, on identical fault streams.
+
+    python bench/fault_efficiency.py --quick        # 4 steps per cell
+    python bench/fault_efficiency.py                # 20 steps per cell (the README's figures)
+
+A thin preset of scripts/compare_drop_budgets.py (same cells, same engine reuse): the upstream
+preset, fix 1 alone (+shrink), fix 3 alone (+redispatch) and all fixes, drop budget 5, floor
+0.75 where fix 1 allows a floor below 1, 8 groups x 4 rollouts per step. "Generated" counts the
+rollouts `/run` returned (a crashed attempt returns none); "trained" those in an optimizer step
+with mask 1. Targets at 5%: >= 0.99 with redispatch, >= 0.95 with shrink alone; upstream dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_sweep():
+    spec = importlib.util.spec_from_file_location("compare_drop_budgets", REPO / "scripts" / "compare_drop_budgets.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None, help="keep the cells here (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    sweep = load_sweep()
+    rates = (0.0, 0.02, 0.05, 0.1)
+    policies = ("upstream", "+shrink", "+redispatch", "all fixes")
+    grid = sweep.Grid(kinds=("agent_exception",), rates=rates, policies=policies, budgets=(5,), fractions=(0.75,),
+                      seeds=(0,), steps=4 if args.quick else 20, prompts=8, generations=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = sweep.run_sweep(grid, Path(args.out or tmp), fresh_engines=False)
+    print()
+    print("| policy | " + " | ".join(f"{r:.0%}" for r in rates) + " |")
+    print("|---|" + "---|" * len(rates))
+    for policy in policies:
+        cells = []
+        for rate in rates:
+            r = next(x for x in rows if x["policy"] == policy and x["rate"] == rate)
+            alive = "" if r["survived"] else f" (died at step {r['died_at_step']})"
+            cells.append(f"{r['fraction_trained']:.3f}{alive}")
+        print(f"| {policy} | " + " | ".join(cells) + " |")
+    print(f"\nP3 fraction of generated rollouts trained, agent_exception, {grid.steps} steps of 8 x 4, drop budget 5. "
+          "Targets at 5%: >= 0.99 with redispatch, >= 0.95 with shrink alone; upstream dies.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
