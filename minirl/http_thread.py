@@ -58,7 +58,12 @@ class HttpThread:
             for close in closers:
                 await close()
             await self.runner.cleanup()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:  # handlers still running (a hung /run): end them here, quietly
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
         self.run(shutdown(), timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+        self.loop.close()

@@ -152,13 +152,24 @@ def test_upstream_cc_never_redispatches(stack, base_cfg):
 
 
 @pytest.mark.parametrize("kind,cls,text", [("transport", GymTransportError, "failed in transport"),
-                                            ("timeout", RolloutTimeout, "exceeded 2.0s")])
-def test_transport_and_timeout_are_infra_with_upstream_wording(stack, base_cfg, kind, cls, text):
-    fault = {"kind": kind, "step": 0, "group": 0, "rollout": 1}
-    run = run_step(stack, policy_cfg(base_cfg, [fault], redispatch=False, rollout_timeout_s=2.0, max_consecutive_dropped_prompts=1))
-    assert run.error is None and run.outcomes[0].status == "dropped"
+                                            ("timeout", RolloutTimeout, "exceeded 6.0s")])
+def test_transport_and_timeout_end_like_lane_b(stack, base_cfg, kind, cls, text):
+    """The review table's last row under the upstream preset: budget 0 raises at the first drop;
+    budget 5 keeps going and the step falls below the floor of 4 (min_step_batch_fraction=1)."""
+    from minirl.controller import check_step
+
+    fault = {"kind": kind, "step": 0, "group": 1, "rollout": 0, "attempt": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [fault], groups=4, redispatch=False, rollout_timeout_s=6.0))
+    assert isinstance(run.error, RolloutRedispatchExhausted) and "exceeding max_consecutive_dropped_prompts=0" in str(run.error)
     (failure,) = run.failures()
     assert failure["class"] == "infra" and failure["reason"] == cls.__name__ and text in failure["error"]
+
+    cfg = policy_cfg(base_cfg, [fault], groups=4, redispatch=False, rollout_timeout_s=6.0, max_consecutive_dropped_prompts=5)
+    cfg.context_compaction.allow_step_shrink, cfg.async_rl.rollout_failure.min_step_batch_fraction = False, 1.0
+    run = run_step(stack, cfg)
+    assert run.error is None and [o.status for o in run.outcomes] == ["committed", "dropped", "committed", "committed"]
+    with pytest.raises(RuntimeError, match=r"training step 0 lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4"):
+        check_step(cfg, 0, run.outcomes)
 
 
 def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base_cfg):
@@ -210,3 +221,61 @@ def test_stall_watchdog_raises_with_what_is_in_flight(stack, base_cfg):
     assert "s0.g1.r1.a0" in str(run.error) and "stall_timeout_s=2.0" in str(run.error)
     assert elapsed < 20
     assert_invariants(run)
+
+
+BAD_RESULTS = {
+    0: ("malformed", "returned invalid JSON"),
+    1: ("nan", "Generation logprobs contain NaN"),
+    2: ("oov", "token id 9999 in generation_token_ids is out of vocabulary (size 512)"),
+    3: ("long", "trace of 1030 tokens exceeds policy.max_total_sequence_length=1024"),
+    4: ("empty", "empty episode: the /run result has no trainable model call"),
+}
+
+
+def test_bad_input_from_an_external_agent_is_data_named_and_never_trained(base_cfg):
+    """An external Gym-style agent server (`agent.external_url`) answering each group with one kind
+    of broken result: each is a DATA failure whose error names the problem; nothing is trained."""
+    from aiohttp import web
+
+    async def run_handler(request):
+        row = await request.json()
+        kind = BAD_RESULTS[row["_minirl"]["group"]][0]
+        item = {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
+                "prompt_token_ids": [1, 2, 3], "generation_token_ids": [5, 6], "generation_log_probs": [-0.1, -0.2]}
+        if kind == "malformed":
+            return web.Response(text='{"response": {"output": [', content_type="application/json")
+        if kind == "nan":
+            item["generation_log_probs"] = [-0.1, float("nan")]
+        if kind == "oov":
+            item["generation_token_ids"] = [5, 9999]
+        if kind == "long":
+            item["prompt_token_ids"] = [1] * 1028
+        output = [] if kind == "empty" else [item]
+        return web.json_response({**row, "response": {"output": output}, "reward": 1.0})
+
+    cfg = policy_cfg(base_cfg, groups=5, gens=1, max_data_attempts_per_prompt=1, max_skipped_prompts=5)
+    events = []
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/run", run_handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        m = RolloutManager(cfg, [url], events.append, VOCAB)
+        try:
+            return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(5)])
+        finally:
+            await m.session.close()
+            await runner.cleanup()
+
+    outcomes = asyncio.run(go())
+    assert [o.status for o in outcomes] == ["skipped"] * 5
+    assert all(o.rollouts == {} for o in outcomes), "nothing reaches the trainer"
+    failures = [e for e in events if e["type"] == "failure"]
+    assert sorted(e["group"] for e in failures) == list(range(5))
+    for e in failures:
+        assert e["class"] == "data" and e["decision"] == "skipped"
+        assert BAD_RESULTS[e["group"]][1] in e["error"], e

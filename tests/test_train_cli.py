@@ -68,9 +68,11 @@ CASES = {
                                  "context_compaction.allow_step_shrink=true",
                                  "async_rl.rollout_failure.min_step_batch_fraction=0.75"], ("ok", 3, 0)),
     "fix_2": (["guard_reject"], ["agent.context_history.guards.on_reject=end_episode"], ("ok", 4, 1)),
-    "transport_budget_0": (["transport"], [], ("exhausted",)),
-    "timeout_budget_5": (["timeout"], ["async_rl.rollout_failure.max_consecutive_dropped_prompts=5"], ("floor",)),
+    # issue D: fix 3 alone recovers an agent crash by re-sending the one row
+    "fix_3": (["agent_exception"], ["context_compaction.redispatch_dropped_groups=true"], ("ok", 4, 0)),
 }
+# The table's `transport` / `timeout` rows ("same outcomes as lane B") run in-process, through the
+# same servers and policy: tests/test_failure_policy.py::test_transport_and_timeout_end_like_lane_b
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -83,6 +85,8 @@ def test_review_failure_table(tmp_path, case, shared_engine):
         (row,) = metrics(tmp_path)
         assert (row["groups_trained"], row["rollouts_masked"]) == expect[1:]
         assert row["dropped_prompt_groups"] == 4 - expect[1]
+        if case == "fix_3":
+            assert row["redispatched_groups"] == 1 and row["redispatched_rows"] == 1
     elif expect[0] == "exhausted":
         assert proc.returncode != 0
         assert tail.startswith("RolloutRedispatchExhausted:") and "exceeding max_consecutive_dropped_prompts=0" in tail, tail
