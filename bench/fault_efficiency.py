@@ -6,7 +6,8 @@
 
 A thin preset of scripts/compare_drop_budgets.py (same cells, same engine reuse): the upstream
 preset, fix 1 alone (+shrink), fix 3 alone (+redispatch) and all fixes, drop budget 5, floor
-0.75 where fix 1 allows a floor below 1, 8 groups x 4 rollouts per step. "Generated" counts the
+0.75 where fix 1 allows a floor below 1; and `python -m minirl.train` as shipped ("minirl
+defaults", its own budgets). 8 groups x 4 rollouts per step. "Generated" counts the
 rollouts `/run` returned (a crashed attempt returns none); "trained" those in an optimizer step
 with mask 1. Targets at 5%: >= 0.99 with redispatch, >= 0.95 with shrink alone; upstream dies.
 """
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sweep = load_sweep()
     rates = (0.0, 0.02, 0.05, 0.1)
-    policies = ("upstream", "+shrink", "+redispatch", "all fixes")
+    policies = ("upstream", "+shrink", "+redispatch", "all fixes", "minirl defaults")
     grid = sweep.Grid(kinds=("agent_exception",), rates=rates, policies=policies, budgets=(5,), fractions=(0.75,),
                       seeds=(0,), steps=4 if args.quick else 20, prompts=8, generations=4)
     with tempfile.TemporaryDirectory() as tmp:

@@ -60,7 +60,7 @@ class Cluster:
         self.cfg, self.run_dir = cfg, run_dir
 
     def __enter__(self) -> "Cluster":
-        cfg, cl = self.cfg, self.cfg.cluster
+        cl = self.cfg.cluster
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         env = {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}
         ray.init(

@@ -133,29 +133,25 @@ class Controller:
         """Write an event from outside the step (e.g. the loop's `resumed`)."""
         self.events.write(event)
 
+    async def _engine_busy_s(self) -> float:
+        return sum([(await w.stats.remote())["busy_s"] for w in self.gen_workers])
+
     async def collect(self, step: int, version: int) -> tuple[dict, dict]:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats."""
         t0 = time.perf_counter()
-        busy0 = sum(s["busy_s"] for s in [await w.stats.remote() for w in self.gen_workers])
+        busy0 = await self._engine_busy_s()
         rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
         try:
             outcomes = await self.manager.run_step(step, rows)
-        except BaseException as exc:
-            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}",
-                               "rollout_attempts": self.manager.sends,
-                               "rollouts_generated": self.manager.returned})
-            raise
-        gen_s = time.perf_counter() - t0
-        engine_busy_s = sum(s["busy_s"] for s in [await w.stats.remote() for w in self.gen_workers]) - busy0
-        server_calls = [c for calls in [await w.take_calls.remote(step) for w in self.gen_workers] for c in calls]
-        kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
-        try:
+            gen_s = time.perf_counter() - t0
+            engine_busy_s = await self._engine_busy_s() - busy0
+            server_calls = [c for w in self.gen_workers for c in await w.take_calls.remote(step)]
             check_step(self.cfg, step, outcomes)
-        except (RuntimeError, ValueError) as exc:
+        except BaseException as exc:  # the run ends here: leave its reason and its cost in the log
             self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}",
-                               "rollout_attempts": self.manager.sends,
-                               "rollouts_generated": self.manager.returned})
+                               "rollout_attempts": self.manager.sends, "rollouts_generated": self.manager.returned})
             raise
+        kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
         ledger = self.ledger.close_step(step, server_calls, kept, version)
         batch, stats = assemble(self.cfg, outcomes, self.pad_id)
         for r in kept:

@@ -94,7 +94,7 @@ def teacher_transcripts(n: int, p_correct: float, seed: int, render) -> list[tup
     teacher = ScriptedTeacher(rng, p_correct, render)
 
     async def play():
-        for i in range(n):
+        for _ in range(n):
             env = DoorsEnv(seed=rng.randrange(2**31), num_rooms=rng.choice([1, 2, 2, 3]))
             row = {
                 "responses_create_params": {"input": env.initial_input(), "tools": TOOLS},

@@ -44,7 +44,9 @@ POLICIES = {
         "agent.context_history.guards.on_reject=end_episode",
         "context_compaction.redispatch_dropped_groups=true",
     ],
+    "minirl defaults": [],
 }
+DEFAULTS = "minirl defaults"  # no preset: `python -m minirl.train` as shipped (fixes on, its own budgets)
 SHRINKS = {"+shrink", "all fixes"}  # upstream forces the floor to 100% without fix 1
 
 COLUMNS = [
@@ -68,11 +70,24 @@ class Grid:
     generations: int
 
     def cells(self):
+        seen = set()
         for kind, rate, policy, budget, fraction, seed in itertools.product(
             self.kinds, self.rates, self.policies, self.budgets, self.fractions, self.seeds
         ):
-            frac = fraction if policy in SHRINKS else 1.0
-            yield {"kind": kind, "rate": rate, "policy": policy, "budget": budget, "fraction": frac, "seed": seed}
+            if policy == DEFAULTS:  # the shipped budgets, whatever the grid's
+                rf = _defaults().async_rl.rollout_failure
+                budget, fraction = rf.max_consecutive_dropped_prompts, rf.min_step_batch_fraction
+            frac = fraction if policy in SHRINKS | {DEFAULTS} else 1.0
+            cell = {"kind": kind, "rate": rate, "policy": policy, "budget": budget, "fraction": frac, "seed": seed}
+            if cell_id(cell) not in seen:
+                seen.add(cell_id(cell))
+                yield cell
+
+
+def _defaults():
+    from minirl.config import load_config
+
+    return load_config()
 
 
 QUICK = Grid(kinds=("guard_reject",), rates=(0.05, 0.15), policies=tuple(POLICIES), budgets=(0, 5), fractions=(0.75,),
@@ -86,14 +101,19 @@ def cell_id(c: dict) -> str:
 
 
 def cell_args(c: dict, grid: Grid, run_dir: Path, attach: str | None) -> list[str]:
-    args = [
-        "--config", str(REPO / "configs" / "upstream_pr4124.yaml"), *POLICIES[c["policy"]],
-        f"async_rl.rollout_failure.max_consecutive_dropped_prompts={c['budget']}",
-        f"async_rl.rollout_failure.min_step_batch_fraction={c['fraction']}",
+    if c["policy"] == DEFAULTS:
+        args = []
+    else:
+        args = [
+            "--config", str(REPO / "configs" / "upstream_pr4124.yaml"), *POLICIES[c["policy"]],
+            f"async_rl.rollout_failure.max_consecutive_dropped_prompts={c['budget']}",
+            f"async_rl.rollout_failure.min_step_batch_fraction={c['fraction']}",
+        ]
+    args += [
         f"faults.rate.{c['kind']}={c['rate']}", f"faults.seed={c['seed']}",
         f"grpo.max_num_steps={grid.steps}", f"grpo.num_prompts_per_step={grid.prompts}",
         f"grpo.num_generations_per_prompt={grid.generations}",
-        "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=3", "async_rl.rollout_failure.backoff_base_s=0.25",
+        "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=8", "async_rl.rollout_failure.backoff_base_s=0.25",
         "async_rl.rollout_failure.max_backoff_s=2", "checkpoint.enabled=false", "logger.tensorboard=false",
         "logger.progress=false", f"run_dir={run_dir}",
     ]
@@ -248,8 +268,9 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
     for kind in grid.kinds:
         lines += [f"## {kind}", "", "| policy | budget | floor | " + " | ".join(f"{r:.0%}" for r in grid.rates) + " |",
                   "|---|---|---|" + "---|" * len(grid.rates)]
-        for policy, budget, fraction in itertools.product(grid.policies, grid.budgets, grid.fractions):
-            frac = fraction if policy in SHRINKS else 1.0
+        combos = sorted({(r["policy"], r["budget"], r["fraction"]) for r in rows if r["kind"] == kind},
+                        key=lambda k: (list(grid.policies).index(k[0]), k[1]))
+        for policy, budget, frac in combos:
             cells = []
             for rate in grid.rates:
                 rs = [r for r in rows if r["kind"] == kind and r["rate"] == rate and r["policy"] == policy

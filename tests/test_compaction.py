@@ -1,6 +1,5 @@
 """Compaction on hand-built histories: what each schedule drops, keeps and marks."""
 
-import copy
 
 import pytest
 
