@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
 
     # minirl's path: the same actors as training
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
     gen = ray.remote(GenerationWorker).options(num_cpus=1).remote(cfg, 0, "127.0.0.1", free_port("127.0.0.1"))
     model_url = ray.get(gen.start.remote())

@@ -64,7 +64,7 @@ class Cluster:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         env = {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}
         ray.init(
-            address=cl.ray_address,
+            address=cl.ray_address or "local",  # never join a cluster that merely happens to run here
             num_cpus=cl.num_cpus if cl.ray_address is None else None,
             num_gpus=cl.num_gpus if cl.ray_address is None else None,
             include_dashboard=False,

@@ -100,7 +100,7 @@ def cell_id(c: dict) -> str:
     return f"{c['kind']}-{c['rate']}-{c['policy'].replace(' ', '_').replace('+', 'plus_')}-b{c['budget']}-f{c['fraction']}-s{c['seed']}"
 
 
-def cell_args(c: dict, grid: Grid, run_dir: Path, attach: str | None) -> list[str]:
+def cell_args(c: dict, grid: Grid, run_dir: Path, engines: "Engines | None") -> list[str]:
     if c["policy"] == DEFAULTS:
         args = []
     else:
@@ -117,8 +117,8 @@ def cell_args(c: dict, grid: Grid, run_dir: Path, attach: str | None) -> list[st
         "async_rl.rollout_failure.max_backoff_s=2", "checkpoint.enabled=false", "logger.tensorboard=false",
         "logger.progress=false", f"run_dir={run_dir}",
     ]
-    if attach:
-        args += ["cluster.ray_address=auto", f"cluster.attach_generation_workers={attach}"]
+    if engines is not None:
+        args += [f"cluster.ray_address={engines.address}", f"cluster.attach_generation_workers={engines.NAME}"]
     return args
 
 
@@ -160,24 +160,23 @@ def _died_step_generated(run_dir: Path, step: int) -> int:
 
 
 class Engines:
-    """A Ray head and one detached generation worker for the whole sweep."""
+    """The sweep's own Ray cluster (started in this process, so it ends with it) and one
+    detached generation worker that every cell attaches to."""
 
     NAME = "sweep-gen"
 
     def __enter__(self):
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-        subprocess.run(["ray", "start", "--head", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-                       check=True, capture_output=True, env=env)
         os.environ["RAY_AUTH_MODE"] = "disabled"
         import ray
 
-        from minirl.cluster import NAMESPACE, start_generation_workers
+        from minirl.cluster import ACTOR_ENV, NAMESPACE, start_generation_workers
         from minirl.config import load_config
 
-        ray.init(address="auto", namespace=NAMESPACE, logging_level="error", log_to_driver=False)
-        cfg = load_config(str(REPO / "configs" / "upstream_pr4124.yaml"))
+        ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False, logging_level="error",
+                 log_to_driver=False, runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
+        self.address = ray.get_runtime_context().gcs_address
         t0 = time.time()
-        workers = start_generation_workers(cfg, "127.0.0.1", name=self.NAME)
+        workers = start_generation_workers(load_config(str(REPO / "configs" / "upstream_pr4124.yaml")), "127.0.0.1", name=self.NAME)
         ray.get([w.start.remote() for w in workers])
         self.startup_s = time.time() - t0
         return self
@@ -185,13 +184,7 @@ class Engines:
     def __exit__(self, *exc):
         import ray
 
-        for i in range(1):
-            try:
-                ray.kill(ray.get_actor(f"{self.NAME}-{i}"))
-            except ValueError:
-                pass
-        ray.shutdown()
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        ray.shutdown()  # stops this sweep's cluster, and nothing else
 
 
 def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
@@ -208,7 +201,8 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
     for i, c in enumerate(cells):
         print(f"  {i + 1:>3}. {cell_id(c)}{'  (done)' if cell_id(c) in done else ''}", flush=True)
     new_file = not results_path.exists()
-    ctx = _NoEngines() if fresh_engines or not todo else Engines()
+    fresh_engines = fresh_engines or not todo
+    ctx = _NoEngines() if fresh_engines else Engines()
     with ctx as engines, open(results_path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         if new_file:
@@ -220,7 +214,7 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
             run_dir = out / "cells" / cell_id(c)
             t0 = time.time()
             proc = subprocess.run(
-                [sys.executable, "-m", "minirl.train", *cell_args(c, grid, run_dir, None if fresh_engines else Engines.NAME)],
+                [sys.executable, "-m", "minirl.train", *cell_args(c, grid, run_dir, None if fresh_engines else engines)],
                 capture_output=True, text=True, cwd=REPO, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
             )
             row = summarize(c, grid, run_dir, proc, time.time() - t0)

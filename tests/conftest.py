@@ -76,35 +76,22 @@ def stack(engine, tokenizer, base_cfg):
     return make
 
 
-_START_WORKER = """
-import sys, ray
-from minirl.cluster import NAMESPACE, start_generation_workers
-from minirl.config import load_config
-ray.init(address=sys.argv[1], namespace=NAMESPACE, logging_level="error", log_to_driver=False)
-ray.get([w.start.remote() for w in start_generation_workers(load_config(), "127.0.0.1", name=sys.argv[2])])
-"""
-
-
 @pytest.fixture(scope="module")
 def shared_engine():
-    """A Ray head and one detached generation worker for a module's CLI runs, which attach with
-    the returned overrides (`cluster.attach_generation_workers`) and so skip vLLM start-up."""
-    import socket
+    """A Ray cluster owned by this test process and one detached generation worker, for a
+    module's CLI runs: they attach with the returned overrides (`cluster.attach_generation_workers`)
+    and so skip vLLM start-up. Shutting Ray down here stops that cluster and nothing else."""
+    import ray
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, capture_output=True, env=env)
-    address = f"127.0.0.1:{port}"
+    from minirl.cluster import ACTOR_ENV, NAMESPACE, start_generation_workers
+
+    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False, logging_level="error",
+             log_to_driver=False, runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
     try:
-        subprocess.run([sys.executable, "-c", _START_WORKER, address, "shared-gen"], check=True, cwd=REPO_ROOT, env=env,
-                       capture_output=True, timeout=300)
-        yield [f"cluster.ray_address={address}", "cluster.attach_generation_workers=shared-gen"]
+        ray.get([w.start.remote() for w in start_generation_workers(load_config(), "127.0.0.1", name="shared-gen")])
+        yield [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", "cluster.attach_generation_workers=shared-gen"]
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env)
+        ray.shutdown()
 
 
 def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
