@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 rounds of 64 prompts")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("overrides", nargs="*", help="minirl config overrides for the pipeline, e.g. policy.generation.vllm_cfg.omp_threads=1")
     args = ap.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 7)
     n = args.prompts or (64 if args.quick else 128)
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     from minirl.generation.engine import configure_cpu_env
     from minirl.generation.worker import GenerationWorker
 
-    cfg = load_config(None, ["agent.name=simple_agent", "agent.max_steps=1"])
+    cfg = load_config(None, ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides])
     max_new = cfg.policy.generation.max_new_tokens
     rows = []
     for i in range(n):
@@ -69,6 +70,15 @@ def main(argv=None) -> int:
     params = [SamplingParams(temperature=1.0, max_tokens=max_new, seed=i, logprobs=0) for i in range(n)]
     llm = LLM(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
               enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
+
+    raw_steps = [0]
+    engine_step = llm.llm_engine.step
+
+    def counted_step():  # count raw vLLM's engine steps too, for the side-by-side line
+        raw_steps[0] += 1
+        return engine_step()
+
+    llm.llm_engine.step = counted_step
 
     def raw_round() -> tuple[int, float]:
         t0 = time.perf_counter()
@@ -98,11 +108,15 @@ def main(argv=None) -> int:
     asyncio.run(pipeline_round())
     results = []
     for k in range(rounds):
+        raw_steps[0] = 0
         rt, rs = raw_round()
+        before = ray.get(gen.stats.remote())
         pt, ps = asyncio.run(pipeline_round())
+        after = ray.get(gen.stats.remote())
+        busy, steps = after["busy_s"] - before["busy_s"], after["steps"] - before["steps"]
         results.append((rt / rs, pt / ps, rt, pt))
-        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens)   minirl {pt / ps:8.0f} tok/s ({pt} tokens)"
-              f"   ratio {pt / ps / (rt / rs):.3f}", flush=True)
+        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw_steps[0]} steps)   minirl {pt / ps:8.0f} tok/s "
+              f"({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s in {steps} steps)   ratio {pt / ps / (rt / rs):.3f}", flush=True)
     ratios = [p / r for r, p, _, _ in results]
     ray.shutdown()
     print()

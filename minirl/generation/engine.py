@@ -30,6 +30,9 @@ def configure_cpu_env(kv_cache_gb: int, omp_threads: int) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ["OMP_NUM_THREADS"] = str(omp_threads)
+    import torch
+
+    torch.set_num_threads(omp_threads)  # Ray starts actors with OMP_NUM_THREADS=num_cpus, read at torch import
 
 
 @dataclass
@@ -37,6 +40,7 @@ class GenResult:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
+    decoded: list[str | None]  # each generated token's text, as vLLM's detokenizer produced it
     text: str
     finish_reason: str
     version_start: int
@@ -74,6 +78,7 @@ class VllmEngine:
         self.max_model_len = max_model_len
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
+        self.steps = 0  # engine steps taken
         self.dead: BaseException | None = None  # set when a step fails: the engine serves no more
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, tuple[Future, int]] = {}
@@ -125,8 +130,7 @@ class VllmEngine:
         while True:
             idle = not self._pending
             try:
-                item = self._inbox.get(block=idle)
-                self._accept(*item)
+                self._accept(*self._inbox.get(block=idle))
                 while True:
                     self._accept(*self._inbox.get_nowait())
             except queue.Empty:
@@ -143,17 +147,19 @@ class VllmEngine:
                 self._pending.clear()
                 raise
             self.busy_s += time.perf_counter() - t0
+            self.steps += 1
             for out in outputs:
                 if not out.finished:
                     continue
                 fut, version = self._pending.pop(out.request_id)
                 comp = out.outputs[0]
-                logprobs = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], comp.token_ids)]
+                sampled = [lp[tok] for lp, tok in zip(comp.logprobs or [], comp.token_ids)]
                 fut.set_result(
                     GenResult(
                         prompt_token_ids=list(out.prompt_token_ids),
                         token_ids=list(comp.token_ids),
-                        logprobs=logprobs,
+                        logprobs=[lp.logprob for lp in sampled],
+                        decoded=[lp.decoded_token for lp in sampled],
                         text=comp.text,
                         finish_reason=comp.finish_reason or "stop",
                         version_start=version,

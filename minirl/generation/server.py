@@ -188,13 +188,13 @@ class ModelServer:
         logprobs = None
         if req.logprobs:
             logprobs = ChatCompletionLogProbs(
-                content=[
+                content=[  # as vLLM builds it, from the engine's own detokenized text
                     ChatCompletionLogProbsContent(
-                        token=f"token_id:{tok}" if req.return_tokens_as_token_ids else self.tokenizer.decode([tok]),
-                        logprob=lp,
-                        bytes=list(self.tokenizer.decode([tok]).encode()),
+                        token=f"token_id:{tok}" if req.return_tokens_as_token_ids else text,
+                        logprob=max(lp, -9999.0),
+                        bytes=None if text is None else list(text.encode("utf-8", errors="replace")),
                     )
-                    for tok, lp in zip(result.token_ids, result.logprobs)
+                    for tok, lp, text in zip(result.token_ids, result.logprobs, result.decoded)
                 ]
             )
         finish = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason

@@ -80,7 +80,7 @@ class GenerationWorker:
         return self.http.run(take())
 
     def stats(self) -> dict:
-        return {"busy_s": self.engine.busy_s, "tokens": self.server.tokens_generated, "version": self.engine.version}
+        return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": self.server.tokens_generated, "version": self.engine.version}
 
     def pid(self) -> int:
         return os.getpid()
