@@ -40,12 +40,11 @@ def main(argv=None) -> int:
 
     from minirl.agents.agent import chat_tools
     from minirl.agents.items import items_to_messages
-    from minirl.cluster import ACTOR_ENV, free_port
+    from minirl.cluster import ACTOR_ENV, free_port, start_generation_workers
     from minirl.config import load_config
     from minirl.data import prompt_row
     from minirl.agents.server import AgentServer
     from minirl.generation.engine import configure_cpu_env
-    from minirl.generation.worker import GenerationWorker
 
     cfg = load_config(None, ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides])
     max_new = cfg.policy.generation.max_new_tokens
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
     # minirl's path: the same actors as training
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
-    gen = ray.remote(GenerationWorker).options(num_cpus=1).remote(cfg, 0, "127.0.0.1", free_port("127.0.0.1"))
+    (gen,) = start_generation_workers(cfg, "127.0.0.1")  # as training starts it
     model_url = ray.get(gen.start.remote())
     agent = ray.remote(AgentServer).options(num_cpus=0).remote(cfg, [model_url], "127.0.0.1", free_port("127.0.0.1"))
     agent_url = ray.get(agent.start.remote())

@@ -1,8 +1,8 @@
 """P3: the fraction of generated rollouts that reach an optimizer step, per failure policy, at
 0%, 2%, 5% and 10% injected `agent_exception` rates, on identical fault streams.
 
-    python bench/fault_efficiency.py --quick        # 4 steps per cell
-    python bench/fault_efficiency.py                # 20 steps per cell (the README's figures)
+    python bench/fault_efficiency.py --quick        # the 5% rate only, 4 steps per cell
+    python bench/fault_efficiency.py                # all four rates, 20 steps per cell (the README's figures)
 
 A thin preset of scripts/compare_drop_budgets.py (same cells, same engine reuse): the upstream
 preset, fix 1 alone (+shrink), fix 3 alone (+redispatch) and all fixes, drop budget 5, floor
@@ -34,12 +34,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="keep the cells here (default: a temporary directory)")
+    ap.add_argument("--rates", help="comma-separated rates (overrides the preset)")
+    ap.add_argument("--policies", help="comma-separated policies (overrides the preset)")
+    ap.add_argument("--steps", type=int, help="steps per cell (overrides the preset)")
     args = ap.parse_args(argv)
     sweep = load_sweep()
-    rates = (0.0, 0.02, 0.05, 0.1)
+    rates = (0.05,) if args.quick else (0.0, 0.02, 0.05, 0.1)
+    rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else rates
     policies = ("upstream", "+shrink", "+redispatch", "all fixes", "minirl defaults")
+    policies = tuple(args.policies.split(",")) if args.policies else policies
     grid = sweep.Grid(kinds=("agent_exception",), rates=rates, policies=policies, budgets=(5,), fractions=(0.75,),
-                      seeds=(0,), steps=4 if args.quick else 20, prompts=8, generations=4)
+                      seeds=(0,), steps=args.steps or (4 if args.quick else 20), prompts=8, generations=4)
     with tempfile.TemporaryDirectory() as tmp:
         rows = sweep.run_sweep(grid, Path(args.out or tmp), fresh_engines=False)
     print()

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model only, 8 steps")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=5e-4)
     args = ap.parse_args(argv)
     steps = args.steps or (8 if args.quick else 20)
     from minirl.config import load_config

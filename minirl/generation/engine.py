@@ -30,9 +30,6 @@ def configure_cpu_env(kv_cache_gb: int, omp_threads: int) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ["OMP_NUM_THREADS"] = str(omp_threads)
-    import torch
-
-    torch.set_num_threads(omp_threads)  # Ray starts actors with OMP_NUM_THREADS=num_cpus, read at torch import
 
 
 @dataclass
