@@ -13,7 +13,8 @@ workers behind HTTP. Reported: median step time after the first (warm-up) step, 
 (minirl / TRL; target <= 0.7), and the mean reward of the last steps of each.
 
 The 12M variant is built on first use into `.cache/models/small-doors-32k` by
-`scripts/build_tiny_model.py --size small --pad-vocab-to 32768` (a short warm start).
+`scripts/build_tiny_model.py --size small --pad-vocab-to 32768 --sft-steps 0`: untrained, because
+its warm start would take over an hour here, so it measures step time, not learning.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def common(model: str, steps: int, prompts: int, gens: int, lr: float) -> list[s
         "--config", str(REPO / "configs" / "plain.yaml"), f"policy.model_name={model}", "agent.max_steps=1",
         "env.num_rooms=1", f"grpo.num_prompts_per_step={prompts}", f"grpo.num_generations_per_prompt={gens}",
         f"grpo.max_num_steps={steps}", f"policy.optimizer.lr={lr}", "policy.generation.max_new_tokens=48",
+        f"policy.train_micro_batch_size={prompts * gens}",  # one forward/backward per step, as TRL's batch here
         "checkpoint.enabled=false", "logger.tensorboard=false", "loss_fn.reference_policy_kl_penalty=0",
     ]
 
@@ -52,7 +54,7 @@ def run_minirl(model: str, steps: int, prompts: int, gens: int, lr: float) -> di
             raise SystemExit(f"minirl run failed: {proc.stderr[-2000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return {"step_times": [r["step_time_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows], "wall_s": wall,
-            "phases": {k: statistics.median(r[k] for r in rows[1:]) for k in ("rollout_time_s", "train_time_s", "sync_time_s")}}
+            "phases": {k: statistics.median(r[k] for r in rows[1:]) for k in ("rollout_time_s", "engine_busy_s", "train_time_s", "sync_time_s")}}
 
 
 def run_trl(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int) -> dict:
@@ -122,8 +124,10 @@ def run_trl(model: str, steps: int, prompts: int, gens: int, lr: float, threads:
 def ensure_small_model() -> str:
     if not (SMALL_MODEL / "config.json").exists():
         print(f"building the 12M variant into {SMALL_MODEL} (first use) ...", flush=True)
+        # no warm start: one SFT step of this size takes ~17 s on 2 CPU cores, so the 12M variant
+        # compares step time only (an untrained model writes all 48 tokens; reward stays ~0)
         subprocess.run([sys.executable, "scripts/build_tiny_model.py", "--out", str(SMALL_MODEL), "--size", "small",
-                        "--pad-vocab-to", "32768", "--sft-steps", "300", "--episodes", "1500"], cwd=REPO, check=True)
+                        "--pad-vocab-to", "32768", "--sft-steps", "0", "--episodes", "200"], cwd=REPO, check=True)
     return str(SMALL_MODEL)
 
 
@@ -134,14 +138,16 @@ def compare(name: str, model: str, steps: int, prompts: int, gens: int, lr: floa
     trl = run_trl(model, steps, prompts, gens, lr, threads=2)
     tail = max(1, steps // 3)
     out = {
-        "name": name, "minirl_step_s": statistics.median(mine["step_times"][1:]), "trl_step_s": statistics.median(trl["step_times"][1:]),
+        "name": name, "steps": steps, "minirl_step_s": statistics.median(mine["step_times"][1:]), "trl_step_s": statistics.median(trl["step_times"][1:]),
         "minirl_reward": statistics.mean(mine["rewards"][-tail:]), "trl_reward": statistics.mean(trl["rewards"][-tail:]),
         "minirl_reward_first": mine["rewards"][0], "trl_reward_first": trl["rewards"][0], "phases": mine["phases"],
     }
     out["ratio"] = out["minirl_step_s"] / out["trl_step_s"]
-    print(f"[{name}] minirl {out['minirl_step_s']:.2f}s/step (rollout {mine['phases']['rollout_time_s']:.2f}, "
+    print(f"[{name}] minirl {out['minirl_step_s']:.2f}s/step (rollout {mine['phases']['rollout_time_s']:.2f} of which "
+          f"vLLM stepping {mine['phases']['engine_busy_s']:.2f}, "
           f"train {mine['phases']['train_time_s']:.2f}, sync {mine['phases']['sync_time_s']:.2f}), "
-          f"TRL {out['trl_step_s']:.2f}s/step, ratio {out['ratio']:.2f}", flush=True)
+          f"TRL {out['trl_step_s']:.2f}s/step, ratio {out['ratio']:.2f}; reward minirl {out['minirl_reward_first']:.2f} -> "
+          f"{out['minirl_reward']:.2f}, TRL {out['trl_reward_first']:.2f} -> {out['trl_reward']:.2f}", flush=True)
     return out
 
 
@@ -150,18 +156,22 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model only, 8 steps")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--models", default=None, help="comma-separated: tiny, small (default: tiny with --quick, else both)")
     args = ap.parse_args(argv)
     steps = args.steps or (8 if args.quick else 20)
+    models = args.models.split(",") if args.models else (["tiny"] if args.quick else ["tiny", "small"])
     from minirl.config import load_config
 
-    results = [compare("tiny 0.46M", load_config().policy.model_name, steps, 8, 4, args.lr)]
-    if not args.quick:
+    results = []
+    if "tiny" in models:
+        results.append(compare("tiny 0.46M", load_config().policy.model_name, steps, 8, 4, args.lr))
+    if "small" in models:
         results.append(compare("small 12M / 32k vocab", ensure_small_model(), max(6, steps // 2), 8, 4, args.lr))
     print()
     print("| benchmark | minirl s/step | TRL s/step | minirl / TRL | target | reward minirl (first -> last third) | reward TRL |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| P2 vs TRL, {r['name']}, 8 prompts x 4, {steps} steps | {r['minirl_step_s']:.2f} | {r['trl_step_s']:.2f} | "
+        print(f"| P2 vs TRL, {r['name']}, 8 prompts x 4, {r['steps']} steps | {r['minirl_step_s']:.2f} | {r['trl_step_s']:.2f} | "
               f"{r['ratio']:.2f} | <= 0.7 | {r['minirl_reward_first']:.2f} -> {r['minirl_reward']:.2f} | "
               f"{r['trl_reward_first']:.2f} -> {r['trl_reward']:.2f} |")
     return 0

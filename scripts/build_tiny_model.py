@@ -153,6 +153,8 @@ def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int =
 
 
 def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int, drill_fraction: float) -> list[float]:
+    if steps == 0:  # an untrained model (bench/vs_trl.py's 12M variant)
+        return []
     rng = random.Random(seed)
     encoded = []
     for prompt, reply in examples:

@@ -90,8 +90,9 @@ def _defaults():
     return load_config()
 
 
-QUICK = Grid(kinds=("guard_reject",), rates=(0.05, 0.15), policies=tuple(POLICIES), budgets=(0, 5), fractions=(0.75,),
-             seeds=(0,), steps=5, prompts=4, generations=4)
+# ~25 s a cell, ~15 s of it process start-up: 12 cells fit the 10-minute budget; budget 5 is in DEFAULT
+QUICK = Grid(kinds=("guard_reject",), rates=(0.05, 0.15), policies=tuple(POLICIES), budgets=(0,), fractions=(0.75,),
+             seeds=(0,), steps=4, prompts=4, generations=2)  # the review's 4 groups x 2 rollouts
 # `timeout` is lane B too (INFRA, like agent_exception) but each hit costs rollout_timeout_s of wall
 # time; add it with --kinds guard_reject,agent_exception,timeout
 DEFAULT = Grid(kinds=("guard_reject", "agent_exception"), rates=(0.02, 0.05, 0.1), policies=tuple(POLICIES),
@@ -260,7 +261,7 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
              "(`max_consecutive_dropped_prompts`), the floor (`min_step_batch_fraction`, forced to 1 without "
              "fix 1), and one fault kind at one per-rollout-attempt rate from `faults.seed`. "
              "Survival: ✓, or the step the run died at. Fraction trained: rollouts that reached an optimizer step "
-             "over rollout attempts generated.", ""]
+             "over the rollouts `/run` returned (a crashed attempt returns none).", ""]
     for kind in grid.kinds:
         lines += [f"## {kind}", "", "| policy | budget | floor | " + " | ".join(f"{r:.0%}" for r in grid.rates) + " |",
                   "|---|---|---|" + "---|" * len(grid.rates)]
@@ -296,6 +297,19 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
     return plots
 
 
+# a marker and dash per policy, so that policies with equal results stay visible on top of each other
+STYLES = dict(zip(POLICIES, [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]))
+
+
+def _style(policy: str) -> dict:
+    marker, dash = STYLES[policy]
+    return {"marker": marker, "linestyle": dash, "label": policy, "alpha": 0.85, "markersize": 7}
+
+
+def _in_plot(r: dict, kind: str, policy: str, budget: int) -> bool:
+    return r["kind"] == kind and r["policy"] == policy and (r["budget"] == budget or policy == DEFAULTS)
+
+
 def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
     import matplotlib
 
@@ -307,12 +321,12 @@ def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for policy in grid.policies:
         pts = sorted((r["rate"], r["steps_completed"] / r["steps_target"], r["fraction_trained"]) for r in rows
-                     if r["kind"] == kind and r["policy"] == policy and r["budget"] == budget)
+                     if _in_plot(r, kind, policy, budget))
         if pts:
-            axes[0].plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-            axes[1].plot([100 * p[0] for p in pts], [p[2] for p in pts], marker="o", label=policy)
+            axes[0].plot([100 * p[0] for p in pts], [p[1] for p in pts], **_style(policy))
+            axes[1].plot([100 * p[0] for p in pts], [p[2] for p in pts], **_style(policy))
     axes[0].set(xlabel=f"{kind} rate per rollout attempt (%)", ylabel="steps survived / steps planned",
-                title=f"Survival ({kind}, drop budget {budget})", ylim=(-0.05, 1.05))
+                title=f"Survival ({kind}, drop budget {budget}; minirl defaults: its own)", ylim=(-0.05, 1.05))
     axes[1].set(xlabel=f"{kind} rate per rollout attempt (%)", ylabel="rollouts trained / rollouts generated",
                 title=f"Fraction trained ({kind}, drop budget {budget})", ylim=(-0.05, 1.05))
     for ax in axes:
@@ -328,13 +342,12 @@ def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
                                 ("effective_batch", "rollouts_trained", "rollouts trained per step")):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for policy in grid.policies:
-            r = next((r for r in rows if r["kind"] == kind and r["rate"] == rate and r["policy"] == policy
-                      and r["budget"] == budget), None)
+            r = next((r for r in rows if r["rate"] == rate and _in_plot(r, kind, policy, budget)), None)
             metrics = Path(r["run_dir"]) / "metrics.jsonl" if r else None
             if metrics and metrics.exists():
                 m = [json.loads(line) for line in metrics.read_text().splitlines() if line]
                 if m:
-                    ax.plot([x["step"] + 1 for x in m], [x[field] for x in m], marker="o", label=policy)
+                    ax.plot([x["step"] + 1 for x in m], [x[field] for x in m], **_style(policy))
         ax.set(xlabel="optimizer step", ylabel=ylabel, title=f"{ylabel} ({kind} at {rate:.0%}, budget {budget})",
                xlim=(0.5, grid.steps + 0.5))
         ax.grid(alpha=0.3)
