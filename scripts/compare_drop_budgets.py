@@ -133,13 +133,15 @@ def summarize(c: dict, grid: Grid, run_dir: Path, proc: subprocess.CompletedProc
     died = proc.returncode != 0
     generated = sum(r["rollouts_generated"] for r in rows)
     trained = sum(r["rollouts_trained"] for r in rows)
-    if died:  # the step that died generated rollouts too, and trained none
-        generated += _died_step_generated(run_dir, len(rows))
+    dropped = sum(r["dropped_prompt_groups"] for r in rows)
+    if died:  # the step that died generated rollouts (and dropped groups) too, and trained none
+        more_generated, more_dropped = _died_step(run_dir, len(rows))
+        generated, dropped = generated + more_generated, dropped + more_dropped
     return {
         **c, "cell": cell_id(c), "survived": not died, "died_at_step": len(rows) if died else "",
         "died_reason": (lines[-1][:240] if lines else f"exit {proc.returncode}") if died else "",
         "steps_completed": len(rows), "steps_target": grid.steps,
-        "groups_dropped": sum(r["dropped_prompt_groups"] for r in rows),
+        "groups_dropped": dropped,
         "rollouts_masked": sum(r["rollouts_masked"] for r in rows),
         "groups_redispatched": sum(r["redispatched_groups"] for r in rows),
         "rollouts_generated": generated, "rollouts_trained": trained,
@@ -150,16 +152,21 @@ def summarize(c: dict, grid: Grid, run_dir: Path, proc: subprocess.CompletedProc
     }
 
 
-def _died_step_generated(run_dir: Path, step: int) -> int:
-    """Rollout attempts sent in the step that ended the run (its `run_failed` event counts them)."""
+def _died_step(run_dir: Path, step: int) -> tuple[int, int]:
+    """(rollouts generated, groups dropped) in the step that ended the run, which wrote no
+    metrics line: its `run_failed` event counts the first, its `drop` events the second."""
     events = run_dir / "events.jsonl"
     if not events.exists():
-        return 0
+        return 0, 0
+    generated = drops = 0
     for line in events.read_text().splitlines():
         e = json.loads(line)
-        if e.get("type") == "run_failed" and e.get("step") == step:
-            return int(e.get("rollouts_generated", 0))
-    return 0
+        if e.get("step") != step:
+            continue
+        if e.get("type") == "run_failed":
+            generated = int(e.get("rollouts_generated", 0))
+        drops += e.get("type") == "drop"
+    return generated, drops
 
 
 class Engines:
