@@ -29,6 +29,7 @@ def test_two_cell_sweep_writes_csv_report_and_plots(tmp_path):
     up, fixed = rows["upstream"], rows["all fixes"]
     assert up["survived"] == "False" and up["died_at_step"] == "0"
     assert up["died_reason"].startswith("RolloutRedispatchExhausted:")
+    assert int(up["groups_dropped"]) >= 1  # counted from the dying step's events: it wrote no metrics line
     assert fixed["survived"] == "True" and fixed["steps_completed"] == "2"
     assert int(fixed["rollouts_masked"]) > 0 and float(fixed["fraction_trained"]) > float(up["fraction_trained"])
     assert (out / "report.md").exists() and len(list(out.glob("*.png"))) >= 3
