@@ -164,6 +164,18 @@ class Cluster:
         return state["next_step"]
 
 
+def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:
+    """A Ray cluster owned by this process, with detached generation workers named `name` that many
+    runs attach to (a sweep's cells, a test module's CLI runs), so each run skips vLLM start-up.
+    Returns the overrides that attach a run; `ray.shutdown()` stops this cluster and nothing else."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, namespace=NAMESPACE, include_dashboard=False,
+             logging_level="error", log_to_driver=False,
+             runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    ray.get([w.start.remote() for w in start_generation_workers(cfg, "127.0.0.1", name=name)])
+    return [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", f"cluster.attach_generation_workers={name}"]
+
+
 def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement=None, name: str | None = None) -> list:
     """Generation worker actors (restarted on death, at the same port). With `name`, they are
     detached and named `<name>-<rank>`, to outlive the driver for `attach_generation_workers`."""

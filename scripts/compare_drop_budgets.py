@@ -20,6 +20,7 @@ and PNG plots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as dt
 import itertools
@@ -103,7 +104,7 @@ def cell_id(c: dict) -> str:
     return f"{c['kind']}-{c['rate']}-{c['policy'].replace(' ', '_').replace('+', 'plus_')}-b{c['budget']}-f{c['fraction']}-s{c['seed']}"
 
 
-def cell_args(c: dict, grid: Grid, run_dir: Path, engines: "Engines | None") -> list[str]:
+def cell_args(c: dict, grid: Grid, run_dir: Path, attach: list[str]) -> list[str]:
     if c["policy"] == DEFAULTS:
         args = []
     else:
@@ -120,9 +121,7 @@ def cell_args(c: dict, grid: Grid, run_dir: Path, engines: "Engines | None") -> 
         "async_rl.rollout_failure.max_backoff_s=2", "checkpoint.enabled=false", "logger.tensorboard=false",
         "logger.progress=false", f"run_dir={run_dir}",
     ]
-    if engines is not None:
-        args += [f"cluster.ray_address={engines.address}", f"cluster.attach_generation_workers={engines.NAME}"]
-    return args
+    return args + attach
 
 
 def summarize(c: dict, grid: Grid, run_dir: Path, proc: subprocess.CompletedProcess, wall: float) -> dict:
@@ -169,32 +168,26 @@ def _died_step(run_dir: Path, step: int) -> tuple[int, int]:
     return generated, drops
 
 
-class Engines:
-    """The sweep's own Ray cluster (started in this process, so it ends with it) and one
-    detached generation worker that every cell attaches to."""
+@contextlib.contextmanager
+def shared_engines(fresh: bool):
+    """Yields the overrides that attach a cell to the sweep's one generation worker, started here
+    in the sweep's own Ray cluster (it ends with the sweep); with `fresh`, none: each cell starts
+    its own."""
+    if fresh:
+        yield []
+        return
+    import ray
 
-    NAME = "sweep-gen"
+    from minirl.cluster import start_shared_generation
+    from minirl.config import load_config
 
-    def __enter__(self):
-        os.environ["RAY_AUTH_MODE"] = "disabled"
-        import ray
-
-        from minirl.cluster import ACTOR_ENV, NAMESPACE, start_generation_workers
-        from minirl.config import load_config
-
-        ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False, logging_level="error",
-                 log_to_driver=False, runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
-        self.address = ray.get_runtime_context().gcs_address
-        t0 = time.time()
-        workers = start_generation_workers(load_config(str(REPO / "configs" / "upstream_pr4124.yaml")), "127.0.0.1", name=self.NAME)
-        ray.get([w.start.remote() for w in workers])
-        self.startup_s = time.time() - t0
-        return self
-
-    def __exit__(self, *exc):
-        import ray
-
-        ray.shutdown()  # stops this sweep's cluster, and nothing else
+    t0 = time.time()
+    try:
+        attach = start_shared_generation(load_config(str(REPO / "configs" / "upstream_pr4124.yaml")), "sweep-gen")
+        print(f"engines started once for the sweep in {time.time() - t0:.1f}s", flush=True)
+        yield attach
+    finally:
+        ray.shutdown()
 
 
 def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
@@ -211,20 +204,16 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
     for i, c in enumerate(cells):
         print(f"  {i + 1:>3}. {cell_id(c)}{'  (done)' if cell_id(c) in done else ''}", flush=True)
     new_file = not results_path.exists()
-    fresh_engines = fresh_engines or not todo
-    ctx = _NoEngines() if fresh_engines else Engines()
-    with ctx as engines, open(results_path, "a", newline="") as f:
+    with shared_engines(fresh_engines or not todo) as attach, open(results_path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         if new_file:
             writer.writeheader()
-        if getattr(engines, "startup_s", None):
-            print(f"engines started once for the sweep in {engines.startup_s:.1f}s", flush=True)
         t_sweep = time.time()
         for k, c in enumerate(todo):
             run_dir = out / "cells" / cell_id(c)
             t0 = time.time()
             proc = subprocess.run(
-                [sys.executable, "-m", "minirl.train", *cell_args(c, grid, run_dir, None if fresh_engines else engines)],
+                [sys.executable, "-m", "minirl.train", *cell_args(c, grid, run_dir, attach)],
                 capture_output=True, text=True, cwd=REPO, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
             )
             row = summarize(c, grid, run_dir, proc, time.time() - t0)
@@ -236,14 +225,6 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
             print(f"[{k + 1}/{len(todo)}] {row['cell']}: {status}, fraction trained {row['fraction_trained']}, "
                   f"{row['wall_s']}s (eta {eta / 60:.1f} min)", flush=True)
     return [_typed(done[cell_id(c)]) for c in cells]
-
-
-class _NoEngines:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _typed(row: dict) -> dict:

@@ -8,7 +8,6 @@ import copy
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -83,13 +82,10 @@ def shared_engine():
     and so skip vLLM start-up. Shutting Ray down here stops that cluster and nothing else."""
     import ray
 
-    from minirl.cluster import ACTOR_ENV, NAMESPACE, start_generation_workers
+    from minirl.cluster import start_shared_generation
 
-    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False, logging_level="error",
-             log_to_driver=False, runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
     try:
-        ray.get([w.start.remote() for w in start_generation_workers(load_config(), "127.0.0.1", name="shared-gen")])
-        yield [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", "cluster.attach_generation_workers=shared-gen"]
+        yield start_shared_generation(load_config(), "shared-gen")
     finally:
         ray.shutdown()
 

@@ -290,6 +290,26 @@ def test_cluster_short_of_gpus_fails_at_the_deadline_and_cleans_up(fake_slurm):
     print(f"deadline path: {elapsed:.1f}s")
 
 
+@pytest.mark.slow
+def test_container_mode_runs_the_driver_under_srun_and_keeps_its_exit_status(fake_slurm):
+    """With MINIRL_CONTAINER every srun gets --container-image, and the driver (which needs the
+    container's Ray) runs on the head through `srun --overlap`; its exit status is the job's."""
+    res, elapsed = fake_slurm.run(timeout=120, MINIRL_READY_TIMEOUT_S="60", MINIRL_CONTAINER="nvcr.io#org/img:1",
+                                  MINIRL_DRIVER_CMD='echo "DRIVER AT $MINIRL_RAY_ADDRESS ON $FAKE_NODE"; exit 7')
+    diag = fake_slurm.diagnostics(res.stdout, res.stderr)
+    assert res.returncode == 7, diag
+    assert f"DRIVER AT 127.0.0.1:{fake_slurm.port} ON node-a" in res.stdout, diag
+    calls = fake_slurm.srun_calls()
+    assert len(calls) == 3, calls
+    assert all(" --container-image=nvcr.io#org/img:1 " in call for call in calls), [c[:200] for c in calls]
+    driver_calls = [call for call in calls if """\\ndriver "$@"' driver """ in call]
+    assert len(driver_calls) == 1 and driver_calls[0].startswith("--overlap --nodes=1 --ntasks=1 -w node-a "), calls
+    assert (fake_slurm.log_dir / "ENDED").exists()
+    assert fake_slurm.stop_calls() == ["stop node-a", "stop node-b"]
+    assert fake_slurm.ray_processes_left() == []
+    print(f"container mode: {elapsed:.1f}s")
+
+
 def test_sbatch_script_parses_and_passes_shellcheck():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     assert os.access(SCRIPT, os.X_OK)
