@@ -67,7 +67,7 @@ class InstantRunBackend:
         self.gen = [rng.randrange(3, vocab) for _ in range(gen_len - 1)] + [2]
         self.lps = [-0.5] * gen_len
 
-    async def __call__(self, session, url, row, timeout_s):
+    async def __call__(self, session, url, row):
         m = row["_minirl"]
         first = {"type": "function_call", "call_id": "c0", "name": "open_door", "arguments": '{"code": 1}',
                  "prompt_token_ids": self.prompt, "generation_token_ids": self.gen, "generation_log_probs": self.lps}

@@ -13,40 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
 
 from minirl.config import FaultsConfig
-
-ROLLOUT_HEADER = "X-Minirl-Rollout"
-"""HTTP header carrying a model call's coordinates (`s0.g1.r0.a0.c2`) from the agent to the model server."""
-
-
-@dataclass(frozen=True)
-class Coords:
-    """Where a rollout attempt sits: step, group (dispatch order), rollout in group, attempt of it."""
-
-    step: int
-    group: int
-    rollout: int
-    attempt: int
-
-    @property
-    def key(self) -> str:
-        return f"s{self.step}.g{self.group}.r{self.rollout}.a{self.attempt}"
-
-    @classmethod
-    def from_key(cls, key: str) -> "Coords":
-        s, g, r, a = (int(p[1:]) for p in key.split("."))
-        return cls(s, g, r, a)
-
-    def as_dict(self) -> dict:
-        return {"step": self.step, "group": self.group, "rollout": self.rollout, "attempt": self.attempt}
-
-
-def parse_call_key(key: str) -> tuple[Coords, int]:
-    """`s0.g1.r0.a0.c2` -> (Coords(0, 1, 0, 0), 2)."""
-    *coords, call = key.split(".")
-    return Coords.from_key(".".join(coords)), int(call[1:])
+from minirl.wire import Coords
 
 
 def _uniform(seed: int, kind: str, c: Coords) -> float:
@@ -79,7 +48,3 @@ class FaultPlan:
 
     def fires(self, kind: str, c: Coords, call: int) -> bool:
         return self.call_of(kind, c) == call
-
-    @property
-    def active(self) -> bool:
-        return bool(self.cfg.inject) or any(p > 0 for p in self.cfg.rate.values())

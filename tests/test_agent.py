@@ -77,7 +77,7 @@ def test_lane_a_overflow_is_an_empty_reply_and_a_200(stack, base_cfg):
 
     (status, body), calls = asyncio.run(go())
     assert status == 200
-    assert body["evidence"]["capture_failed"] and body["evidence"]["end_reason"] == "model_call_failed"
+    assert body["evidence"]["capture_failed"] and body["evidence"]["end_reason"] == "context_length"
     last = body["response"]["output"][-1]
     assert last["type"] == "message" and "generation_token_ids" not in last
     assert "maximum context length" in body["evidence"]["errors"][0]

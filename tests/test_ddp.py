@@ -16,7 +16,7 @@ import pytest
 from minirl.config import load_config
 from minirl.controller import assemble
 from minirl.data import prompt_row
-from minirl.faults import Coords
+from minirl.wire import Coords
 from minirl.rollout.evidence import parse_rollout
 from minirl.rollout.manager import GroupOutcome
 

@@ -7,9 +7,8 @@ import pytest
 
 from minirl.config import MinirlConfig
 from minirl.controller import assemble, check_step
-from minirl.faults import Coords
 from minirl.rollout.evidence import Call, parse_rollout, split_traces
-from minirl.rollout.failures import RolloutDataFailure
+from minirl.wire import Coords, RolloutDataFailure
 from minirl.rollout.manager import GroupOutcome
 
 C = Coords(0, 0, 0, 0)

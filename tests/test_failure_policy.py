@@ -14,7 +14,7 @@ import pytest
 from minirl.config import FaultSpec
 from minirl.data import prompt_row
 from minirl.rollout.evidence import Ledger
-from minirl.rollout.failures import (
+from minirl.wire import (
     GymTransportError,
     RolloutDataFailure,
     RolloutRedispatchExhausted,

@@ -5,7 +5,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from minirl.rollout.failures import (
+from minirl.wire import (
     DATA,
     INFRA,
     GenerationUnavailable,

@@ -3,13 +3,15 @@
 
 Loop: [compact on schedule] -> [guard] -> model call -> tool calls -> ... -> verify.
 It ends when a reply is cut off (`finish_reason == "length"`), has no tool call, the environment is
-done, `max_steps` calls were made, a model call failed (lane A: the overflow reply carries no
-tokens), or the guard rejected a call under `on_reject=end_episode` (fix 2).
+done, `max_steps` calls were made, the model refused an over-long prompt (lane A: the overflow reply
+carries no tokens), or the guard rejected a call under `on_reject=end_episode` (fix 2). Any other
+model error is not absorbed, as in Gym's `simple_agent`: it fails the episode (HTTP 500, INFRA).
 
 Invariant: the response's output holds every item the episode produced, in order, with each model
 call's token evidence on exactly one item; `evidence.capture_failed` is true iff some model call
 produced no tokens, so the trainer masks that rollout; an error that keeps the agent from
-returning (guard `raise`, a lost model server, an injected agent fault) propagates as an exception.
+returning (guard `raise`, a model error, a lost model server, an injected agent fault) propagates
+as an exception.
 """
 
 from __future__ import annotations
@@ -22,11 +24,8 @@ from minirl.agents import compaction
 from minirl.agents.env import DoorsEnv, verify
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import AgentConfig
-from minirl.faults import Coords, FaultPlan
-
-
-class ContextGuardRejected(RuntimeError):
-    """The context guard refused a model call (upstream raises RuntimeError with this text)."""
+from minirl.faults import FaultPlan
+from minirl.wire import ContextGuardRejected, Coords
 
 
 class InjectedAgentFault(RuntimeError):
@@ -35,7 +34,7 @@ class InjectedAgentFault(RuntimeError):
 
 @dataclass
 class ModelReply:
-    """One model call's outcome. `evidence` is None when the call produced no tokens."""
+    """One model call's outcome. `evidence` is None when the call produced no tokens (lane A)."""
 
     message: dict
     finish_reason: str
@@ -83,7 +82,7 @@ async def run_episode(
     """Run one `/run` row to completion; returns the row plus `response`, `reward` and `evidence`."""
     params = row["responses_create_params"]
     task = row["task"]
-    coords = Coords(**{k: row["_minirl"][k] for k in ("step", "group", "rollout", "attempt")}) if "_minirl" in row else None
+    coords = Coords.from_row(row)
     env = DoorsEnv(task["seed"], task["num_rooms"])
     tools = chat_tools(params.get("tools", []))
     sampling = {k: params[k] for k in ("temperature", "top_p", "max_output_tokens", "seed") if k in params}
@@ -125,7 +124,7 @@ async def run_episode(
         if fault("agent_exception", call):
             raise InjectedAgentFault(f"injected agent_exception after call {call} of {coords.key}")
         if reply.evidence is None:
-            ev.capture_failed, ev.end_reason = True, "model_call_failed"
+            ev.capture_failed, ev.end_reason = True, "context_length"
             ev.errors.append(reply.error or "model call produced no tokens")
             break
         prefix = reply.evidence["prompt_token_ids"] + reply.evidence["generation_token_ids"]
@@ -146,7 +145,7 @@ async def run_episode(
         await asyncio.sleep(0)
 
     reward = verify(task, output)
-    status = "incomplete" if ev.end_reason in ("length", "model_call_failed", "guard_reject") else "completed"
+    status = "incomplete" if ev.end_reason in ("length", "context_length", "guard_reject") else "completed"
     response = {
         "id": new_id("resp"),
         "object": "response",

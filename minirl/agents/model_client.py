@@ -3,20 +3,22 @@
 Like Gym's model proxy, it asks for `logprobs=true, top_logprobs=0` and token ids, and maps
 vLLM's HTTP 400 for an over-long prompt to an empty reply with `finish_reason="length"` (lane A).
 
-Invariant: an HTTP error *answered* by the model server becomes a failed call (a reply without
-token evidence: the agent ends the episode and the rollout is masked); a server that cannot be
-reached raises GenerationUnavailable, which fails the whole `/run` (INFRA, retried upstream).
+Invariant: only the context-length 400 becomes a failed call (a reply without token evidence:
+the agent ends the episode and the rollout is masked, lane A). Any other HTTP error answered by the
+model server raises ModelCallFailed carrying that status, whatever the body (JSON or plain text),
+so a 4xx stays DATA and a 5xx INFRA; a server that cannot be reached raises GenerationUnavailable.
+Either fails the whole `/run`, as in Gym's `simple_agent`.
 """
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import aiohttp
 
 from minirl.agents.agent import ModelReply
-from minirl.faults import ROLLOUT_HEADER
-from minirl.rollout.failures import GenerationUnavailable
+from minirl.wire import ROLLOUT_HEADER, GenerationUnavailable, ModelCallFailed
 
 LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
 
@@ -30,13 +32,28 @@ class HttpModelClient:
         rollout = key.rsplit(".", 1)[0]
         return self.urls[zlib.crc32(rollout.encode()) % len(self.urls)]
 
-    async def _post(self, url: str, path: str, body: dict, key: str | None) -> tuple[int, dict]:
+    async def _post(self, url: str, path: str, body: dict, key: str | None) -> tuple[int, dict | str]:
+        """(status, parsed JSON body, or the raw text when the body is not JSON)."""
         headers = {ROLLOUT_HEADER: key} if key and key.startswith("s") else {}
         try:
             async with self.session.post(url + path, json=body, headers=headers) as resp:
-                return resp.status, await resp.json(content_type=None)
+                status, raw = resp.status, await resp.text(errors="replace")
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
             raise GenerationUnavailable(f"model server {url} unreachable: {exc!r}") from exc
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            if status == 200:
+                raise ModelCallFailed(f"model server {url}{path} answered 200 with a body that is not JSON", 502) from None
+            return status, raw
+
+    @staticmethod
+    def _error(status: int, data, what: str) -> ModelCallFailed:
+        message = data
+        if isinstance(data, dict):
+            err = data.get("error")
+            message = err.get("message", str(err)) if isinstance(err, dict) else str(err if err is not None else data)
+        return ModelCallFailed(f"{what} failed with HTTP {status}: {str(message)[:2000]}", status)
 
     async def chat(self, messages, tools, params, key, required_prefix) -> ModelReply:
         body = {
@@ -61,10 +78,10 @@ class HttpModelClient:
             body["required_prefix_token_ids"] = required_prefix
         status, data = await self._post(self._url(key), "/v1/chat/completions", body, key)
         if status != 200:
-            message = (data.get("error") or {}).get("message", str(data)) if isinstance(data, dict) else str(data)
-            if status == 400 and any(m in message for m in LANE_A_MARKERS):
-                return ModelReply({"content": ""}, "length", None, f"context_length: {message}")
-            return ModelReply({"content": ""}, "error", None, f"HTTP {status}: {message}")
+            error = self._error(status, data, "model call")
+            if status == 400 and any(m in str(error) for m in LANE_A_MARKERS):
+                return ModelReply({"content": ""}, "length", None, f"context_length: {error}")
+            raise error
         choice = data["choices"][0]
         evidence = {
             "prompt_token_ids": data["prompt_token_ids"],
@@ -79,5 +96,5 @@ class HttpModelClient:
             body["tools"] = tools
         status, data = await self._post(self.urls[0], "/tokenize", body, None)
         if status != 200:
-            raise GenerationUnavailable(f"/tokenize failed with HTTP {status}: {data}")
+            raise self._error(status, data, "/tokenize")
         return data["count"]

@@ -4,7 +4,9 @@ Request: a row (`responses_create_params`, `agent_ref`, `_rowidx`, `task`, and m
 `_minirl` coordinates). Response: the row plus `response` (Responses output items carrying each
 model call's token ids and logprobs), `reward` and the agent's `evidence`.
 
-As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`. An
+As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`, in a
+typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
+4xx) answers 400 instead, so it stays DATA. An
 unknown `agent_ref.name` is a 404 and a body over `agent.max_request_bytes` a 413, never a 500.
 The HTTP-layer fault sites fire here: `timeout` (the answer never comes in time), `transport`
 (the connection drops mid-response), `bad_output` (a malformed 200) and `agent_kill` (the server's
@@ -28,7 +30,8 @@ from aiohttp import web
 from minirl.agents.agent import run_episode
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
-from minirl.faults import Coords, FaultPlan
+from minirl.faults import FaultPlan
+from minirl.wire import Coords, run_error_body, run_error_status
 from minirl.http_thread import HttpThread
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")
@@ -95,7 +98,7 @@ class AgentServer:
         if name not in self.agents:
             return web.json_response({"error": f"unknown agent_ref name {name!r}; known: {list(self.agents)}"}, status=404)
 
-        coords = Coords(**{k: row["_minirl"][k] for k in ("step", "group", "rollout", "attempt")}) if "_minirl" in row else None
+        coords = Coords.from_row(row)
         fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords) is not None)
         self.in_flight += 1
         try:
@@ -107,8 +110,8 @@ class AgentServer:
                 result = await run_episode(row, self.agents[name], self.client, self.plan)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Gym's error middleware: any agent exception is a 500
-                return web.json_response({"error": repr(exc)}, status=500)
+            except Exception as exc:  # Gym's error middleware: an agent exception is a 500 (data's: 400)
+                return web.json_response(run_error_body(exc), status=run_error_status(exc))
             body = json.dumps(result).encode()
             if fires("bad_output"):
                 return web.Response(body=body[: len(body) // 2], status=200, content_type="application/json")

@@ -38,7 +38,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
 
-from minirl.faults import ROLLOUT_HEADER, FaultPlan, parse_call_key
+from minirl.faults import FaultPlan
+from minirl.wire import ROLLOUT_HEADER, parse_call_key
 from minirl.generation.chat_format import parse_reply, splice_prefix
 
 

@@ -3,12 +3,14 @@
 A `/run` result carries, per model call, `prompt_token_ids`, `generation_token_ids` and
 `generation_log_probs` on one output item. A call whose prompt starts with the previous call's
 prompt + generation extends that trace (append-compatible); any other call (the agent rewrote its
-history) starts a new physical trace. Each trace is one training sequence whose loss mask covers
+history) starts a new physical trace under context compaction, and is upstream's "Non-contiguous
+messages found!" failure without it. Each trace is one training sequence whose loss mask covers
 only generated tokens; every trace of a rollout carries that rollout's advantage and identity.
 
 Invariant: `parse_rollout` either returns a rollout whose traces hold exactly the result's
-generated tokens, in order, each once, or raises RolloutDataFailure naming what is wrong; and the
-Ledger lets only a committed attempt's calls reach the optimizer, retiring the rest as a unit.
+generated tokens, in order, each once, with a float32-finite reward and finite logprobs <= 0, or
+raises RolloutDataFailure naming the field that is wrong; and the Ledger lets only a committed
+attempt's calls reach the optimizer, retiring the rest as a unit.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minirl.faults import Coords
-from minirl.rollout.failures import RolloutDataFailure
+from minirl.wire import Coords, RolloutDataFailure
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -56,10 +59,17 @@ class Rollout:
         return 0 if self.mask_reason else 1
 
 
-def split_traces(calls: list[Call]) -> list[Trace]:
+def split_traces(calls: list[Call], allow_rewrites: bool = True) -> list[Trace]:
+    """Calls -> physical traces. Without `allow_rewrites` (no context compaction) every call must
+    extend the previous one, as upstream asserts."""
     traces: list[Trace] = []
-    for c in calls:
+    for i, c in enumerate(calls):
         last = traces[-1] if traces else None
+        if last is not None and not allow_rewrites and c.prompt[: len(last.tokens)] != last.tokens:
+            raise RolloutDataFailure(
+                f"Non-contiguous messages found! Model call {i} does not extend the previous call's prompt and "
+                "reply; only a context-compaction run may rewrite its history"
+            )
         if last is not None and c.prompt[: len(last.tokens)] == last.tokens:
             gap = len(c.prompt) - len(last.tokens)  # tool output and template between the calls
             last.tokens = c.prompt + c.gen
@@ -81,15 +91,20 @@ def _int_list(value, what: str, vocab_size: int) -> list[int]:
     return value
 
 
-def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, overlong_filtering: bool) -> Rollout:
-    """Validate a `/run` result and turn it into a Rollout. Raises RolloutDataFailure."""
+def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, overlong_filtering: bool,
+                  allow_rewrites: bool = True) -> Rollout:
+    """Validate a `/run` result and turn it into a Rollout. Raises RolloutDataFailure.
+
+    The rollout is truncated (and masked under `overlong_filtering`) when one of its traces
+    reaches `max_len` tokens, as upstream marks it; a reply cut by the per-call cap is not."""
     if not isinstance(result, dict):
         raise RolloutDataFailure("malformed /run result: not a JSON object")
     response, reward = result.get("response"), result.get("reward")
     if not isinstance(response, dict) or not isinstance(response.get("output"), list):
         raise RolloutDataFailure("malformed /run result: missing response.output")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise RolloutDataFailure(f"malformed /run result: reward must be a finite number, got {reward!r}")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) \
+            or abs(reward) > FLOAT32_MAX:
+        raise RolloutDataFailure(f"malformed /run result: reward must be a finite number within float32 range, got {reward!r}")
     evidence = result.get("evidence") if isinstance(result.get("evidence"), dict) else {}
 
     calls: list[Call] = []
@@ -108,18 +123,20 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
             raise RolloutDataFailure("malformed /run result: generation_log_probs must be one number per generated token")
         if any(map(math.isnan, lps)):
             raise RolloutDataFailure("Generation logprobs contain NaN")
+        if lps and not (max(lps) <= 0.0 and min(lps) > -math.inf):
+            bad = next(x for x in lps if not -math.inf < x <= 0.0)
+            raise RolloutDataFailure(f"malformed /run result: generation_log_probs must be finite and <= 0, got {bad!r}")
         if gen:
             calls.append(Call(prompt, gen, list(map(float, lps))))
-    # a reply cut off by the length cap (Gym reports it as max_output_tokens)
-    truncated = (response.get("incomplete_details") or {}).get("reason") in ("length", "max_output_tokens")
     if not calls and not capture_failed:
         raise RolloutDataFailure("empty episode: the /run result has no trainable model call")
-    traces = split_traces(calls)
+    traces = split_traces(calls, allow_rewrites)
     for t in traces:
         if len(t.tokens) > max_len:
             raise RolloutDataFailure(
                 f"trace of {len(t.tokens)} tokens exceeds policy.max_total_sequence_length={max_len}"
             )
+    truncated = any(len(t.tokens) >= max_len for t in traces)
     mask_reason = "capture_failed" if capture_failed else ("overlong" if truncated and overlong_filtering else None)
     return Rollout(coords, float(reward), calls, traces, capture_failed, truncated, evidence, mask_reason)
 
@@ -148,32 +165,39 @@ class Ledger:
     def _attempt_key(record: dict) -> tuple:
         return (record["step"], record["group"], record["rollout"], record["attempt"])
 
-    def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int) -> Counter:
+    def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int,
+                   recorded: bool = True) -> Counter:
         """Check the committed rollouts against the server's record, retire the rest, persist.
 
-        Raises RuntimeError if a trained call is missing from (or differs from) the record of its
-        own attempt, or was generated under another policy version than the step's.
+        `recorded`: the rollouts came from minirl's own agents, whose calls carry the rollout header,
+        so the servers recorded every one of them. Then a committed call missing from its attempt's
+        record fails the check: when the record is short (a restarted server lost its log) the
+        rollout is masked (`unrecorded_calls`) and counted in `calls_unrecorded`; when the record
+        is complete and still lacks the call, or a call ran under another policy version than the
+        step's, it raises RuntimeError.
         """
         by_attempt: dict[tuple, list[dict]] = {}
         for rec in server_calls:
             by_attempt.setdefault(self._attempt_key(rec), []).append(rec)
-        committed = {(r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt): r for r in rollouts}
         counts: Counter = Counter()
+        for r in rollouts if recorded else []:
+            key = (r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt)
+            seen = [(c.get("prompt_token_ids"), c.get("generation_token_ids")) for c in by_attempt.get(key, []) if c.get("status") == 200]
+            missing = [c for c in r.calls if (c.prompt, c.gen) not in seen]
+            if not missing:
+                continue
+            if len(seen) >= len(r.calls):
+                raise RuntimeError(
+                    f"ledger mismatch: a trained call of attempt {r.coords.key} is not in the generation server's record "
+                    "of that attempt"
+                )
+            counts["calls_unrecorded"] += len(missing)
+            r.mask_reason = r.mask_reason or "unrecorded_calls"
+        committed = {(r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt): r for r in rollouts}
         lines = []
         for key, recs in sorted(by_attempt.items()):
             rollout = committed.get(key)
-            if rollout is None:
-                status = "retired"
-            else:
-                status = "masked" if rollout.sample_mask == 0 else "trained"
-                recorded = [(r.get("prompt_token_ids"), r.get("generation_token_ids")) for r in recs if r.get("status") == 200]
-                missing = [c for c in rollout.calls if (c.prompt, c.gen) not in recorded]
-                if missing and len(recorded) >= len(rollout.calls):
-                    raise RuntimeError(
-                        f"ledger mismatch: a trained call of attempt {Coords(*key).key} is not in the generation "
-                        "server's record of that attempt"
-                    )
-                counts["calls_unrecorded"] += len(missing)  # a restarted server lost its log
+            status = "retired" if rollout is None else ("masked" if rollout.sample_mask == 0 else "trained")
             for rec in recs:
                 versions = {rec.get("version_start"), rec.get("version_end")} - {None}
                 if status in ("trained", "masked") and versions and versions != {version}:

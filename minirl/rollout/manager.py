@@ -6,12 +6,15 @@ Per group (NeMo-RL's `generate_and_push`, plus minirl's fixes):
   `max_infra_attempts_per_prompt` attempts; then the group is dropped, and more than
   `max_consecutive_dropped_prompts` drops with no commit in between raise RolloutRedispatchExhausted;
 - a DATA failure is retried without backoff up to `max_data_attempts_per_prompt`, then skipped
-  within `max_skipped_prompts`, or re-raised;
+  within `max_skipped_prompts` (past it, upstream's skip-budget error), or re-raised unchanged at 0;
 - within a group attempt, a row that failed with INFRA is re-sent alone, up to
   `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch);
+- `nemo_gym.rollout_timeout_s` is one deadline per group attempt, row re-sends included (upstream's
+  "NeMo-Gym prompt group exceeded {s}s"); rows that came back before it keep their results;
 - under context compaction with `redispatch_dropped_groups=false` (upstream), nothing is re-sent:
   the first failure drops the group (INFRA) or goes straight to skip-or-raise (DATA);
-- a group whose rollouts are all masked has no valid owner and is dropped;
+- a group whose rollouts are all masked has no valid owner: under CC it is dropped, with that
+  reason, against the same consecutive-drop budget; without CC it trains with zero loss (upstream);
 - cancellation is never retried; it propagates after the reservations are released.
 
 Invariant: a group's outcome holds only rollouts whose own `/run` succeeded and validated; every
@@ -31,17 +34,21 @@ import aiohttp
 
 from minirl.config import FAULT_KINDS, MinirlConfig
 from minirl.data import sampling_seed
-from minirl.faults import Coords, FaultPlan
+from minirl.faults import FaultPlan
 from minirl.rollout.evidence import Rollout, parse_rollout
-from minirl.rollout.failures import (
+from minirl.wire import (
+    Coords,
     INFRA,
     GymTransportError,
+    ERROR_BODY_LIMIT,
     RolloutDataFailure,
+    RolloutFailure,
     RolloutRedispatchExhausted,
     RolloutStall,
     RolloutTimeout,
     classify,
     http_class,
+    parse_error_body,
 )
 
 Emit = Callable[[dict], None]
@@ -64,21 +71,20 @@ class GroupOutcome:
         return self.group_attempts > 1 or self.row_retries > 0
 
 
-async def post_run(session: aiohttp.ClientSession, url: str, row: dict, timeout_s: float | None) -> dict:
-    """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording)."""
-    what = f"NeMo-Gym /run for {Coords(**{k: row['_minirl'][k] for k in ('step', 'group', 'rollout', 'attempt')}).key}"
+async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
+    """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording). The error body's
+    typed `type` field travels on the failure as `error_type`."""
+    what = f"NeMo-Gym /run for {Coords.from_row(row).key}"
     try:
-        async with asyncio.timeout(timeout_s):
-            async with session.post(url + "/run", json=row) as resp:
-                status, body = resp.status, await resp.read()
-    except TimeoutError as exc:
-        raise RolloutTimeout(f"{what} exceeded {timeout_s}s") from exc
+        async with session.post(url + "/run", json=row) as resp:
+            status, body = resp.status, await resp.read()
     except (aiohttp.ClientError, ConnectionError) as exc:
         raise GymTransportError(f"{what} failed in transport: {exc!r}") from exc
     if status != 200:
-        error = body[:400].decode(errors="replace")
+        error, error_type = parse_error_body(body)
         message = f"NeMo-Gym /run failed with HTTP {status}: {error}"
-        raise GymTransportError(message) if http_class(status) == INFRA else RolloutDataFailure(message)
+        cls = GymTransportError if http_class(status) == INFRA else RolloutDataFailure
+        raise cls(message, error_type)
     try:
         return json.loads(body)
     except ValueError as exc:
@@ -189,7 +195,7 @@ class RolloutManager:
                     await self.sleep(delay)
                     continue
                 self._failed(failures, kind, "dropped", group_attempt=gid)
-                return self._drop(step, group, out, infra, exc)
+                return self._drop(step, group, out, exc, self._exhausted_message(group, infra, exc))
             data += 1
             if self.can_redispatch and data < self.rf.max_data_attempts_per_prompt:
                 self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=gid)
@@ -200,49 +206,74 @@ class RolloutManager:
                 out.status, out.reason, out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
                 return out
             self._failed(failures, kind, "raised", group_attempt=gid)
-            raise exc
+            if self.rf.max_skipped_prompts == 0:
+                raise exc  # upstream: at a zero skip budget the original failure propagates unchanged
+            raise RolloutDataFailure(
+                f"skipped {self.skipped} prompts and this one also exhausted its data budget, exceeding "
+                f"max_skipped_prompts={self.rf.max_skipped_prompts}; the dataset or sequence-length configuration "
+                "is likely wrong"
+            ) from exc
 
-        if all(r.sample_mask == 0 for r in out.rollouts.values()):
-            # upstream: a group with no valid owner is dropped the same way
-            return self._drop(step, group, out, infra, RolloutDataFailure("every rollout of the group is masked (no valid owner)"))
+        if self.cfg.context_compaction.enabled and all(r.sample_mask == 0 for r in out.rollouts.values()):
+            # upstream under CC: a group with no valid owner is dropped, against the same budget
+            reasons = sorted({r.mask_reason for r in out.rollouts.values()})
+            exc = RolloutDataFailure(f"no valid owner: every rollout of the group is masked ({', '.join(reasons)})")
+            message = (f"prompt idx={group} has no valid owner (every rollout masked: {', '.join(reasons)}), and this was "
+                       f"drop {self.consecutive_drops + 1} with no rollout committed in between, exceeding "
+                       f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}")
+            return self._drop(step, group, out, exc, message)
         self.consecutive_drops = 0
         return out
 
-    def _drop(self, step: int, group: int, out: GroupOutcome, attempts: int, exc: BaseException) -> GroupOutcome:
+    def _exhausted_message(self, group: int, attempts: int, exc: BaseException) -> str:
+        return (
+            f"prompt idx={group} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
+            f"(max_infra_attempts_per_prompt={self.rf.max_infra_attempts_per_prompt}), and this was drop "
+            f"{self.consecutive_drops + 1} with no rollout committed in between, exceeding "
+            f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}; the generation fleet is not "
+            f"recovering. Last failure was {type(exc).__name__}: {exc}"
+        )
+
+    def _drop(self, step: int, group: int, out: GroupOutcome, exc: BaseException, exhausted: str) -> GroupOutcome:
+        """Charge a drop to the run-scoped budget; past it, raise `exhausted`, chained to `exc`."""
         self.consecutive_drops += 1
-        budget = self.rf.max_consecutive_dropped_prompts
-        over = self.consecutive_drops > budget
+        over = self.consecutive_drops > self.rf.max_consecutive_dropped_prompts
         self.emit({"type": "drop", "step": step, "group": group, "reason": f"{type(exc).__name__}: {exc}",
                    "consecutive_drops": self.consecutive_drops, "decision": "raised" if over else "dropped"})
         if over:
-            raise RolloutRedispatchExhausted(
-                f"prompt idx={group} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
-                f"(max_infra_attempts_per_prompt={self.rf.max_infra_attempts_per_prompt}), and this was drop "
-                f"{self.consecutive_drops} with no rollout committed in between, exceeding "
-                f"max_consecutive_dropped_prompts={budget}; the generation fleet is not recovering. "
-                f"Last failure was {type(exc).__name__}: {exc}"
-            )
+            raise RolloutRedispatchExhausted(exhausted) from exc
         out.status, out.reason, out.rollouts = "dropped", f"{type(exc).__name__}: {exc}", {}
         return out
 
     def _failed(self, failures, kind: str, decision: str, **extra) -> None:
         for coords, exc in failures:
-            self.guard_rejections += "ContextGuardRejected" in str(exc)
-            self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
-                       "error": str(exc)[:300], "decision": decision, **extra})
+            self._failure_event(coords, kind, exc, decision, **extra)
+
+    def _failure_event(self, coords: Coords, kind: str, exc: BaseException, decision: str, **extra) -> None:
+        error_type = getattr(exc, "error_type", None)
+        self.guard_rejections += error_type == "ContextGuardRejected"
+        self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
+                   "error_type": error_type, "error": str(exc)[:ERROR_BODY_LIMIT], "decision": decision, **extra})
 
     async def _attempt(self, step, group, gid, row, out: GroupOutcome, row_attempt) -> list[tuple[Coords, BaseException]]:
-        """Send every row the group still lacks; return the rows' final failures (empty: success)."""
-        pending = [r for r in range(self.cfg.grpo.num_generations_per_prompt) if r not in out.rollouts]
-        results = await asyncio.gather(*(self._row(step, group, r, gid, row, out, row_attempt) for r in pending), return_exceptions=True)
+        """Send every row the group still lacks, under the group deadline; return the rows' final
+        failures (empty: success). A row that came back stays in `out.rollouts` even past the deadline."""
+        G = self.cfg.grpo.num_generations_per_prompt
+        pending = [r for r in range(G) if r not in out.rollouts]
+        deadline = self.rf.nemo_gym.rollout_timeout_s
+        try:
+            async with asyncio.timeout(deadline):
+                results = await asyncio.gather(*(self._row(step, group, r, gid, row, out, row_attempt) for r in pending),
+                                               return_exceptions=True)
+        except TimeoutError:
+            exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {deadline}s")
+            return [(Coords(step, group, r, row_attempt[r] - 1), exc) for r in range(G) if r not in out.rollouts]
         failures = []
-        for r, res in zip(pending, results):
+        for res in results:
             if isinstance(res, asyncio.CancelledError):
                 raise res
             if isinstance(res, tuple):
                 failures.append(res)
-            else:
-                out.rollouts[r] = res
         return failures
 
     async def _row(self, step, group, r, gid, row, out: GroupOutcome, row_attempt):
@@ -261,7 +292,7 @@ class RolloutManager:
             url = self.agent_urls[(group * self.cfg.grpo.num_generations_per_prompt + r) % len(self.agent_urls)]
             self.in_flight[coords.key] = time.monotonic()
             try:
-                result = await self.post(self.session, url, body, self.rf.nemo_gym.rollout_timeout_s)
+                result = await self.post(self.session, url, body)
                 rollout = parse_rollout(
                     result, coords, vocab_size=self.vocab_size,
                     max_len=self.cfg.policy.max_total_sequence_length,
@@ -269,11 +300,10 @@ class RolloutManager:
                 )
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except RolloutFailure as exc:  # only the taxonomy's failures: a bug in minirl propagates
                 if classify(exc) == INFRA and sends < max_sends:
                     out.row_retries += 1
-                    self.emit({"type": "failure", **coords.as_dict(), "class": INFRA, "reason": type(exc).__name__,
-                               "error": str(exc)[:300], "decision": "retried", "scope": "row", "group_attempt": gid})
+                    self._failure_event(coords, INFRA, exc, "retried", scope="row", group_attempt=gid)
                     continue
                 return coords, exc
             finally:
@@ -282,6 +312,7 @@ class RolloutManager:
             out.rows_returned += 1
             self.returned += 1
             self._agent_events(rollout)
+            out.rollouts[r] = rollout
             return rollout
 
     def _planned_faults(self, c: Coords) -> None:

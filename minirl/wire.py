@@ -1,0 +1,222 @@
+"""What crosses a process boundary, in one ground-floor module: rollout coordinates and the HTTP
+header that carries them, the failure taxonomy (as NeMo-RL's `nemo_rl/experience/failures.py`
+draws it), and the typed error body of a failed `/run`.
+
+Every layer (the generation server, the agents, the rollout manager, the controller) imports
+these from here and from nowhere else; this module imports nothing of minirl's.
+
+Coordinates: `Coords(step, group, rollout, attempt)`, written `s0.g1.r0.a0`; a model call appends
+`.c2`. A `/run` row carries them as `_minirl: {step, group, rollout, attempt, group_attempt}`.
+
+Taxonomy: INFRA failures (the fleet, the network, a timeout) are worth retrying with backoff; DATA
+failures (a bad result, a 4xx, anything unrecognised) are retried without backoff and then skipped
+or raised. `RolloutRedispatchExhausted` and `RolloutStall` are deliberately not RolloutFailures, so
+no per-attempt retry loop ever catches them.
+
+Invariants: `classify` is total (every exception gets INFRA or DATA), looks at most 8 links down
+the `__cause__` chain and stops at a cycle; anything it does not recognise is DATA. A header or
+`_minirl` value that does not parse raises `BadCoordinates` (a ValueError), never anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+
+ROLLOUT_HEADER = "X-Minirl-Rollout"
+"""HTTP header carrying a model call's coordinates (`s0.g1.r0.a0.c2`) from the agent to the model server."""
+
+_KEY = re.compile(r"^s(\d{1,9})\.g(\d{1,9})\.r(\d{1,9})\.a(\d{1,9})$")
+_CALL_KEY = re.compile(r"^(s\d{1,9}\.g\d{1,9}\.r\d{1,9}\.a\d{1,9})\.c(\d{1,9})$")
+COORD_FIELDS = ("step", "group", "rollout", "attempt")
+
+
+class BadCoordinates(ValueError):
+    """A rollout header or `_minirl` block that does not parse; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where a rollout attempt sits: step, group (dispatch order), rollout in group, attempt of it."""
+
+    step: int
+    group: int
+    rollout: int
+    attempt: int
+
+    @property
+    def key(self) -> str:
+        return f"s{self.step}.g{self.group}.r{self.rollout}.a{self.attempt}"
+
+    @classmethod
+    def from_key(cls, key: str) -> "Coords":
+        m = _KEY.match(key) if isinstance(key, str) else None
+        if m is None:
+            raise BadCoordinates(f"rollout coordinates must look like s0.g1.r0.a0, got {key!r}")
+        return cls(*map(int, m.groups()))
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Coords | None":
+        """The coordinates of a `/run` row's `_minirl` block, or None for a row without one."""
+        block = row.get("_minirl")
+        if block is None:
+            return None
+        if not isinstance(block, dict):
+            raise BadCoordinates("_minirl must be an object")
+        values = [block.get(k) for k in COORD_FIELDS]
+        bad = [k for k, v in zip(COORD_FIELDS, values) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise BadCoordinates(f"_minirl.{bad[0]} must be a non-negative integer, got {block.get(bad[0])!r}")
+        return cls(*values)
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "group": self.group, "rollout": self.rollout, "attempt": self.attempt}
+
+
+def parse_call_key(key: str) -> tuple[Coords, int]:
+    """`s0.g1.r0.a0.c2` -> (Coords(0, 1, 0, 0), 2). Raises BadCoordinates."""
+    m = _CALL_KEY.match(key) if isinstance(key, str) else None
+    if m is None:
+        raise BadCoordinates(f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2, got {key[:80] if isinstance(key, str) else key!r}")
+    return Coords.from_key(m.group(1)), int(m.group(2))
+
+
+# -------------------------------------------------------------------------------------- taxonomy
+INFRA = "infra"
+DATA = "data"
+
+
+class RolloutFailure(Exception):
+    """Base of failures the retry policy handles."""
+
+
+class RolloutInfraFailure(RolloutFailure):
+    """The fleet failed: retry with backoff."""
+
+
+class RolloutTimeout(RolloutInfraFailure):
+    """A rollout exceeded its deadline."""
+
+
+class GenerationUnavailable(RolloutInfraFailure):
+    """No generation server could serve the call."""
+
+
+class GymTransportError(RolloutInfraFailure):
+    """`/run` failed at the transport or with an INFRA HTTP status.
+
+    `error_type` is the `type` field of the agent server's error body (e.g. `ContextGuardRejected`),
+    when it sent one."""
+
+    def __init__(self, message: str, error_type: str | None = None):
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class RolloutDataFailure(RolloutFailure):
+    """The rollout's result is unusable: retry without backoff, then skip or raise."""
+
+    def __init__(self, message: str, error_type: str | None = None):
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class RolloutRedispatchExhausted(RuntimeError):
+    """The consecutive-drop budget ran out: the generation fleet is not recovering."""
+
+
+class RolloutStall(RuntimeError):
+    """No rollout completed within the stall watchdog's timeout."""
+
+
+class ContextGuardRejected(RuntimeError):
+    """The context guard refused a model call (upstream raises RuntimeError with this text)."""
+
+
+class ModelCallFailed(RuntimeError):
+    """A model call answered with an error other than the context-length 400 (lane A). As in Gym's
+    `simple_agent`, the agent does not absorb it: `/run` fails with HTTP 500 (INFRA).
+    `status` is the model server's HTTP status, so `classify` reads a 4xx as DATA."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _infra_types() -> tuple[type, ...]:
+    types: list[type] = [TimeoutError, asyncio.TimeoutError, ConnectionError]
+    try:
+        import aiohttp
+
+        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError]
+    except ImportError:  # pragma: no cover
+        pass
+    try:  # upstream's list: the actor, its node, its objects, a get that timed out, an unavailable actor
+        import ray.exceptions as rex
+
+        types += [rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError,
+                  rex.ObjectLostError, rex.OwnerDiedError, rex.GetTimeoutError, rex.RaySystemError]
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+_INFRA_TYPES = _infra_types()
+
+
+def http_class(status: int) -> str:
+    return INFRA if status >= 500 or status in (408, 429) else DATA
+
+
+def classify(exc: BaseException) -> str:
+    """INFRA or DATA, by the first recognisable link of the `__cause__` chain (at most 8)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    for _ in range(8):
+        if link is None or id(link) in seen:
+            break
+        seen.add(id(link))
+        if isinstance(link, RolloutDataFailure):
+            return DATA
+        if isinstance(link, RolloutInfraFailure) or isinstance(link, _INFRA_TYPES):
+            return INFRA
+        status = getattr(link, "status", None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return http_class(status)
+        link = link.__cause__
+    return DATA
+
+
+# ------------------------------------------------------------------------------ /run error body
+ERROR_BODY_LIMIT = 4096
+"""Characters of an error body kept in a failure (enough for a whole validation error)."""
+
+
+def run_error_body(exc: BaseException) -> dict:
+    """The JSON body of a failed `/run`: Gym's middleware text (`repr(e)`) plus the exception's type."""
+    return {"error": repr(exc), "type": type(exc).__name__}
+
+
+def run_error_status(exc: BaseException) -> int:
+    """The status of a failed `/run`: 500, as Gym's middleware answers any agent exception, except
+    for a failure known to be the data's (an explicit RolloutDataFailure, or a model server's 4xx
+    other than 408/429), which answers 400 so that it stays DATA across the hop."""
+    return 400 if classify(exc) == DATA and (isinstance(exc, RolloutDataFailure) or isinstance(exc, ModelCallFailed)) else 500
+
+
+def parse_error_body(raw: bytes) -> tuple[str, str | None]:
+    """(error text, type) from a `/run` error body: ours, Gym's `{"error": ...}`, or plain text."""
+    text = raw[:ERROR_BODY_LIMIT].decode(errors="replace")
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return text, None
+    if isinstance(body, dict):
+        error, kind = body.get("error"), body.get("type")
+        if isinstance(error, dict):  # OpenAI-style {"error": {"message", "type"}}
+            error, kind = error.get("message"), kind or error.get("type")
+        if error is not None:
+            return str(error)[:ERROR_BODY_LIMIT], kind if isinstance(kind, str) else None
+    return text, None
