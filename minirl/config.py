@@ -49,8 +49,13 @@ class GRPOConfig:
     """Divide advantages by the group's leave-one-out std (where it is > 0)."""
     use_leave_one_out_baseline: bool = True
     """Baseline each rollout by the mean reward of the other rollouts of its group."""
+    baseline_excludes_masked: bool = True
+    """Baseline and std of a group run over its valid (unmasked) rollouts only, and a group with at
+    most one valid rollout gets advantage 0 (minirl; RL #4061). False reproduces upstream, where a
+    masked rollout's reward still counts in its siblings' baseline and std."""
     overlong_filtering: bool = False
-    """Mask (sample_mask=0) every rollout with a reply truncated by the length cap."""
+    """Mask (sample_mask=0) every rollout truncated at policy.max_total_sequence_length (a trace
+    that reached it), as upstream marks truncation; a reply cut by the per-call cap is not."""
     seed: int = 42
     """Seeds prompts, sampling and the policy's initial RNG."""
 
@@ -126,6 +131,16 @@ class LossConfig:
     """Weight of the k3 KL to the initial policy (0 disables the reference model)."""
     token_level_loss: bool = True
     """Sum over all valid tokens of the global batch, divided by their count (required under CC)."""
+    use_importance_sampling_correction: bool = False
+    """Weight each token's clipped loss by exp(prev - generation): the trainer's logprob at the
+    step's start over the engine's, detached (non-finite -> 0). For rollouts from older weights."""
+    truncated_importance_sampling_type: Optional[str] = None
+    """Truncation of those weights: null, `tis` (clamp to [ratio_min or 0, ratio]) or `icepop`
+    (zero the tokens outside [ratio_min, ratio])."""
+    truncated_importance_sampling_ratio: Optional[float] = None
+    """Upper bound of the truncated weights (required with a truncation type)."""
+    truncated_importance_sampling_ratio_min: Optional[float] = None
+    """Lower bound of the truncated weights (required for `icepop`)."""
 
 
 # ---------------------------------------------------------------------------------------- async_rl
@@ -461,9 +476,11 @@ def _require(ok: bool, key: str, problem: str) -> None:
 
 
 def step_floor(cfg: MinirlConfig) -> int:
-    """Fewest groups a step may train: ceil(num_prompts_per_step * min_step_batch_fraction)."""
+    """Fewest groups a step may train: ceil(num_prompts_per_step * min_step_batch_fraction), the
+    float product exactly as upstream computes it, with no fudge (N=100, f=0.55 gives 56; N=10,
+    f=0.9 gives 9, where the exact rational value of the float 0.9 would give 10)."""
     rf = cfg.async_rl.rollout_failure
-    return math.ceil(cfg.grpo.num_prompts_per_step * rf.min_step_batch_fraction - 1e-9)
+    return math.ceil(cfg.grpo.num_prompts_per_step * rf.min_step_batch_fraction)
 
 
 def validate(cfg: MinirlConfig) -> None:
@@ -543,6 +560,12 @@ def validate(cfg: MinirlConfig) -> None:
         "agent.context_history.guards.max_total_tokens",
         "must be > 0 or null",
     )
+    _require(
+        cc.enabled or cfg.agent.external_url is not None or not (cfg.agent.name == "compaction_agent" and ch.enabled),
+        "context_compaction.enabled",
+        "is false, but agent.name=compaction_agent with agent.context_history.enabled=true rewrites its history; "
+        "without compaction every call must extend the previous one (use agent.name=simple_agent, see configs/plain.yaml)",
+    )
     if cc.enabled:
         # upstream: validate_cc_objective
         _require(cfg.loss_fn.token_level_loss, "loss_fn.token_level_loss", "context compaction requires token_level_loss=true")
@@ -553,6 +576,18 @@ def validate(cfg: MinirlConfig) -> None:
                 "context compaction requires min_step_batch_fraction=1",
             )
     _require(cfg.checkpoint.save_period >= 1, "checkpoint.save_period", "must be >= 1")
+    lf = cfg.loss_fn
+    _require(lf.truncated_importance_sampling_type in (None, "tis", "icepop"), "loss_fn.truncated_importance_sampling_type",
+             f"must be null, tis or icepop, got {lf.truncated_importance_sampling_type!r}")
+    if lf.truncated_importance_sampling_type is not None:
+        _require(lf.use_importance_sampling_correction, "loss_fn.truncated_importance_sampling_type",
+                 "needs loss_fn.use_importance_sampling_correction=true")
+        ratio, lo = lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min
+        _require(ratio is not None and ratio > 0, "loss_fn.truncated_importance_sampling_ratio", f"must be > 0, got {ratio}")
+        _require(lo is not None or lf.truncated_importance_sampling_type == "tis",
+                 "loss_fn.truncated_importance_sampling_ratio_min", "is required for icepop")
+        _require(lo is None or 0 <= lo <= ratio, "loss_fn.truncated_importance_sampling_ratio_min",
+                 f"must be in [0, truncated_importance_sampling_ratio], got {lo}")
     for i, spec in enumerate(cfg.faults.inject):
         _require(spec.kind in FAULT_KINDS, f"faults.inject[{i}].kind", f"must be one of {', '.join(FAULT_KINDS)}")
     for kind, p in cfg.faults.rate.items():

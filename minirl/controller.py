@@ -6,11 +6,11 @@ the generation servers' call logs into the ledger, and assembles the training ba
   RuntimeError ("training step … lost … below the floor …");
 - context compaction: every kept group must hold all its rollouts (masked ones with mask 0); with
   `allow_step_shrink=false` (upstream) the step must hold the full logical sample count;
-- advantages per group (masked rollouts count toward the baseline), shared by all the physical
-  traces of a rollout.
+- advantages per group (over the valid rollouts only with `grpo.baseline_excludes_masked`, the
+  default; over all of them as upstream otherwise), shared by all the physical traces of a rollout.
 
 Invariant: a batch holds every rollout of every kept group and nothing else, each from the one
-attempt that succeeded, all generated under the step's policy version.
+attempt that succeeded, all generated under the step's policy version, with finite advantages.
 """
 
 from __future__ import annotations
@@ -54,13 +54,16 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
 def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tuple[dict, dict]:
     """Kept groups -> padded training arrays + the step's rollout statistics."""
     kept = [o for o in outcomes if o.status == "committed"]
+    g = cfg.grpo
     rows: list[tuple[Rollout, object, float]] = []
     rewards = []
     for o in kept:
         rollouts = [o.rollouts[r] for r in sorted(o.rollouts)]
-        adv = group_advantages(
-            [r.reward for r in rollouts], cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards
-        )
+        adv = group_advantages([r.reward for r in rollouts], [r.sample_mask for r in rollouts],
+                               g.use_leave_one_out_baseline, g.normalize_rewards, g.baseline_excludes_masked)
+        if not np.isfinite(adv).all():  # parse_rollout bounds rewards, so this is a bug, never data to train on
+            raise RuntimeError(f"group {o.group}: non-finite advantages {adv.tolist()} from rewards "
+                               f"{[r.reward for r in rollouts]}")
         rewards += [r.reward for r in rollouts]
         for rollout, a in zip(rollouts, adv):
             rows += [(rollout, trace, float(a)) for trace in rollout.traces]
@@ -93,7 +96,7 @@ def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tu
     all_rollouts = [r for o in kept for r in o.rollouts.values()]
     trained = [r for r in all_rollouts if r.sample_mask]
     stats = {
-        "groups_target": len(kept),
+        "groups_target": cfg.grpo.num_prompts_per_step,
         "groups_trained": len(kept),
         "dropped_prompt_groups": sum(o.status == "dropped" for o in outcomes),
         "skipped_prompt_groups": sum(o.status == "skipped" for o in outcomes),
@@ -152,7 +155,7 @@ class Controller:
                                "rollout_attempts": self.manager.sends, "rollouts_generated": self.manager.returned})
             raise
         kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
-        ledger = self.ledger.close_step(step, server_calls, kept, version)
+        ledger = self.ledger.close_step(step, server_calls, kept, version, recorded=not self.cfg.agent.external_url)
         batch, stats = assemble(self.cfg, outcomes, self.pad_id)
         for r in kept:
             if r.mask_reason:
@@ -165,6 +168,7 @@ class Controller:
             guard_rejections=self.manager.guard_rejections
             + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
             calls_retired=ledger.get("calls_retired", 0),
+            calls_unrecorded=ledger.get("calls_unrecorded", 0),
             gen_time_s=gen_s,
             engine_busy_s=engine_busy_s,
             gen_tokens=generated,

@@ -1,8 +1,9 @@
 """Run outputs: the event log, per-step metrics (JSONL + TensorBoard) and the progress line.
 
 Invariant: `metrics.jsonl` gets exactly one line per completed optimizer step, written after the
-step's update and weight sync; `events.jsonl` gets one line per drop, retry, mask, compaction,
-guard decision, fault and failure, each flushed as it happens, so a crash loses nothing logged.
+step's update and weight sync (a non-finite value is written as null); `events.jsonl` gets one
+line per drop, retry, mask, compaction, guard decision, fault and failure, each flushed as it
+happens, so a crash loses nothing logged; the progress line never fails on a missing value.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def _clean(value):
     return value
 
 
+def _fmt(value, spec: str) -> str:
+    """`value` formatted with `spec`, or `-` where it is missing or not a number."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
 class EventLog:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,10 +76,10 @@ class MetricsLogger:
         if self.progress:
             m = row
             print(
-                f"step {m['step'] + 1:>4}/{self.total}  reward {m['reward_mean'] if m['reward_mean'] is not None else float('nan'):.3f}  "
-                f"groups {m['groups_trained']}/{m['groups_trained'] + m['dropped_prompt_groups'] + m.get('skipped_prompt_groups', 0)}"
-                f"  masked {m['rollouts_masked']}  redisp {m['redispatched_groups']}  traces {m['traces_trained']}"
-                f"  loss {m['loss']:+.4f}  {m['gen_tokens_per_s']:.0f} tok/s  {m['step_time_s']:.1f}s",
+                f"step {m['step'] + 1:>4}/{self.total}  reward {_fmt(m['reward_mean'], '.3f')}  "
+                f"groups {m['groups_trained']}/{m['groups_target']}  masked {m['rollouts_masked']}"
+                f"  redisp {m['redispatched_groups']}  traces {m['traces_trained']}  loss {_fmt(m['loss'], '+.4f')}"
+                f"  {_fmt(m['gen_tokens_per_s'], '.0f')} tok/s  {_fmt(m['step_time_s'], '.1f')}s",
                 file=sys.stdout,
                 flush=True,
             )

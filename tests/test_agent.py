@@ -84,7 +84,7 @@ def test_lane_a_overflow_is_an_empty_reply_and_a_200(stack, base_cfg):
     assert calls[0]["status"] == 400  # the server recorded the refused call
 
 
-def test_model_error_masks_the_rollout(stack, base_cfg):
+def test_a_model_error_fails_run_with_500_as_gyms_simple_agent_does(stack, base_cfg):
     cfg = with_faults(base_cfg, {"kind": "model_error", "step": 0, "group": 0, "rollout": 0})
 
     async def go():
@@ -92,8 +92,24 @@ def test_model_error_masks_the_rollout(stack, base_cfg):
             return await post(s.agent_url, row(cfg))
 
     status, body = asyncio.run(go())
-    assert status == 200 and body["evidence"]["capture_failed"]
-    assert body["evidence"]["errors"][0].startswith("HTTP 500")
+    assert status == 500 and body["type"] == "ModelCallFailed"
+    assert "model call failed with HTTP 500: injected model_error at s0.g0.r0.a0.c0" in body["error"]
+
+
+def test_a_tokenize_4xx_stays_data_across_the_hop(stack, base_cfg):
+    from minirl.wire import DATA, ModelCallFailed, classify, run_error_status
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            client = HttpModelClient([s.model_url], base_cfg.policy.model_name, http)
+            with pytest.raises(ModelCallFailed) as info:
+                await client.count_tokens([{"role": 5, "content": "x"}], [])
+            good = await client.count_tokens([{"role": "user", "content": "hello"}], [])
+            return info.value, good
+
+    exc, good = asyncio.run(go())
+    assert exc.status == 400 and "/tokenize failed with HTTP 400" in str(exc) and good > 0
+    assert classify(exc) == DATA and run_error_status(exc) == 400
 
 
 def history_with_pictures(n: int) -> list[dict]:

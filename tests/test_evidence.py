@@ -1,13 +1,14 @@
 """Per-call evidence -> traces, and the DATA checks on /run results."""
 
 import math
+import re
 
 import numpy as np
 import pytest
 
-from minirl.config import MinirlConfig
+from minirl.config import MinirlConfig, step_floor
 from minirl.controller import assemble, check_step
-from minirl.rollout.evidence import Call, parse_rollout, split_traces
+from minirl.rollout.evidence import Call, Ledger, parse_rollout, split_traces
 from minirl.wire import Coords, RolloutDataFailure
 from minirl.rollout.manager import GroupOutcome
 
@@ -24,8 +25,8 @@ def result(items, reward=1.0, **evidence):
     return {"response": {"output": items}, "reward": reward, "evidence": evidence}
 
 
-def parse(res, max_len=100, overlong=False):
-    return parse_rollout(res, C, vocab_size=50, max_len=max_len, overlong_filtering=overlong)
+def parse(res, max_len=100, overlong=False, cc=True):
+    return parse_rollout(res, C, vocab_size=50, max_len=max_len, overlong_filtering=overlong, allow_rewrites=cc)
 
 
 def test_prefix_compatible_calls_extend_one_trace():
@@ -73,11 +74,22 @@ def test_lane_a_empty_reply_without_tokens_masks_the_rollout():
     assert len(r.traces) == 1  # its tokens are present, with mask 0
 
 
-def test_overlong_filtering_masks_truncated_rollouts():
-    res = result([item([1, 2], [3])])
-    res["response"]["incomplete_details"] = {"reason": "length"}
-    assert parse(res).sample_mask == 1
-    assert parse(res, overlong=True).mask_reason == "overlong"
+def test_overlong_filtering_masks_only_rollouts_that_reach_the_sequence_limit():
+    capped = result([item([1, 2], [3])])  # a reply cut by the per-call cap: not truncated (upstream)
+    capped["response"]["incomplete_details"] = {"reason": "length"}
+    assert not parse(capped, overlong=True).truncated and parse(capped, overlong=True).sample_mask == 1
+    full = result([item(list(range(1, 41)), [3] * 60)])  # 100 tokens = max_len
+    assert parse(full).truncated and parse(full).sample_mask == 1
+    assert parse(full, overlong=True).mask_reason == "overlong"
+    assert not parse(result([item(list(range(1, 41)), [3] * 59)]), overlong=True).truncated
+
+
+def test_without_compaction_a_rewritten_history_is_upstreams_non_contiguous_failure():
+    rewritten = result([item([1, 2], [3, 4]), item([1, 7, 3, 4], [5])])
+    assert len(parse(rewritten, cc=True).traces) == 2
+    with pytest.raises(RolloutDataFailure, match="^Non-contiguous messages found!"):
+        parse(rewritten, cc=False)
+    assert len(parse(result([item([1, 2], [3]), item([1, 2, 3, 9], [5])]), cc=False).traces) == 1
 
 
 @pytest.mark.parametrize(
@@ -86,6 +98,11 @@ def test_overlong_filtering_masks_truncated_rollouts():
         ("nope", "not a JSON object"),
         ({"reward": 1.0}, "missing response.output"),
         (result([item([1], [2])], reward=float("nan")), "reward must be a finite number"),
+        (result([item([1], [2])], reward=1e39), "reward must be a finite number within float32 range, got 1e+39"),
+        (result([item([1], [2])], reward=-3.5e38), "reward must be a finite number within float32 range"),
+        (result([item([1], [2, 3], [-0.5, float("inf")])]), "generation_log_probs must be finite and <= 0, got inf"),
+        (result([item([1], [2, 3], [float("-inf"), -0.5])]), "generation_log_probs must be finite and <= 0, got -inf"),
+        (result([item([1], [2, 3], [-0.5, 0.25])]), "generation_log_probs must be finite and <= 0, got 0.25"),
         (result([item([1], [2, 99])]), "token id 99 in generation_token_ids is out of vocabulary (size 50)"),
         (result([item([1], [2], [float("nan")])]), "Generation logprobs contain NaN"),
         (result([item([1], [2, 3], [-1.0])]), "one number per generated token"),
@@ -94,7 +111,7 @@ def test_overlong_filtering_masks_truncated_rollouts():
     ],
 )
 def test_bad_results_are_data_failures_naming_the_problem(res, message):
-    with pytest.raises(RolloutDataFailure, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(RolloutDataFailure, match=re.escape(message)):
         parse(res)
 
 
@@ -114,6 +131,19 @@ def step_cfg(shrink, fraction, cc=True):
     return cfg
 
 
+@pytest.mark.parametrize("n,fraction,floor", [(100, 0.55, 56), (10, 0.9, 9), (8, 0.75, 6), (4, 1.0, 4), (3, 0.5, 2)])
+def test_floor_is_ceil_of_the_float_product_as_upstream(n, fraction, floor):
+    cfg = step_cfg(True, fraction)
+    cfg.grpo.num_prompts_per_step = n
+    assert step_floor(cfg) == floor == math.ceil(n * fraction)
+
+
+def test_a_shrunk_step_reports_its_target_not_its_size():
+    outs = [outcome(0, "committed"), outcome(1, "dropped"), outcome(2, "committed"), outcome(3, "committed")]
+    _, stats = assemble(step_cfg(True, 0.75), outs, pad_id=0)
+    assert (stats["groups_target"], stats["groups_trained"], stats["dropped_prompt_groups"]) == (4, 3, 1)
+
+
 def test_floor_message_is_upstreams():
     outs = [outcome(0, "committed"), outcome(1, "dropped"), outcome(2, "committed"), outcome(3, "committed")]
     with pytest.raises(RuntimeError, match=r"training step 7 lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4 set by async_rl.rollout_failure.min_step_batch_fraction=1.0"):
@@ -129,3 +159,26 @@ def test_cc_step_checks():
     with pytest.raises(ValueError, match="CC optimizer step requires the full logical sample count"):
         check_step(step_cfg(False, 1.0), 0, partial)
     check_step(step_cfg(True, 0.75, cc=False), 0, partial)  # the ordinary path does not demand it
+
+
+def record(c: Coords, call, prompt, gen, version=0, status=200):
+    return {**c.as_dict(), "key": f"{c.key}.c{call}", "call": call, "status": status, "prompt_token_ids": prompt,
+            "generation_token_ids": gen, "version_start": version, "version_end": version}
+
+
+def test_ledger_masks_a_rollout_whose_calls_the_server_did_not_record():
+    a, b = Coords(0, 0, 0, 0), Coords(0, 0, 1, 0)
+    ra = parse(result([item([1, 2], [3]), item([1, 2, 3, 4], [5])]))
+    ra.coords = a
+    rb = parse(result([item([1, 2], [6])]))
+    rb.coords = b
+    calls = [record(a, 1, [1, 2, 3, 4], [5]), record(b, 0, [1, 2], [6])]  # a's first call was lost (restarted server)
+    counts = Ledger(None).close_step(0, calls, [ra, rb], version=0)
+    assert counts["calls_unrecorded"] == 1 and ra.mask_reason == "unrecorded_calls" and rb.sample_mask == 1
+    with pytest.raises(RuntimeError, match="ledger mismatch: a trained call of attempt s0.g0.r1.a0"):
+        Ledger(None).close_step(0, [record(b, 0, [1, 2], [7])], [rb], version=0)  # complete record, other tokens
+    with pytest.raises(RuntimeError, match="policy-version discipline"):
+        Ledger(None).close_step(0, [record(b, 0, [1, 2], [6], version=1)], [rb], version=0)
+    rb2 = parse(result([item([1, 2], [6])]))
+    rb2.coords = b
+    assert Ledger(None).close_step(0, [], [rb2], version=0, recorded=False)["calls_unrecorded"] == 0  # external agent

@@ -183,13 +183,81 @@ def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base
     run = run_step(stack, policy_cfg(base_cfg, [bad], max_data_attempts_per_prompt=2, max_skipped_prompts=1))
     assert run.error is None and run.outcomes[0].status == "skipped" and run.manager.skipped == 1
 
+    both = {"kind": "bad_output", "step": 0, "rollout": 0}  # groups 0 and 1: the second exceeds the budget
+    run = run_step(stack, policy_cfg(base_cfg, [both], max_data_attempts_per_prompt=1, max_skipped_prompts=1))
+    assert isinstance(run.error, RolloutDataFailure)
+    assert str(run.error) == ("skipped 1 prompts and this one also exhausted its data budget, exceeding "
+                              "max_skipped_prompts=1; the dataset or sequence-length configuration is likely wrong")
+    assert "invalid JSON" in str(run.error.__cause__)
 
-def test_a_group_with_every_rollout_masked_has_no_owner_and_drops(stack, base_cfg):
+
+def test_a_group_with_every_rollout_masked_has_no_owner_and_drops_under_cc(stack, base_cfg):
     overflow = {"kind": "context_overflow", "step": 0, "group": 0}
     run = run_step(stack, policy_cfg(base_cfg, [overflow], max_consecutive_dropped_prompts=1))
     assert run.error is None
     assert run.outcomes[0].status == "dropped" and "no valid owner" in run.outcomes[0].reason
+    assert "capture_failed" in run.outcomes[0].reason and "retry budget" not in run.outcomes[0].reason
     assert run.outcomes[1].status == "committed"
+    run = run_step(stack, policy_cfg(base_cfg, [overflow]))  # budget 0: its own reason, not the infra one
+    assert isinstance(run.error, RolloutRedispatchExhausted)
+    assert str(run.error).startswith("prompt idx=0 has no valid owner (every rollout masked: capture_failed)")
+
+
+def test_without_cc_an_all_masked_group_trains_with_zero_loss(stack, base_cfg):
+    from minirl.controller import assemble
+
+    overflow = {"kind": "context_overflow", "step": 0, "group": 0}
+    cfg = policy_cfg(base_cfg, [overflow])
+    cfg.context_compaction.enabled, cfg.agent.name, cfg.agent.context_history.enabled = False, "simple_agent", False
+    run = run_step(stack, cfg)
+    assert run.error is None and [o.status for o in run.outcomes] == ["committed", "committed"]
+    batch, stats = assemble(cfg, run.outcomes, pad_id=0)
+    g0 = batch["group"] == 0
+    assert (batch["sample_mask"][g0] == 0).all() and (batch["advantages"][g0] == 0).all()
+    assert stats["groups_trained"] == 2 and stats["rollouts_masked"] == 2
+
+
+def test_a_model_error_fails_the_row_and_is_redispatched_not_masked(stack, base_cfg):
+    """Issue I: only lane A's 400 is absorbed by the agent; a model server's 500 fails /run (INFRA)."""
+    once = {"kind": "model_error", "step": 0, "group": 1, "rollout": 0, "attempt": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [once]))
+    assert run.error is None
+    g1 = run.outcomes[1]
+    assert g1.status == "committed" and g1.row_retries == 1
+    assert g1.rollouts[0].coords.attempt == 1 and g1.rollouts[0].sample_mask == 1
+    (failure,) = run.failures()
+    assert (failure["class"], failure["reason"], failure["error_type"]) == ("infra", "GymTransportError", "ModelCallFailed")
+    assert "injected model_error at s0.g1.r0.a0.c0" in failure["error"]
+    assert_invariants(run)
+
+    run = run_step(stack, policy_cfg(base_cfg, [once], redispatch=False))  # upstream: lane B
+    assert isinstance(run.error, RolloutRedispatchExhausted)
+    assert isinstance(run.error.__cause__, GymTransportError), "chained to the last failure"
+
+
+def test_guard_rejections_are_counted_from_the_typed_error_body(stack, base_cfg):
+    reject = {"kind": "guard_reject", "step": 0, "group": 1, "rollout": 0, "attempt": 0}
+    cfg = policy_cfg(base_cfg, [reject])
+    cfg.agent.context_history.guards.on_reject = "raise"
+    run = run_step(stack, cfg)
+    assert run.error is None and run.manager.guard_rejections == 1
+    (failure,) = run.failures()
+    assert failure["error_type"] == "ContextGuardRejected"
+
+
+def test_the_group_deadline_covers_a_whole_group_attempt_and_keeps_what_came_back(stack, base_cfg):
+    """Upstream's rollout_timeout_s: one deadline per group attempt, row re-sends included."""
+    hang = {"kind": "timeout", "step": 0, "group": 0, "rollout": 0, "attempt": 0}
+    cfg = policy_cfg(base_cfg, [hang], groups=1, rollout_timeout_s=4.0)
+    run = run_step(stack, cfg)
+    assert run.error is None and run.sleeps == [1.0]
+    g0 = run.outcomes[0]
+    assert g0.status == "committed" and g0.group_attempts == 2
+    assert g0.rollouts[1].coords.attempt == 0, "the sibling that came back before the deadline is kept"
+    assert g0.rollouts[0].coords.attempt == 1
+    (failure,) = run.failures()
+    assert failure["error"] == "NeMo-Gym prompt group exceeded 4.0s" and failure["decision"] == "retried"
+    assert_invariants(run)
 
 
 def test_lane_a_masks_one_rollout_and_its_sibling_trains(stack, base_cfg):

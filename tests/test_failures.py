@@ -1,4 +1,5 @@
-"""The failure taxonomy: classification and the cause chain walk."""
+"""minirl.wire: the failure taxonomy (classification, the cause chain walk), coordinates and the
+header, and the typed /run error body."""
 
 import asyncio
 
@@ -15,7 +16,15 @@ from minirl.wire import (
     RolloutRedispatchExhausted,
     RolloutStall,
     RolloutTimeout,
+    BadCoordinates,
+    ContextGuardRejected,
+    Coords,
+    ModelCallFailed,
     classify,
+    parse_call_key,
+    parse_error_body,
+    run_error_body,
+    run_error_status,
 )
 
 
@@ -39,6 +48,9 @@ def test_http_statuses(status, kind):
         (ConnectionResetError(), INFRA),
         (aiohttp.ServerDisconnectedError(), INFRA),
         (RolloutDataFailure("x"), DATA),
+        (ModelCallFailed("x", 500), INFRA),
+        (ModelCallFailed("x", 429), INFRA),
+        (ModelCallFailed("x", 400), DATA),
         (KeyError("x"), DATA),
         (ValueError("x"), DATA),
     ],
@@ -77,3 +89,44 @@ def test_budget_errors_are_not_rollout_failures():
     assert not issubclass(RolloutRedispatchExhausted, RolloutFailure)
     assert not issubclass(RolloutStall, RolloutFailure)
     assert issubclass(RolloutRedispatchExhausted, RuntimeError)
+
+
+def test_ray_errors_follow_upstreams_infra_list():
+    import ray.exceptions as rex
+
+    for cls in (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError,
+                rex.ObjectLostError, rex.OwnerDiedError, rex.GetTimeoutError):
+        exc = cls.__new__(cls)  # constructors differ; classification looks at the type only
+        assert classify(exc) == INFRA, cls
+
+
+def test_coordinates_round_trip_and_bad_ones_are_named():
+    c = Coords(3, 1, 0, 2)
+    assert Coords.from_key(c.key) == c and parse_call_key(c.key + ".c4") == (c, 4)
+    assert Coords.from_row({"_minirl": {**c.as_dict(), "group_attempt": "grp-1"}}) == c
+    assert Coords.from_row({}) is None
+    for bad in ("s1.g1", "s1.g1.r1.a1.cx", "s-1.g0.r0.a0.c0", "x" * 5000, 7):
+        with pytest.raises(BadCoordinates, match="must look like s0.g1.r0.a0.c2"):
+            parse_call_key(bad)
+    for block, field in (({"step": 0, "group": 0, "rollout": 0}, "attempt"), ({"step": "0", "group": 0, "rollout": 0, "attempt": 0}, "step"),
+                         ({"step": 0, "group": True, "rollout": 0, "attempt": 0}, "group")):
+        with pytest.raises(BadCoordinates, match=f"_minirl.{field} must be a non-negative integer"):
+            Coords.from_row({"_minirl": block})
+    with pytest.raises(BadCoordinates, match="_minirl must be an object"):
+        Coords.from_row({"_minirl": [1]})
+
+
+def test_run_error_body_is_typed_and_parsed_back():
+    exc = ContextGuardRejected("Context guard rejected model call at complete action boundary: step=2 guards=max_total_tokens")
+    body = run_error_body(exc)
+    assert body == {"error": repr(exc), "type": "ContextGuardRejected"} and run_error_status(exc) == 500
+    import json
+
+    assert parse_error_body(json.dumps(body).encode()) == (repr(exc), "ContextGuardRejected")
+    assert parse_error_body(b'{"error": "boom"}') == ("boom", None)  # Gym's own middleware body
+    assert parse_error_body(b'{"error": {"message": "bad", "type": "BadRequestError"}}') == ("bad", "BadRequestError")
+    assert parse_error_body(b"plain text 500") == ("plain text 500", None)
+    long = json.dumps({"error": "x" * 10000, "type": "T"}).encode()
+    assert len(parse_error_body(long)[0]) == 4096  # kept whole up to a few KB, not 300 characters
+    assert run_error_status(ModelCallFailed("m", 400)) == 400 and run_error_status(ModelCallFailed("m", 503)) == 500
+    assert run_error_status(RuntimeError("agent bug")) == 500

@@ -1,7 +1,9 @@
-"""GRPO math against float64 references written here, independently of minirl.algo.grpo."""
+"""GRPO math against float64 (and exact rational) references written here from upstream's definitions,
+independently of minirl.algo.grpo."""
 
 import math
 import random
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -10,23 +12,31 @@ import torch
 from minirl.algo.grpo import clipped_pg_loss, group_advantages
 
 
-def reference_advantages(rewards, leave_one_out=True, normalize=True):
-    """Loop-by-loop float64 reference: leave-one-out mean, unbiased std of the same set."""
-    out = []
+def reference_advantages(rewards, valid=None, leave_one_out=True, normalize=True, exclude_masked=True):
+    """Upstream's definition in exact rational arithmetic (fractions.Fraction of the float inputs):
+    leave-one-out mean and unbiased variance of the comparison set, computed exactly, so a constant
+    set has variance exactly 0 however its float mean rounds. A group with at most one valid
+    rollout gets 0; with `exclude_masked` the comparison set holds valid rollouts only and a
+    masked rollout gets 0, without it masked rollouts still count (upstream)."""
     g = len(rewards)
-    for i, r in enumerate(rewards):
-        others = [x for j, x in enumerate(rewards) if j != i] if leave_one_out else list(rewards)
-        if g <= 1:
+    valid = [1] * g if valid is None else list(valid)
+    exact = [Fraction(r) for r in rewards]
+    if sum(1 for v in valid if v) <= 1:
+        return [0.0] * g
+    out = []
+    for i in range(g):
+        if exclude_masked and not valid[i]:
             out.append(0.0)
             continue
-        mean = math.fsum(others) / len(others)
-        a = r - mean
-        if normalize and len(others) > 1:
-            var = math.fsum((x - mean) ** 2 for x in others) / (len(others) - 1)
-            std = math.sqrt(var)
-            if std > 0:
-                a = a / (std + 1e-6)
-        out.append(a)
+        members = [exact[j] for j in range(g) if (j != i or not leave_one_out) and (valid[j] or not exclude_masked)]
+        mean = sum(members) / len(members)
+        a = exact[i] - mean
+        if normalize and len(members) > 1:
+            var = sum((x - mean) ** 2 for x in members) / (len(members) - 1)
+            if var > 0:
+                out.append(float(a) / (math.sqrt(var) + 1e-6))
+                continue
+        out.append(float(a))
     return out
 
 
@@ -35,15 +45,58 @@ def reference_advantages(rewards, leave_one_out=True, normalize=True):
 @pytest.mark.parametrize("norm", [True, False])
 def test_advantages_match_reference(g, loo, norm):
     rng = random.Random(g * 10 + loo * 2 + norm)
-    for _ in range(20):
+    for _ in range(40):
         rewards = [rng.choice([0.0, 0.25, 0.5, 1.0, rng.random()]) for _ in range(g)]
         got = group_advantages(rewards, leave_one_out=loo, normalize=norm)
-        want = reference_advantages(rewards, loo, norm)
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(got, reference_advantages(rewards, None, loo, norm), rtol=1e-9, atol=1e-9)
+
+
+TENTHS = [round(0.1 * k, 1) for k in range(11)]
+
+
+@pytest.mark.parametrize("exclude", [True, False])
+def test_rewards_in_tenths_with_constant_comparison_sets(exclude):
+    """Every group of 2-5 rollouts over {0.0, 0.1, ..., 1.0} with one rollout that differs from
+    otherwise equal siblings (the sets whose float mean is inexact), plus random ones with masks."""
+    rng = random.Random(7)
+    groups = [[c] * (g - 1) + [d] for g in (2, 3, 4, 5) for c in TENTHS for d in TENTHS]
+    groups += [[rng.choice(TENTHS) for _ in range(rng.randint(1, 8))] for _ in range(500)]
+    worst = 0.0
+    for rewards in groups:
+        valid = [rng.random() > 0.2 for _ in rewards]
+        for v in (None, valid):
+            got = group_advantages(rewards, v, exclude_masked=exclude)
+            want = reference_advantages(rewards, v, exclude_masked=exclude)
+            worst = max(worst, float(np.max(np.abs(got - np.asarray(want)), initial=0.0)))
+    assert worst <= 1e-6, worst
+
+
+def test_the_review_example_is_minus_a_tenth_not_minus_1e5():
+    adv = group_advantages([0.1, 0.1, 0.1, 0.0])
+    assert adv[3] == pytest.approx(-0.1, abs=1e-12)  # others {0.1, 0.1, 0.1}: std 0, no normalisation
+    assert np.abs(adv).max() < 1.0
 
 
 def test_equal_rewards_give_zero_advantage():
     assert np.all(group_advantages([0.5, 0.5, 0.5, 0.5]) == 0)
+    assert np.all(group_advantages([0.1, 0.1, 0.1]) == 0)
+
+
+def test_groups_of_one_and_two():
+    assert group_advantages([0.7]).tolist() == [0.0]
+    assert group_advantages([0.3, 0.1]) == pytest.approx([0.2, -0.2])  # one comparison rollout: no std
+    assert group_advantages([0.3, 0.1], [1, 0]).tolist() == [0.0, 0.0]  # one valid rollout
+
+
+def test_masked_rollouts_and_the_baseline():
+    rewards, valid = [1.0, 0.0, 0.0, 0.5], [1, 1, 1, 0]
+    minirl = group_advantages(rewards, valid, exclude_masked=True)
+    upstream = group_advantages(rewards, valid, exclude_masked=False)
+    assert minirl[3] == 0.0  # masked: no advantage of its own
+    assert minirl[0] == pytest.approx(1.0)  # others {0, 0}: the masked 0.5 is not in the baseline
+    assert upstream[0] == pytest.approx((1.0 - 1 / 6) / (math.sqrt(1 / 12) + 1e-6))  # others {0, 0, 0.5}
+    assert group_advantages(rewards, [0, 0, 0, 0]).tolist() == [0.0] * 4  # all masked
+    assert group_advantages(rewards, [0, 0, 0, 0], exclude_masked=False).tolist() == [0.0] * 4
 
 
 def test_advantage_worked_example():
@@ -65,8 +118,8 @@ def reference_loss(curr, prev, adv, mask, lo, hi, ref=None, kl=0.0):
             rc = min(max(r, 1 - lo), 1 + hi)
             term = max(-adv[b] * r, -adv[b] * rc)
             if ref is not None:
-                d = ref[b][t] - curr[b][t]
-                term += kl * (math.exp(d) - d - 1)
+                d = min(max(ref[b][t] - curr[b][t], -20.0), 20.0)
+                term += kl * min(max(math.exp(d) - d - 1, -10.0), 10.0)
             total += term
             count += mask[b][t]
     return total / count
@@ -107,3 +160,83 @@ def test_gradient_is_minus_advantage_times_score_at_ratio_one():
     loss, _ = clipped_pg_loss(curr, curr.detach(), torch.tensor([2.0], dtype=torch.float64), mask, 2.0)
     loss.backward()
     assert curr.grad.tolist() == [[0.0, -1.0, -1.0]]
+
+
+def test_kl_gradient_is_upstreams_not_plain_k3():
+    """Upstream weights k3 by w = exp(curr - curr.detach()) (value 1) and clamps it. Its gradient per
+    valid token, by hand: (-A + beta * (k3 + 1 - exp(ref - curr))) / N where the clamps do not bite;
+    where one does, k3's own gradient is 0 and only beta * k3 / N (from w) remains."""
+    beta, adv = 0.05, 0.7
+    curr0 = [-1.0, -2.0, -0.5, -0.3, -25.0, -1.2]
+    ref = [-1.3, -1.5, -0.5, 2.7, -1.0, -30.0]  # token 3: k3 output-clamped; 4 and 5: log r input-clamped
+    mask = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    n = sum(mask)
+    curr = torch.tensor([curr0], dtype=torch.float64, requires_grad=True)
+    loss, _ = clipped_pg_loss(curr, curr.detach(), torch.tensor([adv], dtype=torch.float64),
+                              torch.tensor([mask], dtype=torch.float64), n, 0.2, 0.2,
+                              torch.tensor([ref], dtype=torch.float64), beta)
+    loss.backward()
+    want = []
+    for c, r, m in zip(curr0, ref, mask):
+        d = r - c
+        dc = max(min(d, 20.0), -20.0)
+        k3 = math.exp(dc) - dc - 1
+        k3c = min(max(k3, -10.0), 10.0)
+        dk3 = (1 - math.exp(d)) if (abs(d) < 20.0 and abs(k3) < 10.0) else 0.0
+        want.append(m * (-adv + beta * (k3c + dk3)) / n)
+    np.testing.assert_allclose(curr.grad[0].tolist(), want, rtol=1e-12, atol=1e-15)
+    # plain k3 (no w) would miss exactly beta * k3 / N per token
+    plain = torch.tensor([curr0], dtype=torch.float64, requires_grad=True)
+    d = (torch.tensor([ref], dtype=torch.float64) - plain).clamp(-20, 20)
+    k3 = (torch.exp(d) - d - 1).clamp(-10, 10)
+    ((-adv * torch.exp(plain - plain.detach()) + beta * k3) * torch.tensor([mask], dtype=torch.float64)).sum().div(n).backward()
+    gap = (curr.grad - plain.grad)[0].tolist()
+    np.testing.assert_allclose(gap, [m * beta * float(k) / n for m, k in zip(mask, k3[0].detach())], rtol=1e-12, atol=1e-15)
+
+
+def reference_is_loss(curr, prev, gen, adv, mask, kind, hi, lo):
+    """Upstream's off-policy correction, float64 loops: w = exp(prev - gen) (non-finite -> 0),
+    truncated (tis: clamp to [lo or 0, hi]; icepop: 0 outside [lo, hi]), times the clipped term."""
+    total = count = oob = 0.0
+    for b in range(len(curr)):
+        for t in range(len(curr[b])):
+            if not mask[b][t]:
+                continue
+            try:
+                w = math.exp(prev[b][t] - gen[b][t])
+            except OverflowError:
+                w = math.inf
+            w = w if math.isfinite(w) else 0.0
+            low = lo or 0.0
+            out = w < low or w > hi
+            if kind == "tis":
+                w = min(max(w, low), hi)
+            elif kind == "icepop" and out:
+                w = 0.0
+            r = math.exp(curr[b][t] - prev[b][t])
+            rc = min(max(r, 0.8), 1.2)
+            total += w * max(-adv[b] * r, -adv[b] * rc)
+            count += 1
+            oob += out
+    return total / count, oob / count
+
+
+@pytest.mark.parametrize("kind,hi,lo", [(None, None, None), ("tis", 2.0, None), ("tis", 2.0, 0.5), ("icepop", 5.0, 0.5)])
+def test_importance_sampling_correction_matches_reference(kind, hi, lo):
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 12
+    curr = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 - 1
+    prev = curr + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1
+    gen = prev + torch.randn(B, T, generator=g, dtype=torch.float64) * 1.5  # weights far outside the bounds
+    gen[0, 0] = -math.inf  # exp(prev - gen) = inf -> weight 0
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.2).double()
+    mask[0, 0] = 1
+    n = float(mask.sum())
+    loss, m = clipped_pg_loss(curr, prev, adv, mask, n, generation_logprobs=gen, is_type=kind, is_ratio=hi, is_ratio_min=lo)
+    want, oob = reference_is_loss(curr.tolist(), prev.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), kind,
+                                  hi if hi is not None else math.inf, lo)
+    assert float(loss) == pytest.approx(want, rel=1e-12)
+    assert m["is_oob_ratio"] == pytest.approx(oob if kind else 0.0)
+    if kind:
+        assert 0 < m["is_oob_ratio"] < 1

@@ -39,3 +39,21 @@ def test_k3_kl_to_the_reference_policy():
     second = worker.train(batch())
     assert first["kl"] == 0.0  # the policy still equals its reference
     assert second["kl"] > 0.0  # one step later it does not
+
+
+def test_a_non_finite_loss_skips_the_step_and_keeps_the_weights():
+    import pytest
+
+    from minirl.trainer.policy_worker import NonFiniteUpdate
+
+    cfg = load_config(None, ["policy.train_micro_batch_size=2"])
+    worker = PolicyWorker(cfg)
+    before = dict(worker.get_weights())
+    bad = batch()
+    bad["advantages"][1] = np.float32(np.inf)  # what a reward of 1e39 became as float32
+    with pytest.raises(NonFiniteUpdate, match="the step was skipped and no weights were published"):
+        worker.train(bad)
+    after = dict(worker.get_weights())
+    assert all(np.array_equal(before[k], after[k]) for k in before) and worker.steps_done == 0
+    assert np.isfinite(worker.train(batch())["loss"])  # the next good batch trains
+    assert all(np.isfinite(v).all() for _, v in worker.get_weights())

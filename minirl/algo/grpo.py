@@ -1,9 +1,12 @@
 """GRPO math as pure functions: per-group advantages and the clipped policy-gradient loss.
 
 Matches NeMo-RL's `calculate_baseline_and_std_per_prompt` (leave-one-out baseline, unbiased std
-over the same leave-one-out set, divide by std + 1e-6 only where std > 0, a group of one sample
-gets advantage 0; the std is computed two-pass, see `group_advantages`) and `ClippedPGLossFn` (ratio clipped to [1 - lo, 1 + hi], per-token
-max(-A r, -A clip(r)), optional k3 KL, token-level normalisation by the global valid-token count).
+over the same leave-one-out set, divide by std + 1e-6 only where std > 0, a group with at most one
+valid sample gets advantage 0; a constant comparison set has std exactly 0, see `group_advantages`;
+`exclude_masked` keeps masked rollouts out of the baseline, minirl's default) and `ClippedPGLossFn`
+(ratio clipped to [1 - lo, 1 + hi], per-token max(-A r, -A clip(r)), the k3 KL weighted by
+exp(curr - curr.detach()) and clamped as upstream's `calculate_kl`, optional truncated importance
+sampling against the generator's logprobs, token-level normalisation by the global valid-token count).
 
 Invariant: nothing here depends on how many groups or rollouts a step holds: the advantage is per
 group and the token-level loss is divided by the tokens actually trained, so a shrunk step (fix 1)
@@ -16,27 +19,61 @@ import numpy as np
 import torch
 
 
-def group_advantages(rewards, leave_one_out: bool = True, normalize: bool = True, eps: float = 1e-6) -> np.ndarray:
-    """Advantages of one prompt group's rollouts (masked rollouts count toward the baseline).
+def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize: bool = True,
+                     exclude_masked: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """Advantages of one prompt group's rollouts; `valid` is each rollout's sample mask (default all 1).
 
-    The std is computed two-pass over each rollout's comparison set. Upstream's one-pass
-    E[r^2] - E[r]^2 cancels badly when that set is constant: it leaves a std of ~1e-9 instead of 0
-    and an advantage of ~1e5 instead of the unnormalised one.
+    A group with at most one valid rollout gets 0 everywhere. Rollout i is compared with the set of
+    the group's other rollouts (all of them with `leave_one_out=False`), restricted to the valid
+    ones when `exclude_masked` (minirl) and including masked ones when not (upstream); its
+    advantage is r_i minus the set's mean, divided by (std + eps) where the set's unbiased std is
+    > 0. A constant set has std exactly 0: the std is computed two-pass and only for a set whose
+    values differ, since even two-pass leaves ~1e-17 for [0.1, 0.1, 0.1] (an inexact mean), and
+    dividing by it turns an advantage of 0.1 into 1e5. Masked rollouts get 0 when excluded.
     """
     r = np.asarray(rewards, dtype=np.float64)
     g = len(r)
-    if g <= 1:
-        return np.zeros_like(r)
-    if leave_one_out:
-        others = np.stack([np.delete(r, i) for i in range(g)])  # [g, g-1]
-    else:
-        others = np.broadcast_to(r, (g, g))
-    baseline = others.mean(axis=1)
-    adv = r - baseline
-    if normalize and others.shape[1] > 1:
-        std = np.sqrt(((others - baseline[:, None]) ** 2).sum(axis=1) / (others.shape[1] - 1))
-        adv = np.where(std > 0, adv / (std + eps), adv)
+    v = np.ones(g, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    adv = np.zeros(g)
+    if v.sum() <= 1:
+        return adv
+    for i in range(g):
+        if exclude_masked and not v[i]:
+            continue
+        member = v.copy() if exclude_masked else np.ones(g, dtype=bool)
+        if leave_one_out:
+            member[i] = False
+        others = r[member]
+        adv[i] = r[i] - others.mean()
+        if normalize and len(others) > 1 and others.max() != others.min():
+            std = np.sqrt(((others - others.mean()) ** 2).sum() / (len(others) - 1))
+            adv[i] /= std + eps
     return adv
+
+
+def k3_kl(curr_logprobs: torch.Tensor, reference_logprobs: torch.Tensor, input_clamp: float = 20.0,
+          output_clamp: float = 10.0) -> torch.Tensor:
+    """Upstream's `calculate_kl(kl_type="k3")`: log r = ref - curr clamped to +-input_clamp, then
+    exp(log r) - log r - 1 clamped to +-output_clamp."""
+    log_r = (reference_logprobs - curr_logprobs).clamp(-input_clamp, input_clamp)
+    return (torch.exp(log_r) - log_r - 1.0).clamp(-output_clamp, output_clamp)
+
+
+def importance_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, kind: str | None,
+                       ratio: float | None, ratio_min: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's off-policy correction: w = exp(prev - generation), detached, non-finite -> 0, then
+    truncated: `tis` clamps w to [ratio_min or 0, ratio], `icepop` zeroes the tokens outside
+    [ratio_min, ratio]. Returns (w, out_of_bounds) where out_of_bounds marks the tokens whose raw
+    weight fell outside the bounds (all False without a truncation)."""
+    w = torch.exp(prev_logprobs - generation_logprobs).detach()
+    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+    lo = 0.0 if ratio_min is None else ratio_min
+    oob = torch.zeros_like(w, dtype=torch.bool) if kind is None else (w < lo) | (w > ratio)
+    if kind == "tis":
+        w = w.clamp(min=lo, max=ratio)
+    elif kind == "icepop":
+        w = torch.where(oob, torch.zeros_like(w), w)
+    return w, oob
 
 
 def clipped_pg_loss(
@@ -50,20 +87,34 @@ def clipped_pg_loss(
     reference_logprobs: torch.Tensor | None = None,
     kl_penalty: float = 0.0,
     token_level: bool = True,
+    generation_logprobs: torch.Tensor | None = None,
+    is_type: str | None = None,
+    is_ratio: float | None = None,
+    is_ratio_min: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a (micro)batch: [B, T] logprobs, [B] or [B, T] advantages, [B, T] mask
     (token_mask * sample_mask). `normalizer` is the global count of valid tokens (token-level)
-    or of valid samples (sequence-level), so micro-batch losses add up to the step's loss."""
+    or of valid samples (sequence-level), so micro-batch losses add up to the step's loss.
+
+    The KL term is upstream's: kl_penalty * w * k3 with w = exp(curr - curr.detach()) (value 1,
+    non-finite -> 0), which keeps the score-function gradient of the sampled tokens. With
+    `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is
+    weighted by `importance_weights`."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(curr_logprobs)
     ratio = torch.exp(curr_logprobs - prev_logprobs)
     clipped = ratio.clamp(1.0 - ratio_clip_min, 1.0 + ratio_clip_max)
     per_token = torch.maximum(-advantages * ratio, -advantages * clipped)
+    oob = torch.zeros_like(per_token, dtype=torch.bool)
+    if generation_logprobs is not None:
+        w, oob = importance_weights(prev_logprobs, generation_logprobs, is_type, is_ratio, is_ratio_min)
+        per_token = per_token * w
     kl = torch.zeros_like(per_token)
     if reference_logprobs is not None and kl_penalty > 0:
-        log_r = reference_logprobs - curr_logprobs
-        kl = torch.exp(log_r) - log_r - 1.0  # k3
-        per_token = per_token + kl_penalty * kl
+        kl = k3_kl(curr_logprobs, reference_logprobs)
+        w_kl = torch.exp(curr_logprobs - curr_logprobs.detach())
+        w_kl = torch.where(torch.isfinite(w_kl), w_kl, torch.zeros_like(w_kl))
+        per_token = per_token + kl_penalty * w_kl * kl
     if token_level:
         loss = (per_token * mask).sum() / normalizer
     else:
@@ -74,5 +125,6 @@ def clipped_pg_loss(
         metrics = {
             "clip_fraction": float(((ratio != clipped).float() * mask).sum() / n),
             "kl": float((kl * mask).sum() / n),
+            "is_oob_ratio": float((oob.float() * mask).sum() / n),
         }
     return loss, metrics

@@ -297,6 +297,7 @@ class RolloutManager:
                     result, coords, vocab_size=self.vocab_size,
                     max_len=self.cfg.policy.max_total_sequence_length,
                     overlong_filtering=self.cfg.grpo.overlong_filtering,
+                    allow_rewrites=self.cfg.context_compaction.enabled,
                 )
             except asyncio.CancelledError:
                 raise

@@ -6,8 +6,10 @@ across ranks with an all-reduce), and DDP's gradient average is undone by scalin
 so N workers compute the same update as one.
 
 Invariant: one `train` call makes exactly one optimizer step over every trace with a non-zero
-mask; the loss is token-normalised over what is trained, whatever the step's size; and the
-logprobs it trains against are its own (the generator's are only compared, as a metric).
+mask, or none at all: a non-finite loss or gradient norm skips the step and raises
+NonFiniteUpdate, so the weights (and what is published from them) stay finite. The loss is
+token-normalised over what is trained, whatever the step's size; the logprobs it trains against
+are its own (the generator's only weight them, with use_importance_sampling_correction).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import torch.nn.functional as F
 
 from minirl.algo.grpo import clipped_pg_loss
 from minirl.config import MinirlConfig
+
+
+class NonFiniteUpdate(RuntimeError):
+    """The step's loss or gradient norm is not finite: the optimizer step was skipped."""
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -86,7 +92,8 @@ class PolicyWorker:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         temperature = cfg.policy.generation.temperature
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "abs_err": 0.0, "mult_err": 0.0, "tokens": 0.0}
+        lf = cfg.loss_fn
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "is_oob": 0.0, "abs_err": 0.0, "mult_err": 0.0, "tokens": 0.0}
         for k in range(n_micro):
             idx = mine[k * micro : (k + 1) * micro]
             last = k == n_micro - 1
@@ -109,9 +116,10 @@ class PolicyWorker:
                     with torch.no_grad():
                         ref = token_logprobs(self.reference, ids, attn, temperature)
                 loss, m = clipped_pg_loss(
-                    curr, prev, adv, mask, max(normalizer, 1.0),
-                    cfg.loss_fn.ratio_clip_min, cfg.loss_fn.ratio_clip_max,
-                    ref, cfg.loss_fn.reference_policy_kl_penalty, token_level,
+                    curr, prev, adv, mask, max(normalizer, 1.0), lf.ratio_clip_min, lf.ratio_clip_max,
+                    ref, lf.reference_policy_kl_penalty, token_level,
+                    gen_lp if lf.use_importance_sampling_correction else None, lf.truncated_importance_sampling_type,
+                    lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min,
                 )
                 (loss * self.world_size).backward()  # DDP averages gradients over ranks
                 with torch.no_grad():
@@ -120,19 +128,28 @@ class PolicyWorker:
                     totals["loss"] += float(loss)
                     totals["clip_fraction"] += m["clip_fraction"] * n
                     totals["kl"] += m["kl"] * n
+                    totals["is_oob"] += m["is_oob_ratio"] * n
                     totals["abs_err"] += float(diff.abs().sum())
                     totals["mult_err"] += float((torch.exp(diff.abs()) * mask).sum())
                     totals["tokens"] += n
         clip = cfg.policy.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        loss = self._global(totals["loss"])
+        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteUpdate(
+                f"loss={loss} grad_norm={float(grad_norm)} at optimizer step {self.steps_done}: the step was skipped "
+                "and no weights were published"
+            )
         self.optimizer.step()
         self.steps_done += 1
         tokens = self._global(totals["tokens"])
         return {
-            "loss": self._global(totals["loss"]),
+            "loss": loss,
             "grad_norm": float(grad_norm),
             "clip_fraction": self._global(totals["clip_fraction"]) / max(tokens, 1),
             "kl": self._global(totals["kl"]) / max(tokens, 1),
+            "is_oob_ratio": self._global(totals["is_oob"]) / max(tokens, 1),
             "logprob_abs_error": self._global(totals["abs_err"]) / max(tokens, 1),
             "token_mult_prob_error": self._global(totals["mult_err"]) / max(tokens, 1),
             "train_tokens": tokens,
