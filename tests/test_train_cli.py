@@ -70,6 +70,8 @@ CASES = {
     "fix_2": (["guard_reject"], ["agent.context_history.guards.on_reject=end_episode"], ("ok", 4, 1)),
     # issue D: fix 3 alone recovers an agent crash by re-sending the one row
     "fix_3": (["agent_exception"], ["context_compaction.redispatch_dropped_groups=true"], ("ok", 4, 0)),
+    # issue I: a model error other than lane A's 400 fails /run with HTTP 500, as lane B does
+    "model_error_upstream": (["model_error"], [], ("exhausted",)),
 }
 # The table's `transport` / `timeout` rows ("same outcomes as lane B") run in-process, through the
 # same servers and policy: tests/test_failure_policy.py::test_transport_and_timeout_end_like_lane_b
@@ -84,7 +86,7 @@ def test_review_failure_table(tmp_path, case, shared_engine):
         assert proc.returncode == 0, proc.stderr[-3000:]
         (row,) = metrics(tmp_path)
         assert (row["groups_trained"], row["rollouts_masked"]) == expect[1:]
-        assert row["dropped_prompt_groups"] == 4 - expect[1]
+        assert row["dropped_prompt_groups"] == 4 - expect[1] and row["groups_target"] == 4
         if case == "fix_3":
             assert row["redispatched_groups"] == 1 and row["redispatched_rows"] == 1
     elif expect[0] == "exhausted":
@@ -95,3 +97,15 @@ def test_review_failure_table(tmp_path, case, shared_engine):
         assert FLOOR.match(tail), tail
     faults = [e for e in events(tmp_path) if e["type"] == "fault"]
     assert faults and all((e["kind"], e["step"], e["group"], e["rollout"]) == (kind, 0, 1, 0) for e in faults)
+
+
+def test_a_model_error_on_the_default_config_is_redispatched_not_masked(tmp_path, shared_engine):
+    """Issue I's acceptance: the default run (all fixes) re-sends the row; nothing is masked."""
+    proc = run_cli("grpo.max_num_steps=1", "checkpoint.enabled=false", "logger.tensorboard=false",
+                   "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2", bad("model_error"),
+                   f"run_dir={tmp_path}", *shared_engine)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = metrics(tmp_path)
+    assert row["rollouts_masked"] == 0 and row["groups_trained"] == 4 and row["redispatched_rows"] == 1
+    (failure,) = [e for e in events(tmp_path) if e["type"] == "failure"]
+    assert failure["decision"] == "retried" and failure["error_type"] == "ModelCallFailed"
