@@ -551,9 +551,11 @@ def validate(cfg: MinirlConfig) -> None:
         for key in keys:
             value = _get(cfg, key)
             _require(value is None or ok(value), key, f"{problem}, got {value}")
-    _require(cfg.loss_fn.ratio_clip_min < 1, "loss_fn.ratio_clip_min", f"must be < 1 (the clip is 1 - ratio_clip_min), got {cfg.loss_fn.ratio_clip_min}")
+    clip = cfg.loss_fn.ratio_clip_min
+    _require(clip < 1, "loss_fn.ratio_clip_min", f"must be < 1 (the lower clip is 1 - ratio_clip_min), got {clip}")
     betas = cfg.policy.optimizer.betas
-    _require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "policy.optimizer.betas", f"must be two values in [0, 1), got {betas}")
+    _require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "policy.optimizer.betas",
+             f"must be two values in [0, 1), got {betas}")
     _require(
         cfg.env.num_rooms <= cfg.env.max_num_rooms,
         "env.num_rooms",
