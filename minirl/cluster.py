@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import ray
@@ -149,11 +150,12 @@ class Cluster:
         )
 
     def resume(self) -> int:
-        """Load the checkpoint `checkpoint.resume` names; returns the first step to run."""
-        which = self.cfg.checkpoint.resume
-        if which == "none":
-            return 0
-        path = checkpoint.latest(self.run_dir) if which == "auto" else Path(which)
+        """Load the checkpoint `checkpoint.resume` names; returns the first step to run. Each newer
+        checkpoint `auto` skips because it does not verify is reported in events.jsonl and on stderr."""
+        path, skipped = checkpoint.select(self.run_dir, self.cfg.checkpoint.resume)
+        for bad, reason in skipped:
+            print(f"minirl: skipping checkpoint {bad}: {reason}", file=sys.stderr, flush=True)
+            ray.get(self.controller.note.remote({"type": "checkpoint_skipped", "checkpoint": str(bad), "reason": reason}))
         if path is None:
             return 0
         state = checkpoint.read_state(path)

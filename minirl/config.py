@@ -11,11 +11,14 @@ whose message starts with the offending dotted key; nothing downstream re-valida
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlparse
 
+import yaml
 from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -29,10 +32,10 @@ if not OmegaConf.has_resolver("mul"):
 
 
 class ConfigError(ValueError):
-    """A bad config key or value; the message starts with the dotted key."""
+    """A bad config key or value; the message is one line and starts with the dotted key."""
 
     def __init__(self, key: str, problem: str):
-        super().__init__(f"{key}: {problem}")
+        super().__init__(f"{key}: {' '.join(str(problem).split())}")
         self.key = key
 
 
@@ -279,6 +282,8 @@ class EnvConfig:
     """The task environment (see minirl/agents/env.py)."""
     num_rooms: int = 2
     """Rooms per episode; each needs at least one model call."""
+    max_num_rooms: int = 16
+    """Largest `num_rooms` a `/run` row may ask for; the agent server refuses larger."""
     data_seed: int = 1234
     """Seeds the prompt stream: the prompt of (step, group) depends on this and nothing else."""
 
@@ -409,8 +414,27 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
                 full += f".{key}"
             raise ConfigError(full, "unknown config key")
         child = schema._get_node(key)
-        if isinstance(child, DictConfig) and isinstance(value, dict):
+        if isinstance(child, DictConfig):
+            if not isinstance(value, dict):
+                raise ConfigError(full, f"is a section: give it a mapping of keys, got {value!r}")
             _check_keys(value, child, full + ".")
+
+
+def _read_yaml(file: str | Path) -> dict:
+    """A YAML file's top-level mapping; a file that cannot be read, is not YAML or is not a mapping
+    is one ConfigError naming the file (and, for a syntax error, the line)."""
+    try:
+        top = yaml.compose(Path(file).read_text(), Loader=yaml.SafeLoader)
+        if top is not None and not isinstance(top, yaml.MappingNode):
+            kind = "list" if isinstance(top, yaml.SequenceNode) else "scalar"
+            raise ConfigError("--config", f"{file}: must be a mapping of config keys (key: value), got a YAML {kind}")
+        return OmegaConf.to_container(OmegaConf.load(file)) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError("--config", f"{file}{where}: YAML error: {getattr(exc, 'problem', None) or exc}") from None
+    except (OSError, UnicodeDecodeError, OmegaConfBaseException) as exc:
+        raise ConfigError("--config", f"cannot read {file}: {exc}") from None
 
 
 def _parse_overrides(overrides: list[str]) -> list[tuple[str, dict]]:
@@ -442,15 +466,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: Path |
     Raises ConfigError naming the offending key.
     """
     merged = OmegaConf.structured(MinirlConfig)
-    layers: list[tuple[str, dict]] = []
-    for file in (base, path):
-        if file is None:
-            continue
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(file)) or {}
-        except (OSError, OmegaConfBaseException) as exc:
-            raise ConfigError("--config", f"cannot read {file}: {exc}") from None
-        layers.append(("", data))
+    layers = [("", _read_yaml(file)) for file in (base, path) if file is not None]
     layers += _parse_overrides(list(overrides))
     for key, data in layers:
         _check_keys(data, merged, "")
@@ -483,33 +499,85 @@ def step_floor(cfg: MinirlConfig) -> int:
     return math.ceil(cfg.grpo.num_prompts_per_step * rf.min_step_batch_fraction)
 
 
+# Range checks by dotted key (None passes where the field is Optional); the rules below are the rest.
+AT_LEAST_1 = (
+    "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "grpo.max_num_steps",
+    "policy.train_micro_batch_size", "policy.max_total_sequence_length", "policy.train_threads",
+    "policy.generation.max_new_tokens", "policy.generation.vllm_cfg.max_model_len",
+    "policy.generation.vllm_cfg.tensor_parallel_size", "policy.generation.vllm_cfg.kv_cache_space_gb",
+    "policy.generation.vllm_cfg.omp_threads",
+    "async_rl.rollout_failure.max_infra_attempts_per_prompt", "async_rl.rollout_failure.max_data_attempts_per_prompt",
+    "async_rl.rollout_failure.nemo_gym.max_row_attempts",
+    "agent.max_steps", "agent.max_request_bytes", "agent.context_history.schedule.actions_per_chunk",
+    "env.num_rooms", "env.max_num_rooms",
+    "cluster.num_cpus", "cluster.num_generation_workers", "cluster.num_policy_workers", "cluster.num_agent_servers",
+    "checkpoint.save_period",
+)
+AT_LEAST_0 = (
+    "grpo.seed", "env.data_seed", "faults.seed", "faults.hang_s",
+    "policy.max_grad_norm", "policy.optimizer.lr", "policy.optimizer.weight_decay",
+    "loss_fn.ratio_clip_min", "loss_fn.ratio_clip_max", "loss_fn.reference_policy_kl_penalty",
+    "async_rl.rollout_failure.max_skipped_prompts", "async_rl.rollout_failure.max_consecutive_dropped_prompts",
+    "async_rl.rollout_failure.backoff_base_s",
+    "agent.context_history.guards.reserved_generation_tokens",
+    "agent.context_history.policy.config.images.keep_last_groups",
+    "agent.context_history.policy.config.reasoning.keep_last_blocks",
+    "cluster.num_gpus", "cluster.gpus_per_generation_worker", "cluster.gpus_per_policy_worker",
+    "cluster.cpus_per_generation_worker", "cluster.cpus_per_policy_worker",
+    "checkpoint.keep_last_k",
+)
+ABOVE_0 = (
+    "policy.generation.temperature", "policy.optimizer.eps",
+    "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "async_rl.stall_watchdog.stall_timeout_s",
+    "agent.context_history.guards.max_total_tokens",
+)
+UNIT_INTERVAL = (  # (0, 1]
+    "policy.generation.top_p", "policy.generation.vllm_cfg.gpu_memory_utilization",
+    "async_rl.rollout_failure.min_step_batch_fraction",
+)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check_finite(node: Any, key: str) -> None:
+    """Every float anywhere in the config is a finite number (NaN passes no range check unnoticed)."""
+    if is_dataclass(node):
+        for f in fields(node):
+            _check_finite(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, (list, dict)):
+        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+            _check_finite(v, f"{key}.{k}" if isinstance(node, dict) else f"{key}[{k}]")
+    elif isinstance(node, float):
+        _require(math.isfinite(node), key, f"must be a finite number, got {node}")
+
+
 def validate(cfg: MinirlConfig) -> None:
-    """Every cross-field rule; each failure names its key."""
+    """Every range and cross-field rule, then the paths and the URL; each failure names its key."""
     g, rf, cc, ch = cfg.grpo, cfg.async_rl.rollout_failure, cfg.context_compaction, cfg.agent.context_history
-    for key, value in (
-        ("grpo.num_prompts_per_step", g.num_prompts_per_step),
-        ("grpo.num_generations_per_prompt", g.num_generations_per_prompt),
-        ("grpo.max_num_steps", g.max_num_steps),
-        ("agent.max_steps", cfg.agent.max_steps),
-        ("env.num_rooms", cfg.env.num_rooms),
-        ("async_rl.rollout_failure.max_infra_attempts_per_prompt", rf.max_infra_attempts_per_prompt),
-        ("async_rl.rollout_failure.max_data_attempts_per_prompt", rf.max_data_attempts_per_prompt),
-        ("async_rl.rollout_failure.nemo_gym.max_row_attempts", rf.nemo_gym.max_row_attempts),
-        ("policy.generation.max_new_tokens", cfg.policy.generation.max_new_tokens),
-        ("policy.train_micro_batch_size", cfg.policy.train_micro_batch_size),
-        ("cluster.num_generation_workers", cfg.cluster.num_generation_workers),
-        ("cluster.num_policy_workers", cfg.cluster.num_policy_workers),
-        ("cluster.num_agent_servers", cfg.cluster.num_agent_servers),
+    _check_finite(cfg, "")
+    for keys, ok, problem in (
+        (AT_LEAST_1, lambda v: v >= 1, "must be >= 1"),
+        (AT_LEAST_0, lambda v: v >= 0, "must be >= 0"),
+        (ABOVE_0, lambda v: v > 0, "must be > 0"),
+        (UNIT_INTERVAL, lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ):
-        _require(value >= 1, key, f"must be >= 1, got {value}")
-    for key, value in (
-        ("async_rl.rollout_failure.max_skipped_prompts", rf.max_skipped_prompts),
-        ("async_rl.rollout_failure.max_consecutive_dropped_prompts", rf.max_consecutive_dropped_prompts),
-        ("async_rl.rollout_failure.backoff_base_s", rf.backoff_base_s),
-        ("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k),
-        ("loss_fn.reference_policy_kl_penalty", cfg.loss_fn.reference_policy_kl_penalty),
-    ):
-        _require(value >= 0, key, f"must be >= 0, got {value}")
+        for key in keys:
+            value = _get(cfg, key)
+            _require(value is None or ok(value), key, f"{problem}, got {value}")
+    clip = cfg.loss_fn.ratio_clip_min
+    _require(clip < 1, "loss_fn.ratio_clip_min", f"must be < 1 (the lower clip is 1 - ratio_clip_min), got {clip}")
+    betas = cfg.policy.optimizer.betas
+    _require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "policy.optimizer.betas",
+             f"must be two values in [0, 1), got {betas}")
+    _require(
+        cfg.env.num_rooms <= cfg.env.max_num_rooms,
+        "env.num_rooms",
+        f"must be <= env.max_num_rooms ({cfg.env.max_num_rooms}), got {cfg.env.num_rooms}",
+    )
     want = g.num_prompts_per_step * g.num_generations_per_prompt
     _require(
         cfg.policy.train_global_batch_size == want,
@@ -523,17 +591,11 @@ def validate(cfg: MinirlConfig) -> None:
         f"must be >= backoff_base_s ({rf.backoff_base_s}), got {rf.max_backoff_s}",
     )
     _require(
-        0 < rf.min_step_batch_fraction <= 1,
-        "async_rl.rollout_failure.min_step_batch_fraction",
-        f"must be in (0, 1], got {rf.min_step_batch_fraction}",
-    )
-    _require(
         rf.on_dropped_prompt == "shrink",
         "async_rl.rollout_failure.on_dropped_prompt",
         f"only `shrink` is implemented in minirl, got {rf.on_dropped_prompt!r}",
     )
     timeout = rf.nemo_gym.rollout_timeout_s
-    _require(timeout is None or timeout > 0, "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "must be > 0 or null")
     wd = cfg.async_rl.stall_watchdog
     _require(wd.action in ("raise", "warn"), "async_rl.stall_watchdog.action", f"must be raise or warn, got {wd.action!r}")
     _require(cfg.policy.precision in ("float32", "bfloat16"), "policy.precision", "must be float32 or bfloat16")
@@ -548,18 +610,12 @@ def validate(cfg: MinirlConfig) -> None:
         "agent.context_history.schedule.type",
         "must be rolling_recency or turn_chunked_recency",
     )
-    _require(ch.schedule.actions_per_chunk >= 1, "agent.context_history.schedule.actions_per_chunk", "must be >= 1")
     _require(
         ch.schedule.type != "rolling_recency" or ch.schedule.actions_per_chunk == 1,
         "agent.context_history.schedule.actions_per_chunk",
         "must be 1 for rolling_recency",
     )
     _require(ch.guards.on_reject in ("raise", "end_episode"), "agent.context_history.guards.on_reject", "must be raise or end_episode")
-    _require(
-        ch.guards.max_total_tokens is None or ch.guards.max_total_tokens > 0,
-        "agent.context_history.guards.max_total_tokens",
-        "must be > 0 or null",
-    )
     _require(
         cc.enabled or cfg.agent.external_url is not None or not (cfg.agent.name == "compaction_agent" and ch.enabled),
         "context_compaction.enabled",
@@ -575,7 +631,6 @@ def validate(cfg: MinirlConfig) -> None:
                 "async_rl.rollout_failure.min_step_batch_fraction",
                 "context compaction requires min_step_batch_fraction=1",
             )
-    _require(cfg.checkpoint.save_period >= 1, "checkpoint.save_period", "must be >= 1")
     lf = cfg.loss_fn
     _require(lf.truncated_importance_sampling_type in (None, "tis", "icepop"), "loss_fn.truncated_importance_sampling_type",
              f"must be null, tis or icepop, got {lf.truncated_importance_sampling_type!r}")
@@ -590,6 +645,9 @@ def validate(cfg: MinirlConfig) -> None:
                  f"must be in [0, truncated_importance_sampling_ratio], got {lo}")
     for i, spec in enumerate(cfg.faults.inject):
         _require(spec.kind in FAULT_KINDS, f"faults.inject[{i}].kind", f"must be one of {', '.join(FAULT_KINDS)}")
+        for name in ("step", "group", "rollout", "attempt", "call"):
+            value = getattr(spec, name)
+            _require(value is None or value >= 0, f"faults.inject[{i}].{name}", f"must be >= 0, got {value}")
     for kind, p in cfg.faults.rate.items():
         _require(kind in FAULT_KINDS, f"faults.rate.{kind}", f"unknown fault kind; one of {', '.join(FAULT_KINDS)}")
         _require(0 <= p <= 1, f"faults.rate.{kind}", f"must be a probability in [0, 1], got {p}")
@@ -599,6 +657,31 @@ def validate(cfg: MinirlConfig) -> None:
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s",
         "a `timeout` fault needs a rollout timeout, or /run would hang",
     )
+    _check_outside(cfg)
+
+
+def _check_outside(cfg: MinirlConfig) -> None:
+    """What the config points at: the model directory loads, the resume path exists, the URL parses."""
+    model = Path(cfg.policy.model_name)
+    try:
+        model_cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        problem = "no such directory" if not model.is_dir() else f"config.json does not load ({exc})"
+        raise ConfigError("policy.model_name", f"{model}: {problem}") from None
+    _require(isinstance(model_cfg, dict) and "model_type" in model_cfg, "policy.model_name",
+             f"{model / 'config.json'}: not a Hugging Face model config (no model_type)")
+    resume = cfg.checkpoint.resume
+    _require(resume in ("none", "auto") or Path(resume).is_dir(), "checkpoint.resume",
+             f"must be none, auto or an existing checkpoint directory; {resume!r} is not a directory")
+    url = cfg.agent.external_url
+    if url is not None:
+        try:
+            parts = urlparse(url)
+            parts.port  # raises ValueError on a bad port
+        except ValueError as exc:
+            raise ConfigError("agent.external_url", f"{url!r} is not a URL: {exc}") from None
+        _require(parts.scheme in ("http", "https") and bool(parts.hostname), "agent.external_url",
+                 f"must be an http(s) URL with a host, got {url!r}")
 
 
 def to_yaml(cfg: MinirlConfig) -> str:

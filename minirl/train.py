@@ -50,11 +50,12 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
 
 
 def _truncate_metrics(run_dir: Path, start: int) -> None:
-    """On resume, drop metric lines of steps after the checkpoint: they will be run again."""
+    """Drop metric lines of steps from `start` on (after the checkpoint, or all when no checkpoint
+    verified): they will be run again."""
     import json
 
     path = run_dir / "metrics.jsonl"
-    if start == 0 or not path.exists():
+    if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
     path.write_text("".join(line + "\n" for line in keep))
@@ -64,8 +65,11 @@ def prepare_run_dir(cfg: MinirlConfig) -> Path:
     if cfg.run_dir is None:
         cfg.run_dir = str(REPO_ROOT / "runs" / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
     run_dir = Path(cfg.run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    except OSError as exc:
+        raise ConfigError("run_dir", f"cannot write {run_dir}: {exc.strerror or exc}") from None
     return run_dir
 
 
@@ -84,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
+        run_dir = prepare_run_dir(cfg)
+    except ConfigError as exc:  # before Ray starts: one line naming the key
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
-    run_dir = prepare_run_dir(cfg)
     print(f"minirl: run directory {run_dir}", flush=True)
     from minirl.cluster import Cluster
 

@@ -1,11 +1,11 @@
 """Config loading: layering, interpolation, and one clear error naming the key."""
 
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from minirl.config import REPO_ROOT, ConfigError, load_config
 
 CONFIGS = REPO_ROOT / "configs"
@@ -63,6 +63,36 @@ def test_fault_list_in_yaml_flow_style():
         (["faults.inject=[{kind: timeout}]", "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=null"],
          "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "would hang"),
         (["grpo.num_prompts_per_step=0"], "grpo.num_prompts_per_step", ">= 1"),
+        # values that once passed validation and failed after Ray started (issue N)
+        (["policy.generation.temperature=0"], "policy.generation.temperature", "must be > 0"),
+        (["policy.generation.temperature=-1"], "policy.generation.temperature", "must be > 0"),
+        (["policy.generation.temperature=nan"], "policy.generation.temperature", "finite"),
+        (["policy.generation.top_p=0"], "policy.generation.top_p", "(0, 1]"),
+        (["policy.generation.top_p=7"], "policy.generation.top_p", "(0, 1]"),
+        (["policy.optimizer.lr=-0.001"], "policy.optimizer.lr", ">= 0"),
+        (["policy.optimizer.lr=inf"], "policy.optimizer.lr", "finite"),
+        (["policy.optimizer.eps=0"], "policy.optimizer.eps", "> 0"),
+        (["policy.optimizer.betas=[0.9,1.0]"], "policy.optimizer.betas", "[0, 1)"),
+        (["policy.max_grad_norm=-1"], "policy.max_grad_norm", ">= 0"),
+        (["policy.max_total_sequence_length=0"], "policy.max_total_sequence_length", ">= 1"),
+        (["policy.generation.vllm_cfg.max_model_len=0"], "policy.generation.vllm_cfg.max_model_len", ">= 1"),
+        (["policy.generation.vllm_cfg.kv_cache_space_gb=0"], "policy.generation.vllm_cfg.kv_cache_space_gb", ">= 1"),
+        (["policy.generation.vllm_cfg.omp_threads=0"], "policy.generation.vllm_cfg.omp_threads", ">= 1"),
+        (["async_rl.stall_watchdog.stall_timeout_s=-1"], "async_rl.stall_watchdog.stall_timeout_s", "> 0"),
+        (["agent.max_request_bytes=-1"], "agent.max_request_bytes", ">= 1"),
+        (["loss_fn.ratio_clip_min=1"], "loss_fn.ratio_clip_min", "must be < 1"),
+        (["loss_fn.ratio_clip_min=-0.1"], "loss_fn.ratio_clip_min", ">= 0"),
+        (["loss_fn.ratio_clip_max=-0.1"], "loss_fn.ratio_clip_max", ">= 0"),
+        (["env.num_rooms=17"], "env.num_rooms", "<= env.max_num_rooms (16)"),
+        (["env.num_rooms=0"], "env.num_rooms", ">= 1"),
+        (["faults.inject=[{kind: guard_reject, step: -1}]"], "faults.inject[0].step", ">= 0"),
+        (["policy.model_name=/no/such/model"], "policy.model_name", "/no/such/model: no such directory"),
+        (["policy.model_name=configs"], "policy.model_name", "config.json does not load"),
+        (["checkpoint.resume=/no/such/step_3"], "checkpoint.resume", "'/no/such/step_3' is not a directory"),
+        (["agent.external_url=localhost-8000"], "agent.external_url", "http(s) URL with a host"),
+        (["agent.external_url=http://"], "agent.external_url", "http(s) URL with a host"),
+        (["agent.external_url=http://127.0.0.1:99999"], "agent.external_url", "Port out of range"),
+        (["grpo=5"], "grpo", "is a section"),
     ],
 )
 def test_errors_name_the_key(overrides, key, text):
@@ -71,8 +101,44 @@ def test_errors_name_the_key(overrides, key, text):
     assert str(err.value).startswith(key + ":") and text in str(err.value)
 
 
-def test_cli_bad_key_exits_2_with_one_line():
-    proc = subprocess.run([sys.executable, "-m", "minirl.train", "no.such.key=1"], capture_output=True, text=True, timeout=120)
+def test_valid_edge_values_pass():
+    cfg = load_config(None, ["async_rl.stall_watchdog.stall_timeout_s=null", "policy.optimizer.lr=0", "env.num_rooms=16",
+                             "policy.generation.top_p=1", "agent.external_url=https://agents.example:8443/base"])
+    assert cfg.env.num_rooms == cfg.env.max_num_rooms == 16 and cfg.async_rl.stall_watchdog.stall_timeout_s is None
+
+
+@pytest.mark.parametrize(
+    "text,key,problem",
+    [
+        ("grpo:\n  max_num_steps: 3\n  seed: [1, 2\n", "--config", "line 4, column 1: YAML error: expected ',' or ']'"),
+        ("grpo: {max_num_steps: 3\npolicy: x: y\n", "--config", "line 2"),
+        ("- grpo\n- policy\n", "--config", "must be a mapping of config keys (key: value), got a YAML list"),
+        ("just words\n", "--config", "got a YAML scalar"),
+        ("grpo: 5\n", "grpo", "is a section: give it a mapping of keys, got 5"),
+        ("policy:\n  generation: [1]\n", "policy.generation", "is a section"),
+        ("policy:\n  generation:\n    temperature: 0\n", "policy.generation.temperature", "must be > 0"),
+    ],
+)
+def test_yaml_file_errors_are_one_line_naming_the_key_or_file(tmp_path, text, key, problem):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    msg = str(err.value)
+    assert msg.startswith(key + ":") and problem in msg and "\n" not in msg
+    if key == "--config":
+        assert str(path) in msg
+
+
+@pytest.mark.parametrize("override,line", [
+    ("no.such.key=1", "ConfigError: no.such.key: unknown config key"),
+    ("policy.generation.temperature=0", "ConfigError: policy.generation.temperature: must be > 0, got 0.0"),
+])
+def test_cli_bad_value_exits_2_with_one_line_before_ray_starts(override, line):
+    t0 = time.perf_counter()
+    proc = run_cli(override, timeout=60)
+    elapsed = time.perf_counter() - t0
     assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == ["ConfigError: no.such.key: unknown config key"]
+    assert [x for x in proc.stderr.splitlines() if x.strip()] == [line]
+    assert proc.stdout == "", "nothing ran: no run directory was made, Ray never started"
+    assert elapsed < 5, f"took {elapsed:.1f}s: the check must come before Ray starts"

@@ -1,21 +1,50 @@
-"""Checkpoints: `run_dir/checkpoints/step_N/`, written atomically (temporary directory, then
-rename), holding the policy (weights, optimizer, tokenizer), the RNG, the data position and the
-failure policy's run-scoped counters. The fault stream needs no position of its own: it is a
-function of (step, group, rollout, attempt), so resuming at step N resumes it too.
+"""Checkpoints: `run_dir/checkpoints/step_N/`, holding the policy (weights, optimizer, tokenizer),
+the RNG, the data position and the failure policy's run-scoped counters. The fault stream needs no
+position of its own: it is a function of (step, group, rollout, attempt), so resuming at step N
+resumes it too.
 
-Invariant: a directory named `step_N` is complete (it has `state.json`, written last, before the
-rename); `latest` never returns a partial one, and resuming from it repeats no step and skips none.
+A checkpoint is written into a temporary directory; `state.json`, written last, carries a manifest
+of every other file (relative path, size, sha256); every file and directory is fsynced, then the
+directory is renamed to `step_N` and its parent fsynced.
+
+Invariant: a checkpoint is trusted only when its manifest verifies; `select` never resumes from one
+that does not (`auto` falls back to the newest that does and reports each one skipped, an explicit
+path raises CheckpointError naming the path and the file), and resuming repeats no step and skips none.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
+
+STATE = "state.json"
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint `checkpoint.resume` names cannot be trusted."""
 
 
 def directory(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save(run_dir: Path, step: int, state: dict, write_policy, model_dir: str, keep_last_k: int) -> Path:
@@ -31,27 +60,69 @@ def save(run_dir: Path, step: int, state: dict, write_policy, model_dir: str, ke
         src = Path(model_dir) / name
         if src.exists():
             shutil.copy(src, tmp / "policy" / name)
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (tmp / STATE).write_text(json.dumps({**state, "manifest": manifest}, indent=2))
+    for p in [*files, tmp / STATE, *sorted(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
+        _fsync(p)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    _fsync(root)
     if keep_last_k > 0:
-        for old in completed(run_dir)[:-keep_last_k]:
+        for old in checkpoints(run_dir)[:-keep_last_k]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def completed(run_dir: Path) -> list[Path]:
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Every `step_N` directory, oldest first, verified or not."""
     root = directory(run_dir)
-    if not root.exists():
-        return []
-    done = [p for p in root.glob("step_*") if (p / "state.json").exists()]
-    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+    found = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()] if root.exists() else []
+    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def latest(run_dir: Path) -> Path | None:
-    done = completed(run_dir)
-    return done[-1] if done else None
+def verify(path: Path) -> str | None:
+    """None when every file of the manifest is there with its size and sha256; else why not, naming the file."""
+    try:
+        manifest = json.loads((path / STATE).read_text())["manifest"]
+    except (OSError, ValueError, TypeError) as exc:
+        return f"{STATE} unreadable ({exc})"
+    except KeyError:
+        return f"{STATE} has no manifest (written before manifests existed): cannot verify"
+    for rel, want in manifest.items():
+        file = path / rel
+        if not file.is_file():
+            return f"{rel}: missing"
+        if (size := file.stat().st_size) != want["size"]:
+            return f"{rel}: size {size} != {want['size']}"
+        if _sha256(file) != want["sha256"]:
+            return f"{rel}: sha256 mismatch"
+    return None
+
+
+def latest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that verifies (None if none does), and (path, reason) for each newer one."""
+    skipped = []
+    for path in reversed(checkpoints(run_dir)):
+        if (reason := verify(path)) is None:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def select(run_dir: Path, resume: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint `checkpoint.resume` names (None: start from step 0), and those skipped on the way."""
+    if resume == "none":
+        return None, []
+    if resume == "auto":
+        return latest_verified(run_dir)
+    if (reason := verify(Path(resume))) is not None:
+        raise CheckpointError(
+            f"checkpoint.resume={resume} cannot be trusted: {reason} "
+            "(name another checkpoint, or use checkpoint.resume=auto to take the newest that verifies)"
+        )
+    return Path(resume), []
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((path / "state.json").read_text())
+    return json.loads((path / STATE).read_text())

@@ -1,0 +1,137 @@
+"""Checkpoints that can be trusted: a manifest of sizes and sha256 in `state.json`, verified before
+any resume; `resume=auto` falls back past a damaged checkpoint (and says so), an explicit damaged
+path ends the run naming the path and the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import last_line, run_cli
+from minirl.config import REPO_ROOT
+from minirl.trainer import checkpoint
+from minirl.trainer.checkpoint import CheckpointError
+
+MODEL = REPO_ROOT / "models" / "tiny-doors"
+
+
+def write_policy(step: int):
+    """Stands in for the policy workers' `save`: real files of the same layout."""
+
+    def write(directory: str) -> None:
+        d = Path(directory)
+        (d / "policy").mkdir()
+        (d / "policy" / "model.safetensors").write_bytes(bytes([step]) * 4096)
+        (d / "trainer_state.pt").write_bytes(b"optimizer state %d" % step)
+
+    return write
+
+
+def save(run_dir: Path, step: int, keep_last_k: int = 0) -> Path:
+    state = {"step": step, "next_step": step + 1, "rollout_manager": {}}
+    return checkpoint.save(run_dir, step, state, write_policy(step), str(MODEL), keep_last_k)
+
+
+def test_save_writes_a_manifest_of_every_file_and_it_verifies(tmp_path):
+    path = save(tmp_path, 0)
+    state = checkpoint.read_state(path)
+    files = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {"state.json"}
+    assert set(state["manifest"]) == files
+    assert {"policy/model.safetensors", "trainer_state.pt", "policy/tokenizer.json"} <= files
+    assert state["manifest"]["policy/model.safetensors"]["size"] == 4096
+    assert state["next_step"] == 1
+    assert checkpoint.verify(path) is None
+    assert not list(checkpoint.directory(tmp_path).glob(".tmp_*")), "no temporary directory left"
+
+
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        (lambda p: p.joinpath("policy/model.safetensors").write_bytes(b"\0" * 123), "policy/model.safetensors: size 123 != 4096"),
+        (lambda p: p.joinpath("trainer_state.pt").write_bytes(b"optimizer state 9"), "trainer_state.pt: sha256 mismatch"),
+        (lambda p: p.joinpath("policy/tokenizer.json").unlink(), "policy/tokenizer.json: missing"),
+        (lambda p: p.joinpath("state.json").write_text('{"step": 0, "manif'), "state.json unreadable"),
+        (lambda p: p.joinpath("state.json").unlink(), "state.json unreadable"),
+        (lambda p: p.joinpath("state.json").write_text('{"step": 0, "next_step": 1}'), "state.json has no manifest"),
+    ],
+    ids=["truncated", "changed", "missing", "state_truncated", "state_missing", "old_format"],
+)
+def test_verify_names_the_damaged_file(tmp_path, damage, reason):
+    path = save(tmp_path, 0)
+    damage(path)
+    assert checkpoint.verify(path).startswith(reason)
+
+
+def test_auto_takes_the_newest_that_verifies_and_reports_each_skipped(tmp_path):
+    for step in range(3):
+        save(tmp_path, step)
+    assert checkpoint.latest_verified(tmp_path) == (checkpoint.directory(tmp_path) / "step_2", [])
+    newest = checkpoint.directory(tmp_path) / "step_2"
+    with open(newest / "policy" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    (checkpoint.directory(tmp_path) / "step_1" / "trainer_state.pt").unlink()
+    path, skipped = checkpoint.select(tmp_path, "auto")
+    assert path == checkpoint.directory(tmp_path) / "step_0"
+    assert [(p.name, r) for p, r in skipped] == [
+        ("step_2", "policy/model.safetensors: size 1000 != 4096"),
+        ("step_1", "trainer_state.pt: missing"),
+    ]
+    # nothing verifies: start from step 0, still reporting every one skipped
+    (path / "state.json").unlink()
+    path, skipped = checkpoint.select(tmp_path, "auto")
+    assert path is None and [p.name for p, _ in skipped] == ["step_2", "step_1", "step_0"]
+
+
+def test_an_explicit_damaged_checkpoint_raises_naming_the_path_and_the_file(tmp_path):
+    good, bad = save(tmp_path, 0), save(tmp_path, 1)
+    (bad / "trainer_state.pt").write_bytes(b"")
+    assert checkpoint.select(tmp_path, str(good)) == (good, [])
+    with pytest.raises(CheckpointError, match=rf"checkpoint.resume={bad} cannot be trusted: trainer_state.pt: size 0 != 17"):
+        checkpoint.select(tmp_path, str(bad))
+    assert checkpoint.select(tmp_path, "none") == (None, [])
+
+
+def test_resaving_a_step_replaces_it_and_keep_last_k_prunes_the_oldest(tmp_path):
+    for step in range(4):
+        save(tmp_path, step, keep_last_k=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_2", "step_3"]
+    (checkpoint.directory(tmp_path) / "step_3" / "trainer_state.pt").write_bytes(b"x")
+    save(tmp_path, 3, keep_last_k=2)  # a resumed run writes the step again
+    assert checkpoint.verify(checkpoint.directory(tmp_path) / "step_3") is None
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@pytest.mark.slow
+def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(tmp_path, shared_engine):
+    small = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "logger.tensorboard=false",
+             "checkpoint.save_period=1", "checkpoint.keep_last_k=0", f"run_dir={tmp_path}", *shared_engine]
+    first = run_cli(*small, "grpo.max_num_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    damaged = tmp_path / "checkpoints" / "step_1" / "policy" / "model.safetensors"
+    size = damaged.stat().st_size
+    with open(damaged, "r+b") as f:
+        f.truncate(size // 2)
+
+    second = run_cli(*small, "grpo.max_num_steps=4", "checkpoint.resume=auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    reason = f"policy/model.safetensors: size {size // 2} != {size}"
+    assert f"skipping checkpoint {damaged.parent.parent}: {reason}" in second.stderr
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3], "no gap, no duplicate"
+    events = rows(tmp_path / "events.jsonl")
+    skipped = [(e["checkpoint"], e["reason"]) for e in events if e["type"] == "checkpoint_skipped"]
+    assert skipped == [(str(damaged.parent.parent), reason)]
+    assert [e["from_step"] for e in events if e["type"] == "resumed"] == [1], "resumed from step_0"
+    assert checkpoint.verify(damaged.parent.parent) is None, "step 1 was written again, whole"
+
+    # an explicit path to a damaged checkpoint ends the run naming the path and the file
+    with open(damaged, "r+b") as f:
+        f.truncate(7)
+    third = run_cli(*small, "grpo.max_num_steps=4", f"checkpoint.resume={damaged.parent.parent}")
+    assert third.returncode == 1
+    assert last_line(third.stderr).startswith(
+        f"CheckpointError: checkpoint.resume={damaged.parent.parent} cannot be trusted: policy/model.safetensors: size 7 != ")
