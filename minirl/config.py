@@ -278,8 +278,6 @@ class AgentConfig:
 
 @dataclass
 class EnvConfig:
-    name: str = "doors"
-    """The task environment (see minirl/agents/env.py)."""
     num_rooms: int = 2
     """Rooms per episode; each needs at least one model call."""
     max_num_rooms: int = 16

@@ -30,7 +30,7 @@ def prompt_row(cfg: MinirlConfig, step: int, group: int) -> dict:
             "max_output_tokens": gen.max_new_tokens,
         },
         "agent_ref": {"name": cfg.agent.name},
-        "task": {"env": cfg.env.name, "seed": env.seed, "num_rooms": env.num_rooms},
+        "task": {"env": "doors", "seed": env.seed, "num_rooms": env.num_rooms},
     }
 
 

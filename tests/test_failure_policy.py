@@ -347,3 +347,25 @@ def test_bad_input_from_an_external_agent_is_data_named_and_never_trained(base_c
     for e in failures:
         assert e["class"] == "data" and e["decision"] == "skipped"
         assert BAD_RESULTS[e["group"]][1] in e["error"], e
+
+
+def test_a_programming_error_propagates_and_is_never_a_skipped_prompt(base_cfg):
+    """Only the taxonomy's failures are retried or skipped: a bug (here a KeyError raised while
+    handling a result) ends the run as itself, whatever the skip budget."""
+
+    async def broken_post(session, url, row):
+        return {}["missing"]
+
+    cfg = policy_cfg(base_cfg, max_skipped_prompts=5)
+    events = []
+
+    async def go():
+        m = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, VOCAB, post=broken_post)
+        try:
+            return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(2)])
+        finally:
+            await m.session.close()
+
+    with pytest.raises(KeyError):
+        asyncio.run(go())
+    assert not [e for e in events if e["type"] == "failure"]

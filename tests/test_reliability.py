@@ -84,3 +84,62 @@ def test_killed_agent_server_mid_group_is_recovered_by_redispatch(tmp_path, shar
     assert first["redispatched_groups"] >= 1
     retried = [e for e in events(tmp_path) if e["type"] == "failure" and e["decision"] == "retried"]
     assert retried and {e["class"] for e in retried} == {"infra"}
+
+
+def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shared_engine):
+    """Issue N: an external agent answers group 1 with reward=1e39, group 2 with +inf logprobs and
+    group 3 with positive logprobs (group 0 is good). The run never trains on them: each is a DATA
+    failure naming the field, no metrics row has a null loss, and the engine's weights stay finite."""
+    import asyncio
+    import threading
+
+    import ray
+    from aiohttp import web
+
+    def answer(row):
+        group = row["_minirl"]["group"]
+        lps = {2: [-0.1, float("inf")], 3: [-0.1, 0.5]}.get(group, [-0.1, -0.2])
+        item = {"type": "function_call", "name": "open_door", "arguments": '{"code": 1}', "call_id": "c",
+                "prompt_token_ids": [5, 6, 7], "generation_token_ids": [8, 9], "generation_log_probs": lps}
+        reward = 1e39 if group == 1 else 0.25 * row["_minirl"]["rollout"]
+        return {**row, "response": {"output": [item]}, "reward": reward}
+
+    async def run_handler(request):  # json.dumps writes inf as Infinity, which Python's json reads back
+        return web.Response(text=json.dumps(answer(await request.json())), content_type="application/json")
+
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder = {}
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        app = web.Application()
+        app.router.add_post("/run", run_handler)
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        holder["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        started.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    started.wait(10)
+    try:
+        proc = run_cli(*SMALL, "grpo.max_num_steps=2", "checkpoint.enabled=false", f"agent.external_url={holder['url']}",
+                       "async_rl.rollout_failure.max_skipped_prompts=6", "async_rl.rollout_failure.max_data_attempts_per_prompt=1",
+                       "async_rl.rollout_failure.min_step_batch_fraction=0.25", f"run_dir={tmp_path}", *shared_engine)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["loss"] is not None and r["groups_trained"] == 1 and r["skipped_prompt_groups"] == 3 for r in rows), rows
+    failures = [e for e in events(tmp_path) if e["type"] == "failure"]
+    by_group = {e["group"]: e["error"] for e in failures}
+    assert "reward must be a finite number within float32 range, got 1e+39" in by_group[1]
+    assert "generation_log_probs must be finite and <= 0, got inf" in by_group[2]
+    assert "generation_log_probs must be finite and <= 0, got 0.5" in by_group[3]
+    assert {e["decision"] for e in failures} == {"skipped"} and 0 not in by_group
+    worker = ray.get_actor("shared-gen-0", namespace="minirl")
+    assert ray.get(worker.weights_finite.remote())

@@ -51,6 +51,15 @@ def _reload_weights(worker, named: list) -> None:
     worker.reload_weights(weights_iterator=iter((n, torch.from_numpy(np.asarray(a))) for n, a in named))
 
 
+def _all_finite(worker) -> bool:
+    """Runs inside vLLM's worker (collective_rpc): are all of the model's float tensors finite?"""
+    import torch
+
+    model = worker.get_model()
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
 class VllmEngine:
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
@@ -98,6 +107,10 @@ class VllmEngine:
             self.version = version
 
         return self.run(apply)
+
+    def weights_finite(self) -> Future:
+        """True when every weight the engine serves from is finite (a check for tests and operators)."""
+        return self.run(lambda llm: all(llm.collective_rpc(_all_finite)))
 
     def run(self, fn) -> Future:
         """Run `fn(llm)` on the engine thread, between steps."""

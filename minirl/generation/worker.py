@@ -73,6 +73,9 @@ class GenerationWorker:
         self.engine.update_weights(named, version).result()
         return version
 
+    def weights_finite(self) -> bool:
+        return self.engine.weights_finite().result()
+
     def take_calls(self, step: int) -> list[dict]:
         async def take():
             return self.server.take_calls(step)

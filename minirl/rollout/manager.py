@@ -270,7 +270,7 @@ class RolloutManager:
             return [(Coords(step, group, r, row_attempt[r] - 1), exc) for r in range(G) if r not in out.rollouts]
         failures = []
         for res in results:
-            if isinstance(res, asyncio.CancelledError):
+            if isinstance(res, BaseException):  # cancellation, or a bug: never a row failure
                 raise res
             if isinstance(res, tuple):
                 failures.append(res)
