@@ -40,7 +40,7 @@ from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, Tokeni
 
 from minirl.faults import FaultPlan
 from minirl.wire import ROLLOUT_HEADER, parse_call_key
-from minirl.generation.chat_format import parse_reply, splice_prefix
+from minirl.generation.chat_format import normalize_content, parse_reply, splice_prefix
 
 
 class HTTPError(Exception):
@@ -80,6 +80,7 @@ class ModelServer:
     # -- helpers -------------------------------------------------------------------------------
     def render(self, messages: list[dict], tools, add_generation_prompt: bool = True) -> list[int]:
         for m in messages:  # vLLM accepts `reasoning` or `reasoning_content` on assistant turns
+            m["content"] = normalize_content(m.get("content"))  # list content flattened as vLLM does
             if "reasoning" in m and "reasoning_content" not in m:
                 m["reasoning_content"] = m.pop("reasoning")
         ids = self.tokenizer.apply_chat_template(
