@@ -92,6 +92,9 @@ class GenerationConfig:
     """Nucleus sampling for rollouts."""
     max_new_tokens: int = 48
     """Cap on each model call's reply (also capped by the room left in `max_model_len`)."""
+    reasoning_parser: Optional[str] = "think"
+    """As `vllm serve --reasoning-parser`: `think` splits a leading `<think>…</think>` off a reply into
+    `reasoning`; null leaves it in `content` (for a Gym `vllm_model` with `uses_reasoning_parser: false`)."""
     vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
 
 
@@ -564,6 +567,8 @@ def validate(cfg: MinirlConfig) -> None:
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s",
         "a `timeout` fault needs a rollout timeout, or /run would hang",
     )
+    # serving for external (Gym) servers
+    _require(cfg.policy.generation.reasoning_parser in (None, "think"), "policy.generation.reasoning_parser", "must be think or null")
 
 
 def to_yaml(cfg: MinirlConfig) -> str:

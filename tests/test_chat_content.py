@@ -51,3 +51,24 @@ def test_list_content_renders_as_flattened_string_on_both_routes(stack):
     tok_list, tok_flat, chat, refused = asyncio.run(go())
     assert tok_list["tokens"] == tok_flat["tokens"] == chat["prompt_token_ids"]
     assert refused == [400, 400]
+
+
+def test_reasoning_parser_switch(stack):
+    from minirl.generation.chat_format import parse_reply
+
+    text = "<think>door7</think><tool_call>{\"name\": \"open_door\", \"arguments\": {\"code\": 7}}</tool_call>"
+    on, off = parse_reply(text), parse_reply(text, reasoning_parser=None)
+    assert on["reasoning"] == "door7" and on["content"] is None
+    assert off["reasoning"] is None and off["content"] == "<think>door7</think>" and [c["function"] for c in off["tool_calls"]] == [c["function"] for c in on["tool_calls"]]
+
+    messages = [{"role": "user", "content": "Room 1.<image>" + PICTURE + "</image>"}]
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            s.model.reasoning_parser = None
+            body = {"messages": messages, "tools": chat_tools(TOOLS), "max_completion_tokens": 24, "seed": 0}
+            async with http.post(s.model_url + "/v1/chat/completions", json=body) as r:
+                return (await r.json())["choices"][0]["message"]
+
+    message = asyncio.run(go())
+    assert not message.get("reasoning") and "<think>" in (message.get("content") or "")

@@ -96,14 +96,15 @@ _THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def parse_reply(text: str, tools_enabled: bool = True) -> dict:
+def parse_reply(text: str, tools_enabled: bool = True, reasoning_parser: str | None = "think") -> dict:
     """Reply text -> `{"content", "reasoning", "tool_calls"}` (OpenAI message fields).
 
     A `<tool_call>` block that is not valid JSON with a `name` stays in `content`, as vLLM's
-    hermes parser leaves it.
+    hermes parser leaves it. With `reasoning_parser=None` (`vllm serve` without
+    `--reasoning-parser`) a `<think>` block stays in `content` and `reasoning` is None.
     """
     reasoning = None
-    m = _THINK.match(text)
+    m = _THINK.match(text) if reasoning_parser else None
     if m:
         reasoning = m.group(1)
         text = text[m.end():]

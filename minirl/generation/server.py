@@ -64,6 +64,8 @@ def context_length_message(max_model_len: int, prompt_len: int) -> str:
 
 
 class ModelServer:
+    reasoning_parser: str | None = "think"  # policy.generation.reasoning_parser; None: no reasoning split
+
     def __init__(self, engine, tokenizer, model_name: str, plan: FaultPlan | None = None):
         self.engine, self.tokenizer, self.model_name, self.plan = engine, tokenizer, model_name, plan
         self.calls: dict[int, list[dict]] = defaultdict(list)
@@ -180,7 +182,7 @@ class ModelServer:
         )
 
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
-        parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none")
+        parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none", reasoning_parser=self.reasoning_parser)
         message = ChatMessage(
             role="assistant",
             content=parsed["content"],
