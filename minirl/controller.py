@@ -152,7 +152,7 @@ class Controller:
                                "rollout_attempts": self.manager.sends, "rollouts_generated": self.manager.returned})
             raise
         kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
-        ledger = self.ledger.close_step(step, server_calls, kept, version)
+        ledger = self.ledger.close_step(step, server_calls, kept, version, recorded=not self.cfg.agent.external_url)
         batch, stats = assemble(self.cfg, outcomes, self.pad_id)
         for r in kept:
             if r.mask_reason:
