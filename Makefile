@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.minirl-installed
 
-.PHONY: train test setup setup-gpu bench-quick clean
+.PHONY: train test setup setup-gpu bench-quick clean gym-check
 
 train: $(STAMP)
 	$(BIN)/python -m minirl.train
@@ -33,5 +33,22 @@ setup-gpu:
 	$(BIN)/python -m pip install -e '.[gpu,test]'
 	touch $(STAMP)
 
+# The check against the real `nemo-gym` package (not part of `make test`: the install takes minutes).
+# nemo-gym 0.4.0 is the newest that installs here and needs Python 3.12, which pyenv provides; its
+# side venv .venv-gym is created once and reused. scripts/gym_check.py drives both venvs.
+GYM_VENV  := .venv-gym
+GYM_STAMP := $(GYM_VENV)/.nemo-gym-installed
+PY312     ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) $(shell pyenv which python3.12 2>/dev/null))
+
+gym-check: $(STAMP) $(GYM_STAMP)
+	$(BIN)/python scripts/gym_check.py --gym-python $(GYM_VENV)/bin/python
+
+$(GYM_STAMP):
+	test -n "$(PY312)" || { echo "gym-check needs Python 3.12 (set PY312=/path/to/python3.12)"; exit 2; }
+	test -x $(GYM_VENV)/bin/python || $(PY312) -m venv $(GYM_VENV)
+	$(GYM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GYM_VENV)/bin/python -m pip install --quiet nemo-gym==0.4.0
+	touch $(GYM_STAMP)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(GYM_VENV) runs .pytest_cache

@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     from minirl.cluster import ACTOR_ENV, free_port, start_generation_workers
     from minirl.config import load_config
     from minirl.data import prompt_row
+    from minirl.gym.rows import with_extra_body
     from minirl.agents.server import AgentServer
     from minirl.generation.engine import configure_cpu_env
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     rows = []
     for i in range(n):
         row = prompt_row(cfg, 0, i)
-        row["responses_create_params"]["seed"] = i
+        row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=i)
         rows.append({**row, "_rowidx": i})
 
     # raw vLLM, in this process

@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from minirl.agents.server import AgentServer
 from minirl.config import MinirlConfig
 from minirl.controller import Controller
+from minirl.generation.router import router_url, write_endpoints
 from minirl.generation.worker import GenerationWorker
 from minirl.trainer import checkpoint
 from minirl.trainer.policy_worker import PolicyWorker
@@ -135,7 +136,9 @@ class Cluster:
             ray.remote(Controller).options(**light, max_concurrency=4)
             .remote(cfg, str(self.run_dir), agent_urls, self.gen, model_cfg["vocab_size"], pad_id)
         )
-        self.urls = {"model": model_urls, "agents": agent_urls}
+        self.urls = {"model": model_urls, "agents": agent_urls, "router": router_url(cfg, model_urls, host)}
+        ends = write_endpoints(self.run_dir, self.urls["router"], model_urls, agent_urls)
+        print("minirl: endpoints " + " ".join(f"{k}={v}" for k, v in ends.items()), flush=True)
 
     # -- used by the training loop ---------------------------------------------------------------
     def sync_weights(self, version: int) -> None:

@@ -100,6 +100,9 @@ class GenerationConfig:
     """Nucleus sampling for rollouts."""
     max_new_tokens: int = 48
     """Cap on each model call's reply (also capped by the room left in `max_model_len`)."""
+    reasoning_parser: Optional[str] = "think"
+    """As `vllm serve --reasoning-parser`: `think` splits a leading `<think>…</think>` off a reply into
+    `reasoning`; null leaves it in `content` (for a Gym `vllm_model` with `uses_reasoning_parser: false`)."""
     vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
 
 
@@ -184,10 +187,31 @@ class StallWatchdogConfig:
     """`raise` RolloutStall with what is in flight, or `warn` and keep waiting."""
 
 
+GYM_RETRIED_STATUSES = (429, 500, 502, 503, 504, 520)
+"""HTTP statuses Gym's model client retries (nemo_gym.openai_utils.RETRY_ERROR_CODES)."""
+
+
+@dataclass
+class GenerationRouterConfig:
+    enabled: bool = True
+    """Put a router at a fixed port in front of the generation workers (its URL goes to endpoints.json)."""
+    port_range_low: int = 6000
+    """The router binds the first free port from here..."""
+    port_range_high: int = 6099
+    """...to here (inclusive)."""
+    backend_timeout_s: float = 600.0
+    """A forwarded request that takes longer gets HTTP 504."""
+    connect_timeout_s: float = 5.0
+    """A worker that does not accept the connection within this is skipped, and ineligible this long."""
+    no_healthy_backend_status: int = 409
+    """The status answered when no worker is eligible; never one Gym retries (429, 500, 502, 503, 504, 520)."""
+
+
 @dataclass
 class AsyncRLConfig:
     rollout_failure: RolloutFailureConfig = field(default_factory=RolloutFailureConfig)
     stall_watchdog: StallWatchdogConfig = field(default_factory=StallWatchdogConfig)
+    generation_router: GenerationRouterConfig = field(default_factory=GenerationRouterConfig)
 
 
 # ------------------------------------------------------------------------------- context compaction
@@ -655,6 +679,18 @@ def validate(cfg: MinirlConfig) -> None:
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s",
         "a `timeout` fault needs a rollout timeout, or /run would hang",
     )
+    # serving for external (Gym) servers
+    _require(cfg.policy.generation.reasoning_parser in (None, "think"), "policy.generation.reasoning_parser", "must be think or null")
+    gr = cfg.async_rl.generation_router
+    _require(1 <= gr.port_range_low <= 65535, "async_rl.generation_router.port_range_low", "must be a port (1-65535)")
+    _require(gr.port_range_low <= gr.port_range_high <= 65535, "async_rl.generation_router.port_range_high",
+             f"must be a port >= port_range_low ({gr.port_range_low})")
+    for key in ("backend_timeout_s", "connect_timeout_s"):
+        _require(getattr(gr, key) > 0, f"async_rl.generation_router.{key}", "must be > 0")
+    _require(400 <= gr.no_healthy_backend_status <= 599 and gr.no_healthy_backend_status not in GYM_RETRIED_STATUSES,
+             "async_rl.generation_router.no_healthy_backend_status",
+             f"must be an HTTP error status that Gym does not retry (not {', '.join(map(str, GYM_RETRIED_STATUSES))}), "
+             f"got {gr.no_healthy_backend_status}")
     _check_outside(cfg)
 
 

@@ -15,11 +15,12 @@ from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import FaultSpec
 from minirl.data import prompt_row
+from minirl.gym.rows import with_extra_body
 
 
 def row(cfg, group=0, rollout=0, attempt=0):
     r = {**prompt_row(cfg, 0, group), "_rowidx": rollout, "_minirl": {"step": 0, "group": group, "rollout": rollout, "attempt": attempt}}
-    r["responses_create_params"]["seed"] = 7
+    r["responses_create_params"] = with_extra_body(r["responses_create_params"], seed=7)
     return r
 
 

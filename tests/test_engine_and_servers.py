@@ -10,6 +10,7 @@ import numpy as np
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
 from minirl.data import prompt_row
+from minirl.gym.rows import with_extra_body
 
 CHAT_TOOLS = chat_tools(TOOLS)
 
@@ -122,7 +123,7 @@ def test_weight_sync_changes_greedy_generation_and_restores_exactly(engine, base
 
 def test_run_against_a_live_agent_server(stack, base_cfg):
     row = {**prompt_row(base_cfg, 0, 0), "_rowidx": 0, "_minirl": {"step": 0, "group": 0, "rollout": 0, "attempt": 0}}
-    row["responses_create_params"]["seed"] = 5
+    row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=5)
 
     async def go():
         async with stack() as s, aiohttp.ClientSession() as http:

@@ -25,6 +25,7 @@ from minirl.agents.env import DoorsEnv, verify
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import AgentConfig
 from minirl.faults import FaultPlan
+from minirl.gym.rows import extra_body
 from minirl.wire import ContextGuardRejected, Coords
 
 
@@ -65,10 +66,10 @@ class Evidence:
 
 
 def chat_tools(tools: list[dict]) -> list[dict]:
-    """Responses-style function tools -> chat-completions tools."""
+    """Responses-style function tools -> chat-completions tools (`strict` dropped, as Gym's converter does)."""
     out = []
     for tool in tools:
-        fn = tool.get("function") or {k: v for k, v in tool.items() if k != "type"}
+        fn = tool.get("function") or {k: v for k, v in tool.items() if k not in ("type", "strict")}
         out.append({"type": "function", "function": fn})
     return out
 
@@ -85,7 +86,8 @@ async def run_episode(
     coords = Coords.from_row(row)
     env = DoorsEnv(task["seed"], task["num_rooms"])
     tools = chat_tools(params.get("tools", []))
-    sampling = {k: params[k] for k in ("temperature", "top_p", "max_output_tokens", "seed") if k in params}
+    sampling = {k: params[k] for k in ("temperature", "top_p", "max_output_tokens") if k in params}
+    sampling.update({k: v for k, v in extra_body(params).items() if k == "seed"})
     ch = cfg.context_history
     compacting = cfg.name == "compaction_agent" and ch.enabled
 

@@ -27,6 +27,7 @@ TOOLS = [
         "type": "function",
         "name": TOOL_NAME,
         "description": "Try a code on the door.",
+        "strict": False,
         "parameters": {
             "type": "object",
             "properties": {"code": {"type": "integer"}},
@@ -71,7 +72,7 @@ def make_rooms(seed: int, num_rooms: int, distractors: int = 3, pixels: int = 12
 
 def image_part(text: str) -> dict:
     """A media content part: a text stand-in for an image, as a Responses `input_image`."""
-    return {"type": "input_image", "image_url": "data:text/plain," + text}
+    return {"type": "input_image", "image_url": "data:text/plain," + text, "detail": "auto"}
 
 
 def image_text(part: dict) -> str:

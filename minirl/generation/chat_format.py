@@ -4,9 +4,13 @@ A reply is `<think>…</think>` (optional), free text (optional), then `<tool_ca
 blocks, then `<|im_end|>`. The server parses replies the way vLLM's hermes tool parser and its
 think-tag reasoning parser do, so a standard OpenAI client gets `tool_calls` and `reasoning`.
 
+Message content sent as a list of parts (as Gym's `vllm_model` sends it) is flattened the way
+vLLM flattens it for a text-only chat template (`normalize_content`), before the template runs.
+
 Invariant: for a reply in canonical form, rendering the parsed message back through the template
 reproduces the reply's text exactly (`render(parse(text)) == text`), so a history that is not
-rewritten re-renders as a prefix of the next prompt.
+rewritten re-renders as a prefix of the next prompt; and list content renders exactly as the
+string `normalize_content` makes of it.
 """
 
 from __future__ import annotations
@@ -49,18 +53,58 @@ ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<image>",
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
+IMAGE_TEXT_PREFIX = "data:text/plain,"
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
+def normalize_content(content):
+    """A message's content as the chat template reads it: vLLM's rules (renderers/chat_utils.py).
+
+    None becomes ""; a string stays as is; a list of parts becomes its parts' strings joined with
+    "\n". Text parts (`text`, `input_text`, `output_text`, `refusal`, `thinking`) give their text
+    (a part whose text is null is skipped, as vLLM skips it). Image parts (`image_url`,
+    `input_image`) are rendered in this model's own format, `<image>…</image>`, in place: the
+    model reads an image as text, so only a text stand-in (`data:text/plain,…`) can be shown; any
+    other image is refused (ValueError), as vLLM refuses an image for a text-only model. Any other
+    part type is refused with vLLM's message.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS:
+            text = part.get(_TEXT_PARTS[kind])
+            if text is not None:
+                texts.append(text)
+        elif kind in ("image_url", "input_image"):
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith(IMAGE_TEXT_PREFIX):
+                raise ValueError(
+                    f"this model reads images only as text stand-ins ({IMAGE_TEXT_PREFIX}…); got an image part with url {str(url)[:80]!r}"
+                )
+            texts.append("<image>" + url[len(IMAGE_TEXT_PREFIX):] + "</image>")
+        else:
+            raise ValueError(f"Unsupported chat content part type: {kind!r}. Supported types: image_url, input_image, {', '.join(_TEXT_PARTS)}.")
+    return "\n".join(texts)
+
+
 _THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def parse_reply(text: str, tools_enabled: bool = True) -> dict:
+def parse_reply(text: str, tools_enabled: bool = True, reasoning_parser: str | None = "think") -> dict:
     """Reply text -> `{"content", "reasoning", "tool_calls"}` (OpenAI message fields).
 
     A `<tool_call>` block that is not valid JSON with a `name` stays in `content`, as vLLM's
-    hermes parser leaves it.
+    hermes parser leaves it. With `reasoning_parser=None` (`vllm serve` without
+    `--reasoning-parser`) a `<think>` block stays in `content` and `reasoning` is None.
     """
     reasoning = None
-    m = _THINK.match(text)
+    m = _THINK.match(text) if reasoning_parser else None
     if m:
         reasoning = m.group(1)
         text = text[m.end():]

@@ -40,7 +40,7 @@ from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, Tokeni
 
 from minirl.faults import FaultPlan
 from minirl.wire import ROLLOUT_HEADER, parse_call_key
-from minirl.generation.chat_format import parse_reply, splice_prefix
+from minirl.generation.chat_format import normalize_content, parse_reply, splice_prefix
 
 
 class HTTPError(Exception):
@@ -64,6 +64,8 @@ def context_length_message(max_model_len: int, prompt_len: int) -> str:
 
 
 class ModelServer:
+    reasoning_parser: str | None = "think"  # policy.generation.reasoning_parser; None: no reasoning split
+
     def __init__(self, engine, tokenizer, model_name: str, plan: FaultPlan | None = None):
         self.engine, self.tokenizer, self.model_name, self.plan = engine, tokenizer, model_name, plan
         self.calls: dict[int, list[dict]] = defaultdict(list)
@@ -80,6 +82,7 @@ class ModelServer:
     # -- helpers -------------------------------------------------------------------------------
     def render(self, messages: list[dict], tools, add_generation_prompt: bool = True) -> list[int]:
         for m in messages:  # vLLM accepts `reasoning` or `reasoning_content` on assistant turns
+            m["content"] = normalize_content(m.get("content"))  # list content flattened as vLLM does
             if "reasoning" in m and "reasoning_content" not in m:
                 m["reasoning_content"] = m.pop("reasoning")
         ids = self.tokenizer.apply_chat_template(
@@ -179,7 +182,7 @@ class ModelServer:
         )
 
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
-        parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none")
+        parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none", reasoning_parser=self.reasoning_parser)
         message = ChatMessage(
             role="assistant",
             content=parsed["content"],

@@ -48,6 +48,7 @@ class GenerationWorker:
                 self.update_weights(ray.get(ref), version)
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
         self.server = ModelServer(self.engine, tokenizer, cfg.policy.model_name, FaultPlan(cfg.faults))
+        self.server.reasoning_parser = cfg.policy.generation.reasoning_parser
 
         async def setup():
             return self.server.app()
@@ -59,11 +60,12 @@ class GenerationWorker:
         return self.http.url
 
     def reset(self, cfg: MinirlConfig) -> str:
-        """Serve a new run (sweeps reuse workers): its fault plan, an empty call log. The run then
+        """Serve a new run (sweeps reuse workers): its fault plan and reasoning parser, an empty call log. The run then
         publishes its initial weights before its first step."""
 
         async def apply():
             self.server.plan = FaultPlan(cfg.faults)
+            self.server.reasoning_parser = cfg.policy.generation.reasoning_parser
             self.server.calls.clear()
 
         self.http.run(apply())

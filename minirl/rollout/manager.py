@@ -35,6 +35,7 @@ import aiohttp
 from minirl.config import FAULT_KINDS, MinirlConfig
 from minirl.data import sampling_seed
 from minirl.faults import FaultPlan
+from minirl.gym.rows import with_extra_body
 from minirl.rollout.evidence import Rollout, parse_rollout
 from minirl.wire import (
     Coords,
@@ -288,7 +289,7 @@ class RolloutManager:
             self.sends += 1
             self._planned_faults(coords)
             body = {**row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": gid}}
-            body["responses_create_params"] = {**row["responses_create_params"], "seed": sampling_seed(self.cfg, step, group, r, coords.attempt)}
+            body["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=sampling_seed(self.cfg, step, group, r, coords.attempt))
             url = self.agent_urls[(group * self.cfg.grpo.num_generations_per_prompt + r) % len(self.agent_urls)]
             self.in_flight[coords.key] = time.monotonic()
             try:

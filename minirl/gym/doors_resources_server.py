@@ -1,0 +1,70 @@
+"""minirl's `doors` task as a NeMo Gym resources server, built on Gym's own base classes; it runs in
+the Gym venv (the only minirl module that imports `nemo_gym`).
+
+`/seed_session` starts an episode from the row's `task` (`{"env": "doors", "seed", "num_rooms"}`),
+kept under Gym's per-rollout session id; `/open_door` is the tool `simple_agent` calls by name with
+the parsed arguments, answering the observation as plain text in the model's own format (the text
+minirl's agent would show: `items.parts_text` of `DoorsEnv.step`); `/verify` replays the transcript
+with `env.verify`, as minirl's agent does.
+
+Invariant: the reward of a `/run` is `env.verify(task, output)`, a pure function of the row's task
+and the agent's calls, whatever state the live episodes hold.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
+from pydantic import ConfigDict
+
+from minirl.agents.env import TOOL_NAME, DoorsEnv, verify
+from minirl.agents.items import parts_text
+from nemo_gym.base_resources_server import (
+    BaseResourcesServerConfig,
+    BaseSeedSessionRequest,
+    BaseSeedSessionResponse,
+    BaseVerifyRequest,
+    BaseVerifyResponse,
+    SimpleResourcesServer,
+)
+from nemo_gym.server_utils import SESSION_ID_KEY
+
+
+class DoorsSeedSessionRequest(BaseSeedSessionRequest):
+    model_config = ConfigDict(extra="allow")
+    task: dict
+
+
+class DoorsVerifyRequest(BaseVerifyRequest):
+    model_config = ConfigDict(extra="allow")
+    task: dict
+
+
+class DoorsVerifyResponse(BaseVerifyResponse):
+    model_config = ConfigDict(extra="allow")
+
+
+class DoorsResourcesServer(SimpleResourcesServer):
+    config: BaseResourcesServerConfig
+    episodes: dict = {}
+
+    def setup_webserver(self):
+        app = super().setup_webserver()
+        app.post(f"/{TOOL_NAME}")(self.open_door)
+        return app
+
+    async def seed_session(self, request: Request, body: DoorsSeedSessionRequest) -> BaseSeedSessionResponse:
+        self.episodes[request.session[SESSION_ID_KEY]] = DoorsEnv(body.task["seed"], body.task["num_rooms"])
+        return BaseSeedSessionResponse()
+
+    async def open_door(self, request: Request) -> PlainTextResponse:
+        env = self.episodes.get(request.session[SESSION_ID_KEY])
+        if env is None:
+            return PlainTextResponse("Error: no episode; call /seed_session first.", status_code=400)
+        raw = (await request.body()).decode()
+        return PlainTextResponse(parts_text(env.step(TOOL_NAME, raw)))
+
+    async def verify(self, request: Request, body: DoorsVerifyRequest) -> DoorsVerifyResponse:
+        self.episodes.pop(request.session.get(SESSION_ID_KEY), None)
+        output = [item.model_dump() if hasattr(item, "model_dump") else dict(item) for item in body.response.output]
+        return DoorsVerifyResponse(**body.model_dump(), reward=verify(body.task, output))

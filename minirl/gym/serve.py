@@ -1,0 +1,104 @@
+"""Gym's side of `make gym-check`, run with the Gym venv's python: Gym's `vllm_model` (pointed at
+minirl's generation router, `return_token_id_information: true`), Gym's `simple_agent`, and the
+doors resources server, all on 127.0.0.1, in one process.
+
+They are Gym's own server classes, apps, session and exception middleware, built from a Gym
+global config as `ng_run` builds them; only the launcher differs: `ng_run` gives each server its
+own process, venv and Ray cluster, which a 2-core machine cannot spare, so here one event loop
+serves all three with uvicorn. `python -m minirl.gym.serve --check-rows ROWS.jsonl` instead
+validates rows against the real `SimpleAgentRunRequest` and exits.
+
+Invariant: prints one line `gym-servers ready {json of URLs}` once all three answer, and nothing
+that matters after; exits when killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_rows(path: str) -> None:
+    from responses_api_agents.simple_agent.app import SimpleAgentRunRequest
+
+    rows = [json.loads(line) for line in open(path)]
+    for row in rows:
+        SimpleAgentRunRequest.model_validate(row)  # raises pydantic's ValidationError naming the field
+    print(f"gym-rows ok: {len(rows)} rows validate against nemo-gym's SimpleAgentRunRequest")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--router", help="minirl's generation router URL")
+    ap.add_argument("--model", default="policy")
+    ap.add_argument("--max-steps", type=int, default=4)
+    ap.add_argument("--uses-reasoning-parser", type=int, default=1)
+    ap.add_argument("--check-rows")
+    args = ap.parse_args()
+    if args.check_rows:
+        return check_rows(args.check_rows)
+
+    host = "127.0.0.1"
+    ports = {name: free_port() for name in ("head", "policy_model", "doors", "simple_agent")}
+    common = lambda name: {"host": host, "port": ports[name], "entrypoint": "app.py"}  # noqa: E731
+    model_cfg = {**common("policy_model"), "base_url": args.router.rstrip("/") + "/v1", "api_key": "none", "model": args.model,
+                 "return_token_id_information": True, "uses_reasoning_parser": bool(args.uses_reasoning_parser)}
+    agent_cfg = {**common("simple_agent"), "max_steps": args.max_steps,
+                 "resources_server": {"type": "resources_servers", "name": "doors"},
+                 "model_server": {"type": "responses_api_models", "name": "policy_model"}}
+    global_cfg = {
+        "head_server": {"host": host, "port": ports["head"]},
+        "policy_model": {"responses_api_models": {"vllm_model": model_cfg}},
+        "doors": {"resources_servers": {"doors": common("doors")}},
+        "simple_agent": {"responses_api_agents": {"simple_agent": agent_cfg}},
+    }
+    os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(global_cfg)  # Gym's child-process route to its config
+
+    import uvicorn
+    from omegaconf import OmegaConf
+
+    from minirl.gym.doors_resources_server import DoorsResourcesServer
+    from nemo_gym.base_resources_server import BaseResourcesServerConfig
+    from nemo_gym.config_types import BaseServerConfig
+    from nemo_gym.server_utils import ServerClient
+    from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
+    from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
+
+    client = ServerClient(head_server_config=BaseServerConfig(host=host, port=ports["head"]),
+                          global_config_dict=OmegaConf.create(global_cfg))
+    servers = [
+        VLLMModel(config=VLLMModelConfig(name="policy_model", **model_cfg), server_client=client),
+        DoorsResourcesServer(config=BaseResourcesServerConfig(name="doors", **common("doors")), server_client=client),
+        SimpleAgent(config=SimpleAgentConfig(name="simple_agent", **agent_cfg), server_client=client),
+    ]
+    uvicorns = []
+    for server in servers:
+        app = server.setup_webserver()
+        server.setup_liveness(app)
+        server.setup_exception_middleware(app)
+        uvicorns.append(uvicorn.Server(uvicorn.Config(app, host=host, port=server.config.port, log_level="warning",
+                                                      timeout_keep_alive=30)))
+
+    async def serve():
+        tasks = [asyncio.create_task(u.serve()) for u in uvicorns]
+        while not all(u.started for u in uvicorns):
+            await asyncio.sleep(0.05)
+        urls = {s.config.name: f"http://{host}:{s.config.port}" for s in servers}
+        print("gym-servers ready " + json.dumps(urls), flush=True)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

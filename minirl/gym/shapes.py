@@ -1,0 +1,86 @@
+"""The `/run` request shape of `nemo-gym` 0.4.0, written down from its models, for checking rows
+without a Gym install.
+
+Read from the package: `simple_agent`'s `SimpleAgentRunRequest` allows extra top-level fields
+(`task`, `agent_ref`, `_rowidx`, `_minirl` ride there) but its `responses_create_params`
+(`NeMoGymResponseCreateParamsNonStreaming`) forbids unknown fields: no `seed`. `metadata` maps
+strings to strings; `vllm_model` merges `metadata.extra_body` (a JSON string) into the chat
+request. Function tools are the Responses `FunctionToolParam`: `name`, `parameters` and `strict`
+are required (`strict` may be null). An `input_image` part requires `detail` (low | high | auto).
+Like the package's TypedDicts, these ignore unknown keys inside tools and content parts.
+
+Only the input items minirl sends (messages) are written down; `scripts/gym_check.py` checks the
+same rows against the real package's models.
+
+Invariant: `RunRequest.model_validate(row)` raises pydantic's ValidationError, naming the field,
+for every row the package's own models reject in the fields written down here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Required, TypedDict
+
+
+class InputText(TypedDict, total=False):
+    type: Required[Literal["input_text"]]
+    text: Required[str]
+
+
+class InputImage(TypedDict, total=False):
+    type: Required[Literal["input_image"]]
+    detail: Required[Literal["low", "high", "auto"]]
+    image_url: Optional[str]
+    file_id: Optional[str]
+
+
+class FunctionTool(TypedDict, total=False):
+    type: Required[Literal["function"]]
+    name: Required[str]
+    parameters: Required[Optional[dict]]
+    strict: Required[Optional[bool]]
+    description: Optional[str]
+
+
+class EasyInputMessage(BaseModel):
+    content: Union[str, list[Union[InputText, InputImage]]]
+    role: Literal["user", "assistant", "system", "developer"]
+    type: Literal["message"] = "message"
+
+
+class ResponsesCreateParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    background: Optional[bool] = None
+    include: Optional[list[str]] = None
+    input: Union[str, list[EasyInputMessage]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    max_tool_calls: Optional[int] = None
+    metadata: Optional[dict[str, str]] = None
+    model: Optional[str] = None
+    parallel_tool_calls: bool = True
+    previous_response_id: Optional[str] = None
+    prompt: Optional[dict] = None
+    reasoning: Optional[dict] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
+    store: Optional[bool] = None
+    temperature: Optional[float] = None
+    text: Optional[dict] = None
+    tool_choice: Union[str, dict] = "auto"
+    tools: list[FunctionTool] = Field(default_factory=list)
+    top_logprobs: Optional[int] = None
+    top_p: Optional[float] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    user: Optional[str] = None
+    stream: Optional[Literal[False]] = None
+
+
+class RunRequest(BaseModel):
+    """`simple_agent`'s `/run` body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: ResponsesCreateParams
