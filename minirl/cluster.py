@@ -60,6 +60,7 @@ def node_host(cfg: MinirlConfig) -> str:
 class Cluster:
     def __init__(self, cfg: MinirlConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
+        self.controller = None
 
     def __enter__(self) -> "Cluster":
         cl = self.cfg.cluster
@@ -142,7 +143,10 @@ class Cluster:
 
     # -- used by the training loop ---------------------------------------------------------------
     def sync_weights(self, version: int) -> None:
+        """Every generation worker serves `version`; then the controller dispatches under it."""
         publish(self.policy[0], self.gen, self.store, version)
+        if self.controller is not None:
+            ray.get(self.controller.published.remote(version))
 
     def save_checkpoint(self, step: int) -> None:
         state = {"step": step, "next_step": step + 1, "rollout_manager": ray.get(self.controller.state.remote())}

@@ -208,7 +208,28 @@ class GenerationRouterConfig:
 
 
 @dataclass
+class SamplerConfig:
+    name: str = "in_order"
+    """`in_order` (each step trains its own prompt groups), `windowed` (any ready group in the window)
+    or `weight_fifo` (the oldest weight's groups first); see minirl/async_rl/samplers.py."""
+    max_staleness_versions: int = 1
+    """A group dispatched under weights v may train at versions v..v+this; older ones are evicted."""
+
+
+@dataclass
 class AsyncRLConfig:
+    enabled: bool = False
+    """Overlap generation and training (NeMo-RL's Single-Controller path): a rollout pump runs ahead
+    of the optimizer under the staleness sampler. False: generate a step, train it, sync, repeat."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    max_inflight_prompts: int = 32
+    """Prompt groups the rollout pump keeps in flight at most."""
+    max_buffered_rollouts: int = 64
+    """Unconsumed prompt groups the buffer holds (finished or reserved by one in flight); must hold
+    the sampler's window, or the pumps would deadlock."""
+    in_flight_weight_updates: bool = False
+    """New weights reach the engine between its steps, without draining: a call in flight may span
+    two versions (recorded, and checked against the window). False: the engine drains first."""
     rollout_failure: RolloutFailureConfig = field(default_factory=RolloutFailureConfig)
     stall_watchdog: StallWatchdogConfig = field(default_factory=StallWatchdogConfig)
     generation_router: GenerationRouterConfig = field(default_factory=GenerationRouterConfig)
@@ -304,6 +325,9 @@ class AgentConfig:
 class EnvConfig:
     num_rooms: int = 2
     """Rooms per episode; each needs at least one model call."""
+    tool_latency_s: float = 0.0
+    """Seconds each tool call of the doors environment sleeps (a stand-in for real tools and
+    sandboxes, which spend seconds outside the model)."""
     max_num_rooms: int = 16
     """Largest `num_rooms` a `/run` row may ask for; the agent server refuses larger."""
     data_seed: int = 1234
@@ -529,7 +553,7 @@ AT_LEAST_1 = (
     "policy.generation.vllm_cfg.tensor_parallel_size", "policy.generation.vllm_cfg.kv_cache_space_gb",
     "policy.generation.vllm_cfg.omp_threads",
     "async_rl.rollout_failure.max_infra_attempts_per_prompt", "async_rl.rollout_failure.max_data_attempts_per_prompt",
-    "async_rl.rollout_failure.nemo_gym.max_row_attempts",
+    "async_rl.rollout_failure.nemo_gym.max_row_attempts", "async_rl.max_inflight_prompts", "async_rl.max_buffered_rollouts",
     "agent.max_steps", "agent.max_request_bytes", "agent.context_history.schedule.actions_per_chunk",
     "env.num_rooms", "env.max_num_rooms",
     "cluster.num_cpus", "cluster.num_generation_workers", "cluster.num_policy_workers", "cluster.num_agent_servers",
@@ -540,7 +564,7 @@ AT_LEAST_0 = (
     "policy.max_grad_norm", "policy.optimizer.lr", "policy.optimizer.weight_decay",
     "loss_fn.ratio_clip_min", "loss_fn.ratio_clip_max", "loss_fn.reference_policy_kl_penalty",
     "async_rl.rollout_failure.max_skipped_prompts", "async_rl.rollout_failure.max_consecutive_dropped_prompts",
-    "async_rl.rollout_failure.backoff_base_s",
+    "async_rl.rollout_failure.backoff_base_s", "async_rl.sampler.max_staleness_versions", "env.tool_latency_s",
     "agent.context_history.guards.reserved_generation_tokens",
     "agent.context_history.policy.config.images.keep_last_groups",
     "agent.context_history.policy.config.reasoning.keep_last_blocks",
@@ -679,6 +703,17 @@ def validate(cfg: MinirlConfig) -> None:
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s",
         "a `timeout` fault needs a rollout timeout, or /run would hang",
     )
+    ar = cfg.async_rl
+    if ar.enabled:
+        from minirl.async_rl.samplers import SAMPLERS
+
+        _require(ar.sampler.name in SAMPLERS, "async_rl.sampler.name", f"must be one of {', '.join(SAMPLERS)}, got {ar.sampler.name!r}")
+        window = g.num_prompts_per_step * (ar.sampler.max_staleness_versions + 1 if ar.sampler.name == "in_order" else 1)
+        _require(ar.max_buffered_rollouts >= window, "async_rl.max_buffered_rollouts",
+                 f"must hold the sampler's window of {window} prompt groups, got {ar.max_buffered_rollouts}")
+        _require(ar.sampler.max_staleness_versions == 0 or cfg.loss_fn.use_importance_sampling_correction,
+                 "loss_fn.use_importance_sampling_correction",
+                 "must be true when async_rl.sampler.max_staleness_versions > 0: rollouts come from older weights")
     # serving for external (Gym) servers
     _require(cfg.policy.generation.reasoning_parser in (None, "think"), "policy.generation.reasoning_parser", "must be think or null")
     gr = cfg.async_rl.generation_router

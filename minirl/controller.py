@@ -116,6 +116,10 @@ def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tu
 
 
 class Controller:
+    """Sync (`async_rl.enabled=false`): `collect` dispatches the step's groups and waits for them.
+    Async: a rollout pump (minirl.async_rl.pump) runs ahead under the staleness sampler, and
+    `collect` is the train pump's half: evict stale groups, wait for the sampler's selection."""
+
     def __init__(self, cfg: MinirlConfig, run_dir: str, agent_urls: list[str], gen_workers: list, vocab_size: int, pad_id: int):
         from pathlib import Path
 
@@ -125,6 +129,13 @@ class Controller:
         self.events = EventLog(Path(run_dir) / "events.jsonl")
         self.ledger = Ledger(Path(run_dir) / "ledger")
         self.manager = RolloutManager(cfg, agent_urls, self.events.write, vocab_size)
+        self.pump = None  # async only: started by the first `collect`
+        self.calls: dict[tuple[int, int], list[dict]] = {}  # async: drained server records by (step, group)
+        self.orphans: list[dict] = []  # async: records of groups evicted or already trained (retired attempts)
+        self.consumed: set[tuple[int, int]] = set()
+        self.evicted_this_step = 0
+        self.last_collect = time.perf_counter()  # async: when the previous step's batch was handed over
+        self.counters = (0, 0, 0)  # the manager's run totals (sends, returned, guard rejections) at the last step
 
     def state(self) -> dict:
         return self.manager.state()
@@ -136,37 +147,54 @@ class Controller:
         """Write an event from outside the step (e.g. the loop's `resumed`)."""
         self.events.write(event)
 
+    async def published(self, version: int) -> None:
+        """The generation workers now serve `version`: admissions and start_weights follow it."""
+        if self.pump is not None:
+            self.pump.set_version(version)
+
     async def _engine_busy_s(self) -> float:
         return sum([(await w.stats.remote())["busy_s"] for w in self.gen_workers])
+
+    async def _drain(self, step: int) -> list[dict]:
+        return [c for w in self.gen_workers for c in await w.take_calls.remote(step)]
 
     async def collect(self, step: int, version: int) -> tuple[dict, dict]:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats."""
         t0 = time.perf_counter()
         busy0 = await self._engine_busy_s()
-        rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
         try:
-            outcomes = await self.manager.run_step(step, rows)
-            gen_s = time.perf_counter() - t0
+            if self.cfg.async_rl.enabled:
+                outcomes, starts, server_calls = await self._from_buffer(step, version)
+            else:
+                rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
+                outcomes = await self.manager.run_step(step, rows)
+                starts, server_calls = [version] * len(outcomes), await self._drain(step)
+            # async: generation overlaps training, so its rate is over the whole period since the last step
+            gen_s = time.perf_counter() - (self.last_collect if self.cfg.async_rl.enabled else t0)
             engine_busy_s = await self._engine_busy_s() - busy0
-            server_calls = [c for w in self.gen_workers for c in await w.take_calls.remote(step)]
             check_step(self.cfg, step, outcomes)
         except BaseException as exc:  # the run ends here: leave its reason and its cost in the log
+            sends, returned, _ = self._step_counters()
             self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}",
-                               "rollout_attempts": self.manager.sends, "rollouts_generated": self.manager.returned})
+                               "rollout_attempts": sends, "rollouts_generated": returned})
             raise
         kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
-        ledger = self.ledger.close_step(step, server_calls, kept, version, recorded=not self.cfg.agent.external_url)
+        ledger = self.ledger.close_step(step, server_calls, kept, version, recorded=not self.cfg.agent.external_url,
+                                        oldest=version - self._window())
         batch, stats = assemble(self.cfg, outcomes, self.pad_id)
         for r in kept:
             if r.mask_reason:
                 self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
                                    "errors": r.evidence.get("errors", [])})
         generated = sum(len(c.get("generation_token_ids") or []) for c in server_calls)
+        staleness = [version - w for o, w in zip(outcomes, starts) if o.status == "committed"] or [0]
+        _, _, guard_failed = self._step_counters()
+        self.counters = (self.manager.sends, self.manager.returned, self.manager.guard_rejections)
+        self.last_collect = time.perf_counter()
         stats.update(
             rollout_attempts=sum(o.row_sends for o in outcomes),
             rollouts_generated=sum(o.rows_returned for o in outcomes),
-            guard_rejections=self.manager.guard_rejections
-            + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
+            guard_rejections=guard_failed + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
             calls_retired=ledger.get("calls_retired", 0),
             calls_unrecorded=ledger.get("calls_unrecorded", 0),
             gen_time_s=gen_s,
@@ -174,6 +202,58 @@ class Controller:
             gen_tokens=generated,
             gen_tokens_per_s=generated / gen_s if gen_s > 0 else 0.0,
             policy_version=version,
-            prompt_seeds=[row["task"]["seed"] for row in rows],
+            staleness_mean=float(np.mean(staleness)),
+            staleness_max=int(max(staleness)),
+            stale_groups_evicted=self.evicted_this_step,
+            promoted_prompt_groups=0,
+            replaced_prompt_groups=0,
+            prompt_seeds=[prompt_row(self.cfg, o.step, o.group)["task"]["seed"] for o in outcomes],
         )
         return batch, stats
+
+    def _step_counters(self) -> tuple[int, int, int]:
+        sends, returned, guard = self.counters
+        return self.manager.sends - sends, self.manager.returned - returned, self.manager.guard_rejections - guard
+
+    def _window(self) -> int:
+        return self.cfg.async_rl.sampler.max_staleness_versions if self.cfg.async_rl.enabled else 0
+
+    # -- async: the train pump's half ------------------------------------------------------------
+    async def _from_buffer(self, step: int, version: int) -> tuple[list[GroupOutcome], list[int], list[dict]]:
+        """Evict stale groups, then wait until the sampler selects `step`'s groups; take them."""
+        from minirl.async_rl.buffer import GroupBuffer
+        from minirl.async_rl.pump import RolloutPump
+        from minirl.async_rl.samplers import make_sampler
+
+        ar = self.cfg.async_rl
+        if self.pump is None:
+            self.manager.open()
+            self.buffer = GroupBuffer(ar.max_buffered_rollouts)
+            self.sampler = make_sampler(ar.sampler.name, self.cfg.grpo.num_prompts_per_step, ar.sampler.max_staleness_versions)
+            self.pump = RolloutPump(self.cfg, self.manager, self.buffer, self.sampler, step, version, self._resolved)
+            self.pump.start()
+
+        def pick(ready):
+            self.pump.check()
+            return self.sampler.stale(version, ready), self.sampler.select(step, version, ready, self.pump.inflight)
+
+        stale, chosen = await self.buffer.take_when(pick)
+        for r in stale:
+            self.events.write({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
+                               "train_version": version, "max_staleness_versions": self.sampler.s})
+            self.orphans += self.calls.pop((r.step, r.group), [])
+        self.evicted_this_step = len(stale)
+        self.consumed.update((r.step, r.group) for r in stale + chosen)
+        calls, self.orphans = [c for r in chosen for c in self.calls.pop((r.step, r.group), [])] + self.orphans, []
+        return [r.outcome for r in chosen], [r.start_weight for r in chosen], calls
+
+    async def _resolved(self, step: int, group: int) -> None:
+        """A group resolved: move its step's call records from the servers into `self.calls` (those
+        of groups already trained or evicted, late records of retired attempts, into `self.orphans`)."""
+        for c in await self._drain(step):
+            key = (c["step"], c["group"])
+            (self.orphans if key in self.consumed else self.calls.setdefault(key, [])).append(c)
+
+    async def close(self) -> None:
+        if self.pump is not None:
+            await self.pump.stop()

@@ -155,3 +155,33 @@ def test_a_burst_of_long_seeded_prompts_does_not_crash_the_engine(engine):
     futures = [engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=32, seed=i, logprobs=0)) for i in range(64)]
     results = [f.result(timeout=120) for f in futures]  # 64 x 216 tokens > the 4096-token step budget
     assert engine.dead is None and all(len(r.token_ids) >= 1 for r in results)
+
+
+def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine, base_cfg, tokenizer):
+    """Issue K: without draining, an update lands between engine steps and a request in flight records
+    the version it started under and the one it finished under; with `drain`, the update waits for the
+    request in flight, and a request arriving meanwhile waits for the update."""
+    from vllm import SamplingParams
+
+    from minirl.trainer.policy_worker import PolicyWorker
+
+    weights = PolicyWorker(base_cfg).get_weights()
+    prompt = tokenizer.apply_chat_template(messages(), tools=CHAT_TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    long = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, logprobs=0, seed=3)
+    v0 = engine.version
+    try:
+        running = engine.generate(prompt, long)
+        engine.update_weights(weights, version=v0 + 1).result(timeout=120)
+        mixed = running.result(timeout=120)
+        assert (mixed.version_start, mixed.version_end) == (v0, v0 + 1)
+
+        first = engine.generate(prompt, long)
+        update = engine.update_weights(weights, version=v0 + 2, drain=True)
+        second = engine.generate(prompt, long)
+        a = first.result(timeout=120)
+        update.result(timeout=120)
+        b = second.result(timeout=120)
+        assert (a.version_start, a.version_end) == (v0 + 1, v0 + 1), "the update waited for the request in flight"
+        assert (b.version_start, b.version_end) == (v0 + 2, v0 + 2), "the later request waited for the update"
+    finally:
+        engine.update_weights(weights, version=v0).result(timeout=120)

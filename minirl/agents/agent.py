@@ -79,6 +79,7 @@ async def run_episode(
     cfg: AgentConfig,
     model: ModelClient,
     plan: FaultPlan | None = None,
+    tool_latency_s: float = 0.0,
 ) -> dict:
     """Run one `/run` row to completion; returns the row plus `response`, `reward` and `evidence`."""
     params = row["responses_create_params"]
@@ -138,6 +139,8 @@ async def run_episode(
             ev.end_reason = "no_tool_call"
             break
         for fc in tool_calls:
+            if tool_latency_s > 0:
+                await asyncio.sleep(tool_latency_s)  # env.tool_latency_s: a real tool's time outside the model
             obs = {"type": "function_call_output", "call_id": fc["call_id"], "output": env.step(fc["name"], fc["arguments"])}
             history.append(obs)
             output.append(obs)

@@ -107,7 +107,7 @@ class AgentServer:
             if fires("timeout"):
                 await asyncio.sleep(self.cfg.faults.hang_s)
             try:
-                result = await run_episode(row, self.agents[name], self.client, self.plan)
+                result = await run_episode(row, self.agents[name], self.client, self.plan, self.cfg.env.tool_latency_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Gym's error middleware: an agent exception is a 500 (data's: 400)

@@ -88,6 +88,8 @@ class VllmEngine:
         self.dead: BaseException | None = None  # set when a step fails: the engine serves no more
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, tuple[Future, int]] = {}
+        self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
+        self._deferred: list[tuple] = []  # requests that arrived while it waits
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -100,13 +102,19 @@ class VllmEngine:
         self._inbox.put(("gen", (prompt_token_ids, params), fut))
         return fut
 
-    def update_weights(self, named: list, version: int) -> Future:
+    def update_weights(self, named: list, version: int, drain: bool = False) -> Future:
+        """New weights between two engine steps. Requests in flight continue under them (their
+        result records both versions), unless `drain`: then the update waits until every request in
+        flight has finished, and requests that arrive meanwhile wait for the update."""
+
         def apply(llm):
             llm.collective_rpc(_reload_weights, args=(named,))
             llm.reset_prefix_cache()
             self.version = version
 
-        return self.run(apply)
+        fut: Future = Future()
+        self._inbox.put(("drain" if drain else "run", apply, fut))
+        return fut
 
     def weights_finite(self) -> Future:
         """True when every weight the engine serves from is finite (a check for tests and operators)."""
@@ -120,6 +128,12 @@ class VllmEngine:
 
     # -- engine thread -------------------------------------------------------------------------
     def _accept(self, kind, payload, fut: Future) -> None:
+        if self._held is not None and kind == "gen":  # draining for an update: new requests wait for it
+            self._deferred.append((kind, payload, fut))
+            return
+        if kind == "drain":
+            self._held = (payload, fut)
+            return
         if kind == "run":
             try:
                 fut.set_result(payload(self.llm))
@@ -138,6 +152,12 @@ class VllmEngine:
     def _loop(self) -> None:
         engine = self.llm.llm_engine
         while True:
+            if self._held is not None and not self._pending:  # drained: apply the update, then the waiting requests
+                (fn, fut), self._held = self._held, None
+                self._accept("run", fn, fut)
+                deferred, self._deferred = self._deferred, []
+                for job in deferred:
+                    self._accept(*job)
             idle = not self._pending
             try:
                 self._accept(*self._inbox.get(block=idle))

@@ -38,6 +38,7 @@ class GenerationWorker:
         from minirl.generation.server import ModelServer
 
         self.rank = rank
+        self.drain = not cfg.async_rl.in_flight_weight_updates
         self.engine = make_engine(cfg, rank)
         if weights_store is not None:  # after a restart: catch up before serving
             import ray
@@ -68,11 +69,12 @@ class GenerationWorker:
             self.server.reasoning_parser = cfg.policy.generation.reasoning_parser
             self.server.calls.clear()
 
+        self.drain = not cfg.async_rl.in_flight_weight_updates
         self.http.run(apply())
         return self.http.url
 
     def update_weights(self, named: list, version: int) -> int:
-        self.engine.update_weights(named, version).result()
+        self.engine.update_weights(named, version, drain=self.drain).result()
         return version
 
     def weights_finite(self) -> bool:

@@ -166,16 +166,18 @@ class Ledger:
         return (record["step"], record["group"], record["rollout"], record["attempt"])
 
     def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int,
-                   recorded: bool = True) -> Counter:
+                   recorded: bool = True, oldest: int | None = None) -> Counter:
         """Check the committed rollouts against the server's record, retire the rest, persist.
 
         `recorded`: the rollouts came from minirl's own agents, whose calls carry the rollout header,
         so the servers recorded every one of them. Then a committed call missing from its attempt's
         record fails the check: when the record is short (a restarted server lost its log) the
         rollout is masked (`unrecorded_calls`) and counted in `calls_unrecorded`; when the record
-        is complete and still lacks the call, or a call ran under another policy version than the
-        step's, it raises RuntimeError.
+        is complete and still lacks the call, or a trained call ran under a policy version outside
+        [oldest, version] (`oldest` defaults to `version`: synchronous, one version per step), it
+        raises RuntimeError. A call may span versions (an in-flight weight update) within the window.
         """
+        oldest = version if oldest is None else oldest
         by_attempt: dict[tuple, list[dict]] = {}
         for rec in server_calls:
             by_attempt.setdefault(self._attempt_key(rec), []).append(rec)
@@ -200,10 +202,11 @@ class Ledger:
             status = "retired" if rollout is None else ("masked" if rollout.sample_mask == 0 else "trained")
             for rec in recs:
                 versions = {rec.get("version_start"), rec.get("version_end")} - {None}
-                if status in ("trained", "masked") and versions and versions != {version}:
+                if status in ("trained", "masked") and versions and not (oldest <= min(versions) and max(versions) <= version):
+                    window = f"version {version}" if oldest == version else f"versions {oldest}..{version}"
                     raise RuntimeError(
                         f"policy-version discipline: call {rec['key']} ran under weights {sorted(versions)}, "
-                        f"but step {step} trains version {version}"
+                        f"but step {step} trains {window}"
                     )
                 counts[f"calls_{status}"] += 1
                 lines.append({**{k: rec.get(k) for k in ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",

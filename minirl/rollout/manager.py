@@ -66,6 +66,7 @@ class GroupOutcome:
     rows_returned: int = 0  # /run results that came back valid (rollouts generated), kept or not
     row_retries: int = 0
     backoff_s: float = 0.0
+    step: int = 0
 
     @property
     def redispatched(self) -> bool:
@@ -113,9 +114,9 @@ class RolloutManager:
         self.reservations: dict[str, tuple[int, int]] = {}
         self.in_flight: dict[str, float] = {}
         self.last_progress = time.monotonic()
-        self.guard_rejections = 0  # this step's guard rejections that failed an attempt (on_reject=raise)
-        self.sends = 0  # this step's /run requests (rollout attempts)
-        self.returned = 0  # this step's valid /run results (rollouts generated)
+        self.guard_rejections = 0  # run total of guard rejections that failed an attempt (on_reject=raise)
+        self.sends = 0  # run total of /run requests (rollout attempts)
+        self.returned = 0  # run total of valid /run results (rollouts generated)
         self.session: aiohttp.ClientSession | None = None
 
     def backoff(self, k: int) -> float:
@@ -129,14 +130,17 @@ class RolloutManager:
         self.consecutive_drops, self.skipped = state["consecutive_drops"], state["skipped"]
 
     # -- a step ----------------------------------------------------------------------------------
-    async def run_step(self, step: int, rows: list[dict]) -> list[GroupOutcome]:
-        """All groups concurrently; the first run-ending error cancels the rest and propagates."""
+    def open(self) -> None:
+        """The HTTP session (created on the event loop that will use it)."""
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.last_progress = time.monotonic()
-        self.guard_rejections = self.sends = self.returned = 0
+
+    async def run_step(self, step: int, rows: list[dict]) -> list[GroupOutcome]:
+        """All groups concurrently; the first run-ending error cancels the rest and propagates."""
+        self.open()
         tasks = [asyncio.create_task(self.run_group(step, g, row)) for g, row in enumerate(rows)]
-        watchdog = asyncio.create_task(self._watchdog(step))
+        watchdog = asyncio.create_task(self.watchdog(step))
         try:
             done_or_stall = asyncio.gather(*tasks)
             finished, _ = await asyncio.wait([done_or_stall, watchdog], return_when=asyncio.FIRST_COMPLETED)
@@ -149,7 +153,8 @@ class RolloutManager:
                 t.cancel()
             await asyncio.gather(*tasks, watchdog, return_exceptions=True)
 
-    async def _watchdog(self, step: int) -> None:
+    async def watchdog(self, step: int) -> None:
+        """Raise RolloutStall (or warn) when nothing in flight has completed for stall_timeout_s."""
         wd = self.cfg.async_rl.stall_watchdog
         if wd.stall_timeout_s is None:
             await asyncio.Event().wait()
@@ -172,7 +177,7 @@ class RolloutManager:
     # -- a group ---------------------------------------------------------------------------------
     async def run_group(self, step: int, group: int, row: dict) -> GroupOutcome:
         G = self.cfg.grpo.num_generations_per_prompt
-        out = GroupOutcome(group, "committed")
+        out = GroupOutcome(group, "committed", step=step)
         row_attempt = [0] * G
         infra = data = 0
         while True:

@@ -1,0 +1,80 @@
+"""The buffer of finished prompt groups that the rollout pump fills and the train pump drains.
+
+Each entry is one prompt group's resolution (committed, dropped or skipped) with `start_weight`,
+the policy version when it was dispatched, and `end_weight`, the version when it resolved. Retries
+and redispatches happen inside the group's dispatch, so they keep its `start_weight`.
+
+Invariant: a group enters the buffer once, and leaves it once: consumed by exactly one optimizer
+step, or evicted as stale (counted, never trained). At most `capacity` unconsumed groups are held;
+the pump reserves a place before it dispatches, so a finished group always finds one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from minirl.rollout.manager import GroupOutcome
+
+
+@dataclass
+class GroupRecord:
+    step: int  # the prompt's step in the prompt stream (its coordinates)
+    group: int
+    start_weight: int
+    end_weight: int
+    outcome: GroupOutcome
+    target_step: int  # the optimizer step this group is stamped for (in_order); the prompt step otherwise
+
+
+class GroupBuffer:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.ready: list[GroupRecord] = []
+        self.reserved = 0  # places held by groups in flight
+        self.evicted = 0  # run total of stale groups evicted
+        self.changed = asyncio.Condition()
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.ready) - self.reserved
+
+    async def reserve(self) -> None:
+        """Wait for a free place and hold it for a group about to be dispatched."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.free > 0)
+            self.reserved += 1
+
+    async def commit(self, record: GroupRecord) -> None:
+        async with self.changed:
+            self.reserved -= 1
+            self.ready.append(record)
+            self.changed.notify_all()
+
+    async def release(self) -> None:
+        """Give back a reservation whose group will never arrive (its dispatch was cancelled)."""
+        async with self.changed:
+            self.reserved -= 1
+            self.changed.notify_all()
+
+    async def take_when(self, pick) -> tuple[list[GroupRecord], list[GroupRecord]]:
+        """Wait until `pick(ready)` -> (stale, chosen) chooses; remove both; returns (stale, chosen).
+
+        `pick` runs under the buffer's lock after every change; the stale records it names are
+        evicted (counted) at once, even while it keeps waiting (chosen None); an exception it
+        raises (the pump's failure) propagates."""
+        evicted: list[GroupRecord] = []
+        async with self.changed:
+            while True:
+                stale, chosen = pick(self.ready)
+                for r in stale:
+                    self.ready.remove(r)
+                self.evicted += len(stale)
+                evicted += stale
+                if chosen is not None:
+                    break
+                await self.changed.wait()
+            for r in chosen:
+                self.ready.remove(r)
+            self.changed.notify_all()
+        return evicted, chosen

@@ -1,0 +1,74 @@
+"""The staleness samplers and the group buffer, on constructed records (pure logic, no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from minirl.async_rl.buffer import GroupBuffer, GroupRecord
+from minirl.async_rl.samplers import make_sampler
+from minirl.rollout.manager import GroupOutcome
+
+
+def rec(step, group, start, status="committed"):
+    return GroupRecord(step, group, start, start, GroupOutcome(group, status, step=step), target_step=step)
+
+
+def test_in_order_admits_within_the_lookahead_and_takes_its_own_step_once_resolved():
+    s = make_sampler("in_order", 2, 1)
+    assert s.admit(3, 2) and not s.admit(4, 2)
+    assert make_sampler("in_order", 2, 0).admit(2, 2) and not make_sampler("in_order", 2, 0).admit(3, 2)
+    ready = [rec(3, 0, 2), rec(2, 1, 2, "dropped"), rec(2, 0, 1)]
+    assert [(r.step, r.group) for r in s.select(2, 2, ready, Counter())] == [(2, 0), (2, 1)]  # a drop resolves too
+    assert s.select(3, 3, ready, Counter()) is None  # (3, 1) still in flight
+
+
+def test_windowed_takes_the_oldest_in_window_and_evicts_what_fell_out():
+    s = make_sampler("windowed", 2, 1)
+    ready = [rec(0, 0, 0), rec(0, 1, 1), rec(1, 0, 2), rec(1, 1, 2), rec(2, 0, 2, "dropped")]
+    assert s.stale(2, ready) == [ready[0]]
+    chosen = s.select(0, 2, ready, Counter())
+    assert [(r.step, r.group) for r in chosen] == [(0, 1), (1, 0), (2, 0)]  # 2 trainable + the drop, reported
+    assert all(s.in_window(r, 2) for r in chosen if r.outcome.status == "committed")
+    assert s.select(0, 2, ready[:2], Counter()) is None  # one in window: wait
+
+
+def test_weight_fifo_waits_for_the_oldest_weights_batch():
+    s = make_sampler("weight_fifo", 2, 1)
+    ready = [rec(0, 0, 1), rec(1, 0, 2), rec(1, 1, 2)]
+    assert s.select(0, 2, ready, Counter({1: 1})) is None  # weight 1 still has a group in flight
+    assert [(r.step, r.group) for r in s.select(0, 2, ready, Counter())] == [(0, 0), (1, 0)]
+
+
+def test_buffer_holds_capacity_places_and_evicts_while_waiting():
+    async def go():
+        buf = GroupBuffer(2)
+        await buf.reserve()
+        await buf.reserve()
+        blocked = asyncio.create_task(buf.reserve())
+        await asyncio.sleep(0.01)
+        assert not blocked.done()  # full: a third dispatch waits
+        old, new = rec(0, 0, 0), rec(0, 1, 1)
+        await buf.commit(old)
+        await buf.commit(new)
+        s = make_sampler("windowed", 1, 0)
+        stale, chosen = await buf.take_when(lambda ready: (s.stale(1, ready), s.select(0, 1, ready, Counter())))
+        assert stale == [old] and chosen == [new] and buf.evicted == 1
+        await asyncio.wait_for(blocked, 1)  # places freed
+        assert buf.free == 1
+
+    asyncio.run(go())
+
+
+def test_unknown_sampler_and_a_buffer_too_small_for_the_window_are_config_errors():
+    from minirl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="async_rl.sampler.name"):
+        load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=lifo"])
+    with pytest.raises(ConfigError, match="async_rl.max_buffered_rollouts: must hold the sampler's window of 16"):
+        load_config(None, ["async_rl.enabled=true", "async_rl.max_buffered_rollouts=8",
+                           "loss_fn.use_importance_sampling_correction=true"])
+    with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction"):
+        load_config(None, ["async_rl.enabled=true"])
