@@ -90,6 +90,8 @@ class VllmConfig:
     """Torch threads of the engine on CPU."""
     enforce_eager: bool = True
     """Skip graph capture/compilation (start-up matters more than peak speed at this size)."""
+    max_request_bytes: int = 16_000_000
+    """Largest request body the generation server accepts (aiohttp's client_max_size); a larger one gets 413."""
 
 
 @dataclass
@@ -332,6 +334,8 @@ class EnvConfig:
     """Largest `num_rooms` a `/run` row may ask for; the agent server refuses larger."""
     data_seed: int = 1234
     """Seeds the prompt stream: the prompt of (step, group) depends on this and nothing else."""
+    max_num_rooms: int = 16
+    """Largest num_rooms a /run row may ask for; the agent server refuses larger."""
 
 
 # -------------------------------------------------------------------------------------- placement
@@ -726,6 +730,9 @@ def validate(cfg: MinirlConfig) -> None:
              "async_rl.generation_router.no_healthy_backend_status",
              f"must be an HTTP error status that Gym does not retry (not {', '.join(map(str, GYM_RETRIED_STATUSES))}), "
              f"got {gr.no_healthy_backend_status}")
+    # the servers' own limits on what a request may cost them
+    vllm = cfg.policy.generation.vllm_cfg
+    _require(vllm.max_request_bytes >= 1, "policy.generation.vllm_cfg.max_request_bytes", f"must be >= 1, got {vllm.max_request_bytes}")
     _check_outside(cfg)
 
 

@@ -1,7 +1,9 @@
 """Serve an aiohttp app from a dedicated thread and event loop.
 
 Servers start in their actor's constructor, so a restarted actor (Ray re-runs `__init__`, never a
-later method) serves again at the same address without anyone asking.
+later method) serves again at the same address without anyone asking. A handler whose client
+disconnects is cancelled (aiohttp's `handler_cancellation`), so no work goes on for a caller that
+left: a model server aborts the engine request, an agent server ends the episode.
 
 Invariant: `url` is answered once the constructor returns; `stop` closes the listener and
 everything `setup` opened, on the server's own loop.
@@ -37,7 +39,7 @@ class HttpThread:
         asyncio.set_event_loop(self.loop)
         try:
             app = self.loop.run_until_complete(self._setup())
-            self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+            self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
             self.loop.run_until_complete(self.runner.setup())
             site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
             self.loop.run_until_complete(site.start())

@@ -51,7 +51,7 @@ class Stack:
         from minirl.generation.server import ModelServer
 
         self.model = ModelServer(self.engine, self.tokenizer, self.cfg.policy.model_name, FaultPlan(self.cfg.faults))
-        self.runner = web.AppRunner(self.model.app(), access_log=None, shutdown_timeout=2.0)
+        self.runner = web.AppRunner(self.model.app(), access_log=None, shutdown_timeout=2.0, handler_cancellation=True)  # as HttpThread
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

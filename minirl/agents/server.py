@@ -4,6 +4,14 @@ Request: a row (`responses_create_params`, `agent_ref`, `_rowidx`, `task`, and m
 `_minirl` coordinates). Response: the row plus `response` (Responses output items carrying each
 model call's token ids and logprobs), `reward` and the agent's `evidence`.
 
+The row is checked before its episode starts (`parse_row`): a body that is not a JSON object or
+nests too deeply, an `agent_ref` without a string name, a bad `_minirl` block, a `task` without an
+integer `seed` or with `num_rooms` outside [1, env.max_num_rooms], an `input` that is not a list of
+items the agent can read, is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field, so
+the rollout manager reads it as DATA. Parsing and checking run in a worker thread and cost time
+linear in the row's size; the answer is serialized off the loop too, so a large row does not hold
+up other requests or `/health`.
+
 As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`, in a
 typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
 4xx) answers 400 instead, so it stays DATA. An
@@ -13,9 +21,9 @@ The HTTP-layer fault sites fire here: `timeout` (the answer never comes in time)
 process dies, taking every row in flight with it; Ray restarts it at the same port).
 
 Invariant: every request gets exactly one of: a well-formed 200, a 4xx naming the problem, a 500
-carrying the agent's exception, or (only under an injected fault) a hang, a cut or a bad body.
+carrying the agent's exception, or (only under an injected fault) a hang, a cut or a bad body; a
+row that fails `parse_row` never starts an episode.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -28,13 +36,73 @@ import aiohttp
 from aiohttp import web
 
 from minirl.agents.agent import run_episode
+from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan
-from minirl.wire import Coords, run_error_body, run_error_status
+from minirl.wire import BadCoordinates, Coords, run_error_body, run_error_status
 from minirl.http_thread import HttpThread
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")
+
+
+class BadRow(ValueError):
+    """A `/run` row the agents cannot run; the message names the field. Answered with 400 (DATA)."""
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
+    """A `/run` body -> (row, agent name, coordinates), checking everything the episode reads before
+    it starts. Raises BadRow (or BadCoordinates) naming the field. Linear in the body's size."""
+    try:
+        row = json.loads(raw)
+    except RecursionError:
+        raise BadRow("request body nests deeper than the server parses") from None
+    except ValueError as exc:
+        raise BadRow(f"request body is not JSON: {exc}") from None
+    if not isinstance(row, dict):
+        raise BadRow(f"a /run row must be a JSON object, got {type(row).__name__}")
+    ref = row.get("agent_ref")
+    if not isinstance(ref, dict) or not isinstance(ref.get("name"), str):
+        raise BadRow(f"agent_ref must be an object with a string name, got {_short(ref)}")
+    coords = Coords.from_row(row)
+    task = row.get("task")
+    if not isinstance(task, dict):
+        raise BadRow(f"task must be an object, got {_short(task)}")
+    for key in ("seed", "num_rooms"):
+        if not _int(task.get(key)):
+            raise BadRow(f"task.{key} must be an integer, got {_short(task.get(key))}")
+    if not 1 <= task["num_rooms"] <= cfg.env.max_num_rooms:
+        raise BadRow(f"task.num_rooms must be in [1, {cfg.env.max_num_rooms}] (env.max_num_rooms), got {task['num_rooms']}")
+    params = row.get("responses_create_params")
+    if not isinstance(params, dict):
+        raise BadRow(f"responses_create_params must be an object, got {_short(params)}")
+    items = params.get("input")
+    if not isinstance(items, list):
+        raise BadRow(f"responses_create_params.input must be a list of items, got {type(items).__name__}")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRow(f"responses_create_params.input[{i}] must be an object, got {_short(item)}")
+        try:  # the agent's own conversion, so what passes here is what the episode can read
+            items_to_messages([item])
+        except KeyError as exc:
+            raise BadRow(f"responses_create_params.input[{i}] lacks key {exc}") from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise BadRow(f"responses_create_params.input[{i}]: {exc}") from None
+    tools = params.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow(f"responses_create_params.tools must be a list of objects, got {_short(tools)}")
+    if "seed" in params and not _int(params["seed"]):
+        raise BadRow(f"responses_create_params.seed must be an integer, got {_short(params['seed'])}")
+    return row, ref["name"], coords
 
 
 class AgentServer:
@@ -87,18 +155,13 @@ class AgentServer:
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         try:
-            row = await request.json()
-        except web.HTTPRequestEntityTooLarge:
-            raise
-        except ValueError as exc:
-            return web.json_response({"error": f"request body is not JSON: {exc}"}, status=400)
-        if not isinstance(row, dict) or "responses_create_params" not in row or "task" not in row:
-            return web.json_response({"error": "a /run row needs responses_create_params and task"}, status=400)
-        name = (row.get("agent_ref") or {}).get("name")
+            row, name, coords = await asyncio.to_thread(parse_row, await request.read(), self.cfg)
+        except (BadRow, BadCoordinates) as exc:
+            return web.json_response(run_error_body(exc), status=400)
         if name not in self.agents:
-            return web.json_response({"error": f"unknown agent_ref name {name!r}; known: {list(self.agents)}"}, status=404)
+            error = f"unknown agent_ref name {name[:80]!r}; known: {list(self.agents)}"
+            return web.json_response({"error": error, "type": "UnknownAgent"}, status=404)
 
-        coords = Coords.from_row(row)
         fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords) is not None)
         self.in_flight += 1
         try:
@@ -112,7 +175,7 @@ class AgentServer:
                 raise
             except Exception as exc:  # Gym's error middleware: an agent exception is a 500 (data's: 400)
                 return web.json_response(run_error_body(exc), status=run_error_status(exc))
-            body = json.dumps(result).encode()
+            body = await asyncio.to_thread(lambda: json.dumps(result).encode())
             if fires("bad_output"):
                 return web.Response(body=body[: len(body) // 2], status=200, content_type="application/json")
             if fires("transport"):

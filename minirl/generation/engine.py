@@ -2,11 +2,14 @@
 
 HTTP handlers (any thread, any event loop) call `generate`, which returns a future; the engine
 thread adds requests, steps the engine while anything is unfinished, and resolves futures as
-requests finish. Weight updates run on the same thread between steps.
+requests finish. Weight updates run on the same thread between steps. A caller that leaves calls
+`abort(request_id)`: the engine drops the request and stops spending steps on it.
 
-Invariant: every call into vLLM (add_request, step, collective_rpc) happens on the engine thread,
-so a weight update never interleaves with a decoding step; each result records the weight
-version at its submission and at its completion, so a caller can tell if an update fell between.
+Invariant: every call that changes vLLM's state (add_request, abort_request, step, collective_rpc)
+happens on the engine thread, so a weight update never interleaves with a decoding step; each
+result records the weight version at its submission and at its completion, so a caller can tell if
+an update fell between. Every accepted request leaves `pending` exactly once: finished, aborted,
+or failed with the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,13 +97,29 @@ class VllmEngine:
         self._thread.start()
 
     # -- public API (thread-safe) -------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], params) -> Future:
+    def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
+        """Submit a request; `request_id` (default: a fresh one) is what `abort` takes."""
         fut: Future = Future()
         if self.dead is not None:
             fut.set_exception(RuntimeError(f"vLLM engine is dead: {self.dead!r}"))
             return fut
-        self._inbox.put(("gen", (prompt_token_ids, params), fut))
+        self._inbox.put(("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params), fut))
         return fut
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request whose caller left: vLLM frees its slot and its future gets CancelledError.
+        A no-op for a request that already finished."""
+        self._inbox.put(("abort", request_id, None))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine holds (accepted, not yet finished or aborted)."""
+        return len(self._pending)
+
+    def validate_token_ids(self, token_ids: list[int], parameter: str) -> None:
+        """vLLM's own vocabulary check (raises VLLMValidationError naming `parameter`); a pure
+        read of the model's config, safe on any thread."""
+        self.llm.llm_engine.renderer.validate_token_ids(token_ids, parameter=parameter)
 
     def update_weights(self, named: list, version: int, drain: bool = False) -> Future:
         """New weights between two engine steps. Requests in flight continue under them (their
@@ -140,11 +159,18 @@ class VllmEngine:
             except BaseException as exc:  # hand any failure to the caller
                 fut.set_exception(exc)
             return
-        prompt, params = payload
-        rid = uuid.uuid4().hex
+        if kind == "abort":
+            entry = self._pending.pop(payload, None)
+            if entry is not None:
+                self.llm.llm_engine.abort_request([payload])
+                entry[0].set_exception(CancelledError(f"request {payload} aborted: its caller left"))
+            return
+        rid, prompt, params = payload
+        if not fut.set_running_or_notify_cancel():  # the caller left before the engine saw it
+            return
         try:
             self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-        except BaseException as exc:
+        except BaseException as exc:  # vLLM refused the request (e.g. VLLMValidationError)
             fut.set_exception(exc)
             return
         self._pending[rid] = (fut, self.version)

@@ -6,22 +6,37 @@ vLLM's: `logprobs`/`top_logprobs`, `return_tokens_as_token_ids` and `return_toke
 `prompt_token_ids` and per-choice `token_ids`) behave as in `vllm serve`, and a prompt longer than
 the context gets vLLM's HTTP 400 "maximum context length" error.
 
+Errors are vLLM's too: a client error (a body that is not a JSON object or nests too deeply, a
+sampling parameter out of range, vLLM's own validation errors, a bad `required_prefix_token_ids`)
+is a 400 with vLLM's OpenAI-style body `{"error": {"message", "type", "param", "code"}}` naming the
+field, mapped by vLLM's `create_error_response`; only a failure of the server itself is a 5xx.
+
 minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns' exact tokens (see
 `splice_prefix`), and a request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is
-recorded in the call log that the controller's ledger drains after each step. The engine-side
-fault sites (`context_overflow`, `model_error`, `worker_kill`) fire here, keyed by that header.
+recorded in the call log (`CallLog`) that the controller's ledger drains after each step; a header
+that does not parse is a 400 naming it. The engine-side fault sites (`context_overflow`,
+`model_error`, `worker_kill`) fire here, keyed by that header.
 
-Invariant: every request with a rollout header leaves exactly one call-log record, whatever its
-outcome (success, 4xx or 5xx), with the token ids and logprobs the engine produced.
+Nothing proportional to a request's size runs on the event loop: JSON parsing, validation, chat
+template rendering and tokenization run in a worker thread, and a prompt whose text alone has
+more characters than `max_model_len` tokens could hold is refused before it is rendered (vLLM's
+own bound, below). A client that disconnects mid-generation has its request aborted in the
+engine (the HTTP runner cancels the handler: see minirl.http_thread).
+
+Invariants: every request with a parseable rollout header leaves exactly one call-log record,
+whatever its outcome (success, 4xx, 5xx, or 499 when its client left), with the token ids and
+logprobs the engine produced; the call log holds at most `CALL_LOG_STEPS` steps; the event loop
+answers `/health` while any request is being prepared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
-from collections import defaultdict
+import uuid
 from http import HTTPStatus
 
 from aiohttp import web
@@ -36,22 +51,73 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
 )
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error, clean_loc_for_param
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
+from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
+from minirl.config import VllmConfig
 from minirl.faults import FaultPlan
-from minirl.wire import ROLLOUT_HEADER, parse_call_key
 from minirl.generation.chat_format import normalize_content, parse_reply, splice_prefix
+from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
+
+PREFIX_FIELD = "required_prefix_token_ids"
+CLIENT_LEFT = 499  # nginx's "client closed request": the status recorded when the caller disconnected
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+    """A failed request, carrying vLLM's OpenAI-style error body."""
+
+    def __init__(self, body: ErrorResponse):
+        super().__init__(body.error.message)
+        self.body = body
+
+    @property
+    def status(self) -> int:
+        return self.body.error.code
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None) -> "HTTPError":
+        return cls(create_error_response(message, param=param))
+
+    @classmethod
+    def of(cls, exc: Exception) -> "HTTPError":
+        """vLLM's own mapping: its client errors, ValueError and TypeError are 400, the rest 5xx."""
+        if isinstance(exc, RecursionError):  # vLLM would answer 500; it is the client's JSON
+            return cls.bad_request("request JSON nests deeper than the server parses")
+        if isinstance(exc, ValidationError):
+            return cls(_validation_error(exc))
+        return cls(create_error_response(exc))
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body.model_dump(), status=self.status)
 
 
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=HTTPStatus(status).phrase.replace(" ", ""), param=param, code=status))
-    return web.json_response(body.model_dump(), status=status)
+def _validation_error(exc: ValidationError) -> ErrorResponse:
+    """A request body that fails the protocol's schema, worded as `vllm serve`'s validation handler
+    words it (type "Bad Request", at most 10 errors, each value echoed in at most 200 characters)."""
+    errors = exc.errors()
+    reported = errors[:10]
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {_format_error(e)}\n" for e in reported)
+    if len(errors) > len(reported):
+        message += f"  ...and {len(errors) - len(reported)} more {label}\n"
+    param = clean_loc_for_param(tuple(errors[0]["loc"])) if errors and errors[0].get("loc") else None
+    return ErrorResponse(error=ErrorInfo(message=message.rstrip(), type=HTTPStatus.BAD_REQUEST.phrase,
+                                         param=param, code=HTTPStatus.BAD_REQUEST))
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object, or an HTTPError 400 saying why not."""
+    try:
+        body = json.loads(raw)
+    except RecursionError as exc:
+        raise HTTPError.of(exc) from None
+    except ValueError as exc:
+        raise HTTPError.bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPError.bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 def context_length_message(max_model_len: int, prompt_len: int) -> str:
@@ -63,15 +129,87 @@ def context_length_message(max_model_len: int, prompt_len: int) -> str:
     )
 
 
+def input_text_message(max_model_len: int, chars: int, max_chars: int) -> str:
+    """vLLM 0.32's wording for a prompt text too long to be tokenized at all (renderers/params.py)."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+        f"contains {chars} characters (more than {max_chars} characters, which is the upper bound "
+        f"for {max_model_len} input tokens). Please reduce the length of the input prompt."
+    )
+
+
+def message_chars(messages: list) -> int:
+    """Characters of the text the chat template renders from `messages` (contents, reasoning,
+    tool-call arguments): a lower bound on the rendered prompt's length, counted without rendering."""
+    def text(value) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, list):
+            return sum(len(p["text"]) for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return 0
+
+    n = 0
+    for m in messages:
+        if isinstance(m, dict):
+            n += text(m.get("content")) + text(m.get("reasoning")) + text(m.get("reasoning_content"))
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function") if isinstance(call, dict) else None
+                n += text(fn.get("arguments")) if isinstance(fn, dict) else 0
+    return n
+
+
+CALL_LOG_STEPS = 64
+"""Steps the call log holds at once: the async controller drains several prompt steps at a time
+(up to the buffer's `max_buffered_rollouts` groups' worth), the sync one a single step."""
+
+
+class CallLog:
+    """Call records by step, until the controller takes what has arrived for a step (`take`).
+
+    A step may be taken many times (the async controller takes a group's step whenever a group
+    resolves, and late records of retired attempts arrive after that), in any order.
+    Bound: at most CALL_LOG_STEPS steps are held; a record for a new step when that many are held
+    evicts the step written least recently (a made-up step written once goes first; steps being
+    generated are written all the time). `dropped` counts every record evicted. The header is
+    trusted from any caller, so this bounds memory, not mischief.
+    """
+
+    def __init__(self):
+        self.steps: dict[int, list[dict]] = {}  # ordered least recently written first
+        self.dropped = 0
+
+    def add(self, step: int, record: dict) -> None:
+        records = self.steps.pop(step, None)
+        if records is None:
+            records = []
+            if len(self.steps) >= CALL_LOG_STEPS:
+                self.dropped += len(self.steps.pop(next(iter(self.steps))))
+        records.append(record)
+        self.steps[step] = records
+
+    def take(self, step: int) -> list[dict]:
+        return self.steps.pop(step, [])
+
+    def clear(self) -> None:
+        self.__init__()
+
+
 class ModelServer:
     reasoning_parser: str | None = "think"  # policy.generation.reasoning_parser; None: no reasoning split
 
     def __init__(self, engine, tokenizer, model_name: str, plan: FaultPlan | None = None):
         self.engine, self.tokenizer, self.model_name, self.plan = engine, tokenizer, model_name, plan
-        self.calls: dict[int, list[dict]] = defaultdict(list)
+        self.calls = CallLog()
         self.tokens_generated = 0
+        # vLLM's bound (tokenizers/hf.py): no token stands for more characters than the longest
+        # vocabulary entry (for byte-level BPE, one character per byte, and no character decodes
+        # from less than a byte), so a prompt whose text has more than max_model_len times that
+        # many characters cannot fit, however it tokenizes. vLLM checks the rendered text; the
+        # messages' text is a lower bound on it, so checking it before rendering refuses nothing
+        # that vLLM would serve.
+        self.max_chars_per_token = max(len(t) for t in tokenizer.get_vocab())
 
-    def app(self, max_request_bytes: int = 16_000_000) -> web.Application:
+    def app(self, max_request_bytes: int = VllmConfig.max_request_bytes) -> web.Application:
         app = web.Application(client_max_size=max_request_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
@@ -79,7 +217,7 @@ class ModelServer:
         app.router.add_get("/health", self.health)
         return app
 
-    # -- helpers -------------------------------------------------------------------------------
+    # -- helpers (worker threads) --------------------------------------------------------------
     def render(self, messages: list[dict], tools, add_generation_prompt: bool = True) -> list[int]:
         for m in messages:  # vLLM accepts `reasoning` or `reasoning_content` on assistant turns
             m["content"] = normalize_content(m.get("content"))  # list content flattened as vLLM does
@@ -91,7 +229,67 @@ class ModelServer:
         return list(ids)
 
     def take_calls(self, step: int) -> list[dict]:
-        return self.calls.pop(step, [])
+        return self.calls.take(step)
+
+    def _check_prefix(self, prefix) -> list[int]:
+        """`required_prefix_token_ids` as vLLM would check token ids: a list of in-vocabulary ints
+        no longer than the context (checked first, so a huge list costs O(1) to refuse)."""
+        if not isinstance(prefix, list):
+            raise HTTPError.bad_request(f"{PREFIX_FIELD} must be a list of token ids, got {type(prefix).__name__}", PREFIX_FIELD)
+        if len(prefix) >= self.engine.max_model_len:
+            raise HTTPError.bad_request(
+                f"{context_length_message(self.engine.max_model_len, len(prefix))} ({PREFIX_FIELD} alone holds {len(prefix)} tokens)",
+                PREFIX_FIELD,
+            )
+        bad = next((t for t in prefix if type(t) is not int), None)
+        if bad is not None:
+            raise HTTPError.bad_request(f"{PREFIX_FIELD} must hold integers only, got {str(bad)[:80]!r}", PREFIX_FIELD)
+        try:
+            self.engine.validate_token_ids(prefix, PREFIX_FIELD)
+        except Exception as exc:  # VLLMValidationError: out of vocabulary
+            raise HTTPError.of(exc) from None
+        return prefix
+
+    def _prepare_chat(self, raw: bytes) -> tuple[dict, ChatCompletionRequest, list[int]]:
+        """Body bytes -> (body, request, prompt token ids): everything whose cost grows with the
+        request's size, run in a worker thread."""
+        body = parse_json_object(raw)
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except Exception as exc:  # ValidationError, or a VLLMValidationError from a validator
+            raise HTTPError.of(exc) from None
+        if req.stream:
+            raise HTTPError.bad_request("minirl's model server does not stream; send stream=false", "stream")
+        if (req.n or 1) != 1:
+            raise HTTPError.bad_request("minirl's model server supports n=1 only", "n")
+        prefix = body.get(PREFIX_FIELD)
+        if prefix is not None:
+            prefix = self._check_prefix(prefix)
+        chars, limit = message_chars(body["messages"]), self.engine.max_model_len * self.max_chars_per_token
+        if chars > limit:
+            raise HTTPError.bad_request(input_text_message(self.engine.max_model_len, chars, limit), "input_text")
+        try:
+            prompt = self.render(body["messages"], body.get("tools"))
+        except Exception as exc:  # a template error is the client's fault, as in vLLM
+            raise HTTPError.bad_request(f"chat template failed: {exc!r}"[:2000]) from None
+        if prefix:
+            prompt = splice_prefix(prefix, prompt, self.tokenizer.eos_token_id) or prompt
+        return body, req, prompt
+
+    def _tokenize(self, raw: bytes) -> bytes:
+        body = parse_json_object(raw)
+        try:
+            if "messages" in body:
+                req = TokenizeChatRequest.model_validate(body)
+                ids = self.render(body["messages"], body.get("tools"), req.add_generation_prompt)
+            else:
+                req = TokenizeCompletionRequest.model_validate(body)
+                ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        except Exception as exc:  # vLLM's mapping: a schema or template error is the client's
+            raise HTTPError.of(exc) from None
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        out = TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+        return json.dumps(out.model_dump(exclude_none=True)).encode()
 
     # -- routes --------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -102,75 +300,67 @@ class ModelServer:
         return web.json_response(cards.model_dump())
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        # vLLM's /tokenize has no length limit; the work runs off the loop
         try:
-            body = await request.json()
-            if "messages" in body:
-                req = TokenizeChatRequest.model_validate(body)
-                ids = self.render(body["messages"], body.get("tools"), req.add_generation_prompt)
-            else:
-                req = TokenizeCompletionRequest.model_validate(body)
-                ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
-        except (ValueError, ValidationError) as exc:
-            return _error(400, str(exc))
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        out = TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
-        return web.json_response(out.model_dump(exclude_none=True))
+            body = await asyncio.to_thread(self._tokenize, await request.read())
+        except HTTPError as exc:
+            return exc.response()
+        return web.Response(body=body, content_type="application/json")
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         key = request.headers.get(ROLLOUT_HEADER)
+        try:
+            coords, call = parse_call_key(key) if key is not None else (None, None)
+        except BadCoordinates as exc:
+            return HTTPError.bad_request(str(exc), ROLLOUT_HEADER).response()
         record: dict = {"key": key, "t_start": time.time()}
         try:
-            response = await self._complete(request, key, record)
+            response = await self._complete(request, coords, call, record)
             record["status"] = 200
             return web.json_response(response.model_dump(exclude_none=True))
         except HTTPError as exc:
-            record.update(status=exc.status, error=exc.message)
-            return _error(exc.status, exc.message, exc.param)
+            record.update(status=exc.status, error=exc.body.error.message)
+            return exc.response()
+        except asyncio.CancelledError:
+            record.update(status=CLIENT_LEFT, error="client disconnected")
+            raise
         finally:
-            if key:
-                coords, call = parse_call_key(key)
+            if coords is not None:
                 record.update(coords.as_dict(), call=call, t_end=time.time())
-                self.calls[coords.step].append(record)
+                self.calls.add(coords.step, record)
 
-    async def _complete(self, request: web.Request, key: str | None, record: dict) -> ChatCompletionResponse:
-        try:
-            body = await request.json()
-            req = ChatCompletionRequest.model_validate(body)
-        except (ValueError, ValidationError) as exc:
-            raise HTTPError(400, str(exc)) from None
-        if req.stream:
-            raise HTTPError(400, "minirl's model server does not stream; send stream=false", "stream")
-        if (req.n or 1) != 1:
-            raise HTTPError(400, "minirl's model server supports n=1 only", "n")
-        tools = body.get("tools")
-        try:
-            prompt = self.render(body["messages"], tools)
-        except Exception as exc:  # a template error is the client's fault, as in vLLM
-            raise HTTPError(400, f"chat template failed: {exc!r}") from None
-        prefix = body.get("required_prefix_token_ids")
-        if prefix:
-            prompt = splice_prefix(list(prefix), prompt, self.tokenizer.eos_token_id) or prompt
-
-        coords, call = parse_call_key(key) if key else (None, None)
+    async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> ChatCompletionResponse:
+        body, req, prompt = await asyncio.to_thread(self._prepare_chat, await request.read())
+        key = record["key"]
         fires = (lambda kind: self.plan is not None and coords is not None and self.plan.fires(kind, coords, call))
         if fires("worker_kill"):
             os.kill(os.getpid(), signal.SIGKILL)  # a real process death, mid-request
         if fires("context_overflow"):
             # the engine refuses the call as too long: the same error a real overflow gets
-            raise HTTPError(400, context_length_message(self.engine.max_model_len, max(len(prompt), self.engine.max_model_len + 1)), "input_tokens")
+            raise HTTPError.bad_request(context_length_message(self.engine.max_model_len, max(len(prompt), self.engine.max_model_len + 1)), "input_tokens")
         if len(prompt) >= self.engine.max_model_len:
-            raise HTTPError(400, context_length_message(self.engine.max_model_len, len(prompt)), "input_tokens")
+            raise HTTPError.bad_request(context_length_message(self.engine.max_model_len, len(prompt)), "input_tokens")
         if fires("model_error"):
-            raise HTTPError(500, f"injected model_error at {key}")
+            raise HTTPError(create_error_response(f"injected model_error at {key}", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR))
 
-        room = self.engine.max_model_len - len(prompt)
-        asked = req.max_completion_tokens or req.max_tokens
-        params = req.to_sampling_params(min(asked, room) if asked else room, {})
-        params.logprobs = max(params.logprobs or 0, 0)  # the sampled token's logprob, always: it is the evidence
-        try:
-            result = await asyncio.wrap_future(self.engine.generate(prompt, params))
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        asked = getattr(req, field)
+        if asked is not None and asked < 1:  # vLLM's own check would name max_tokens for either field
+            raise HTTPError.bad_request(f"{field} must be at least 1, got {asked}.", field)
+        try:  # vLLM's own clamp and checks: max_tokens < 1, temperature, top_p, ... are its 400s
+            params = req.to_sampling_params(get_max_tokens(self.engine.max_model_len, asked, len(prompt), {}), {})
         except Exception as exc:
-            raise HTTPError(500, f"engine failed: {exc!r}") from None
+            raise HTTPError.of(exc) from None
+        if params.logprobs is None:  # the sampled token's logprob, always: it is the evidence
+            params.logprobs = 0
+        rid = uuid.uuid4().hex
+        try:
+            result = await asyncio.wrap_future(self.engine.generate(prompt, params, rid))
+        except asyncio.CancelledError:  # the client left: stop spending engine steps on it
+            self.engine.abort(rid)
+            raise
+        except Exception as exc:  # vLLM refused it at add_request (400) or the engine failed (5xx)
+            raise HTTPError.of(exc) from None
         self.tokens_generated += len(result.token_ids)
         record.update(
             prompt_token_ids=result.prompt_token_ids,
@@ -181,6 +371,7 @@ class ModelServer:
             version_end=result.version_end,
         )
 
+        tools = body.get("tools")
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
         parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none", reasoning_parser=self.reasoning_parser)
         message = ChatMessage(

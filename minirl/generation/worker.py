@@ -52,7 +52,7 @@ class GenerationWorker:
         self.server.reasoning_parser = cfg.policy.generation.reasoning_parser
 
         async def setup():
-            return self.server.app()
+            return self.server.app(cfg.policy.generation.vllm_cfg.max_request_bytes)
 
         self.http = HttpThread(setup, host, port, name=f"model-server-{rank}")
 
@@ -87,7 +87,8 @@ class GenerationWorker:
         return self.http.run(take())
 
     def stats(self) -> dict:
-        return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": self.server.tokens_generated, "version": self.engine.version}
+        return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": self.server.tokens_generated, "version": self.engine.version,
+                "calls_dropped": self.server.calls.dropped}
 
     def pid(self) -> int:
         return os.getpid()
