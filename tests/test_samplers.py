@@ -72,3 +72,28 @@ def test_unknown_sampler_and_a_buffer_too_small_for_the_window_are_config_errors
                            "loss_fn.use_importance_sampling_correction=true"])
     with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction"):
         load_config(None, ["async_rl.enabled=true"])
+
+
+def test_evicting_while_waiting_frees_places_for_the_pump():
+    """The train pump evicts stale groups and keeps waiting; the rollout pump, blocked on a full
+    buffer, must be woken by that eviction (a deadlock before)."""
+
+    async def go():
+        buf = GroupBuffer(2)
+        s = make_sampler("windowed", 1, 0)
+        for g in range(2):
+            await buf.reserve()
+            await buf.commit(rec(0, g, 0))
+
+        async def pump():
+            await buf.reserve()  # waits for a free place
+            await buf.commit(rec(1, 0, 1))
+
+        dispatch = asyncio.create_task(pump())
+        await asyncio.sleep(0.01)  # the pump is blocked on the full buffer
+        train = asyncio.create_task(buf.take_when(lambda ready: (s.stale(1, ready), s.select(1, 1, ready, Counter()))))
+        await asyncio.wait_for(dispatch, 2)
+        stale, chosen = await asyncio.wait_for(train, 2)
+        assert len(stale) == 2 and [r.step for r in chosen] == [1]
+
+    asyncio.run(go())

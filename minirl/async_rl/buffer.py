@@ -73,6 +73,8 @@ class GroupBuffer:
                 evicted += stale
                 if chosen is not None:
                     break
+                if stale:
+                    self.changed.notify_all()  # places freed: the pump may dispatch again
                 await self.changed.wait()
             for r in chosen:
                 self.ready.remove(r)

@@ -1,0 +1,92 @@
+"""Async against sync (issue K): samples trained per second, and reward against samples trained, on
+the same seeds, side by side in one run, with a latency-bound environment (`env.tool_latency_s`).
+
+    python bench/async_speedup.py                 # 20 steps, seeds 0 1 2, staleness 1 and 2 (the README's figures)
+    python bench/async_speedup.py --quick         # 6 steps, one seed
+
+Each seed runs sync, then async at each staleness bound, back to back on one shared generation
+worker (started once, as the sweep does). Samples per second = rollouts trained / the summed
+`step_time_s` (start-up excluded; in async a step's time includes its wait for the buffer).
+Reward = mean `reward_mean` over the last 5 steps. Targets: async >= 1.8x sync at staleness 1,
+and its reward not worse than sync's beyond the seeds' spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_sweep():
+    spec = importlib.util.spec_from_file_location("compare_drop_budgets", REPO / "scripts" / "compare_drop_budgets.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(mode: str, staleness: int, seed: int, steps: int, latency: float, out: Path, attach: list[str]) -> dict:
+    run_dir = out / f"{mode}{staleness if mode == 'async' else ''}_seed{seed}"
+    args = [f"grpo.max_num_steps={steps}", f"grpo.seed={seed}", f"env.data_seed={1234 + seed}", f"faults.seed={seed}",
+            f"env.tool_latency_s={latency}", "checkpoint.enabled=false", "logger.tensorboard=false", f"run_dir={run_dir}"]
+    if mode == "async":
+        args += ["async_rl.enabled=true", f"async_rl.sampler.max_staleness_versions={staleness}",
+                 "loss_fn.use_importance_sampling_correction=true"]
+    proc = subprocess.run([sys.executable, "-m", "minirl.train", *args, *attach], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{run_dir.name} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    trained = sum(r["rollouts_trained"] for r in rows)
+    seconds = sum(r["step_time_s"] for r in rows)
+    return {"mode": f"{mode}" + (f" s={staleness}" if mode == "async" else ""), "seed": seed, "samples": trained,
+            "seconds": seconds, "samples_per_s": trained / seconds,
+            "reward_last5": statistics.mean(r["reward_mean"] for r in rows[-5:]),
+            "staleness_mean": statistics.mean(r.get("staleness_mean", 0.0) for r in rows)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seeds", type=int, nargs="*")
+    ap.add_argument("--staleness", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--tool-latency", type=float, default=0.2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    steps = args.steps or (6 if args.quick else 20)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    out = Path(args.out or tempfile.mkdtemp(prefix="async_speedup_"))
+    results = []
+    with load_sweep().shared_engines(fresh=False) as attach:
+        for seed in seeds:
+            base = run("sync", 0, seed, steps, args.tool_latency, out, attach)
+            results.append({**base, "ratio": 1.0})
+            print(f"seed {seed}: sync {base['samples_per_s']:.2f} samples/s, reward(last 5) {base['reward_last5']:.3f}", flush=True)
+            for s in args.staleness:
+                r = run("async", s, seed, steps, args.tool_latency, out, attach)
+                r["ratio"] = r["samples_per_s"] / base["samples_per_s"]
+                results.append(r)
+                print(f"seed {seed}: async s={s} {r['samples_per_s']:.2f} samples/s ({r['ratio']:.2f}x sync), "
+                      f"reward(last 5) {r['reward_last5']:.3f}, staleness {r['staleness_mean']:.2f}", flush=True)
+    print(f"\n{steps} steps per run, env.tool_latency_s={args.tool_latency}, seeds {seeds}; cells in {out}")
+    print(f"{'mode':<12}{'samples/s':>12}{'x sync':>9}{'reward(last 5)':>18}{'samples':>9}")
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        rs = [r for r in results if r["mode"] == mode]
+        spread = lambda xs: f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""  # noqa: E731
+        rew = [r["reward_last5"] for r in rs]
+        print(f"{mode:<12}{statistics.mean(r['samples_per_s'] for r in rs):>12.2f}"
+              f"{statistics.mean(r['ratio'] for r in rs):>8.2f}x{statistics.mean(rew):>11.3f}{spread(rew):<7}"
+              f"{statistics.mean(r['samples'] for r in rs):>9.0f}")
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
