@@ -177,7 +177,12 @@ class RolloutFailureConfig:
     min_step_batch_fraction: float = 0.9
     """Floor: a step needs ceil(fraction x num_prompts_per_step) groups, in (0, 1]."""
     on_dropped_prompt: str = "shrink"
-    """What a drop does to its step: `shrink` trains the step on the groups it has."""
+    """What a drop does to its step: `shrink` trains the step on the groups it has; `replace` (async
+    in_order only) fills its place: a later step's finished group is promoted, or a fresh prompt drawn."""
+    max_replacement_attempts: int = 1
+    """`replace`: fresh prompts drawn per step for its drops at most; beyond, the step shrinks."""
+    replacement_reserve_prompts: int = 1
+    """`replace`: fresh prompts in flight at once at most (buffer places beyond its capacity)."""
     nemo_gym: NemoGymConfig = field(default_factory=NemoGymConfig)
 
 
@@ -640,11 +645,13 @@ def validate(cfg: MinirlConfig) -> None:
         "async_rl.rollout_failure.max_backoff_s",
         f"must be >= backoff_base_s ({rf.backoff_base_s}), got {rf.max_backoff_s}",
     )
-    _require(
-        rf.on_dropped_prompt == "shrink",
-        "async_rl.rollout_failure.on_dropped_prompt",
-        f"only `shrink` is implemented in minirl, got {rf.on_dropped_prompt!r}",
-    )
+    _require(rf.on_dropped_prompt in ("shrink", "replace"), "async_rl.rollout_failure.on_dropped_prompt",
+             f"must be shrink or replace, got {rf.on_dropped_prompt!r}")
+    if rf.on_dropped_prompt == "replace":
+        _require(cfg.async_rl.enabled and cfg.async_rl.sampler.name == "in_order", "async_rl.rollout_failure.on_dropped_prompt",
+                 "replace needs async_rl.enabled=true with async_rl.sampler.name=in_order")
+        for key in ("max_replacement_attempts", "replacement_reserve_prompts"):
+            _require(getattr(rf, key) >= 1, f"async_rl.rollout_failure.{key}", f"must be >= 1 with replace, got {getattr(rf, key)}")
     timeout = rf.nemo_gym.rollout_timeout_s
     wd = cfg.async_rl.stall_watchdog
     _require(wd.action in ("raise", "warn"), "async_rl.stall_watchdog.action", f"must be raise or warn, got {wd.action!r}")

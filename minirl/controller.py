@@ -132,8 +132,9 @@ class Controller:
         self.pump = None  # async only: started by the first `collect`
         self.calls: dict[tuple[int, int], list[dict]] = {}  # async: drained server records by (step, group)
         self.orphans: list[dict] = []  # async: records of groups evicted or already trained (retired attempts)
+        self.pool: list[dict] = []  # external agents: headerless records not matched yet
         self.consumed: set[tuple[int, int]] = set()
-        self.evicted_this_step = 0
+        self.async_stats = {"stale_groups_evicted": 0, "promoted_prompt_groups": 0, "replaced_prompt_groups": 0}
         self.last_collect = time.perf_counter()  # async: when the previous step's batch was handed over
         self.counters = (0, 0, 0)  # the manager's run totals (sends, returned, guard rejections) at the last step
 
@@ -179,14 +180,21 @@ class Controller:
                                "rollout_attempts": sends, "rollouts_generated": returned})
             raise
         kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
-        ledger = self.ledger.close_step(step, server_calls, kept, version, recorded=not self.cfg.agent.external_url,
-                                        oldest=version - self._window())
+        if self.cfg.agent.external_url:  # no rollout header: match the calls by their tokens
+            ledger, left = self.ledger.match_external(step, self.pool + await self._drain(None), kept, version,
+                                                      oldest=version - self._window())
+            keep = step - 1 - self._window()  # a record is kept for the window's steps (async runs ahead), then retired
+            self.pool = [rec for rec in left if rec.setdefault("drained_step", step) >= keep]
+            ledger["calls_retired"] = len(left) - len(self.pool)
+        else:
+            ledger = self.ledger.close_step(step, server_calls, kept, version, oldest=version - self._window())
         batch, stats = assemble(self.cfg, outcomes, self.pad_id)
         for r in kept:
             if r.mask_reason:
                 self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
                                    "errors": r.evidence.get("errors", [])})
-        generated = sum(len(c.get("generation_token_ids") or []) for c in server_calls)
+        generated = ledger["tokens_matched"] if self.cfg.agent.external_url else \
+            sum(len(c.get("generation_token_ids") or []) for c in server_calls)
         staleness = [version - w for o, w in zip(outcomes, starts) if o.status == "committed"] or [0]
         _, _, guard_failed = self._step_counters()
         self.counters = (self.manager.sends, self.manager.returned, self.manager.guard_rejections)
@@ -197,6 +205,7 @@ class Controller:
             guard_rejections=guard_failed + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
             calls_retired=ledger.get("calls_retired", 0),
             calls_unrecorded=ledger.get("calls_unrecorded", 0),
+            calls_matched=ledger.get("calls_matched", 0),
             gen_time_s=gen_s,
             engine_busy_s=engine_busy_s,
             gen_tokens=generated,
@@ -204,9 +213,7 @@ class Controller:
             policy_version=version,
             staleness_mean=float(np.mean(staleness)),
             staleness_max=int(max(staleness)),
-            stale_groups_evicted=self.evicted_this_step,
-            promoted_prompt_groups=0,
-            replaced_prompt_groups=0,
+            **self.async_stats,
             prompt_seeds=[prompt_row(self.cfg, o.step, o.group)["task"]["seed"] for o in outcomes],
         )
         return batch, stats
@@ -242,7 +249,8 @@ class Controller:
             self.events.write({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
                                "train_version": version, "max_staleness_versions": self.sampler.s})
             self.orphans += self.calls.pop((r.step, r.group), [])
-        self.evicted_this_step = len(stale)
+        self.async_stats = {"stale_groups_evicted": len(stale), "promoted_prompt_groups": sum(r.promoted for r in chosen),
+                            "replaced_prompt_groups": sum(r.replacement for r in chosen)}
         self.consumed.update((r.step, r.group) for r in stale + chosen)
         calls, self.orphans = [c for r in chosen for c in self.calls.pop((r.step, r.group), [])] + self.orphans, []
         return [r.outcome for r in chosen], [r.start_weight for r in chosen], calls

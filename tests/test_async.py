@@ -72,3 +72,37 @@ def test_mixed_faults_under_async_defaults_stay_in_the_window_and_the_log_matche
     assert sum(r["rollouts_masked"] for r in rows) == sum(e["type"] == "mask" for e in evs)
     assert sum(r["stale_groups_evicted"] for r in rows) == sum(e["type"] == "evict" for e in evs)
     assert sum(r["redispatched_rows"] for r in rows) == sum(e["type"] == "failure" and e.get("scope") == "row" for e in evs)
+
+
+UPSTREAM_REPLACE = ["--config", "configs/upstream_pr4124.yaml", "async_rl.enabled=true",
+                    "async_rl.rollout_failure.on_dropped_prompt=replace",
+                    "async_rl.rollout_failure.max_consecutive_dropped_prompts=5", "grpo.max_num_steps=2",
+                    "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=6"]
+
+
+def test_replace_draws_a_fresh_prompt_so_the_step_keeps_its_size(tmp_path, shared_engine):
+    """Upstream's CC preset (a step needs every group) survives a dropped group under `replace`:
+    with nothing finished ahead to borrow (staleness 0), a fresh prompt fills the place."""
+    proc = run_cli(*UPSTREAM_REPLACE, *SMALL, "async_rl.sampler.max_staleness_versions=0",
+                   "faults.inject=[{kind: guard_reject, step: 0, group: 1, rollout: 0, attempt: 0}]",
+                   f"run_dir={tmp_path}", *shared_engine)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = metrics(tmp_path)[0]
+    assert (row["groups_target"], row["groups_trained"], row["dropped_prompt_groups"]) == (4, 4, 1)
+    assert (row["replaced_prompt_groups"], row["promoted_prompt_groups"]) == (1, 0)
+    fresh = [e for e in events(tmp_path) if e["type"] == "replace" and e["decision"] == "fresh_prompt"]
+    assert [(e["fresh_step"], e["fresh_group"]) for e in fresh] == [(0, 4)]
+
+
+def test_replace_borrows_a_finished_group_from_the_next_step_and_repays_it(tmp_path, shared_engine):
+    """At staleness 1 step 1's groups finish while step 0's group 1 hangs to its 6 s deadline and
+    drops: one of them is promoted into step 0, and a fresh prompt repays step 1."""
+    proc = run_cli(*UPSTREAM_REPLACE, *SMALL, *ASYNC, "faults.inject=[{kind: timeout, step: 0, group: 1, rollout: 0}]",
+                   f"run_dir={tmp_path}", *shared_engine)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [(r["groups_trained"], r["promoted_prompt_groups"], r["replaced_prompt_groups"]) for r in rows] == [(4, 1, 0), (4, 0, 1)]
+    evs = [e for e in events(tmp_path) if e["type"] == "replace"]
+    assert [e["decision"] for e in evs] == ["promoted", "fresh_prompt"]
+    assert evs[0]["lender_step"] == 1 and (evs[1]["fresh_step"], evs[1]["fresh_group"]) == (1, 4)
+    assert rows[0]["staleness_max"] <= 1 and rows[1]["staleness_max"] <= 1

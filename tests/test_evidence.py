@@ -179,6 +179,22 @@ def test_ledger_masks_a_rollout_whose_calls_the_server_did_not_record():
         Ledger(None).close_step(0, [record(b, 0, [1, 2], [7])], [rb], version=0)  # complete record, other tokens
     with pytest.raises(RuntimeError, match="policy-version discipline"):
         Ledger(None).close_step(0, [record(b, 0, [1, 2], [6], version=1)], [rb], version=0)
-    rb2 = parse(result([item([1, 2], [6])]))
-    rb2.coords = b
-    assert Ledger(None).close_step(0, [], [rb2], version=0, recorded=False)["calls_unrecorded"] == 0  # external agent
+
+
+def test_an_external_agents_calls_are_matched_by_their_tokens():
+    """J item 5: Gym sends no rollout header; each committed call is found in the servers'
+    headerless records by prompt + generated ids, or its rollout is masked."""
+    a, b = Coords(0, 0, 0, 0), Coords(0, 0, 1, 0)
+    ra = parse(result([item([1, 2], [3]), item([1, 2, 3, 4], [5])]))
+    ra.coords = a
+    rb = parse(result([item([1, 2], [6])]))
+    rb.coords = b
+    unkeyed = lambda p, g, v=0: {"prompt_token_ids": p, "generation_token_ids": g, "status": 200,  # noqa: E731
+                                 "version_start": v, "version_end": v}
+    pool = [unkeyed([1, 2], [3]), unkeyed([1, 2, 3, 4], [5]), unkeyed([9], [9])]  # b's call is missing; [9] is another's
+    counts, left = Ledger(None).match_external(0, pool, [ra, rb], version=0)
+    assert (counts["calls_matched"], counts["calls_unrecorded"], counts["tokens_matched"]) == (2, 1, 2)
+    assert ra.sample_mask == 1 and rb.mask_reason == "unrecorded_calls"
+    assert left == [pool[2]]
+    with pytest.raises(RuntimeError, match="policy-version discipline"):
+        Ledger(None).match_external(3, [unkeyed([1, 2], [6], v=1)], [rb], version=3, oldest=2)

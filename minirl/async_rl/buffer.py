@@ -25,6 +25,9 @@ class GroupRecord:
     end_weight: int
     outcome: GroupOutcome
     target_step: int  # the optimizer step this group is stamped for (in_order); the prompt step otherwise
+    replacement: bool = False  # a fresh prompt dispatched for a dropped group (on_dropped_prompt=replace)
+    replaced: bool = False  # dropped, and a replacement fills its place in its step
+    promoted: bool = False  # re-stamped from a later step into a short one
 
 
 class GroupBuffer:
@@ -39,10 +42,12 @@ class GroupBuffer:
     def free(self) -> int:
         return self.capacity - len(self.ready) - self.reserved
 
-    async def reserve(self) -> None:
-        """Wait for a free place and hold it for a group about to be dispatched."""
+    async def reserve(self, over: int = 0) -> None:
+        """Wait for a free place and hold it for a group about to be dispatched; a replacement may
+        take up to `over` places beyond the capacity (`replacement_reserve_prompts`), since the
+        step it completes may be what the train pump waits for to free the buffer."""
         async with self.changed:
-            await self.changed.wait_for(lambda: self.free > 0)
+            await self.changed.wait_for(lambda: self.free > -over)
             self.reserved += 1
 
     async def commit(self, record: GroupRecord) -> None:

@@ -7,6 +7,13 @@ dispatches the next group once the sampler admits it at the current policy versi
 runs through `RolloutManager.run_group`: the whole failure policy (retry, backoff, row and group
 redispatch, drop budget) applies unchanged, and keeps the group's `start_weight`.
 
+`on_dropped_prompt: replace` (in_order): a dropped group's step keeps its batch size. If a later
+step already holds a finished group, that group is re-stamped into the short step (promoted) and
+a fresh prompt is dispatched for the lender's step; otherwise the fresh prompt fills the short
+step itself (replaced). Fresh prompts take the prompt stream's groups past `num_prompts_per_step`
+((s, N), (s, N+1), ...). At most `max_replacement_attempts` fresh prompts per step and
+`replacement_reserve_prompts` in flight at once; beyond either, the step shrinks.
+
 Invariant: every prompt group is dispatched once and resolves once into the buffer (or the run
 ends); a run-ending failure (drop budget, DATA re-raise, stall) stops the pump and is raised to the
 train pump by `check`, never swallowed.
@@ -37,9 +44,15 @@ class RolloutPump:
         self.error: BaseException | None = None
         self.wake = asyncio.Event()
         self.main: asyncio.Task | None = None
+        self.watchdog: asyncio.Task | None = None
+        self.fresh: Counter = Counter()  # prompt step -> fresh prompts drawn for it
+        self.replacements: Counter = Counter()  # step -> replacements dispatched for its drops
+        self.reserve_in_flight = 0
 
     def start(self) -> None:
         self.main = asyncio.create_task(self._run())
+        self.watchdog = asyncio.create_task(self.manager.watchdog(self.next[0]))
+        self.watchdog.add_done_callback(lambda t: t.cancelled() or asyncio.ensure_future(self._fail(t.exception())))
 
     def set_version(self, version: int) -> None:
         self.version = version
@@ -50,7 +63,7 @@ class RolloutPump:
             raise self.error
 
     async def stop(self) -> None:
-        pending = [t for t in [self.main, *self.tasks] if t is not None]
+        pending = [t for t in [self.main, self.watchdog, *self.tasks] if t is not None]
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -63,30 +76,28 @@ class RolloutPump:
 
     async def _run(self) -> None:
         limit = self.cfg.async_rl.max_inflight_prompts
-        watchdog = asyncio.create_task(self.manager.watchdog(self.next[0]))
-        watchdog.add_done_callback(lambda t: t.cancelled() or asyncio.ensure_future(self._fail(t.exception())))
-        try:
-            while self.error is None:
-                step, group = self.next
-                if self.sampler.name == "in_order" and step >= self.cfg.grpo.max_num_steps:
-                    return  # every step's prompts are out (the other samplers draw spares past the end)
-                while not (self.sampler.admit(step, self.version) and len(self.tasks) < limit):
-                    self.wake.clear()
-                    await self.wake.wait()
-                await self.buffer.reserve()
-                task = asyncio.create_task(self._dispatch(step, group, self.version))
-                self.tasks.add(task)
-                task.add_done_callback(self._done)
-                n = self.cfg.grpo.num_prompts_per_step
-                self.next = (step + (group + 1) // n, (group + 1) % n)
-        finally:
-            watchdog.cancel()
+        while self.error is None:
+            step, group = self.next
+            if self.sampler.name == "in_order" and step >= self.cfg.grpo.max_num_steps:
+                return  # every step's prompts are out (the other samplers draw spares past the end)
+            while not (self.sampler.admit(step, self.version) and len(self.tasks) < limit):
+                self.wake.clear()
+                await self.wake.wait()
+            await self.buffer.reserve()
+            self._launch(step, group)
+            n = self.cfg.grpo.num_prompts_per_step
+            self.next = (step + (group + 1) // n, (group + 1) % n)
+
+    def _launch(self, step: int, group: int, replacement: bool = False) -> None:
+        task = asyncio.create_task(self._dispatch(step, group, self.version, replacement))
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         self.wake.set()
 
-    async def _dispatch(self, step: int, group: int, start: int) -> None:
+    async def _dispatch(self, step: int, group: int, start: int, replacement: bool) -> None:
         self.inflight[start] += 1
         try:
             outcome = await self.manager.run_group(step, group, prompt_row(self.cfg, step, group))
@@ -100,4 +111,32 @@ class RolloutPump:
             return
         finally:
             self.inflight[start] -= 1
-        await self.buffer.commit(GroupRecord(step, group, start, self.version, outcome, target_step=step))
+            self.reserve_in_flight -= replacement
+        record = GroupRecord(step, group, start, self.version, outcome, target_step=step, replacement=replacement)
+        if outcome.status == "dropped" and self.cfg.async_rl.rollout_failure.on_dropped_prompt == "replace":
+            await self._replace(record)
+        await self.buffer.commit(record)
+
+    async def _replace(self, dropped: GroupRecord) -> None:
+        """Keep the dropped group's step at full size: promote a later step's finished group into
+        it and draw a fresh prompt for that step, or draw one for this step; or shrink."""
+        rf, s = self.cfg.async_rl.rollout_failure, dropped.target_step
+        event = {"type": "replace", "step": dropped.step, "group": dropped.group, "target_step": s}
+        if self.replacements[s] >= rf.max_replacement_attempts or self.reserve_in_flight >= rf.replacement_reserve_prompts:
+            self.manager.emit({**event, "decision": "shrink", "replacements": self.replacements[s],
+                               "reserve_in_flight": self.reserve_in_flight})
+            return
+        self.replacements[s] += 1
+        dropped.replaced = True
+        lender = next((r for r in self.buffer.ready if r.outcome.status == "committed" and r.target_step > s
+                       and not r.promoted), None)
+        fill = s
+        if lender is not None:  # no await between the choice and the re-stamp: the train pump cannot interleave
+            fill, lender.target_step, lender.promoted = lender.target_step, s, True
+            self.manager.emit({**event, "decision": "promoted", "lender_step": lender.step, "lender_group": lender.group})
+        group = self.cfg.grpo.num_prompts_per_step + self.fresh[fill]
+        self.fresh[fill] += 1
+        self.manager.emit({**event, "decision": "fresh_prompt", "fresh_step": fill, "fresh_group": group})
+        self.reserve_in_flight += 1
+        await self.buffer.reserve(over=rf.replacement_reserve_prompts)
+        self._launch(fill, group, replacement=True)

@@ -6,7 +6,9 @@ dispatched under) lies in [w - max_staleness_versions, w]; committed groups outs
 evicted (counted, never trained).
 - `in_order`: the prompt groups of step s are stamped `target_step = s` at admission and admitted
   only once s - version <= max_staleness_versions; step s trains exactly those groups, once all of
-  them have resolved (committed, dropped or skipped), so a drop shrinks its own step as in sync.
+  them have resolved (committed, dropped or skipped), so a drop shrinks its own step as in sync
+  (with `on_dropped_prompt=replace`, a dropped group's place waits for its replacement, and a
+  group re-stamped from a later step counts in this one).
   At max_staleness_versions=0 this is the synchronous loop, step for step.
 - `windowed`: dispatch is ungated (only the buffer and max_inflight_prompts bound it); a step takes
   the `num_prompts_per_step` oldest committed groups in the window, whatever their prompt step.
@@ -51,7 +53,8 @@ class InOrder(Sampler):
 
     def select(self, step, version, ready, inflight):
         mine = [r for r in ready if r.target_step == step]
-        return sorted(mine, key=lambda r: r.group) if len(mine) == self.n else None
+        places = sum(not r.replaced for r in mine)  # a replaced drop's place is filled by its replacement
+        return sorted(mine, key=lambda r: (r.step, r.group)) if places == self.n else None
 
 
 class Windowed(Sampler):

@@ -32,6 +32,7 @@ answers `/health` while any request is being prepared.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import json
 import os
 import signal
@@ -163,6 +164,11 @@ CALL_LOG_STEPS = 64
 (up to the buffer's `max_buffered_rollouts` groups' worth), the sync one a single step."""
 
 
+UNKEYED_CALLS = 20_000
+"""Successful calls without a rollout header (an external agent's, e.g. Gym's `vllm_model`) held
+until the controller matches them by content; the oldest go first."""
+
+
 class CallLog:
     """Call records by step, until the controller takes what has arrived for a step (`take`).
 
@@ -176,6 +182,7 @@ class CallLog:
 
     def __init__(self):
         self.steps: dict[int, list[dict]] = {}  # ordered least recently written first
+        self.unkeyed: deque[dict] = deque(maxlen=UNKEYED_CALLS)  # calls without a header (external agents)
         self.dropped = 0
 
     def add(self, step: int, record: dict) -> None:
@@ -189,6 +196,11 @@ class CallLog:
 
     def take(self, step: int) -> list[dict]:
         return self.steps.pop(step, [])
+
+    def take_unkeyed(self) -> list[dict]:
+        out = list(self.unkeyed)
+        self.unkeyed.clear()
+        return out
 
     def clear(self) -> None:
         self.__init__()
@@ -228,8 +240,9 @@ class ModelServer:
         )
         return list(ids)
 
-    def take_calls(self, step: int) -> list[dict]:
-        return self.calls.take(step)
+    def take_calls(self, step: int | None) -> list[dict]:
+        """The records of `step`, or (None) every successful call that came without a header."""
+        return self.calls.take_unkeyed() if step is None else self.calls.take(step)
 
     def _check_prefix(self, prefix) -> list[int]:
         """`required_prefix_token_ids` as vLLM would check token ids: a list of in-vocabulary ints
@@ -328,6 +341,8 @@ class ModelServer:
             if coords is not None:
                 record.update(coords.as_dict(), call=call, t_end=time.time())
                 self.calls.add(coords.step, record)
+            elif record.get("status") == 200:  # an external agent's call: matched later by its tokens
+                self.calls.unkeyed.append(record)
 
     async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> ChatCompletionResponse:
         body, req, prompt = await asyncio.to_thread(self._prepare_chat, await request.read())

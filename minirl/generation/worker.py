@@ -80,7 +80,8 @@ class GenerationWorker:
     def weights_finite(self) -> bool:
         return self.engine.weights_finite().result()
 
-    def take_calls(self, step: int) -> list[dict]:
+    def take_calls(self, step: int | None) -> list[dict]:
+        """The call log of `step`; None: the calls that came without a rollout header."""
         async def take():
             return self.server.take_calls(step)
 

@@ -161,17 +161,55 @@ class Ledger:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
+    def match_external(self, step: int, pool: list[dict], rollouts: list[Rollout], version: int,
+                       oldest: int | None = None) -> tuple[Counter, list[dict]]:
+        """An external agent's calls carry no rollout header: find each committed call in `pool`
+        (the servers' headerless records) by its token content, prompt ids + generated ids. A call
+        not found masks its rollout (`unrecorded_calls`), as for minirl's own agents; a matched
+        call outside the version window raises. Returns the counts and the records left unmatched
+        (another step's, or a failed attempt's)."""
+        oldest = version if oldest is None else oldest
+        index: dict[tuple, list[dict]] = {}
+        for rec in pool:
+            index.setdefault((tuple(rec.get("prompt_token_ids") or ()), tuple(rec.get("generation_token_ids") or ())), []).append(rec)
+        counts: Counter = Counter()
+        lines = []
+        for r in rollouts:
+            for i, c in enumerate(r.calls):
+                found = index.get((tuple(c.prompt), tuple(c.gen)))
+                if not found:
+                    counts["calls_unrecorded"] += 1
+                    r.mask_reason = r.mask_reason or "unrecorded_calls"
+                    continue
+                rec = found.pop()
+                versions = {rec.get("version_start"), rec.get("version_end")} - {None}
+                if versions and not (oldest <= min(versions) and max(versions) <= version):
+                    raise RuntimeError(f"policy-version discipline: a call of {r.coords.key} ran under weights "
+                                       f"{sorted(versions)}, but step {step} trains versions {oldest}..{version}")
+                counts["calls_matched"] += 1
+                counts["tokens_matched"] += len(c.gen)
+                lines.append({**r.coords.as_dict(), "call": i, **{k: rec.get(k) for k in ("finish_reason", "version_start",
+                              "version_end", "generation_token_ids")}, "http_status": 200, "ledger_status": "matched"})
+        self._write(step, lines)
+        return counts, [rec for recs in index.values() for rec in recs]
+
+    def _write(self, step: int, lines: list[dict]) -> None:
+        if self.dir is not None:
+            with open(self.dir / f"step_{step}.jsonl", "w") as f:
+                for line in lines:
+                    f.write(json.dumps(line) + "\n")
+
     @staticmethod
     def _attempt_key(record: dict) -> tuple:
         return (record["step"], record["group"], record["rollout"], record["attempt"])
 
     def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int,
-                   recorded: bool = True, oldest: int | None = None) -> Counter:
+                   oldest: int | None = None) -> Counter:
         """Check the committed rollouts against the server's record, retire the rest, persist.
 
-        `recorded`: the rollouts came from minirl's own agents, whose calls carry the rollout header,
-        so the servers recorded every one of them. Then a committed call missing from its attempt's
-        record fails the check: when the record is short (a restarted server lost its log) the
+        The rollouts came from minirl's own agents, whose calls carry the rollout header, so the
+        servers recorded every one of them. A committed call missing from its attempt's record
+        fails the check: when the record is short (a restarted server lost its log) the
         rollout is masked (`unrecorded_calls`) and counted in `calls_unrecorded`; when the record
         is complete and still lacks the call, or a trained call ran under a policy version outside
         [oldest, version] (`oldest` defaults to `version`: synchronous, one version per step), it
@@ -182,7 +220,7 @@ class Ledger:
         for rec in server_calls:
             by_attempt.setdefault(self._attempt_key(rec), []).append(rec)
         counts: Counter = Counter()
-        for r in rollouts if recorded else []:
+        for r in rollouts:
             key = (r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt)
             seen = [(c.get("prompt_token_ids"), c.get("generation_token_ids")) for c in by_attempt.get(key, []) if c.get("status") == 200]
             missing = [c for c in r.calls if (c.prompt, c.gen) not in seen]
@@ -212,8 +250,5 @@ class Ledger:
                 lines.append({**{k: rec.get(k) for k in ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",
                                                           "version_start", "version_end", "generation_token_ids")},
                               "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")})
-        if self.dir is not None:
-            with open(self.dir / f"step_{step}.jsonl", "w") as f:
-                for line in lines:
-                    f.write(json.dumps(line) + "\n")
+        self._write(step, lines)
         return counts
