@@ -136,6 +136,12 @@ class Controller:
         """Write an event from outside the step (e.g. the loop's `resumed`)."""
         self.events.write(event)
 
+    async def validate(self, version: int) -> dict:
+        """Held-out validation of the weights the generation workers serve (minirl.validation)."""
+        from minirl.validation import validate
+
+        return await validate(self.cfg, self.manager.agent_urls, version)
+
     async def _engine_busy_s(self) -> float:
         return sum([(await w.stats.remote())["busy_s"] for w in self.gen_workers])
 

@@ -74,7 +74,8 @@ class GroupOutcome:
 async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording). The error body's
     typed `type` field travels on the failure as `error_type`."""
-    what = f"NeMo-Gym /run for {Coords.from_row(row).key}"
+    coords = Coords.from_row(row)  # a held-out (validation) row has none
+    what = f"NeMo-Gym /run for {coords.key if coords else 'row ' + str(row.get('_rowidx'))}"
     try:
         async with session.post(url + "/run", json=row) as resp:
             status, body = resp.status, await resp.read()
