@@ -2,7 +2,9 @@
 
 Invariant: the prompt of (step, group) depends on `env.*` and nothing else (not on earlier drops,
 retries or a resume), so a resumed run sees exactly the prompts it would have seen, and every
-failure policy is compared on the same prompts.
+failure policy is compared on the same prompts. A prompt's room count (its difficulty) is a
+function of its seed too (`env.num_rooms_choices`), so the mix of any set of prompts can be
+recomputed from their coordinates. Held-out prompts (minirl.validation) never use a training seed.
 """
 
 from __future__ import annotations
