@@ -99,7 +99,8 @@ class AgentServer:
             return web.json_response({"error": f"unknown agent_ref name {name!r}; known: {list(self.agents)}"}, status=404)
 
         coords = Coords.from_row(row)
-        fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords) is not None)
+        rooms = row["task"].get("num_rooms")
+        fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords, rooms) is not None)
         self.in_flight += 1
         try:
             if fires("agent_kill"):

@@ -287,7 +287,7 @@ class RolloutManager:
             sends += 1
             out.row_sends += 1
             self.sends += 1
-            self._planned_faults(coords)
+            self._planned_faults(coords, row["task"]["num_rooms"])
             body = {**row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": gid}}
             body["responses_create_params"] = {**row["responses_create_params"], "seed": sampling_seed(self.cfg, step, group, r, coords.attempt)}
             url = self.agent_urls[(group * self.cfg.grpo.num_generations_per_prompt + r) % len(self.agent_urls)]
@@ -317,9 +317,9 @@ class RolloutManager:
             out.rollouts[r] = rollout
             return rollout
 
-    def _planned_faults(self, c: Coords) -> None:
+    def _planned_faults(self, c: Coords, num_rooms: int) -> None:
         for kind in FAULT_KINDS:
-            call = self.plan.call_of(kind, c)
+            call = self.plan.call_of(kind, c, num_rooms)
             if call is not None:
                 self.emit({"type": "fault", "kind": kind, **c.as_dict(), "call": call})
 
