@@ -111,7 +111,8 @@ def rooms_mix(rooms_of, steps: int, groups: int, generations: int, events: list[
     gone = {(e["step"], e["group"]) for e in events if e.get("step", steps) < steps and (
         (e.get("type") == "drop" and e.get("decision") == "dropped")
         or (e.get("type") == "failure" and e.get("decision") == "skipped"))}
-    masked = Counter((e["step"], e["group"]) for e in events if e.get("type") == "mask" and e.get("step", steps) < steps)
+    masked = Counter((e["step"], e["group"]) for e in events
+                     if e.get("type") == "mask" and e.get("step", steps) < steps)
     dispatched, trained = Counter(), Counter()
     for s in range(steps):
         for g in range(groups):

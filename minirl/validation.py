@@ -20,6 +20,12 @@ none fires, whatever `faults.*` says. A failure is therefore the fleet's: an INF
 (up to `nemo_gym.max_row_attempts` sends), and any other ends the validation with ValidationFailed,
 never a dropped row (dropping would skew the very mix this measures).
 
+Scoring: the task's own limits stay on (the engine's `max_model_len`, the context guard), since
+they are the environment's, not injected faults. A held-out episode that the guard ends scores 0,
+whether the guard ends the episode (`on_reject=end_episode`, a 200 with partial credit) or fails it
+(`raise`, a 500 `ContextGuardRejected`): so a validation scores the same weights the same way under
+every failure policy, and compares policies on their learning alone.
+
 Invariant: a validation's metrics cover exactly `val_num_prompts` x `val_num_generations` rollouts
 of held-out prompts, each the answer of a fault-free `/run`.
 """
@@ -87,6 +93,8 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
         except TimeoutError:
             exc: BaseException = RolloutTimeout(f"held-out /run exceeded {ng.rollout_timeout_s}s")
         except RolloutFailure as e:
+            if getattr(e, "error_type", None) == "ContextGuardRejected":
+                return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": "guard_reject"}}
             exc = e
         except (KeyError, TypeError, ValueError) as e:
             exc = RolloutDataFailure(f"malformed /run result: {e!r}")
@@ -99,14 +107,17 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
 
 def summarize(rows: list[dict], results: list[dict]) -> dict:
     """val_* metrics of the held-out results; per room count too when the mix has several."""
+    guard_ended = [(res.get("evidence") or {}).get("end_reason") == "guard_reject" for res in results]
+    rewards = [0.0 if ended else float(res["reward"]) for res, ended in zip(results, guard_ended)]
     by_rooms: dict[int, list[float]] = defaultdict(list)
-    for row, res in zip(rows, results):
-        by_rooms[row["task"]["num_rooms"]].append(float(res["reward"]))
-    rewards = [float(res["reward"]) for res in results]
+    for row, reward in zip(rows, rewards):
+        by_rooms[row["task"]["num_rooms"]].append(reward)
     out = {
         "val_reward_mean": sum(rewards) / len(rewards),
         "val_success_rate": sum(r == 1.0 for r in rewards) / len(rewards),
-        "val_truncated_rate": sum((res.get("response") or {}).get("status") == "incomplete" for res in results) / len(results),
+        "val_truncated_rate": sum((res.get("response") or {}).get("status") == "incomplete" for res in results)
+        / len(results),
+        "val_guard_ended_rate": sum(guard_ended) / len(results),
         "val_num_rollouts": len(results),
     }
     if len(by_rooms) > 1:

@@ -33,7 +33,8 @@ def test_per_room_hazard_grows_with_rooms_and_is_a_pure_function_of_seed_and_coo
     assert [other.call_of("agent_exception", c, 4) is not None for c in COORDS] != fired[4]
     # the coin is untouched: a per-attempt rate ignores the room count
     coin = FaultPlan(FaultsConfig(seed=3, rate={"agent_exception": 0.2}))
-    assert [coin.call_of("agent_exception", c, 1) for c in COORDS] == [coin.call_of("agent_exception", c, 8) for c in COORDS]
+    assert [coin.call_of("agent_exception", c, 1) for c in COORDS] == [
+        coin.call_of("agent_exception", c, 8) for c in COORDS]
     with pytest.raises(ValueError, match="faults.rate_per_room.agent_exception needs the row's num_rooms"):
         plan.call_of("agent_exception", COORDS[0])
 
@@ -44,7 +45,8 @@ def test_per_room_rates_are_checked_by_key():
     with pytest.raises(ConfigError, match=r"^faults.rate_per_room.guard_reject: must be a probability"):
         load_config(None, ["faults.rate_per_room.guard_reject=1.5"])
     with pytest.raises(ConfigError, match=r"^async_rl.rollout_failure.nemo_gym.rollout_timeout_s"):
-        load_config(None, ["faults.rate_per_room.timeout=0.1", "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=null"])
+        load_config(None, ["faults.rate_per_room.timeout=0.1",
+                           "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=null"])
     with pytest.raises(ConfigError, match=r"^env.num_rooms_choices\[1\]: must be in \[1, env.max_num_rooms=16\]"):
         load_config(None, ["env.num_rooms_choices=[2,17]"])
 

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -33,7 +32,8 @@ def test_held_out_prompts_never_overlap_training_prompts(overrides):
     held = [r["task"] for r in rows]
     assert len(rows) == g.val_num_prompts * g.val_num_generations
     assert len({t["seed"] for t in held}) == g.val_num_prompts
-    assert {t["seed"] for t in held}.isdisjoint(t["seed"] for t in train) and {t["seed"] for t in train} == training_seeds(cfg)
+    assert {t["seed"] for t in held}.isdisjoint(t["seed"] for t in train)
+    assert {t["seed"] for t in train} == training_seeds(cfg)
     # by content too: no held-out episode starts in a room any trained episode starts in
     first_rooms = {make_rooms(t["seed"], 1)[0] for t in train}
     assert not any(make_rooms(t["seed"], 1)[0] in first_rooms for t in held)
@@ -70,7 +70,8 @@ def test_validation_runs_without_faults_even_at_fault_rate_one(stack):
         async with stack(cfg) as s:
             import aiohttp
 
-            training = {**prompt_row(cfg, 0, 0), "_rowidx": 0, "_minirl": {"step": 0, "group": 0, "rollout": 0, "attempt": 0}}
+            coords = {"step": 0, "group": 0, "rollout": 0, "attempt": 0}
+            training = {**prompt_row(cfg, 0, 0), "_rowidx": 0, "_minirl": coords}
             async with aiohttp.ClientSession() as http, http.post(s.agent_url + "/run", json=training) as r:
                 status, text = r.status, await r.text()
             try:
@@ -89,6 +90,23 @@ def test_validation_runs_without_faults_even_at_fault_rate_one(stack):
     assert calls == {}, "held-out model calls carry no rollout header, so no call log and no fault key"
 
 
+def test_a_held_out_episode_the_guard_ends_scores_zero_under_either_on_reject(stack):
+    """The guard's limit is the task's: validation scores the same weights the same way whether the
+    guard ends the episode (a masked 200 with partial credit) or raises (a 500)."""
+    base = ["env.num_rooms_choices=[1,4]", "agent.max_steps=6", "grpo.val_num_prompts=8",
+            "agent.context_history.guards.max_total_tokens=140"]
+
+    async def go(on_reject):
+        cfg = load_config(None, [*base, f"agent.context_history.guards.on_reject={on_reject}"])
+        async with stack(cfg) as s:
+            return await validate(cfg, [s.agent_url], version=0)
+
+    ended, raised = asyncio.run(go("end_episode")), asyncio.run(go("raise"))
+    assert ended["val_guard_ended_rate"] > 0 and ended["val_guard_ended_rate"] == raised["val_guard_ended_rate"]
+    for key in ("val_reward_mean", "val_success_rate", "val_reward_mean_rooms_1", "val_reward_mean_rooms_4"):
+        assert ended[key] == pytest.approx(raised[key]), key
+
+
 @pytest.mark.slow
 def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_path, shared_engine):
     val = ["grpo.val_at_start=true", "grpo.val_period=1", "grpo.val_num_prompts=4", "env.num_rooms_choices=[1,2]"]
@@ -103,8 +121,9 @@ def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_p
 
     ckpt = tmp_path / "checkpoints" / "step_0"
     out = tmp_path / "eval.json"
-    ev = subprocess.run([sys.executable, "-m", "minirl.evaluate", "--checkpoint", str(ckpt), "--out", str(out), *shared_engine],
-                        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    ev = subprocess.run([sys.executable, "-m", "minirl.evaluate", "--checkpoint", str(ckpt), "--out", str(out),
+                         *shared_engine], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     assert ev.returncode == 0, ev.stderr[-3000:]
     printed = json.loads([x for x in ev.stdout.splitlines() if x.startswith("{")][-1])
     written = json.loads(out.read_text())
@@ -112,7 +131,8 @@ def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_p
     assert written["val_num_rollouts"] == 4
     # same weights, same held-out rows, same per-rollout seeds: the numbers of the training-time validation
     assert written["val_reward_mean"] == pytest.approx(lines[1]["val_reward_mean"])
-    assert not (Path(tmp_path) / "eval" / "step_0" / "metrics.json").exists() and (tmp_path / "eval" / "step_0").is_dir()
+    assert (tmp_path / "eval" / "step_0").is_dir(), "the evaluation's own run directory"
+    assert not (tmp_path / "eval" / "step_0" / "metrics.json").exists(), "--out was given"
 
     bad = subprocess.run([sys.executable, "-m", "minirl.evaluate", "--checkpoint", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
