@@ -82,7 +82,9 @@ def held_out_rows(cfg: MinirlConfig) -> list[dict]:
 
 async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     ng = cfg.async_rl.rollout_failure.nemo_gym
-    for send in range(1, ng.max_row_attempts + 1):
+    send = 0
+    while True:
+        send += 1
         try:
             async with asyncio.timeout(ng.rollout_timeout_s):
                 result = await post_run(session, url, row)
@@ -98,11 +100,10 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
             exc = e
         except (KeyError, TypeError, ValueError) as e:
             exc = RolloutDataFailure(f"malformed /run result: {e!r}")
-        if classify(exc) != INFRA or send == ng.max_row_attempts:
+        if classify(exc) != INFRA or send >= ng.max_row_attempts:
             task = row["task"]
             raise ValidationFailed(f"held-out row {row['_rowidx']} (seed {task['seed']}, {task['num_rooms']} rooms) "
                                    f"failed after {send} send(s): {type(exc).__name__}: {exc}") from exc
-    raise AssertionError("unreachable")
 
 
 def summarize(rows: list[dict], results: list[dict]) -> dict:

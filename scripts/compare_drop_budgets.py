@@ -78,8 +78,8 @@ FLOATS = ("rate", "fraction", "fraction_trained", "mean_groups_trained", "mean_r
           "final_reward", "val_reward_start", "val_reward_final", "val_success_final", "rooms_dispatched_mean",
           "rooms_trained_mean", "rooms_shift", "skew_tv")
 OVERFLOW_TOKENS = 270
-"""Guard limit of the `overflow` mode. Measured on the initial tiny model under the upstream preset (3
-pictures kept), 6 calls at most, 32 held-out prompts: the largest prompt of an episode was 67-199 tokens
+"""Guard limit of the `overflow` mode. Measured on the initial tiny model under the upstream preset (with
+default.yaml's compaction under it), 6 calls at most, 32 held-out prompts: the largest prompt of an episode was 67-199 tokens
 with 1 room, 67-272 with 2 (3 of 10 above 268), 166-279 with 3 or 4 (11 of 17 above 268). 240 ended so
 many long episodes that whole groups were masked and every policy died at step 0."""
 
@@ -550,16 +550,20 @@ def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
     width = 0.8 / len(grid.policies)
     for i, policy in enumerate(grid.policies):
         for ax, field in zip(axes, ("rooms_shift", "skew_tv")):
-            xs, ms, hs = [], [], []
+            xs, ms, hs, seeds = [], [], [], []
             for j, k in enumerate(grid.kinds):
                 rate = max(r["rate"] for r in rows if r["kind"] == k)
-                m, h = mean_ci([r[field] for r in rows if r["rate"] == rate and _in_plot(r, k, policy, budget)
-                                and not math.isnan(r[field])])
+                vs = [r[field] for r in rows if r["rate"] == rate and _in_plot(r, k, policy, budget)
+                      and not math.isnan(r[field])]
+                m, h = mean_ci(vs)
                 if not math.isnan(m):
                     xs.append(j + (i - (len(grid.policies) - 1) / 2) * width)
                     ms.append(m)
                     hs.append(0 if math.isnan(h) else h)
-            ax.bar(xs, ms, width, yerr=hs, capsize=3, label=policy, alpha=0.85)
+                    seeds += [(xs[-1], v) for v in vs]
+            bars = ax.bar(xs, ms, width, yerr=hs, capsize=3, label=policy, alpha=0.6)
+            if seeds:  # each seed's own value, so a wide interval shows what it is made of
+                ax.scatter(*zip(*seeds), s=14, color=bars.patches[0].get_facecolor(), edgecolor="black", zorder=3)
     for ax, ylabel in zip(axes, ("mean rooms trained − dispatched", "TV distance, trained vs dispatched mix")):
         ax.set_xticks(range(len(grid.kinds)), [f"{k} {_rate(k, max(r['rate'] for r in rows if r['kind'] == k))}"
                                                for k in grid.kinds], fontsize=8)

@@ -16,7 +16,7 @@ from conftest import run_cli
 from minirl.agents.env import make_rooms
 from minirl.config import FAULT_KINDS, REPO_ROOT, load_config
 from minirl.data import prompt_row
-from minirl.validation import held_out_rows, held_out_seeds, training_seeds, validate
+from minirl.validation import ValidationFailed, held_out_rows, held_out_seeds, training_seeds, validate
 
 
 @pytest.mark.parametrize("overrides", [
@@ -53,6 +53,17 @@ def test_task_mix_draws_each_prompts_rooms_from_its_own_seed_and_keeps_the_defau
     counts = Counter(t["num_rooms"] for t in tasks)
     assert set(counts) == {1, 3} and min(counts.values()) > 50
     assert [prompt_row(mixed, s, g)["task"] for s in range(20) for g in range(8)] == tasks
+
+
+def test_a_fleet_that_cannot_answer_fails_the_validation_by_name_after_its_resends():
+    """Nothing listens on the port: INFRA, re-sent up to max_row_attempts, then ValidationFailed
+    naming the row; never a silently smaller validation."""
+    cfg = load_config(None, ["grpo.val_num_prompts=2", "async_rl.rollout_failure.nemo_gym.max_row_attempts=2"])
+    from minirl.cluster import free_port
+
+    with pytest.raises(ValidationFailed, match=r"held-out row \d \(seed \d+, 2 rooms\) failed after 2 send\(s\): "
+                                               r"GymTransportError"):
+        asyncio.run(validate(cfg, [f"http://127.0.0.1:{free_port('127.0.0.1')}"], version=0))
 
 
 def test_validation_runs_without_faults_even_at_fault_rate_one(stack):
