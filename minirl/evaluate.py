@@ -8,6 +8,9 @@ validation of minirl.validation (no fault injection); prints the metrics as one 
 stdout and writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, a directory that
 also takes the evaluation's own events, so the training run's logs are left as they were).
 
+A run that attached to a sweep's engines saved that cluster's address: once it is gone, evaluate with
+`cluster.ray_address=null cluster.attach_generation_workers=null` to start a cluster of its own.
+
 Exit codes as `minirl.train`: 0 on success, 2 for a bad config key or value, 1 for a failure, whose
 `ExceptionClass: message` is the last line on stderr.
 """
