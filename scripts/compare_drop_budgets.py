@@ -417,15 +417,18 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
         rooms = " / ".join(f"{k} room(s)" for k in grid.mix)
         lines += ["", f"Final val reward by rooms: {rooms}, mean over seeds.", ""]
 
+    base = DEFAULTS if DEFAULTS in grid.policies else grid.policies[0]
     lines += ["## Which differences are real", "",
-              f"Each policy against `{DEFAULTS}` in the same mode and rate, by Welch's t-test over seeds (p < 0.05: "
+              f"Each policy against `{base}` in the same mode and rate, by Welch's t-test over seeds (p < 0.05: "
               "differ). Two policies whose intervals overlap may still differ; the test is the judge.", ""]
     for (kind, rate, policy, budget, frac), rs in cells.items():
-        ref = next((v for (k2, r2, p2, _, _), v in cells.items() if (k2, r2, p2) == (kind, rate, DEFAULTS)), None)
-        if ref is None or policy == DEFAULTS:
+        ref = next((v for (k2, r2, p2, _, _), v in cells.items() if (k2, r2, p2) == (kind, rate, base)), None)
+        if ref is None or policy == base:
             continue
         lines.append(f"- {kind} {_rate(kind, rate)}, {policy} (budget {budget}): final val reward "
                      f"{_differs(rs, ref, 'val_reward_final')}; skew {_differs(rs, ref, 'rooms_shift')}.")
+    if len(grid.policies) < 2:
+        lines.append("- One policy only: nothing to compare.")
     lines += ["", "## Bias: what reached the optimizer", ""]
     for (kind, rate, policy, budget, frac), rs in cells.items():
         lines.append(f"- {kind} {_rate(kind, rate)}, {policy} (budget {budget}): {_skew_verdict(rs)}.")
