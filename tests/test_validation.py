@@ -148,3 +148,17 @@ def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_p
     bad = subprocess.run([sys.executable, "-m", "minirl.evaluate", "--checkpoint", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ConfigError: checkpoint.resume")
+
+
+@pytest.mark.slow
+def test_a_resumed_run_measures_each_policy_version_once(tmp_path, shared_engine):
+    args = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
+            "logger.tensorboard=false", "checkpoint.save_period=1", "grpo.val_at_start=true", "grpo.val_period=1",
+            "grpo.val_num_prompts=2", f"run_dir={tmp_path}", *shared_engine]
+    assert (first := run_cli(*args)).returncode == 0, first.stderr[-3000:]
+    again = run_cli(*args, f"checkpoint.resume={tmp_path / 'checkpoints' / 'step_0'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "validation.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["val_policy_version"]) for x in lines] == [(-1, 0), (0, 1), (1, 2)]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["val_policy_version"]) for r in rows] == [(0, 1), (1, 2)]
