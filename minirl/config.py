@@ -61,6 +61,14 @@ class GRPOConfig:
     that reached it), as upstream marks truncation; a reply cut by the per-call cap is not."""
     seed: int = 42
     """Seeds prompts, sampling and the policy's initial RNG."""
+    val_period: int = 0
+    """Validate on the held-out prompts after every N-th optimizer step (0: never; NeMo-RL's name)."""
+    val_at_start: bool = False
+    """Validate the initial (or resumed) weights before the first step."""
+    val_num_prompts: int = 8
+    """Held-out prompts per validation (minirl.validation: never a prompt of the run's training steps)."""
+    val_num_generations: int = 1
+    """Rollouts per held-out prompt."""
 
 
 # ------------------------------------------------------------------------------------------- policy
@@ -335,6 +343,9 @@ class EnvConfig:
     tool_latency_s: float = 0.0
     """Seconds each tool call of the doors environment sleeps (a stand-in for real tools and
     sandboxes, which spend seconds outside the model)."""
+    num_rooms_choices: Optional[list[int]] = None
+    """A task mix: each prompt's room count is drawn from this list by the prompt's own seed (None:
+    every prompt has `num_rooms`). More rooms make a longer, harder episode."""
     max_num_rooms: int = 16
     """Largest `num_rooms` a `/run` row may ask for; the agent server refuses larger."""
     data_seed: int = 1234
@@ -406,6 +417,8 @@ FAULT_KINDS = (
     "worker_kill",
     "agent_kill",
 )
+AGENT_SIDE_KINDS = ("guard_reject", "agent_exception", "timeout", "transport", "bad_output", "agent_kill")
+"""Kinds that fire in the agent pool, where the row (and so its task's room count) is known."""
 
 
 @dataclass
@@ -432,6 +445,9 @@ class FaultsConfig:
     """Exact faults at given coordinates."""
     rate: dict[str, float] = field(default_factory=dict)
     """Independent per-rollout-attempt probability of each kind."""
+    rate_per_room: dict[str, float] = field(default_factory=dict)
+    """Correlated with difficulty: per-room hazard q of each agent-side kind; a rollout attempt of an
+    n-room episode fails with p = 1 - (1 - q)**n (see minirl/faults.py)."""
     hang_s: float = 3600.0
     """How long a `timeout` fault keeps `/run` from answering."""
 
@@ -564,12 +580,12 @@ AT_LEAST_1 = (
     "async_rl.rollout_failure.max_infra_attempts_per_prompt", "async_rl.rollout_failure.max_data_attempts_per_prompt",
     "async_rl.rollout_failure.nemo_gym.max_row_attempts", "async_rl.max_inflight_prompts", "async_rl.max_buffered_rollouts",
     "agent.max_steps", "agent.max_request_bytes", "agent.context_history.schedule.actions_per_chunk",
-    "env.num_rooms", "env.max_num_rooms",
+    "env.num_rooms", "env.max_num_rooms", "grpo.val_num_prompts", "grpo.val_num_generations",
     "cluster.num_cpus", "cluster.num_generation_workers", "cluster.num_policy_workers", "cluster.num_agent_servers",
     "checkpoint.save_period",
 )
 AT_LEAST_0 = (
-    "grpo.seed", "env.data_seed", "faults.seed", "faults.hang_s",
+    "grpo.seed", "grpo.val_period", "env.data_seed", "faults.seed", "faults.hang_s",
     "policy.max_grad_norm", "policy.optimizer.lr", "policy.optimizer.weight_decay",
     "loss_fn.ratio_clip_min", "loss_fn.ratio_clip_max", "loss_fn.reference_policy_kl_penalty",
     "async_rl.rollout_failure.max_skipped_prompts", "async_rl.rollout_failure.max_consecutive_dropped_prompts",
@@ -633,6 +649,10 @@ def validate(cfg: MinirlConfig) -> None:
         "env.num_rooms",
         f"must be <= env.max_num_rooms ({cfg.env.max_num_rooms}), got {cfg.env.num_rooms}",
     )
+    for i, n in enumerate(cfg.env.num_rooms_choices or []):
+        _require(1 <= n <= cfg.env.max_num_rooms, f"env.num_rooms_choices[{i}]",
+                 f"must be in [1, env.max_num_rooms={cfg.env.max_num_rooms}], got {n}")
+    _require(cfg.env.num_rooms_choices != [], "env.num_rooms_choices", "must be null or a non-empty list")
     want = g.num_prompts_per_step * g.num_generations_per_prompt
     _require(
         cfg.policy.train_global_batch_size == want,
@@ -708,7 +728,12 @@ def validate(cfg: MinirlConfig) -> None:
     for kind, p in cfg.faults.rate.items():
         _require(kind in FAULT_KINDS, f"faults.rate.{kind}", f"unknown fault kind; one of {', '.join(FAULT_KINDS)}")
         _require(0 <= p <= 1, f"faults.rate.{kind}", f"must be a probability in [0, 1], got {p}")
-    uses_timeout = any(s.kind == "timeout" for s in cfg.faults.inject) or cfg.faults.rate.get("timeout", 0) > 0
+    for kind, q in cfg.faults.rate_per_room.items():
+        _require(kind in AGENT_SIDE_KINDS, f"faults.rate_per_room.{kind}",
+                 f"needs the row's room count, which only agent-side kinds see; one of {', '.join(AGENT_SIDE_KINDS)}")
+        _require(0 <= q <= 1, f"faults.rate_per_room.{kind}", f"must be a probability in [0, 1], got {q}")
+    uses_timeout = any(s.kind == "timeout" for s in cfg.faults.inject) or any(
+        rates.get("timeout", 0) > 0 for rates in (cfg.faults.rate, cfg.faults.rate_per_room))
     _require(
         not uses_timeout or timeout is not None,
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s",

@@ -153,6 +153,12 @@ class Controller:
         if self.pump is not None:
             self.pump.set_version(version)
 
+    async def validate(self, version: int) -> dict:
+        """Held-out validation of the weights the generation workers serve (minirl.validation)."""
+        from minirl.validation import validate
+
+        return await validate(self.cfg, self.manager.agent_urls, version)
+
     async def _engine_busy_s(self) -> float:
         return sum([(await w.stats.remote())["busy_s"] for w in self.gen_workers])
 

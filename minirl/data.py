@@ -2,7 +2,9 @@
 
 Invariant: the prompt of (step, group) depends on `env.*` and nothing else (not on earlier drops,
 retries or a resume), so a resumed run sees exactly the prompts it would have seen, and every
-failure policy is compared on the same prompts.
+failure policy is compared on the same prompts. A prompt's room count (its difficulty) is a
+function of its seed too (`env.num_rooms_choices`), so the mix of any set of prompts can be
+recomputed from their coordinates. Held-out prompts (minirl.validation) never use a training seed.
 """
 
 from __future__ import annotations
@@ -17,9 +19,26 @@ def _seed(*parts) -> int:
     return int.from_bytes(hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=4).digest(), "big")
 
 
+def task_seed(cfg: MinirlConfig, step: int, group: int) -> int:
+    """The task seed of training prompt group (step, group)."""
+    return _seed(cfg.env.data_seed, step, group)
+
+
+def num_rooms(cfg: MinirlConfig, seed: int) -> int:
+    """The room count of the task with `seed`: `env.num_rooms`, or drawn from `env.num_rooms_choices`
+    by the seed alone (so a prompt's difficulty is as reproducible as the prompt)."""
+    choices = cfg.env.num_rooms_choices
+    return choices[_seed("rooms", seed) % len(choices)] if choices else cfg.env.num_rooms
+
+
 def prompt_row(cfg: MinirlConfig, step: int, group: int) -> dict:
     """The row shared by all rollouts of one prompt group (no rollout coordinates yet)."""
-    env = DoorsEnv(seed=_seed(cfg.env.data_seed, step, group), num_rooms=cfg.env.num_rooms)
+    return task_row(cfg, task_seed(cfg, step, group))
+
+
+def task_row(cfg: MinirlConfig, seed: int) -> dict:
+    """The `/run` row of the task with `seed`, sampled with the run's generation config."""
+    env = DoorsEnv(seed=seed, num_rooms=num_rooms(cfg, seed))
     gen = cfg.policy.generation
     return {
         "responses_create_params": {

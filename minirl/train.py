@@ -27,11 +27,13 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
     import ray
 
     from minirl.metrics import MetricsLogger
+    from minirl.validation import Validator
 
     start = cluster.resume()
     _truncate_metrics(run_dir, start)
     log = MetricsLogger(run_dir, cfg.logger.tensorboard, cfg.logger.progress, cfg.grpo.max_num_steps)
     ckpt = cfg.checkpoint
+    val = Validator(cfg, cluster.controller, run_dir, start)  # validates version `start` first with val_at_start
     for step in range(start, cfg.grpo.max_num_steps):
         t0 = time.perf_counter()
         batch, rollout_stats = cluster.controller.collect.options(num_returns=2).remote(step, version=step)
@@ -41,8 +43,8 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
         t2 = time.perf_counter()
         cluster.sync_weights(version=step + 1)
         t3 = time.perf_counter()
-        log.log({"step": step, **rollout_stats, **train_stats,
-                 "rollout_time_s": t1 - t0, "train_time_s": t2 - t1, "sync_time_s": t3 - t2, "step_time_s": t3 - t0})
+        log.log({"step": step, **rollout_stats, **train_stats, "rollout_time_s": t1 - t0, "train_time_s": t2 - t1,
+                 "sync_time_s": t3 - t2, "step_time_s": t3 - t0, **val.after(step)})
         last = step == cfg.grpo.max_num_steps - 1
         if ckpt.enabled and ((step + 1) % ckpt.save_period == 0 or last):
             cluster.save_checkpoint(step)

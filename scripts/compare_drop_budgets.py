@@ -1,13 +1,27 @@
-"""Compare failure policies and drop budgets on identical, seeded fault streams.
+"""Compare failure policies and drop budgets on identical, seeded fault streams, and measure what
+each policy makes the model learn.
 
     python scripts/compare_drop_budgets.py --quick --out /tmp/cmp     # <= 10 min on 2 CPU cores
     python scripts/compare_drop_budgets.py --out runs/compare          # the README's grid
 
 Each cell is a real `python -m minirl.train` run of the upstream preset
 (configs/upstream_pr4124.yaml) with some of the review's fixes turned back on, one drop budget,
-one floor, and one fault kind at one per-rollout rate. Faults come from the seeded fault
-injection, a pure function of (seed, kind, step, group, rollout, attempt), so every policy meets
-the same failure stream.
+one floor, one fault mode at one rate, and one seed, on a task mix of 1 to 4 rooms
+(`env.num_rooms_choices`), validated on held-out prompts without faults (minirl.validation).
+Fault modes (`--kinds`):
+- `KIND`: a coin per rollout attempt at the rate (`faults.rate.KIND`), independent of the episode;
+- `KIND@room`: correlated with difficulty, the rate is a per-room hazard q (`faults.rate_per_room`),
+  so an n-room attempt fails with 1 - (1 - q)**n;
+- `overflow`: no injected fault; a real context guard (`agent.context_history.guards.max_total_tokens`,
+  OVERFLOW_TOKENS) that long, many-room episodes cross and short ones rarely do (the rate is unused).
+A seed s sets `faults.seed=s`, `grpo.seed=42+s` and `env.data_seed=1234+s`: every policy meets the
+same prompts and the same fault stream within a seed, and `--seeds N` repeats each cell N times.
+
+The report gives each cell as mean ± the 95% t-interval over seeds, says which policies do not
+differ from minirl's defaults (Welch's test), measures the difficulty skew of what each policy
+trained (minirl.stats: the room mix of rollouts that reached the optimizer against the mix
+dispatched, recomputed from the prompt stream and events.jsonl), and draws validation learning
+curves with seed bands and the skew.
 
 Ray and the vLLM engine start once per sweep: the script starts a Ray head and a detached,
 named generation worker, and each cell attaches to it (`cluster.attach_generation_workers`),
@@ -25,6 +39,7 @@ import csv
 import datetime as dt
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,6 +49,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from minirl.stats import mean_ci, welch  # noqa: E402
 
 POLICIES = {
     "upstream": [],
@@ -54,8 +71,17 @@ COLUMNS = [
     "cell", "kind", "rate", "policy", "budget", "fraction", "seed", "survived", "died_at_step", "died_reason",
     "steps_completed", "steps_target", "groups_dropped", "rollouts_masked", "groups_redispatched",
     "rollouts_generated", "rollouts_trained", "fraction_trained", "mean_groups_trained", "mean_rollouts_trained",
-    "final_reward", "wall_s", "run_dir",
+    "final_reward", "val_reward_start", "val_reward_final", "val_success_final", "val_final_by_rooms",
+    "rooms_dispatched_mean", "rooms_trained_mean", "rooms_shift", "skew_tv", "wall_s", "run_dir",
 ]
+FLOATS = ("rate", "fraction", "fraction_trained", "mean_groups_trained", "mean_rollouts_trained", "wall_s",
+          "final_reward", "val_reward_start", "val_reward_final", "val_success_final", "rooms_dispatched_mean",
+          "rooms_trained_mean", "rooms_shift", "skew_tv")
+OVERFLOW_TOKENS = 270
+"""Guard limit of the `overflow` mode. Measured on the initial tiny model under the upstream preset (with
+default.yaml's compaction under it), 6 calls at most, 32 held-out prompts: the largest prompt of an episode was 67-199 tokens
+with 1 room, 67-272 with 2 (3 of 10 above 268), 166-279 with 3 or 4 (11 of 17 above 268). 240 ended so
+many long episodes that whole groups were masked and every policy died at step 0."""
 
 
 @dataclass(frozen=True)
@@ -69,12 +95,17 @@ class Grid:
     steps: int
     prompts: int
     generations: int
+    mix: tuple = (1, 2, 3, 4)
+    max_calls: int = 6
+    val_period: int = 2
+    val_prompts: int = 8
 
     def cells(self):
         seen = set()
         for kind, rate, policy, budget, fraction, seed in itertools.product(
             self.kinds, self.rates, self.policies, self.budgets, self.fractions, self.seeds
         ):
+            rate = 0.0 if kind == "overflow" else rate
             if policy == DEFAULTS:  # the shipped budgets, whatever the grid's
                 rf = _defaults().async_rl.rollout_failure
                 budget, fraction = rf.max_consecutive_dropped_prompts, rf.min_step_batch_fraction
@@ -91,13 +122,23 @@ def _defaults():
     return load_config()
 
 
-# ~25 s a cell, ~15 s of it process start-up: 12 cells fit the 10-minute budget; budget 5 is in DEFAULT
-QUICK = Grid(kinds=("guard_reject",), rates=(0.05, 0.15), policies=tuple(POLICIES), budgets=(0,), fractions=(0.75,),
-             seeds=(0,), steps=4, prompts=4, generations=2)  # the review's 4 groups x 2 rollouts
+# one correlated mode, the four policies that survive it, 2 seeds: 8 cells fit the 10-minute budget
+QUICK = Grid(kinds=("guard_reject@room",), rates=(0.05,), policies=("+shrink", "+redispatch", "all fixes", DEFAULTS),
+             budgets=(4,), fractions=(0.5,), seeds=(0, 1), steps=4, prompts=4, generations=2)
 # `timeout` is lane B too (INFRA, like agent_exception) but each hit costs rollout_timeout_s of wall
 # time; add it with --kinds guard_reject,agent_exception,timeout
-DEFAULT = Grid(kinds=("guard_reject", "agent_exception"), rates=(0.02, 0.05, 0.1), policies=tuple(POLICIES),
-               budgets=(0, 5), fractions=(0.75,), seeds=(0,), steps=8, prompts=8, generations=4)
+DEFAULT = Grid(kinds=("guard_reject", "guard_reject@room", "agent_exception@room", "overflow"), rates=(0.02, 0.05, 0.1),
+               policies=tuple(POLICIES), budgets=(0, 5), fractions=(0.75,), seeds=(0, 1, 2), steps=8, prompts=8,
+               generations=4, val_period=2, val_prompts=16)
+
+
+def kind_args(kind: str, rate: float) -> list[str]:
+    """The overrides of a fault mode (see the module docstring)."""
+    if kind == "overflow":
+        return [f"agent.context_history.guards.max_total_tokens={OVERFLOW_TOKENS}"]
+    if kind.endswith("@room"):
+        return [f"faults.rate_per_room.{kind[:-len('@room')]}={rate}"]
+    return [f"faults.rate.{kind}={rate}"]
 
 
 def cell_id(c: dict) -> str:
@@ -114,7 +155,10 @@ def cell_args(c: dict, grid: Grid, run_dir: Path, attach: list[str]) -> list[str
             f"async_rl.rollout_failure.min_step_batch_fraction={c['fraction']}",
         ]
     args += [
-        f"faults.rate.{c['kind']}={c['rate']}", f"faults.seed={c['seed']}",
+        *kind_args(c["kind"], c["rate"]), f"faults.seed={c['seed']}", f"grpo.seed={42 + c['seed']}",
+        f"env.data_seed={1234 + c['seed']}", f"env.num_rooms_choices=[{','.join(map(str, grid.mix))}]",
+        f"agent.max_steps={grid.max_calls}", "grpo.val_at_start=true", f"grpo.val_period={grid.val_period}",
+        f"grpo.val_num_prompts={grid.val_prompts}",
         f"grpo.max_num_steps={grid.steps}", f"grpo.num_prompts_per_step={grid.prompts}",
         f"grpo.num_generations_per_prompt={grid.generations}",
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=8", "async_rl.rollout_failure.backoff_base_s=0.25",
@@ -147,8 +191,42 @@ def summarize(c: dict, grid: Grid, run_dir: Path, proc: subprocess.CompletedProc
         "fraction_trained": round(trained / generated, 4) if generated else 0.0,
         "mean_groups_trained": round(sum(r["groups_trained"] for r in rows) / len(rows), 3) if rows else 0.0,
         "mean_rollouts_trained": round(trained / len(rows), 3) if rows else 0.0,
-        "final_reward": rows[-1]["reward_mean"] if rows else "", "wall_s": round(wall, 1), "run_dir": str(run_dir),
+        "final_reward": rows[-1]["reward_mean"] if rows else "", **learning(run_dir, rows),
+        "wall_s": round(wall, 1), "run_dir": str(run_dir),
     }
+
+
+def validations(run_dir: Path) -> list[dict]:
+    path = run_dir / "validation.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def learning(run_dir: Path, rows: list[dict]) -> dict:
+    """Validation at start and at the last validation, and the difficulty skew of the completed steps."""
+    from minirl.config import load_config
+    from minirl.data import num_rooms, task_seed
+    from minirl.stats import difficulty_skew, rooms_mix
+
+    vals = validations(run_dir)
+    out = {"val_reward_start": vals[0]["val_reward_mean"] if vals else "",
+           "val_reward_final": vals[-1]["val_reward_mean"] if vals else "",
+           "val_success_final": vals[-1]["val_success_rate"] if vals else "",
+           "val_final_by_rooms": json.dumps({k.rsplit("_", 1)[1]: v for k, v in (vals[-1] if vals else {}).items()
+                                             if k.startswith("val_reward_mean_rooms_")})}
+    if not rows:
+        return {**out, "rooms_dispatched_mean": "", "rooms_trained_mean": "", "rooms_shift": "", "skew_tv": ""}
+    cfg = load_config(str(run_dir / "config.yaml"))
+    g = cfg.grpo
+    for r in rows:  # the prompt stream recomputed is the one the run trained on
+        if r["prompt_seeds"] != [task_seed(cfg, r["step"], k) for k in range(g.num_prompts_per_step)]:
+            raise RuntimeError(f"{run_dir}: step {r['step']} dispatched other prompts than minirl.data gives")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+    dispatched, trained = rooms_mix(lambda s, k: num_rooms(cfg, task_seed(cfg, s, k)), len(rows),
+                                    g.num_prompts_per_step, g.num_generations_per_prompt, events)
+    if sum(trained.values()) != sum(r["rollouts_trained"] for r in rows):
+        raise RuntimeError(f"{run_dir}: the trained mix counts {sum(trained.values())} rollouts, the metrics "
+                           f"{sum(r['rollouts_trained'] for r in rows)}")
+    return {**out, **{k: round(v, 4) for k, v in difficulty_skew(dispatched, trained).items()}}
 
 
 def _died_step(run_dir: Path, step: int) -> tuple[int, int]:
@@ -196,7 +274,10 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
     done = {}
     if results_path.exists():
         with open(results_path) as f:
-            done = {row["cell"]: row for row in csv.DictReader(f)}
+            reader = csv.DictReader(f)
+            done = {row["cell"]: row for row in reader}
+        if reader.fieldnames != COLUMNS:
+            raise SystemExit(f"{results_path} has other columns (an older sweep): use another --out")
     cells = list(grid.cells())
     todo = [c for c in cells if cell_id(c) not in done]
     print(f"sweep: {len(cells)} cells, {len(done)} already in {results_path}, {len(todo)} to run "
@@ -229,47 +310,129 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
 
 def _typed(row: dict) -> dict:
     out = dict(row)
-    for k in ("rate", "fraction", "fraction_trained", "mean_groups_trained", "mean_rollouts_trained", "wall_s"):
-        out[k] = float(out[k])
+    for k in FLOATS:  # nan where a cell has no value (a run that died before any step)
+        out[k] = float(out[k]) if out[k] not in ("", None) else float("nan")
     for k in ("budget", "seed", "steps_completed", "steps_target", "groups_dropped", "rollouts_masked",
               "groups_redispatched", "rollouts_generated", "rollouts_trained"):
         out[k] = int(out[k])
     out["survived"] = str(out["survived"]) == "True"
-    out["final_reward"] = float(out["final_reward"]) if out["final_reward"] not in ("", None) else None
     return out
 
 
 # ------------------------------------------------------------------------------------------ report
+def kind_text(kind: str) -> str:
+    if kind == "overflow":
+        return f"a real context guard of {OVERFLOW_TOKENS} tokens, no injected fault (longer episodes cross it)"
+    if kind.endswith("@room"):
+        return f"`{kind[:-5]}` with a per-room hazard q (an n-room attempt fails with 1 - (1 - q)^n)"
+    return f"`{kind}` at a per-rollout-attempt rate, independent of the episode"
+
+
+def _rate(kind: str, rate: float) -> str:
+    return "–" if kind == "overflow" else f"{rate:.0%}"
+
+
+def _cells(rows: list[dict], grid: Grid) -> dict[tuple, list[dict]]:
+    """Rows by (kind, rate, policy, budget, floor), seeds together, in the grid's order."""
+    out: dict[tuple, list[dict]] = {}
+    def order(r: dict) -> tuple:
+        return list(grid.kinds).index(r["kind"]), r["rate"], list(grid.policies).index(r["policy"]), r["budget"]
+
+    for r in sorted(rows, key=order):
+        out.setdefault((r["kind"], r["rate"], r["policy"], r["budget"], r["fraction"]), []).append(r)
+    return out
+
+
+def _values(rs: list[dict], field: str) -> list[float]:
+    return [r[field] for r in rs if not math.isnan(r[field])]
+
+
+def _ci(rs: list[dict], field: str, digits: int = 2) -> str:
+    """`mean ± half-width` of the 95% t-interval over seeds; the mean alone for one seed."""
+    mean, half = mean_ci(_values(rs, field))
+    if math.isnan(mean):
+        return "–"
+    return f"{mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
+
+
+def _by_rooms(rs: list[dict]) -> str:
+    per: dict[str, list[float]] = {}
+    for r in rs:
+        for k, v in json.loads(r["val_final_by_rooms"] or "{}").items():
+            per.setdefault(k, []).append(v)
+    return " / ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(per.items())) or "–"
+
+
+def _skew_verdict(rs: list[dict]) -> str:
+    shift = _values(rs, "rooms_shift")
+    mean, half = mean_ci(shift)
+    if math.isnan(mean):
+        return "no step completed"
+    if math.isnan(half):
+        return f"one seed: trained {mean:+.2f} rooms against dispatched"
+    if mean + half < 0:
+        return f"skews toward easy prompts: {mean:+.2f} ± {half:.2f} rooms"
+    if mean - half > 0:
+        return f"skews toward hard prompts: {mean:+.2f} ± {half:.2f} rooms"
+    return f"no skew measurable: {mean:+.2f} ± {half:.2f} rooms (the interval holds 0)"
+
+
+def _differs(a: list[dict], b: list[dict], field: str) -> str:
+    p = welch(_values(a, field), _values(b, field))
+    if math.isnan(p):
+        return "too few seeds to test"
+    return f"p = {p:.2f}, " + ("differ" if p < 0.05 else "do not differ")
+
+
 def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Path]:
     plots = make_plots(rows, grid, out)
+    cells = _cells(rows, grid)
     lines = [f"# {title}", "", f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC by "
-             f"`scripts/compare_drop_budgets.py`; {len(rows)} cells, {grid.steps} steps of "
-             f"{grid.prompts} groups x {grid.generations} rollouts each, on the tiny default model.", "",
+             f"`scripts/compare_drop_budgets.py`; {len(rows)} runs ({len(cells)} cells x {len(grid.seeds)} seeds), "
+             f"{grid.steps} steps of {grid.prompts} groups x {grid.generations} rollouts each, on the tiny default "
+             f"model, a task mix of {'/'.join(map(str, grid.mix))} rooms, at most {grid.max_calls} model calls "
+             "per episode.", "",
              "Each cell: the upstream preset plus the named fixes, one drop budget "
              "(`max_consecutive_dropped_prompts`), the floor (`min_step_batch_fraction`, forced to 1 without "
-             "fix 1), and one fault kind at one per-rollout-attempt rate from `faults.seed`. "
-             "Survival: ✓, or the step the run died at. Fraction trained: rollouts that reached an optimizer step "
-             "over the rollouts `/run` returned (a crashed attempt returns none).", ""]
+             "fix 1), and one fault mode at one rate. A seed sets the fault stream, the sampling and the prompts. "
+             "Numbers are mean ± the 95% t-interval over seeds. Fraction trained: rollouts that reached an optimizer "
+             "step over the rollouts `/run` returned. Validation: the mean reward of held-out prompts (never trained "
+             f"on, no faults), {grid.val_prompts} per validation, at start and every {grid.val_period} steps; final = "
+             "the last one the run reached. Skew: the mean room count of the rollouts trained minus that of the "
+             "rollouts dispatched (negative: training saw an easier mix than it was given), and the total-variation "
+             "distance between the two mixes.", ""]
     for kind in grid.kinds:
-        lines += [f"## {kind}", "", "| policy | budget | floor | " + " | ".join(f"{r:.0%}" for r in grid.rates) + " |",
-                  "|---|---|---|" + "---|" * len(grid.rates)]
-        combos = sorted({(r["policy"], r["budget"], r["fraction"]) for r in rows if r["kind"] == kind},
-                        key=lambda k: (list(grid.policies).index(k[0]), k[1]))
-        for policy, budget, frac in combos:
-            cells = []
-            for rate in grid.rates:
-                rs = [r for r in rows if r["kind"] == kind and r["rate"] == rate and r["policy"] == policy
-                      and r["budget"] == budget and r["fraction"] == frac]
-                if not rs:
-                    cells.append("–")
-                    continue
-                alive = all(r["survived"] for r in rs)
-                surv = "✓" if alive else "✗ step " + ",".join(str(r["died_at_step"]) for r in rs if not r["survived"])
-                ft = sum(r["fraction_trained"] for r in rs) / len(rs)
-                steps = sum(r["steps_completed"] for r in rs) / len(rs)
-                cells.append(f"{surv}; {ft:.2f}; {steps:.0f}/{grid.steps}")
-            lines.append(f"| {policy} | {budget} | {frac} | " + " | ".join(cells) + " |")
-        lines += ["", "Cell: survival; fraction trained; steps completed.", ""]
+        lines += [f"## {kind}", "", kind_text(kind) + ".", "",
+                  "| policy | budget | floor | rate | survived | fraction trained | val reward start "
+                  "| val reward final | val success final | final val reward by rooms | rooms trained − dispatched | TV skew |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (k, rate, policy, budget, frac), rs in cells.items():
+            if k != kind:
+                continue
+            died = [str(r["died_at_step"]) for r in rs if not r["survived"]]
+            surv = f"{len(rs) - len(died)}/{len(rs)}" + (f" (died at step {','.join(died)})" if died else "")
+            lines.append(f"| {policy} | {budget} | {frac} | {_rate(kind, rate)} | {surv} "
+                         f"| {_ci(rs, 'fraction_trained')} | {_ci(rs, 'val_reward_start')} "
+                         f"| {_ci(rs, 'val_reward_final')} | {_ci(rs, 'val_success_final')} | {_by_rooms(rs)} | {_ci(rs, 'rooms_shift')} | {_ci(rs, 'skew_tv')} |")
+        rooms = " / ".join(f"{k} room(s)" for k in grid.mix)
+        lines += ["", f"Final val reward by rooms: {rooms}, mean over seeds.", ""]
+
+    base = DEFAULTS if DEFAULTS in grid.policies else grid.policies[0]
+    lines += ["## Which differences are real", "",
+              f"Each policy against `{base}` in the same mode and rate, by Welch's t-test over seeds (p < 0.05: "
+              "differ). Two policies whose intervals overlap may still differ; the test is the judge.", ""]
+    for (kind, rate, policy, budget, frac), rs in cells.items():
+        ref = next((v for (k2, r2, p2, _, _), v in cells.items() if (k2, r2, p2) == (kind, rate, base)), None)
+        if ref is None or policy == base:
+            continue
+        lines.append(f"- {kind} {_rate(kind, rate)}, {policy} (budget {budget}): final val reward "
+                     f"{_differs(rs, ref, 'val_reward_final')}; skew {_differs(rs, ref, 'rooms_shift')}.")
+    if len(grid.policies) < 2:
+        lines.append("- One policy only: nothing to compare.")
+    lines += ["", "## Bias: what reached the optimizer", ""]
+    for (kind, rate, policy, budget, frac), rs in cells.items():
+        lines.append(f"- {kind} {_rate(kind, rate)}, {policy} (budget {budget}): {_skew_verdict(rs)}.")
+    lines += ["", "## What to pick", "", *what_to_pick(cells, grid), ""]
     died = [r for r in rows if not r["survived"]]
     if died:
         lines += ["## Why runs died", ""]
@@ -278,11 +441,39 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
             key = r["died_reason"].split(":")[0]
             reasons.setdefault(key, []).append(r)
         for key, rs in sorted(reasons.items()):
-            lines.append(f"- `{key}` ({len(rs)} cells), e.g. {rs[0]['cell']}: `{rs[0]['died_reason'][:200]}`")
+            lines.append(f"- `{key}` ({len(rs)} runs), e.g. {rs[0]['cell']}: `{rs[0]['died_reason'][:200]}`")
         lines.append("")
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     (out / "report.md").write_text("\n".join(lines))
     return plots
+
+
+def what_to_pick(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:
+    """One line per fault mode at its highest rate, written from the numbers of the tables."""
+    lines = []
+    for kind in grid.kinds:
+        rate = max(r for (k, r, *_) in cells if k == kind)
+        here = {(p, b): rs for (k, r, p, b, _), rs in cells.items() if k == kind and r == rate}
+        alive = {key: rs for key, rs in here.items() if all(r["survived"] for r in rs)}
+        name = lambda key: f"{key[0]} (budget {key[1]})"  # noqa: E731
+        if not alive:
+            lines.append(f"- **{kind} {_rate(kind, rate)}**: no policy survived every seed.")
+            continue
+        best = max(alive, key=lambda key: mean_ci(_values(alive[key], "val_reward_final"))[0])
+        ties = [key for key in alive if key != best and not welch(
+            _values(alive[key], "val_reward_final"), _values(alive[best], "val_reward_final")) < 0.05]
+        fair = [key for key in alive if "skews" not in _skew_verdict(alive[key])]
+        pick = next((key for key in [best, *ties] if key in fair), best)
+        dead = [name(key) for key in here if key not in alive]
+        lines.append(
+            f"- **{kind} {_rate(kind, rate)}**: highest final validation reward {name(best)}, "
+            f"{_ci(alive[best], 'val_reward_final')}; not distinguishable from it: "
+            f"{', '.join(map(name, ties)) or 'none'}. Without a measurable skew: "
+            f"{', '.join(map(name, fair)) or 'none'}. "
+            f"Died in some seed: {', '.join(dead) or 'none'}. Pick **{name(pick)}**"
+            + (" (the best that does not skew)." if pick in fair else " (every survivor skews; it learns most).")
+            + (" With one seed per cell these are single runs, not evidence." if len(grid.seeds) < 2 else ""))
+    return lines
 
 
 # a marker and dash per policy, so that policies with equal results stay visible on top of each other
@@ -306,27 +497,87 @@ def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
 
     kind, budget = grid.kinds[0], grid.budgets[0]
     paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for policy in grid.policies:
-        pts = sorted((r["rate"], r["steps_completed"] / r["steps_target"], r["fraction_trained"]) for r in rows
-                     if _in_plot(r, kind, policy, budget))
+        by_rate: dict[float, list[dict]] = {}
+        for r in rows:
+            if _in_plot(r, kind, policy, budget):
+                by_rate.setdefault(r["rate"], []).append(r)
+        pts = sorted((rate, sum(r["steps_completed"] / r["steps_target"] for r in rs) / len(rs),
+                      sum(r["fraction_trained"] for r in rs) / len(rs)) for rate, rs in by_rate.items())
         if pts:
             axes[0].plot([100 * p[0] for p in pts], [p[1] for p in pts], **_style(policy))
             axes[1].plot([100 * p[0] for p in pts], [p[2] for p in pts], **_style(policy))
-    axes[0].set(xlabel=f"{kind} rate per rollout attempt (%)", ylabel="steps survived / steps planned",
+    axes[0].set(xlabel=f"{kind} rate (%)", ylabel="steps survived / steps planned (mean over seeds)",
                 title=f"Survival ({kind}, drop budget {budget}; minirl defaults: its own)", ylim=(-0.05, 1.05))
-    axes[1].set(xlabel=f"{kind} rate per rollout attempt (%)", ylabel="rollouts trained / rollouts generated",
+    axes[1].set(xlabel=f"{kind} rate (%)", ylabel="rollouts trained / rollouts generated",
                 title=f"Fraction trained ({kind}, drop budget {budget})", ylim=(-0.05, 1.05))
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "survival_and_fraction_vs_rate.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "survival_and_fraction_vs_rate.png")
 
-    rate = max(grid.rates)
-    for name, field, ylabel in (("reward_curve", "reward_mean", "mean reward (0-1)"),
+    # validation learning curves, one panel per fault mode at its highest rate, mean and 95% band over seeds
+    fig, axes = plt.subplots(1, len(grid.kinds), figsize=(5.5 * len(grid.kinds), 4), squeeze=False)
+    for ax, k in zip(axes[0], grid.kinds):
+        rate = max(r["rate"] for r in rows if r["kind"] == k)
+        for policy in grid.policies:
+            curve: dict[int, list[float]] = {}
+            for r in rows:
+                if r["rate"] == rate and _in_plot(r, k, policy, budget):
+                    for v in validations(Path(r["run_dir"])):
+                        curve.setdefault(v["val_policy_version"], []).append(v["val_reward_mean"])
+            if not curve:
+                continue
+            xs = sorted(curve)
+            ms = [mean_ci(curve[x]) for x in xs]
+            line = ax.plot(xs, [m for m, _ in ms], **_style(policy))[0]
+            lo = [m - (h if not math.isnan(h) else 0) for m, h in ms]
+            hi = [m + (h if not math.isnan(h) else 0) for m, h in ms]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
+        ax.set(xlabel="optimizer steps trained (policy version)", ylabel="held-out reward (no faults)",
+               title=f"Validation: {k} {_rate(k, rate)}", xlim=(-0.3, grid.steps + 0.3))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save(fig, "validation_curves.png")
+
+    # the difficulty skew of what was trained, per mode at its highest rate
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(grid.policies)
+    for i, policy in enumerate(grid.policies):
+        for ax, field in zip(axes, ("rooms_shift", "skew_tv")):
+            xs, ms, hs, seeds = [], [], [], []
+            for j, k in enumerate(grid.kinds):
+                rate = max(r["rate"] for r in rows if r["kind"] == k)
+                vs = [r[field] for r in rows if r["rate"] == rate and _in_plot(r, k, policy, budget)
+                      and not math.isnan(r[field])]
+                m, h = mean_ci(vs)
+                if not math.isnan(m):
+                    xs.append(j + (i - (len(grid.policies) - 1) / 2) * width)
+                    ms.append(m)
+                    hs.append(0 if math.isnan(h) else h)
+                    seeds += [(xs[-1], v) for v in vs]
+            bars = ax.bar(xs, ms, width, yerr=hs, capsize=3, label=policy, alpha=0.6)
+            if seeds:  # each seed's own value, so a wide interval shows what it is made of
+                ax.scatter(*zip(*seeds), s=14, color=bars.patches[0].get_facecolor(), edgecolor="black", zorder=3)
+    for ax, ylabel in zip(axes, ("mean rooms trained − dispatched", "TV distance, trained vs dispatched mix")):
+        ax.set_xticks(range(len(grid.kinds)), [f"{k} {_rate(k, max(r['rate'] for r in rows if r['kind'] == k))}"
+                                               for k in grid.kinds], fontsize=8)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set(ylabel=ylabel, title="Trained-difficulty skew (95% interval over seeds)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    save(fig, "difficulty_skew.png")
+
+    rate = max(r["rate"] for r in rows if r["kind"] == kind)
+    for name, field, ylabel in (("reward_curve", "reward_mean", "training reward (0-1)"),
                                 ("effective_batch", "rollouts_trained", "rollouts trained per step")):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for policy in grid.policies:
@@ -336,14 +587,11 @@ def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
                 m = [json.loads(line) for line in metrics.read_text().splitlines() if line]
                 if m:
                     ax.plot([x["step"] + 1 for x in m], [x[field] for x in m], **_style(policy))
-        ax.set(xlabel="optimizer step", ylabel=ylabel, title=f"{ylabel} ({kind} at {rate:.0%}, budget {budget})",
-               xlim=(0.5, grid.steps + 0.5))
+        ax.set(xlabel="optimizer step", ylabel=ylabel, xlim=(0.5, grid.steps + 0.5),
+               title=f"{ylabel} ({kind} {_rate(kind, rate)}, budget {budget}, seed {grid.seeds[0]})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        save(fig, f"{name}.png")
     return paths
 
 
@@ -356,14 +604,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", help="comma-separated rates (overrides the preset)")
     ap.add_argument("--policies", help="comma-separated policies (overrides the preset)")
     ap.add_argument("--budgets", help="comma-separated drop budgets (overrides the preset)")
-    ap.add_argument("--seeds", help="comma-separated fault seeds (overrides the preset)")
+    ap.add_argument("--seeds", type=int, help="seeds per cell, 0..N-1 (overrides the preset)")
     ap.add_argument("--steps", type=int, help="steps per cell (overrides the preset)")
     args = ap.parse_args(argv)
     grid = QUICK if args.quick else DEFAULT
     changes = {}
-    for key, conv in (("kinds", str), ("rates", float), ("policies", str), ("budgets", int), ("seeds", int)):
+    for key, conv in (("kinds", str), ("rates", float), ("policies", str), ("budgets", int)):
         if getattr(args, key):
             changes[key] = tuple(conv(v) for v in getattr(args, key).split(","))
+    if args.seeds:
+        changes["seeds"] = tuple(range(args.seeds))
     if args.steps:
         changes["steps"] = args.steps
     if changes:
@@ -371,6 +621,12 @@ def main(argv=None) -> int:
     unknown = set(grid.policies) - set(POLICIES)
     if unknown:
         ap.error(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
+    from minirl.config import AGENT_SIDE_KINDS, FAULT_KINDS
+
+    for kind in grid.kinds:
+        if not (kind == "overflow" or kind in FAULT_KINDS or kind.endswith("@room") and kind[:-5] in AGENT_SIDE_KINDS):
+            ap.error(f"unknown fault mode {kind!r}: overflow, one of {', '.join(FAULT_KINDS)}, "
+                     f"or KIND@room for one of {', '.join(AGENT_SIDE_KINDS)}")
     out = Path(args.out or REPO / "runs" / f"compare-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     t0 = time.time()
     rows = run_sweep(grid, out, args.fresh_engines)

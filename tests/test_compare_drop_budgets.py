@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def test_two_cell_sweep_writes_csv_report_and_plots(tmp_path):
     out = tmp_path / "cmp"
     cmd = [sys.executable, "scripts/compare_drop_budgets.py", "--out", str(out), "--kinds", "guard_reject",
-           "--rates", "0.2", "--policies", "upstream,all fixes", "--budgets", "0", "--steps", "2"]
+           "--rates", "0.2", "--policies", "upstream,all fixes", "--budgets", "0", "--steps", "2", "--seeds", "1"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "results.csv") as f:
@@ -33,6 +33,13 @@ def test_two_cell_sweep_writes_csv_report_and_plots(tmp_path):
     assert fixed["survived"] == "True" and fixed["steps_completed"] == "2"
     assert int(fixed["rollouts_masked"]) > 0 and float(fixed["fraction_trained"]) > float(up["fraction_trained"])
     assert (out / "report.md").exists() and len(list(out.glob("*.png"))) >= 3
+    # learning, measured: held-out validation at start and at the end, and the trained-difficulty skew
+    assert up["val_reward_start"] != "" and fixed["val_reward_final"] != "" and fixed["rooms_shift"] != ""
+    assert float(fixed["rooms_trained_mean"]) - float(fixed["rooms_dispatched_mean"]) == pytest.approx(
+        float(fixed["rooms_shift"]), abs=1e-3)
+    report = (out / "report.md").read_text()
+    assert "## What to pick" in report and "## Bias: what reached the optimizer" in report
+    assert (out / "validation_curves.png").exists() and (out / "difficulty_skew.png").exists()
     # a second invocation resumes: nothing left to run
     again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 to run" in again.stdout

@@ -99,7 +99,7 @@ async def run_episode(
     prefix: list[int] | None = None  # prompt + reply tokens of the last call, while history is unrewritten
 
     def fault(kind: str, call: int) -> bool:
-        return plan is not None and coords is not None and plan.fires(kind, coords, call)
+        return plan is not None and coords is not None and plan.fires(kind, coords, call, task["num_rooms"])
 
     for call in range(cfg.max_steps):
         if compacting and compaction.scheduled(ch, call):

@@ -162,7 +162,8 @@ class AgentServer:
             error = f"unknown agent_ref name {name[:80]!r}; known: {list(self.agents)}"
             return web.json_response({"error": error, "type": "UnknownAgent"}, status=404)
 
-        fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords) is not None)
+        rooms = row["task"].get("num_rooms")
+        fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords, rooms) is not None)
         self.in_flight += 1
         try:
             if fires("agent_kill"):

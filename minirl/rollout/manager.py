@@ -76,7 +76,8 @@ class GroupOutcome:
 async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording). The error body's
     typed `type` field travels on the failure as `error_type`."""
-    what = f"NeMo-Gym /run for {Coords.from_row(row).key}"
+    coords = Coords.from_row(row)  # a held-out (validation) row has none
+    what = f"NeMo-Gym /run for {coords.key if coords else 'row ' + str(row.get('_rowidx'))}"
     try:
         async with session.post(url + "/run", json=row) as resp:
             status, body = resp.status, await resp.read()
@@ -292,7 +293,7 @@ class RolloutManager:
             sends += 1
             out.row_sends += 1
             self.sends += 1
-            self._planned_faults(coords)
+            self._planned_faults(coords, row["task"]["num_rooms"])
             body = {**row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": gid}}
             body["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=sampling_seed(self.cfg, step, group, r, coords.attempt))
             url = self.agent_urls[(group * self.cfg.grpo.num_generations_per_prompt + r) % len(self.agent_urls)]
@@ -322,9 +323,9 @@ class RolloutManager:
             out.rollouts[r] = rollout
             return rollout
 
-    def _planned_faults(self, c: Coords) -> None:
+    def _planned_faults(self, c: Coords, num_rooms: int) -> None:
         for kind in FAULT_KINDS:
-            call = self.plan.call_of(kind, c)
+            call = self.plan.call_of(kind, c, num_rooms)
             if call is not None:
                 self.emit({"type": "fault", "kind": kind, **c.as_dict(), "call": call})
 

@@ -1,0 +1,71 @@
+"""Evaluate a saved checkpoint: `python -m minirl.evaluate --checkpoint PATH [dotted.key=value ...]`.
+
+Starts the cluster as training does (minirl.cluster.Cluster), under the config of the run that
+wrote the checkpoint (`<run_dir>/config.yaml`, so the held-out prompts are disjoint from that run's
+training prompts) with the overrides applied last; loads the checkpoint as a resume does (its
+manifest verified first), which puts its policy weights into every generation worker; runs the
+validation of minirl.validation (no fault injection); prints the metrics as one JSON object on
+stdout and writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, a directory that
+also takes the evaluation's own events, so the training run's logs are left as they were).
+
+A run that attached to a sweep's engines saved that cluster's address: once it is gone, evaluate with
+`cluster.ray_address=null cluster.attach_generation_workers=null` to start a cluster of its own.
+
+Exit codes as `minirl.train`: 0 on success, 2 for a bad config key or value, 1 for a failure, whose
+`ExceptionClass: message` is the last line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minirl.config import ConfigError, load_config
+from minirl.train import _cause
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minirl.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a checkpoints/step_N directory")
+    parser.add_argument("--out", help="where to write the metrics JSON")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value, applied last")
+    args = parser.parse_args(argv)
+    ckpt = Path(args.checkpoint).resolve()
+    run_config = ckpt.parent.parent / "config.yaml"
+    eval_dir = ckpt.parent.parent / "eval" / ckpt.name
+    try:
+        cfg = load_config(str(run_config) if run_config.exists() else None,
+                          [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
+        try:
+            eval_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--checkpoint", f"cannot write {eval_dir}: {exc.strerror or exc}") from None
+    except ConfigError as exc:
+        print(f"ConfigError: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    from minirl.cluster import Cluster
+
+    try:
+        with Cluster(cfg, eval_dir) as cluster:
+            version = cluster.resume()
+            metrics = ray.get(cluster.controller.validate.remote(version))
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt: interrupted", file=sys.stderr)
+        return 1
+    except Exception as exc:  # report the root cause, last, after Ray is down
+        failure = _cause(exc)
+        print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+        return 1
+    out = Path(args.out) if args.out else eval_dir / "metrics.json"
+    out.write_text(json.dumps({"checkpoint": str(ckpt), **metrics}, indent=2) + "\n")
+    print(json.dumps({"checkpoint": str(ckpt), **metrics}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

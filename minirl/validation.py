@@ -1,0 +1,174 @@
+"""Validation: the policy's reward on held-out prompts, without fault injection (NeMo-RL's
+`grpo.val_period`, `grpo.val_at_start`; metrics `val_reward_mean`, `val_success_rate`).
+
+Held-out prompts come from their own seed stream, `(env.data_seed, "val", i)` for i = 0, 1, ...,
+and a candidate whose seed is the seed of any training prompt of the run (every (step, group) of
+`grpo.max_num_steps` x `grpo.num_prompts_per_step`) is skipped. An episode is a pure function of its
+seed and room count, and the rooms of a task are drawn from its seed alone, so no held-out episode
+shares a room sequence with a trained one. Room counts follow the training mix
+(`env.num_rooms_choices`), so the held-out set has the training distribution of difficulty.
+
+Sampling: the training generation config (temperature, top_p, reply cap), as NeMo-RL validates with
+its generation config: the reward at the sampling temperature is what GRPO optimises, while greedy
+decoding can hide or overstate a change of the sampled policy. Each held-out rollout has a fixed
+sampling seed, the same at every validation (common random numbers), so the difference between two
+validations is the policy's, not the sampler's.
+
+Faults: a held-out row carries no `_minirl` coordinates block, and the model calls of a row without
+one carry no rollout header; every fault site (minirl.faults) is keyed by those coordinates, so
+none fires, whatever `faults.*` says. A failure is therefore the fleet's: an INFRA one is re-sent
+(up to `nemo_gym.max_row_attempts` sends), and any other ends the validation with ValidationFailed,
+never a dropped row (dropping would skew the very mix this measures).
+
+Scoring: the task's own limits stay on (the engine's `max_model_len`, the context guard), since
+they are the environment's, not injected faults. A held-out episode that the guard ends scores 0,
+whether the guard ends the episode (`on_reject=end_episode`, a 200 with partial credit) or fails it
+(`raise`, a 500 `ContextGuardRejected`): so a validation scores the same weights the same way under
+every failure policy, and compares policies on their learning alone.
+
+Invariant: a validation's metrics cover exactly `val_num_prompts` x `val_num_generations` rollouts
+of held-out prompts, each the answer of a fault-free `/run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import aiohttp
+
+from minirl.config import MinirlConfig
+from minirl.data import _seed, task_row, task_seed
+from minirl.gym.rows import with_extra_body
+from minirl.rollout.manager import post_run
+from minirl.wire import INFRA, RolloutDataFailure, RolloutFailure, RolloutTimeout, classify
+
+
+class ValidationFailed(RuntimeError):
+    """A held-out rollout failed without an injected fault: the fleet, not the policy, is broken."""
+
+
+def training_seeds(cfg: MinirlConfig) -> set[int]:
+    """The task seeds of every training prompt group of the run."""
+    g = cfg.grpo
+    return {task_seed(cfg, step, group) for step in range(g.max_num_steps) for group in range(g.num_prompts_per_step)}
+
+
+def held_out_seeds(cfg: MinirlConfig) -> list[int]:
+    """The first `val_num_prompts` seeds of the held-out stream that no training prompt uses."""
+    trained, out, i = training_seeds(cfg), [], 0
+    while len(out) < cfg.grpo.val_num_prompts:
+        seed = _seed(cfg.env.data_seed, "val", i)
+        if seed not in trained and seed not in out:
+            out.append(seed)
+        i += 1
+    return out
+
+
+def held_out_rows(cfg: MinirlConfig) -> list[dict]:
+    """The `/run` rows of one validation: no `_minirl` block, a fixed sampling seed per rollout."""
+    rows = []
+    for i, seed in enumerate(held_out_seeds(cfg)):
+        row = task_row(cfg, seed)
+        for r in range(cfg.grpo.val_num_generations):
+            params = with_extra_body(row["responses_create_params"], seed=_seed(cfg.grpo.seed, "val", i, r) % 2**31)
+            rows.append({**row, "responses_create_params": params, "_rowidx": len(rows)})
+    return rows
+
+
+async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row: dict) -> dict:
+    ng = cfg.async_rl.rollout_failure.nemo_gym
+    send = 0
+    while True:
+        send += 1
+        try:
+            async with asyncio.timeout(ng.rollout_timeout_s):
+                result = await post_run(session, url, row)
+            reward = float(result["reward"])
+            if not math.isfinite(reward):
+                raise RolloutDataFailure(f"reward {result['reward']!r} is not finite")
+            return result
+        except TimeoutError:
+            exc: BaseException = RolloutTimeout(f"held-out /run exceeded {ng.rollout_timeout_s}s")
+        except RolloutFailure as e:
+            if getattr(e, "error_type", None) == "ContextGuardRejected":
+                return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": "guard_reject"}}
+            exc = e
+        except (KeyError, TypeError, ValueError) as e:
+            exc = RolloutDataFailure(f"malformed /run result: {e!r}")
+        if classify(exc) != INFRA or send >= ng.max_row_attempts:
+            task = row["task"]
+            raise ValidationFailed(f"held-out row {row['_rowidx']} (seed {task['seed']}, {task['num_rooms']} rooms) "
+                                   f"failed after {send} send(s): {type(exc).__name__}: {exc}") from exc
+
+
+def summarize(rows: list[dict], results: list[dict]) -> dict:
+    """val_* metrics of the held-out results; per room count too when the mix has several."""
+    guard_ended = [(res.get("evidence") or {}).get("end_reason") == "guard_reject" for res in results]
+    rewards = [0.0 if ended else float(res["reward"]) for res, ended in zip(results, guard_ended)]
+    by_rooms: dict[int, list[float]] = defaultdict(list)
+    for row, reward in zip(rows, rewards):
+        by_rooms[row["task"]["num_rooms"]].append(reward)
+    out = {
+        "val_reward_mean": sum(rewards) / len(rewards),
+        "val_success_rate": sum(r == 1.0 for r in rewards) / len(rewards),
+        "val_truncated_rate": sum((res.get("response") or {}).get("status") == "incomplete" for res in results)
+        / len(results),
+        "val_guard_ended_rate": sum(guard_ended) / len(results),
+        "val_num_rollouts": len(results),
+    }
+    if len(by_rooms) > 1:
+        for k, rs in sorted(by_rooms.items()):
+            out[f"val_reward_mean_rooms_{k}"] = sum(rs) / len(rs)
+            out[f"val_success_rate_rooms_{k}"] = sum(r == 1.0 for r in rs) / len(rs)
+    return out
+
+
+async def validate(cfg: MinirlConfig, agent_urls: list[str], version: int) -> dict:
+    """One validation of the weights the generation workers serve now (`version`, for the record)."""
+    t0 = time.perf_counter()
+    rows = held_out_rows(cfg)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        results = await asyncio.gather(*(_send(cfg, session, agent_urls[i % len(agent_urls)], row)
+                                         for i, row in enumerate(rows)))
+    return {**summarize(rows, results), "val_policy_version": version, "val_time_s": time.perf_counter() - t0}
+
+
+class Validator:
+    """The training loop's side: validates when due (at start with `val_at_start`, after every
+    `val_period`-th step), appends each validation to `run_dir/validation.jsonl` (one line each,
+    with `step`: the last step trained, -1 before any) and returns the val_* fields for that step's
+    metrics row. On resume, lines of policy versions past the resumed one are dropped (they will be
+    measured again), as metrics.jsonl drops the steps it repeats."""
+
+    def __init__(self, cfg: MinirlConfig, controller, run_dir: Path, start: int):
+        self.cfg, self.controller, self.path = cfg, controller, Path(run_dir) / "validation.jsonl"
+        keep = []
+        if self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line and json.loads(line)["val_policy_version"] <= start]
+            self.path.write_text("".join(line + "\n" for line in keep))
+        if cfg.grpo.val_at_start and not any(json.loads(line)["val_policy_version"] == start for line in keep):
+            self._run(start, step=start - 1)
+
+    def after(self, step: int) -> dict:
+        """Validate the weights of version step + 1 when `step` ends a `val_period`; {} otherwise."""
+        period = self.cfg.grpo.val_period
+        return self._run(step + 1, step) if period and (step + 1) % period == 0 else {}
+
+    def _run(self, version: int, step: int) -> dict:
+        import ray
+
+        metrics = ray.get(self.controller.validate.remote(version))
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.cfg.logger.progress:
+            print(f"validation of version {version}: reward {metrics['val_reward_mean']:.3f}  success "
+                  f"{metrics['val_success_rate']:.2f}  ({metrics['val_num_rollouts']} held-out rollouts, "
+                  f"{metrics['val_time_s']:.1f}s)", file=sys.stdout, flush=True)
+        return metrics

@@ -1,0 +1,62 @@
+"""The experiment statistics (minirl.stats) on constructed cases with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minirl.stats import difficulty_skew, mean_ci, rooms_mix, t_cdf, t_ppf, welch
+
+
+@pytest.mark.parametrize("df,q", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423), (1e6, 1.95997)])
+def test_t_quantiles_match_the_tables(df, q):
+    assert t_ppf(0.975, df) == pytest.approx(q, abs=2e-4)
+
+
+def test_t_cdf_agrees_with_the_integrated_density():
+    for df in (1.5, 3, 7.3):
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+        pdf = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+        for t in (0.3, 1.0, 2.5):
+            n = 2000  # Simpson on [0, t], plus the half below 0
+            h = t / n
+            area = pdf(0) + pdf(t) + sum((4 if i % 2 else 2) * pdf(i * h) for i in range(1, n))
+            assert t_cdf(t, df) == pytest.approx(0.5 + area * h / 3, abs=1e-7)
+            assert t_cdf(-t, df) == pytest.approx(1 - t_cdf(t, df), abs=1e-12)
+
+
+def test_mean_ci_and_welch():
+    mean, half = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert mean == 3 and half == pytest.approx(2.7764 * math.sqrt(2.5) / math.sqrt(5), abs=1e-3)
+    assert math.isnan(mean_ci([0.4])[1]) and math.isnan(welch([1.0], [2.0, 3.0]))
+    # Welch: t = -3 / sqrt(0.5 + 2), df = 2.5**2 / (0.5**2/4 + 2**2/4)
+    a, b = [1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0, 6.0, 8.0, 10.0]
+    t, df = -3 / math.sqrt(2.5), 2.5 ** 2 / (0.25 / 4 + 4 / 4)
+    assert welch(a, b) == pytest.approx(2 * t_cdf(t, df)) and 0.1 < welch(a, b) < 0.12
+    assert welch(a, [x + 100 for x in a]) < 1e-6 and welch(a, list(a)) == pytest.approx(1.0)
+    assert welch([1.0, 1.0], [1.0, 1.0]) == 1.0 and welch([1.0, 1.0], [2.0, 2.0]) == 0.0
+
+
+def test_skew_of_a_policy_that_loses_hard_prompts():
+    """2 steps x 4 groups x 2 rollouts; groups 0-1 have 1 room, groups 2-3 have 4 rooms. Step 0
+    drops group 2, step 1 masks one rollout of group 3; a raised drop, a retried failure and the
+    events of a step that did not complete change nothing."""
+    events = [
+        {"type": "drop", "step": 0, "group": 2, "decision": "dropped"},
+        {"type": "failure", "step": 0, "group": 3, "rollout": 0, "decision": "retried"},
+        {"type": "mask", "step": 1, "group": 3, "rollout": 1},
+        {"type": "drop", "step": 2, "group": 0, "decision": "dropped"},
+        {"type": "failure", "step": 2, "group": 1, "rollout": 0, "decision": "skipped"},
+        {"type": "run_failed", "step": 2},
+    ]
+    dispatched, trained = rooms_mix(lambda s, g: 1 if g < 2 else 4, 2, 4, 2, events)
+    assert dispatched == {1: 8, 4: 8} and trained == {1: 8, 4: 5}
+    skew = difficulty_skew(dispatched, trained)
+    assert skew["skew_tv"] == pytest.approx(3 / 26)
+    assert skew["rooms_dispatched_mean"] == 2.5 and skew["rooms_trained_mean"] == pytest.approx(28 / 13)
+    assert skew["rooms_shift"] == pytest.approx(28 / 13 - 2.5) and skew["rooms_shift"] < 0
+    # a skipped group counts like a drop; nothing lost is no skew
+    _, t2 = rooms_mix(lambda s, g: 1 if g < 2 else 4, 3, 4, 2, events)
+    assert t2[1] == 8 + 0 and difficulty_skew({1: 4, 3: 4}, {1: 2, 3: 2})["skew_tv"] == 0
+    assert math.isnan(difficulty_skew({1: 4}, {})["skew_tv"])
