@@ -5,8 +5,11 @@ the same seeds, side by side in one run, with a latency-bound environment (`env.
     python bench/async_speedup.py --quick         # 6 steps, one seed
 
 Each seed runs sync, then async at each staleness bound, back to back on one shared generation
-worker (started once, as the sweep does). Samples per second = rollouts trained / the summed
-`step_time_s` (start-up excluded; in async a step's time includes its wait for the buffer).
+worker (started once, as the sweep does). Every run gives the engine and the trainer `--threads`
+torch threads each (default 1: on the 2-core build machine that partitions the cores, where 2 + 2
+threads overlapping would spin against each other; sync runs measured no slower at 1 + 1).
+Samples per second = rollouts trained / the summed `step_time_s` (start-up excluded; in async a
+step's time includes its wait for the buffer).
 Reward = mean `reward_mean` over the last 5 steps. Targets: async >= 1.8x sync at staleness 1,
 and its reward not worse than sync's beyond the seeds' spread.
 """
@@ -14,7 +17,6 @@ and its reward not worse than sync's beyond the seeds' spread.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -23,13 +25,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def load_sweep():
-    spec = importlib.util.spec_from_file_location("compare_drop_budgets", REPO / "scripts" / "compare_drop_budgets.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(mode: str, staleness: int, seed: int, steps: int, latency: float, out: Path, attach: list[str]) -> dict:
@@ -52,19 +47,27 @@ def run(mode: str, staleness: int, seed: int, steps: int, latency: float, out: P
 
 
 def main(argv=None) -> int:
+    import ray
+
+    from minirl.cluster import start_shared_generation
+    from minirl.config import load_config
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seeds", type=int, nargs="*")
     ap.add_argument("--staleness", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--tool-latency", type=float, default=0.2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the trainer")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 20)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     out = Path(args.out or tempfile.mkdtemp(prefix="async_speedup_"))
     results = []
-    with load_sweep().shared_engines(fresh=False) as attach:
+    threads = [f"policy.train_threads={args.threads}", f"policy.generation.vllm_cfg.omp_threads={args.threads}"]
+    try:
+        attach = start_shared_generation(load_config(None, threads), "async-bench-gen") + threads
         for seed in seeds:
             base = run("sync", 0, seed, steps, args.tool_latency, out, attach)
             results.append({**base, "ratio": 1.0})
@@ -75,6 +78,8 @@ def main(argv=None) -> int:
                 results.append(r)
                 print(f"seed {seed}: async s={s} {r['samples_per_s']:.2f} samples/s ({r['ratio']:.2f}x sync), "
                       f"reward(last 5) {r['reward_last5']:.3f}, staleness {r['staleness_mean']:.2f}", flush=True)
+    finally:
+        ray.shutdown()
     print(f"\n{steps} steps per run, env.tool_latency_s={args.tool_latency}, seeds {seeds}; cells in {out}")
     print(f"{'mode':<12}{'samples/s':>12}{'x sync':>9}{'reward(last 5)':>18}{'samples':>9}")
     for mode in dict.fromkeys(r["mode"] for r in results):

@@ -7,7 +7,9 @@
 3. the rows minirl sends, checked against Gym's own `SimpleAgentRunRequest`;
 4. a too-long prompt through Gym's `vllm_model`: Gym's lane A (an empty output, incomplete_details);
 5. `python -m minirl.train agent.external_url=<simple_agent>` for 2 steps, attached to the worker;
-6. checks: rollouts_trained > 0 and logprob_abs_error < 1e-3 at every step.
+6. checks: rollouts_trained > 0, logprob_abs_error < 1e-3 and the ledger matched every trained
+   call to the engine's record by its tokens (calls_unrecorded = 0, calls_matched > 0) at every
+   step, and the two steps trained different prompts.
 
 Exits 0 only if every check holds; prints one `gym-check:` line per check and stops everything it
 started (the Gym process, the run, the Ray cluster) whatever happens.
@@ -131,6 +133,15 @@ def main() -> int:
             ok = all(e is not None and e < 1e-3 for e in err)
             say(f"{'PASS' if ok else 'FAIL'} logprob_abs_error per step {err} (< 1e-3)")
             ok or failures.append("logprob_abs_error")
+            matched, unrecorded = [s.get("calls_matched") for s in steps], [s.get("calls_unrecorded") for s in steps]
+            ok = all(m and m > 0 for m in matched) and all(u == 0 for u in unrecorded)
+            say(f"{'PASS' if ok else 'FAIL'} ledger: calls_matched per step {matched} (> 0), calls_unrecorded {unrecorded} (= 0)")
+            ok or failures.append("ledger")
+            seeds = [tuple(s["prompt_seeds"]) for s in steps]
+            ok = len(set(seeds)) == len(seeds)
+            say(f"{'PASS' if ok else 'FAIL'} each step trained its own prompts: {seeds}; reward per step "
+                f"{[s['reward_mean'] for s in steps]}, tokens {[s['tokens_trained'] for s in steps]}")
+            ok or failures.append("prompts")
             say(f"endpoints.json: {(run_dir / 'endpoints.json').read_text().strip()}")
     except Exception as exc:  # report, then stop everything below
         say(f"FAIL {type(exc).__name__}: {exc}")

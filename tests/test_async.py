@@ -59,12 +59,12 @@ def test_windowed_evicts_groups_that_fell_out_of_the_window_and_never_trains_the
 
 def test_mixed_faults_under_async_defaults_stay_in_the_window_and_the_log_matches_the_metrics(tmp_path, shared_engine):
     """Issue K's acceptance: agent_exception, transport and guard_reject at 4% each on the defaults."""
-    proc = run_cli("grpo.max_num_steps=4", "checkpoint.enabled=false", "logger.tensorboard=false", *ASYNC,
+    proc = run_cli("grpo.max_num_steps=3", "checkpoint.enabled=false", "logger.tensorboard=false", *ASYNC,
                    "faults.rate={agent_exception: 0.04, transport: 0.04, guard_reject: 0.04}", "faults.seed=3",
                    f"run_dir={tmp_path}", *shared_engine)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, evs = metrics(tmp_path), events(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(0 <= r["staleness_max"] <= 1 for r in rows), "no trained group outside the window"
     faults = [e for e in evs if e["type"] == "fault"]
     assert {e["kind"] for e in faults} >= {"agent_exception", "guard_reject"}

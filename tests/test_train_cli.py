@@ -78,7 +78,7 @@ CASES = {
 
 
 ASYNC = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true", "grpo.max_num_steps=2"]
-ASYNC_CASES = ["lane_b_budget_0", "lane_b_budget_5", "fix_1", "fix_3"]
+ASYNC_CASES = ["lane_b_budget_0", "fix_1"]  # the rest of the table shares their code paths; each run costs ~30 s
 
 
 @pytest.mark.parametrize("case,mode", [(c, "sync") for c in CASES] + [(c, "async") for c in ASYNC_CASES])
