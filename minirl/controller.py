@@ -1,7 +1,9 @@
 """The single controller (a Ray actor): the only place where optimizer steps are assembled.
 
-`collect(step, version)` dispatches the step's prompt groups through the rollout manager, drains
-the generation servers' call logs into the ledger, and assembles the training batch:
+`collect(step, version)` gets the step's prompt groups (sync: dispatched through the rollout
+manager and awaited; async: selected from the buffer that the rollout pump fills, see
+minirl/async_rl/), checks them against the ledger (the servers' call logs, or for an external
+agent its calls matched by their tokens), and assembles the training batch:
 - floor: a step that lost more groups than `min_step_batch_fraction` allows raises upstream's
   RuntimeError ("training step … lost … below the floor …");
 - context compaction: every kept group must hold all its rollouts (masked ones with mask 0); with
@@ -10,7 +12,8 @@ the generation servers' call logs into the ledger, and assembles the training ba
   default; over all of them as upstream otherwise), shared by all the physical traces of a rollout.
 
 Invariant: a batch holds every rollout of every kept group and nothing else, each from the one
-attempt that succeeded, all generated under the step's policy version, with finite advantages.
+attempt that succeeded, all generated under the step's policy version (async: within the
+staleness window), with finite advantages.
 """
 
 from __future__ import annotations
