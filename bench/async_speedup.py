@@ -8,6 +8,8 @@ Each seed runs sync, then async at each staleness bound, back to back on one sha
 worker (started once, as the sweep does). Every run gives the engine and the trainer `--threads`
 torch threads each (default 1: on the 2-core build machine that partitions the cores, where 2 + 2
 threads overlapping would spin against each other; sync runs measured no slower at 1 + 1).
+Async runs truncate the importance weights with `tis` at `--tis` (2.0): untruncated, one seed's
+async runs collapsed to reward 0 (twice, reproducibly), and truncated the same run ended at 0.83.
 Samples per second = rollouts trained / the summed `step_time_s` (start-up excluded; in async a
 step's time includes its wait for the buffer).
 Reward = mean `reward_mean` over the last 5 steps. Targets: async >= 1.8x sync at staleness 1,
@@ -27,13 +29,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(mode: str, staleness: int, seed: int, steps: int, latency: float, out: Path, attach: list[str]) -> dict:
+def run(mode: str, staleness: int, seed: int, steps: int, latency: float, out: Path, attach: list[str],
+        truncation: list[str]) -> dict:
     run_dir = out / f"{mode}{staleness if mode == 'async' else ''}_seed{seed}"
     args = [f"grpo.max_num_steps={steps}", f"grpo.seed={seed}", f"env.data_seed={1234 + seed}", f"faults.seed={seed}",
             f"env.tool_latency_s={latency}", "checkpoint.enabled=false", "logger.tensorboard=false", f"run_dir={run_dir}"]
     if mode == "async":
         args += ["async_rl.enabled=true", f"async_rl.sampler.max_staleness_versions={staleness}",
-                 "loss_fn.use_importance_sampling_correction=true"]
+                 "loss_fn.use_importance_sampling_correction=true", *truncation]
     proc = subprocess.run([sys.executable, "-m", "minirl.train", *args, *attach], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir.name} failed:\n{proc.stderr[-3000:]}")
@@ -59,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--staleness", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--tool-latency", type=float, default=0.2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the trainer")
+    ap.add_argument("--tis", type=float, default=2.0,
+                    help="async runs truncate the importance weights at this ratio (tis); 0: untruncated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 20)
@@ -66,14 +71,16 @@ def main(argv=None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="async_speedup_"))
     results = []
     threads = [f"policy.train_threads={args.threads}", f"policy.generation.vllm_cfg.omp_threads={args.threads}"]
+    truncation = ["loss_fn.truncated_importance_sampling_type=tis",
+                  f"loss_fn.truncated_importance_sampling_ratio={args.tis}"] if args.tis > 0 else []
     try:
         attach = start_shared_generation(load_config(None, threads), "async-bench-gen") + threads
         for seed in seeds:
-            base = run("sync", 0, seed, steps, args.tool_latency, out, attach)
+            base = run("sync", 0, seed, steps, args.tool_latency, out, attach, truncation)
             results.append({**base, "ratio": 1.0})
             print(f"seed {seed}: sync {base['samples_per_s']:.2f} samples/s, reward(last 5) {base['reward_last5']:.3f}", flush=True)
             for s in args.staleness:
-                r = run("async", s, seed, steps, args.tool_latency, out, attach)
+                r = run("async", s, seed, steps, args.tool_latency, out, attach, truncation)
                 r["ratio"] = r["samples_per_s"] / base["samples_per_s"]
                 results.append(r)
                 print(f"seed {seed}: async s={s} {r['samples_per_s']:.2f} samples/s ({r['ratio']:.2f}x sync), "
