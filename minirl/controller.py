@@ -270,7 +270,3 @@ class Controller:
         for c in await self._drain(step):
             key = (c["step"], c["group"])
             (self.orphans if key in self.consumed else self.calls.setdefault(key, [])).append(c)
-
-    async def close(self) -> None:
-        if self.pump is not None:
-            await self.pump.stop()

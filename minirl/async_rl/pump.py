@@ -62,12 +62,6 @@ class RolloutPump:
         if self.error is not None:
             raise self.error
 
-    async def stop(self) -> None:
-        pending = [t for t in [self.main, self.watchdog, *self.tasks] if t is not None]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-
     async def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
