@@ -149,12 +149,15 @@ class Cluster:
             ray.get(self.controller.published.remote(version))
 
     def save_checkpoint(self, step: int) -> None:
-        state = {"step": step, "next_step": step + 1, "rollout_manager": ray.get(self.controller.state.remote())}
-        checkpoint.save(
-            self.run_dir, step, state,
-            lambda d: ray.get([w.save.remote(d) for w in self.policy]),
-            self.cfg.policy.model_name, self.cfg.checkpoint.keep_last_k,
-        )
+        snap = ray.get(self.controller.snapshot.remote())
+        state = {"step": step, "next_step": step + 1, "rollout_manager": snap["rollout_manager"]}
+
+        def write(d: str) -> None:
+            ray.get([w.save.remote(d) for w in self.policy])
+            if snap["async_buffer"] is not None:
+                (Path(d) / checkpoint.ASYNC_BUFFER).write_bytes(snap["async_buffer"])
+
+        checkpoint.save(self.run_dir, step, state, write, self.cfg.policy.model_name, self.cfg.checkpoint.keep_last_k)
 
     def resume(self) -> int:
         """Load the checkpoint `checkpoint.resume` names; returns the first step to run. Each newer
@@ -167,7 +170,8 @@ class Cluster:
             return 0
         state = checkpoint.read_state(path)
         ray.get([w.load.remote(str(path)) for w in self.policy])
-        ray.get(self.controller.load_state.remote(state["rollout_manager"]))
+        buffer = path / checkpoint.ASYNC_BUFFER
+        ray.get(self.controller.load_state.remote(state["rollout_manager"], buffer.read_bytes() if buffer.exists() else None))
         self.sync_weights(version=state["next_step"])
         ray.get(self.controller.note.remote({"type": "resumed", "checkpoint": str(path), "from_step": state["next_step"]}))
         return state["next_step"]

@@ -18,7 +18,9 @@ staleness window), with finite advantages.
 
 from __future__ import annotations
 
+import pickle
 import time
+
 import numpy as np
 
 from minirl.algo.grpo import group_advantages
@@ -140,12 +142,23 @@ class Controller:
         self.async_stats = {"stale_groups_evicted": 0, "promoted_prompt_groups": 0, "replaced_prompt_groups": 0}
         self.last_collect = time.perf_counter()  # async: when the previous step's batch was handed over
         self.counters = (0, 0, 0)  # the manager's run totals (sends, returned, guard rejections) at the last step
+        self.restored: dict | None = None  # async resume: the checkpoint's buffer, until the pump starts
 
-    def state(self) -> dict:
-        return self.manager.state()
+    async def snapshot(self) -> dict:
+        """The controller's part of a checkpoint, taken between two awaits (a consistent cut): the
+        failure policy's run-scoped counters and, async, the pump's buffer with the call records
+        of its groups (pickled: `Cluster.save_checkpoint` writes it into the checkpoint)."""
+        snap = {"rollout_manager": self.manager.state(), "async_buffer": None}
+        if self.pump is not None:
+            pump = self.pump.snapshot()
+            calls = {k: self.calls[k] for k in ((r.step, r.group) for r in pump["ready"]) if k in self.calls}
+            snap["async_buffer"] = pickle.dumps({"pump": pump, "calls": calls})
+        return snap
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, async_buffer: bytes | None = None) -> None:
+        """Resume: the counters, and (async) the buffer that the pump restores when it starts."""
         self.manager.load_state(state)
+        self.restored = pickle.loads(async_buffer) if async_buffer is not None and self.cfg.async_rl.enabled else None
 
     def note(self, event: dict) -> None:
         """Write an event from outside the step (e.g. the loop's `resumed`)."""
@@ -246,7 +259,10 @@ class Controller:
             self.manager.open()
             self.buffer = GroupBuffer(ar.max_buffered_rollouts)
             self.sampler = make_sampler(ar.sampler.name, self.cfg.grpo.num_prompts_per_step, ar.sampler.max_staleness_versions)
-            self.pump = RolloutPump(self.cfg, self.manager, self.buffer, self.sampler, step, version, self._resolved)
+            restored, self.restored = self.restored, None
+            self.pump = RolloutPump(self.cfg, self.manager, self.buffer, self.sampler, step, version, self._resolved,
+                                    restored and restored["pump"])
+            self.calls.update(restored["calls"] if restored else {})
             self.pump.start()
 
         def pick(ready):

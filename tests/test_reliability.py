@@ -35,8 +35,9 @@ ASYNC = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=tr
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigkilled_driver_resumes_from_its_checkpoint_with_nothing_lost(tmp_path, shared_engine, mode):
-    """Async too: groups the pump had run ahead for are lost with the driver, and re-dispatched on
-    resume (the prompt stream is a pure function of (step, group)); none is trained twice."""
+    """Async too: the checkpoint holds the pump's buffer. On resume its finished groups are trained
+    without being generated again, the groups that were in flight are re-dispatched, and only
+    the missing ones are generated; none is trained twice."""
     args = [*SMALL, *(ASYNC if mode == "async" else []), "grpo.max_num_steps=5", "checkpoint.save_period=2",
             f"run_dir={tmp_path}", *shared_engine]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -65,6 +66,15 @@ def test_sigkilled_driver_resumes_from_its_checkpoint_with_nothing_lost(tmp_path
         assert r["prompt_seeds"] == [prompt_row(cfg, r["step"], g)["task"]["seed"] for g in range(4)]
     resumed = [e for e in events(tmp_path) if e["type"] == "resumed"]
     assert resumed and resumed[-1]["from_step"] == 2
+    if mode == "async":
+        log = events(tmp_path)
+        after = log[max(i for i, e in enumerate(log) if e["type"] == "resumed"):]
+        (restored,) = [e for e in after if e["type"] == "buffer_restored"]
+        kept = {tuple(g) for g in restored["kept"]}
+        again = [(e["step"], e["group"]) for e in after if e["type"] == "dispatch"]
+        assert kept or restored["redispatched"], "the checkpoint held the groups the pump had run ahead for"
+        assert not kept & set(again) and len(again) == len(set(again)), "nothing generated twice"
+        assert kept | set(again) >= {(s, g) for s in range(2, 5) for g in range(4)}, "nothing lost"
 
 
 def test_killed_generation_worker_restarts_and_the_run_goes_on(tmp_path):

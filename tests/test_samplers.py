@@ -97,3 +97,27 @@ def test_evicting_while_waiting_frees_places_for_the_pump():
         assert len(stale) == 2 and [r.step for r in chosen] == [1]
 
     asyncio.run(go())
+
+
+def test_a_restored_pump_drops_past_targets_keeps_the_rest_and_redispatches_only_what_was_in_flight():
+    """The checkpoint's buffer on resume at step 3 (in_order): a group stamped for step 2 is past its
+    target; the finished groups of step 3 stay (not generated again); the one in flight is re-sent."""
+    import pickle
+
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.config import load_config
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2"])
+    events = []
+    manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100)
+    snap = {"next": (4, 1), "in_flight": [(3, 1, False), (4, 0, False)], "fresh": {}, "replacements": {},
+            "ready": [rec(2, 1, 1), rec(3, 0, 2)]}
+    snap = pickle.loads(pickle.dumps(snap))  # as the checkpoint file holds it
+    pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 2, 1), 3, 3, None, snap)
+    assert [(r.step, r.group) for r in pump.buffer.ready] == [(3, 0)]
+    assert pump.relaunch == [(3, 1, False), (4, 0, False)] and pump.next == (4, 1)
+    (event,) = events
+    assert event["type"] == "buffer_restored" and event["dropped_past_target"] == [[2, 1]]
+    assert event["kept"] == [[3, 0]] and event["redispatched"] == [[3, 1], [4, 0]]

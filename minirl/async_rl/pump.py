@@ -14,9 +14,17 @@ step itself (replaced). Fresh prompts take the prompt stream's groups past `num_
 ((s, N), (s, N+1), ...). At most `max_replacement_attempts` fresh prompts per step and
 `replacement_reserve_prompts` in flight at once; beyond either, the step shrinks.
 
+Checkpoint (`snapshot`, `restored`): a checkpoint keeps the cursor, the finished groups not yet
+trained (with their weight versions and target steps), the groups in flight and the replacement
+counters. On resume the pump drops kept groups whose target step has passed (in_order), leaves the
+stale ones to the train pump's eviction, re-dispatches the groups that were in flight (under the
+resumed version: the prompt stream and the fault stream are functions of the coordinates) and
+goes on from the cursor: only what is missing is generated again.
+
 Invariant: every prompt group is dispatched once and resolves once into the buffer (or the run
-ends); a run-ending failure (drop budget, DATA re-raise, stall) stops the pump and is raised to the
-train pump by `check`, never swallowed.
+ends; after a resume, once more only if it was in flight at the checkpoint); a run-ending failure
+(drop budget, DATA re-raise, stall) stops the pump and is raised to the train pump by `check`,
+never swallowed.
 """
 
 from __future__ import annotations
@@ -34,13 +42,14 @@ from minirl.rollout.manager import RolloutManager
 
 class RolloutPump:
     def __init__(self, cfg: MinirlConfig, manager: RolloutManager, buffer: GroupBuffer, sampler: Sampler,
-                 first_step: int, version: int, on_resolved: Callable[[int, int], Awaitable[None]]):
+                 first_step: int, version: int, on_resolved: Callable[[int, int], Awaitable[None]],
+                 restored: dict | None = None):
         self.cfg, self.manager, self.buffer, self.sampler = cfg, manager, buffer, sampler
         self.on_resolved = on_resolved
         self.next = (first_step, 0)
         self.version = version
         self.inflight: Counter = Counter()  # start_weight -> groups in flight
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: dict[asyncio.Task, tuple[int, int, bool]] = {}  # in flight -> (step, group, replacement)
         self.error: BaseException | None = None
         self.wake = asyncio.Event()
         self.main: asyncio.Task | None = None
@@ -48,6 +57,25 @@ class RolloutPump:
         self.fresh: Counter = Counter()  # prompt step -> fresh prompts drawn for it
         self.replacements: Counter = Counter()  # step -> replacements dispatched for its drops
         self.reserve_in_flight = 0
+        self.relaunch: list[tuple[int, int, bool]] = []  # groups in flight at the checkpoint resumed from
+        if restored is not None:
+            self._restore(restored, first_step)
+
+    def snapshot(self) -> dict:
+        """The pump's part of a checkpoint. Take it on the event loop (no await inside): a
+        consistent cut of the cursor, the groups in flight and the buffer."""
+        return {"next": self.next, "in_flight": sorted(self.tasks.values()), "ready": list(self.buffer.ready),
+                "fresh": dict(self.fresh), "replacements": dict(self.replacements)}
+
+    def _restore(self, snap: dict, first_step: int) -> None:
+        past = [r for r in snap["ready"] if self.sampler.name == "in_order" and r.target_step < first_step]
+        self.buffer.ready = [r for r in snap["ready"] if r not in past]
+        self.relaunch = [job for job in snap["in_flight"] if not (self.sampler.name == "in_order" and job[0] < first_step)]
+        self.next, self.fresh, self.replacements = tuple(snap["next"]), Counter(snap["fresh"]), Counter(snap["replacements"])
+        self.manager.emit({"type": "buffer_restored", "step": first_step, "version": self.version,
+                           "kept": [[r.step, r.group] for r in self.buffer.ready],
+                           "dropped_past_target": [[r.step, r.group] for r in past],
+                           "redispatched": [[s, g] for s, g, _ in self.relaunch]})
 
     def start(self) -> None:
         self.main = asyncio.create_task(self._run())
@@ -70,6 +98,10 @@ class RolloutPump:
 
     async def _run(self) -> None:
         limit = self.cfg.async_rl.max_inflight_prompts
+        for step, group, replacement in self.relaunch:  # resumed: what was in flight at the checkpoint
+            self.reserve_in_flight += replacement
+            await self.buffer.reserve(over=self.cfg.async_rl.rollout_failure.replacement_reserve_prompts if replacement else 0)
+            self._launch(step, group, replacement)
         while self.error is None:
             step, group = self.next
             if self.sampler.name == "in_order" and step >= self.cfg.grpo.max_num_steps:
@@ -84,11 +116,13 @@ class RolloutPump:
 
     def _launch(self, step: int, group: int, replacement: bool = False) -> None:
         task = asyncio.create_task(self._dispatch(step, group, self.version, replacement))
-        self.tasks.add(task)
+        self.tasks[task] = (step, group, replacement)
         task.add_done_callback(self._done)
+        self.manager.emit({"type": "dispatch", "step": step, "group": group, "start_weight": self.version,
+                           "replacement": replacement})
 
     def _done(self, task: asyncio.Task) -> None:
-        self.tasks.discard(task)
+        self.tasks.pop(task, None)
         self.wake.set()
 
     async def _dispatch(self, step: int, group: int, start: int, replacement: bool) -> None:

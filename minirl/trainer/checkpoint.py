@@ -1,5 +1,7 @@
 """Checkpoints: `run_dir/checkpoints/step_N/`, holding the policy (weights, optimizer, tokenizer),
-the RNG, the data position and the failure policy's run-scoped counters. The fault stream needs no
+the RNG, the data position, the failure policy's run-scoped counters and, async, the rollout pump's
+buffer (`async_buffer.pkl`: the finished groups not yet trained with their weight versions, the
+groups in flight; pickled dataclasses, read back only from a checkpoint whose manifest verifies). The fault stream needs no
 position of its own: it is a function of (step, group, rollout, attempt), so resuming at step N
 resumes it too.
 
@@ -21,6 +23,7 @@ import shutil
 from pathlib import Path
 
 STATE = "state.json"
+ASYNC_BUFFER = "async_buffer.pkl"
 
 
 class CheckpointError(RuntimeError):
