@@ -75,19 +75,43 @@ def stack(engine, tokenizer, base_cfg):
     return make
 
 
-@pytest.fixture(scope="module")
+SHARED_ENGINE_CHILD = """
+import sys
+from minirl.cluster import start_shared_generation
+from minirl.config import load_config
+print(" ".join(start_shared_generation(load_config(), "shared-gen")), flush=True)
+sys.stdin.read()  # until the test session closes this pipe (or dies): then Ray's exit hook stops the cluster
+"""
+
+
+@pytest.fixture(scope="session")
 def shared_engine():
-    """A Ray cluster owned by this test process and one detached generation worker, for a
-    module's CLI runs: they attach with the returned overrides (`cluster.attach_generation_workers`)
-    and so skip vLLM start-up. Shutting Ray down here stops that cluster and nothing else."""
+    """One Ray cluster and one detached generation worker for the whole session's CLI runs: they
+    attach with the returned overrides (`cluster.attach_generation_workers`) and so skip Ray and
+    vLLM start-up. A child process owns the cluster, so tests that start Ray in this process
+    (test_ddp) do not collide with it; it stops that cluster, and nothing else, when the session ends."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    child = subprocess.Popen([sys.executable, "-c", SHARED_ENGINE_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=env)
+    try:
+        overrides = child.stdout.readline().split()
+        assert overrides, f"the shared engine did not start (exit {child.poll()})"
+        yield overrides
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
+def connect(shared_engine: list[str]):
+    """Connect this process to the shared engine's cluster (`ray.shutdown()` then only disconnects)."""
     import ray
 
-    from minirl.cluster import start_shared_generation
-
-    try:
-        yield start_shared_generation(load_config(), "shared-gen")
-    finally:
-        ray.shutdown()
+    address = next(o.split("=", 1)[1] for o in shared_engine if o.startswith("cluster.ray_address="))
+    ray.init(address=address, namespace="minirl", logging_level="error", log_to_driver=False)
+    return ray
 
 
 def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:

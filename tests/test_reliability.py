@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import connect, run_cli
 from minirl.config import REPO_ROOT, load_config
 from minirl.data import prompt_row
 
@@ -110,7 +110,6 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
     import asyncio
     import threading
 
-    import ray
     from aiohttp import web
 
     def answer(row):
@@ -161,5 +160,8 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
     assert "generation_log_probs must be finite and <= 0, got inf" in by_group[2]
     assert "generation_log_probs must be finite and <= 0, got 0.5" in by_group[3]
     assert {e["decision"] for e in failures} == {"skipped"} and 0 not in by_group
-    worker = ray.get_actor("shared-gen-0", namespace="minirl")
-    assert ray.get(worker.weights_finite.remote())
+    ray = connect(shared_engine)
+    try:
+        assert ray.get(ray.get_actor("shared-gen-0").weights_finite.remote())
+    finally:
+        ray.shutdown()
