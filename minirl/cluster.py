@@ -194,7 +194,10 @@ def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement
     cl = cfg.cluster
     workers = []
     for i in range(cl.num_generation_workers):
+        # a call while the actor restarts waits for it (with fleet health the run goes on meanwhile, and the
+        # controller drains its call log and publishes weights to every worker)
         options = {"num_cpus": cl.cpus_per_generation_worker, "num_gpus": cl.gpus_per_generation_worker, "max_restarts": -1,
+                   "max_task_retries": -1,
                    # Ray would start the process with OMP_NUM_THREADS=num_cpus, and vLLM-CPU forbids
                    # changing torch's thread count once the engine is up: it must be right from the start
                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.policy.generation.vllm_cfg.omp_threads)}}}
