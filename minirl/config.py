@@ -228,7 +228,7 @@ class GenerationFleetHealthConfig:
     """Probe every generation worker from the router, quarantine the sick ones, and send minirl's own
     agents through the router. Off by default: the default run has one worker, where a quarantine
     cannot route around anything but only end the run (a worker Ray restarts after `worker_kill` is
-    down ~15 s, three failed probes), and the agents keep their rollout-sticky routing (prefix
+    down for its engine start-up, 15 s or more: three failed probes), and the agents keep their rollout-sticky routing (prefix
     cache), so the default run's rewards stay as they were. Turn it on with two or more workers."""
     probe_interval_s: float = 5.0
     """Seconds between two probes (`GET /health`) of one worker."""
