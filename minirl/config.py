@@ -223,6 +223,28 @@ class GenerationRouterConfig:
 
 
 @dataclass
+class GenerationFleetHealthConfig:
+    enabled: bool = False
+    """Probe every generation worker from the router, quarantine the sick ones, and send minirl's own
+    agents through the router. Off by default: the default run has one worker, where a quarantine
+    cannot route around anything but only end the run (a worker Ray restarts after `worker_kill` is
+    down for its engine start-up, 15 s or more: three failed probes), and the agents keep their rollout-sticky routing (prefix
+    cache), so the default run's rewards stay as they were. Turn it on with two or more workers."""
+    probe_interval_s: float = 5.0
+    """Seconds between two probes (`GET /health`) of one worker."""
+    probe_timeout_s: float = 2.0
+    """A probe not answered 200 within this fails; must be less than probe_interval_s."""
+    unhealthy_threshold: int = 3
+    """Consecutive failed probes that quarantine a worker: it gets no new request, and the requests in
+    flight on it fail at once with HTTP 503 (INFRA: their rollouts are redispatched)."""
+    healthy_threshold: int = 2
+    """Consecutive passed probes that re-admit a quarantined worker (e.g. one Ray restarted)."""
+    min_healthy_shards: int = 1
+    """Fewer workers out of quarantine than this end the run (GenerationFleetUnhealthy, naming the
+    quarantined workers and their failed probes); at most cluster.num_generation_workers."""
+
+
+@dataclass
 class SamplerConfig:
     name: str = "in_order"
     """`in_order` (each step trains its own prompt groups), `windowed` (any ready group in the window)
@@ -248,6 +270,7 @@ class AsyncRLConfig:
     rollout_failure: RolloutFailureConfig = field(default_factory=RolloutFailureConfig)
     stall_watchdog: StallWatchdogConfig = field(default_factory=StallWatchdogConfig)
     generation_router: GenerationRouterConfig = field(default_factory=GenerationRouterConfig)
+    generation_fleet_health: GenerationFleetHealthConfig = field(default_factory=GenerationFleetHealthConfig)
 
 
 # ------------------------------------------------------------------------------- context compaction
@@ -415,6 +438,7 @@ FAULT_KINDS = (
     "transport",
     "bad_output",
     "worker_kill",
+    "worker_hang",
     "agent_kill",
 )
 AGENT_SIDE_KINDS = ("guard_reject", "agent_exception", "timeout", "transport", "bad_output", "agent_kill")
@@ -582,7 +606,8 @@ AT_LEAST_1 = (
     "agent.max_steps", "agent.max_request_bytes", "agent.context_history.schedule.actions_per_chunk",
     "env.num_rooms", "env.max_num_rooms", "grpo.val_num_prompts", "grpo.val_num_generations",
     "cluster.num_cpus", "cluster.num_generation_workers", "cluster.num_policy_workers", "cluster.num_agent_servers",
-    "checkpoint.save_period",
+    "checkpoint.save_period", "async_rl.generation_fleet_health.unhealthy_threshold",
+    "async_rl.generation_fleet_health.healthy_threshold", "async_rl.generation_fleet_health.min_healthy_shards",
 )
 AT_LEAST_0 = (
     "grpo.seed", "grpo.val_period", "env.data_seed", "faults.seed", "faults.hang_s",
@@ -600,7 +625,8 @@ AT_LEAST_0 = (
 ABOVE_0 = (
     "policy.generation.temperature", "policy.optimizer.eps",
     "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "async_rl.stall_watchdog.stall_timeout_s",
-    "agent.context_history.guards.max_total_tokens",
+    "agent.context_history.guards.max_total_tokens", "async_rl.generation_fleet_health.probe_interval_s",
+    "async_rl.generation_fleet_health.probe_timeout_s",
 )
 UNIT_INTERVAL = (  # (0, 1]
     "policy.generation.top_p", "policy.generation.vllm_cfg.gpu_memory_utilization",
@@ -762,6 +788,13 @@ def validate(cfg: MinirlConfig) -> None:
              "async_rl.generation_router.no_healthy_backend_status",
              f"must be an HTTP error status that Gym does not retry (not {', '.join(map(str, GYM_RETRIED_STATUSES))}), "
              f"got {gr.no_healthy_backend_status}")
+    fh = cfg.async_rl.generation_fleet_health
+    _require(fh.probe_timeout_s < fh.probe_interval_s, "async_rl.generation_fleet_health.probe_timeout_s",
+             f"must be less than probe_interval_s ({fh.probe_interval_s}), got {fh.probe_timeout_s}")
+    _require(fh.min_healthy_shards <= cfg.cluster.num_generation_workers, "async_rl.generation_fleet_health.min_healthy_shards",
+             f"must be at most cluster.num_generation_workers ({cfg.cluster.num_generation_workers}), got {fh.min_healthy_shards}")
+    _require(gr.enabled or not fh.enabled, "async_rl.generation_fleet_health.enabled",
+             "needs async_rl.generation_router.enabled=true: the router probes the workers and routes around the sick")
     # the servers' own limits on what a request may cost them
     vllm = cfg.policy.generation.vllm_cfg
     _require(vllm.max_request_bytes >= 1, "policy.generation.vllm_cfg.max_request_bytes", f"must be >= 1, got {vllm.max_request_bytes}")

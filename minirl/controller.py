@@ -14,10 +14,17 @@ agent its calls matched by their tokens), and assembles the training batch:
 Invariant: a batch holds every rollout of every kept group and nothing else, each from the one
 attempt that succeeded, all generated under the step's policy version (async: within the
 staleness window), with finite advantages.
+
+Fleet health (`async_rl.generation_fleet_health.enabled`): while a step collects, the controller
+polls the generation router every `probe_interval_s`, writes each quarantine and re-admission to
+the event log (and counts them in the step's metrics), and ends the run with
+GenerationFleetUnhealthy when fewer than `min_healthy_shards` workers are healthy, also when the
+outage made the step fail first (its failure is the cause).
 """
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import time
 
@@ -28,6 +35,10 @@ from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_row
 from minirl.rollout.evidence import Ledger, Rollout
 from minirl.rollout.manager import GroupOutcome, RolloutManager
+from minirl.wire import GenerationFleetUnhealthy
+
+FLEET_COUNTS = {"worker_quarantined": "workers_quarantined", "worker_readmitted": "workers_readmitted"}
+"""Fleet health: the router's transition events and the per-step metric that counts each."""
 
 
 def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> None:
@@ -125,7 +136,8 @@ class Controller:
     Async: a rollout pump (minirl.async_rl.pump) runs ahead under the staleness sampler, and
     `collect` is the train pump's half: evict stale groups, wait for the sampler's selection."""
 
-    def __init__(self, cfg: MinirlConfig, run_dir: str, agent_urls: list[str], gen_workers: list, vocab_size: int, pad_id: int):
+    def __init__(self, cfg: MinirlConfig, run_dir: str, agent_urls: list[str], gen_workers: list, vocab_size: int, pad_id: int,
+                 fleet=None):
         from pathlib import Path
 
         from minirl.metrics import EventLog
@@ -143,6 +155,8 @@ class Controller:
         self.last_collect = time.perf_counter()  # async: when the previous step's batch was handed over
         self.counters = (0, 0, 0)  # the manager's run totals (sends, returned, guard rejections) at the last step
         self.restored: dict | None = None  # async resume: the checkpoint's buffer, until the pump starts
+        self.fleet = fleet  # the generation router's actor when fleet health is on, else None
+        self.fleet_stats: dict = {}  # fleet health: this step's quarantines, re-admissions, healthy workers
 
     async def snapshot(self) -> dict:
         """The controller's part of a checkpoint, taken between two awaits (a consistent cut): the
@@ -185,12 +199,14 @@ class Controller:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats."""
         t0 = time.perf_counter()
         busy0 = await self._engine_busy_s()
+        if self.fleet is not None:
+            self.fleet_stats = dict.fromkeys(FLEET_COUNTS.values(), 0)
         try:
             if self.cfg.async_rl.enabled:
-                outcomes, starts, server_calls = await self._from_buffer(step, version)
+                outcomes, starts, server_calls = await self._fleet_watched(step, self._from_buffer(step, version))
             else:
                 rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
-                outcomes = await self.manager.run_step(step, rows)
+                outcomes = await self._fleet_watched(step, self.manager.run_step(step, rows))
                 starts, server_calls = [version] * len(outcomes), await self._drain(step)
             # async: generation overlaps training, so its rate is over the whole period since the last step
             gen_s = time.perf_counter() - (self.last_collect if self.cfg.async_rl.enabled else t0)
@@ -236,9 +252,43 @@ class Controller:
             staleness_mean=float(np.mean(staleness)),
             staleness_max=int(max(staleness)),
             **self.async_stats,
+            **self.fleet_stats,
             prompt_seeds=[prompt_row(self.cfg, o.step, o.group)["task"]["seed"] for o in outcomes],
         )
         return batch, stats
+
+    async def _fleet_watched(self, step: int, body):
+        """Await `body` while the fleet is watched (without fleet health, just await it)."""
+        if self.fleet is None:
+            return await body
+        task, watch = asyncio.ensure_future(body), asyncio.ensure_future(self._watch_fleet(step))
+        try:
+            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, watch):
+                t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+        if task.cancelled():  # the watcher ended the step
+            watch.result()
+        try:
+            await self._poll_fleet(step)  # the transitions since the watcher's last poll
+        except GenerationFleetUnhealthy as exc:
+            raise exc from task.exception()
+        return task.result()
+
+    async def _watch_fleet(self, step: int) -> None:
+        while True:
+            await self._poll_fleet(step)
+            await asyncio.sleep(self.cfg.async_rl.generation_fleet_health.probe_interval_s)
+
+    async def _poll_fleet(self, step: int) -> None:
+        report = await self.fleet.poll_health.remote()
+        for event in report["events"]:
+            self.events.write({**event, "step": step})
+            self.fleet_stats[FLEET_COUNTS[event["type"]]] += 1
+        self.fleet_stats["healthy_generation_workers"] = report["healthy"]
+        if report["error"] is not None:
+            raise GenerationFleetUnhealthy(report["error"])
 
     def _step_counters(self) -> tuple[int, int, int]:
         sends, returned, guard = self.counters

@@ -10,8 +10,8 @@ Coordinates: `Coords(step, group, rollout, attempt)`, written `s0.g1.r0.a0`; a m
 
 Taxonomy: INFRA failures (the fleet, the network, a timeout) are worth retrying with backoff; DATA
 failures (a bad result, a 4xx, anything unrecognised) are retried without backoff and then skipped
-or raised. `RolloutRedispatchExhausted` and `RolloutStall` are deliberately not RolloutFailures, so
-no per-attempt retry loop ever catches them.
+or raised. `RolloutRedispatchExhausted`, `RolloutStall` and `GenerationFleetUnhealthy` are
+deliberately not RolloutFailures, so no per-attempt retry loop ever catches them.
 
 Invariants: `classify` is total (every exception gets INFRA or DATA), looks at most 8 links down
 the `__cause__` chain and stops at a cycle; anything it does not recognise is DATA. A header or
@@ -129,6 +129,11 @@ class RolloutRedispatchExhausted(RuntimeError):
 
 class RolloutStall(RuntimeError):
     """No rollout completed within the stall watchdog's timeout."""
+
+
+class GenerationFleetUnhealthy(RuntimeError):
+    """Fewer generation workers out of quarantine than `generation_fleet_health.min_healthy_shards`:
+    the run ends, naming the quarantined workers and their failed probes."""
 
 
 class ContextGuardRejected(RuntimeError):

@@ -1,36 +1,46 @@
 """The generation router against real aiohttp backends on 127.0.0.1: least-outstanding shard
-selection, a refused worker skipped, and the no-shard status when none is eligible."""
+selection, a refused worker skipped, the no-shard status when none is eligible, and fleet health
+(a worker that stops answering is quarantined with its requests in flight failed, and re-admitted
+when it answers again; a restarted one rejoins; too few healthy workers give the run-ending error)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from minirl.config import ConfigError, GenerationRouterConfig, load_config
+from minirl.config import ConfigError, GenerationFleetHealthConfig, GenerationRouterConfig, load_config
 from minirl.generation.router import GenerationRouter, write_endpoints
 from minirl.wire import ROLLOUT_HEADER
 
 
 class Backend:
     """A worker stand-in: answers `/tokenize` with its name and the header it got; `/hold` waits
-    until released, so the test controls what is outstanding."""
+    until released, so the test controls what is outstanding; `/health` answers while `answering`
+    is set and hangs while it is not (a wedged worker)."""
 
     def __init__(self, name: str):
-        self.name, self.release = name, asyncio.Event()
+        self.name, self.release, self.answering = name, asyncio.Event(), asyncio.Event()
+        self.answering.set()
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/hold", self.hold)
-        self.runner = web.AppRunner(app, access_log=None)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True)
         await site.start()
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def health(self, request):
+        await self.answering.wait()
+        return web.json_response({"status": "ok"})
 
     async def tokenize(self, request):
         return web.json_response({"backend": self.name, "header": request.headers.get(ROLLOUT_HEADER)}, status=200)
@@ -109,3 +119,100 @@ def test_no_shard_status_must_not_be_one_gym_retries():
             load_config(None, [f"async_rl.generation_router.no_healthy_backend_status={bad}"])
     with pytest.raises(ConfigError, match="async_rl.generation_router.port_range_high"):
         load_config(None, ["async_rl.generation_router.port_range_low=6100", "async_rl.generation_router.port_range_high=6000"])
+
+
+FAST = dict(enabled=True, probe_interval_s=0.25, probe_timeout_s=0.2, unhealthy_threshold=2, healthy_threshold=2)
+
+
+async def until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_fleet_health_quarantines_a_hung_worker_fails_its_requests_at_once_and_readmits_it():
+    async def go():
+        loop = asyncio.get_running_loop()
+        a, b = Backend("a"), Backend("b")
+        urls = [await a.start(), await b.start()]
+        health = GenerationFleetHealthConfig(**FAST, min_healthy_shards=1)
+        router = await loop.run_in_executor(None, lambda: GenerationRouter(router_cfg(), urls, health=health))
+        poll = lambda: loop.run_in_executor(None, router.poll_health)  # noqa: E731
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def post(path):
+                    async with http.post(router.url + path, json={}) as r:
+                        return r.status, await r.json()
+                await asyncio.sleep(0.3)  # a few probes pass: nothing happens
+                assert (await poll())["events"] == [] and router.quarantined == {}
+                held = asyncio.ensure_future(post("/hold"))  # goes to a (tie: first in list order), never released
+                await until(lambda: router.outstanding[urls[0]] == 1, what="the held request on a")
+                a.answering.clear()  # a wedges: its probes time out
+                status, body = await asyncio.wait_for(held, 5)
+                assert status == 503 and "quarantined" in body["error"]["message"], body
+                assert "probe_timeout_s=0.2" in body["error"]["message"]
+                report = await poll()
+                assert [(e["type"], e["rank"], e["worker"]) for e in report["events"]] == [("worker_quarantined", 0, urls[0])]
+                assert report["healthy"] == 1 and report["error"] is None
+                for _ in range(3):  # quarantined: everything goes to b, though a has nothing outstanding
+                    assert (await post("/tokenize"))[1]["backend"] == "b"
+                a.answering.set()  # a answers again: two passed probes re-admit it
+                await until(lambda: not router.quarantined, what="re-admission")
+                report = await poll()
+                assert [e["type"] for e in report["events"]] == ["worker_readmitted"] and report["healthy"] == 2
+                assert (await post("/tokenize"))[1]["backend"] == "a"  # a tie again: a, first in list order
+            assert all(v == 0 for v in router.outstanding.values())
+        finally:
+            a.release.set()
+            await loop.run_in_executor(None, router.stop)
+            await a.runner.cleanup()
+            await b.runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_a_restarted_worker_rejoins_and_too_few_healthy_workers_name_the_quarantined():
+    async def go():
+        loop = asyncio.get_running_loop()
+        a, b = Backend("a"), Backend("b")
+        urls = [await a.start(), await b.start()]
+        health = GenerationFleetHealthConfig(**FAST, min_healthy_shards=2)
+        router = await loop.run_in_executor(None, lambda: GenerationRouter(router_cfg(), urls, health=health))
+        try:
+            await a.runner.cleanup()  # a dies: its probes are refused
+            await until(lambda: urls[0] in router.quarantined, what="a's quarantine")
+            report = await loop.run_in_executor(None, router.poll_health)
+            assert report["healthy"] == 1
+            assert report["error"].startswith("1 of 2 generation workers healthy, below async_rl.generation_fleet_health"
+                                              ".min_healthy_shards=2; quarantined by their /health probes: worker 0 at "
+                                              f"{urls[0]}: 2 consecutive failed probes (last: /health failed: "), report["error"]
+            restarted = Backend("a2")
+            await restarted.start(port=int(urls[0].rsplit(":", 1)[1]))  # back at the same URL, as Ray restarts it
+            await until(lambda: not router.quarantined, what="the restarted worker's re-admission")
+            report = await loop.run_in_executor(None, router.poll_health)
+            assert report["error"] is None and [e["type"] for e in report["events"]] == ["worker_readmitted"]
+            await restarted.runner.cleanup()
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await b.runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_fleet_health_config_is_validated():
+    key = "async_rl.generation_fleet_health"
+    for overrides, problem in (
+        ([f"{key}.probe_timeout_s=5"], "must be less than probe_interval_s (5.0)"),
+        ([f"{key}.min_healthy_shards=2"], "must be at most cluster.num_generation_workers (1)"),
+        ([f"{key}.min_healthy_shards=0"], "must be >= 1"),
+        ([f"{key}.unhealthy_threshold=0"], "must be >= 1"),
+        ([f"{key}.healthy_threshold=0"], "must be >= 1"),
+        ([f"{key}.probe_interval_s=0"], "must be > 0"),
+        ([f"{key}.enabled=true", "async_rl.generation_router.enabled=false"], "needs async_rl.generation_router.enabled=true"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(overrides[0].split("=")[0]) + ": " + re.escape(problem)):
+            load_config(None, overrides)
+    cfg = load_config(None, [f"{key}.enabled=true", "cluster.num_generation_workers=2", f"{key}.min_healthy_shards=2"])
+    assert cfg.async_rl.generation_fleet_health.probe_interval_s == 5.0 and cfg.async_rl.generation_fleet_health.probe_timeout_s == 2.0
+    assert load_config().async_rl.generation_fleet_health.enabled is False

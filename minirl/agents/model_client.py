@@ -24,6 +24,9 @@ LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
 
 
 class HttpModelClient:
+    """`urls`: the generation workers (a rollout's calls stick to one, for its prefix cache), or with
+    `async_rl.generation_fleet_health` the router alone, which routes around quarantined workers."""
+
     def __init__(self, urls: list[str], model: str, session: aiohttp.ClientSession):
         self.urls, self.model, self.session = urls, model, session
 

@@ -11,8 +11,18 @@ one. A request that outlives `backend_timeout_s` gets 504, a worker lost mid-ans
 Gym retries). With no eligible worker the answer is `no_healthy_backend_status` (409 by default),
 a status Gym does not retry, so the caller sees the outage at once.
 
+Fleet health (`async_rl.generation_fleet_health`, upstream's names): with `enabled`, a prober per
+worker sends `GET /health` every `probe_interval_s` with `probe_timeout_s`. `unhealthy_threshold`
+failed probes in a row quarantine the worker: it is not eligible, and every request in flight on it
+is answered 503 at once (INFRA for minirl's agents, whose rollouts are then redispatched; one Gym
+retries, here, on a healthy worker). `healthy_threshold` passed probes in a row re-admit it (a
+worker Ray restarted rejoins). Each transition is kept for `poll_health`, which the controller calls
+every `probe_interval_s` to log it and to end the run when fewer than `min_healthy_shards` workers
+are out of quarantine.
+
 Invariant: a request is forwarded to at most one worker that accepted its connection, and gets
-exactly one answer; the outstanding count of each worker returns to zero when its requests end.
+exactly one answer; the outstanding count of each worker returns to zero when its requests end; no
+request is forwarded to a quarantined worker, and none stays in flight on one.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from minirl.config import GenerationRouterConfig
+from minirl.config import GenerationFleetHealthConfig, GenerationRouterConfig
 from minirl.http_thread import HttpThread
 from minirl.wire import ROLLOUT_HEADER
 
@@ -33,19 +43,23 @@ FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER)
 
 
 def _error(status: int, message: str) -> web.Response:
-    kind = {409: "ConflictError", 502: "BadGatewayError", 504: "GatewayTimeoutError"}.get(status, "RouterError")
+    kind = {409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+            504: "GatewayTimeoutError"}.get(status, "RouterError")
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
 
 
 class GenerationRouter:
     """Ray actor (or plain object in tests): serves from its constructor, like the other servers."""
 
-    def __init__(self, cfg: GenerationRouterConfig, backends: list[str], host: str = "127.0.0.1"):
+    def __init__(self, cfg: GenerationRouterConfig, backends: list[str], host: str = "127.0.0.1",
+                 health: GenerationFleetHealthConfig | None = None):
         self.cfg = cfg
         self.backends = [u.rstrip("/") for u in backends]
         self.outstanding = {u: 0 for u in self.backends}
         self.down_until = {u: 0.0 for u in self.backends}
         self.served = {u: 0 for u in self.backends}
+        self.health = health or GenerationFleetHealthConfig()
+        self.probers: list[asyncio.Task] = []
         last: OSError | None = None
         for port in range(cfg.port_range_low, cfg.port_range_high + 1):
             try:
@@ -57,6 +71,7 @@ class GenerationRouter:
             raise RuntimeError(
                 f"async_rl.generation_router: no free port in {cfg.port_range_low}-{cfg.port_range_high} ({last})"
             )
+        self.set_health(self.health)
 
     @property
     def url(self) -> str:
@@ -69,22 +84,107 @@ class GenerationRouter:
         return {"outstanding": dict(self.outstanding), "served": dict(self.served)}
 
     def stop(self) -> None:
-        self.http.stop(self.session.close)
+        self.http.stop(self._close)
+
+    async def _close(self) -> None:
+        for task in self.probers:
+            task.cancel()
+        await asyncio.gather(*self.probers, return_exceptions=True)
+        await self.session.close()
 
     async def _setup(self) -> web.Application:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s, sock_connect=self.cfg.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=0),
         )
+        self._admit_all()
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_route("*", "/{path:.*}", self.forward)
         return app
 
+    # -- fleet health ----------------------------------------------------------------------------
+    def set_health(self, health: GenerationFleetHealthConfig) -> None:
+        """(Re)start fleet health under `health` (a run attaching to a running router brings its own):
+        every worker admitted, no probe counted yet; probers only when `health.enabled`."""
+
+        async def apply():
+            for task in self.probers:
+                task.cancel()
+            self.health = health
+            self._admit_all()
+            self.probers = [asyncio.ensure_future(self._prober(u)) for u in self.backends] if health.enabled else []
+
+        self.http.run(apply())
+
+    def _admit_all(self) -> None:
+        """Every worker out of quarantine, no probe counted (on the router's loop)."""
+        self.quarantined: dict[str, str] = {}  # worker -> why (its failed probes)
+        self.streak = {u: 0 for u in self.backends}  # >0: passes in a row, <0: failures in a row
+        self.evicted = {u: asyncio.get_running_loop().create_future() for u in self.backends}  # resolved on quarantine
+        self.transitions: list[dict] = []
+
+    async def _prober(self, url: str) -> None:
+        h = self.health
+        while True:
+            started = time.monotonic()
+            try:
+                async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=h.probe_timeout_s)) as resp:
+                    await resp.read()
+                    failure = None if resp.status == 200 else f"/health answered HTTP {resp.status}"
+            except asyncio.TimeoutError:
+                failure = f"/health did not answer within probe_timeout_s={h.probe_timeout_s}"
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                failure = f"/health failed: {exc!r}"
+            self.record_probe(url, failure)
+            await asyncio.sleep(max(0.0, h.probe_interval_s - (time.monotonic() - started)))
+
+    def record_probe(self, url: str, failure: str | None) -> None:
+        """One probe's result (None: passed), on the router's loop: `unhealthy_threshold` failures in
+        a row quarantine `url` and fail its requests in flight; `healthy_threshold` passes re-admit it."""
+        h, s = self.health, self.streak[url]
+        s = self.streak[url] = max(s, 0) + 1 if failure is None else min(s, 0) - 1
+        if url not in self.quarantined and -s >= h.unhealthy_threshold:
+            self.quarantined[url] = f"{-s} consecutive failed probes (last: {failure})"
+            self.evicted[url].set_result(self.quarantined[url])
+            self._transition("worker_quarantined", url, self.quarantined[url])
+        elif url in self.quarantined and s >= h.healthy_threshold:
+            del self.quarantined[url]
+            self.evicted[url] = asyncio.get_running_loop().create_future()
+            self.down_until[url] = 0.0
+            self._transition("worker_readmitted", url, f"{s} consecutive passed probes")
+
+    def _transition(self, kind: str, url: str, reason: str) -> None:
+        self.transitions.append({"type": kind, "worker": url, "rank": self.backends.index(url), "reason": reason,
+                                 "healthy_workers": len(self.backends) - len(self.quarantined), "at": round(time.time(), 3)})
+
+    def poll_health(self) -> dict:
+        """The transitions since the last poll (`events`), the workers out of quarantine (`healthy`),
+        those in it with why (`quarantined`), and `error`: the run-ending message when fewer than
+        `min_healthy_shards` are healthy (fleet health enabled only), else None."""
+
+        async def take():
+            events, self.transitions = self.transitions, []
+            healthy = len(self.backends) - len(self.quarantined)
+            error = None
+            if self.health.enabled and healthy < self.health.min_healthy_shards:
+                sick = "; ".join(f"worker {self.backends.index(u)} at {u}: {why}" for u, why in self.quarantined.items())
+                error = (f"{healthy} of {len(self.backends)} generation workers healthy, below "
+                         f"async_rl.generation_fleet_health.min_healthy_shards={self.health.min_healthy_shards}; "
+                         f"quarantined by their /health probes: {sick}")
+            return {"events": events, "healthy": healthy, "quarantined": dict(self.quarantined), "error": error}
+
+        return self.http.run(take())
+
+    # -- forwarding ------------------------------------------------------------------------------
     def pick(self, exclude: set[str]) -> str | None:
         """The eligible worker with the fewest outstanding requests (the first such in list order)."""
         now = time.monotonic()
-        eligible = [u for u in self.backends if u not in exclude and self.down_until[u] <= now]
+        eligible = [u for u in self.backends if u not in exclude and u not in self.quarantined and self.down_until[u] <= now]
         return min(eligible, key=lambda u: self.outstanding[u]) if eligible else None
+
+    async def _exchange(self, backend: str, request: web.Request, body: bytes, headers: dict) -> tuple[int, bytes, str]:
+        async with self.session.request(request.method, backend + request.rel_url.path_qs, data=body, headers=headers) as resp:
+            return resp.status, await resp.read(), resp.content_type
 
     async def forward(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -93,11 +193,15 @@ class GenerationRouter:
         while (backend := self.pick(tried)) is not None:
             tried.add(backend)
             self.outstanding[backend] += 1
+            evicted = self.evicted[backend]
+            call = asyncio.ensure_future(self._exchange(backend, request, body, headers))
             try:
-                async with self.session.request(request.method, backend + request.rel_url.path_qs, data=body, headers=headers) as resp:
-                    payload = await resp.read()
-                    self.served[backend] += 1
-                    return web.Response(body=payload, status=resp.status, content_type=resp.content_type)
+                await asyncio.wait((call, evicted), return_when=asyncio.FIRST_COMPLETED)
+                if not call.done():
+                    return _error(503, f"generation worker {backend} was quarantined with this request in flight: {evicted.result()}")
+                status, payload, content_type = call.result()
+                self.served[backend] += 1
+                return web.Response(body=payload, status=status, content_type=content_type)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                 self.down_until[backend] = time.monotonic() + self.cfg.connect_timeout_s  # not delivered: try another
             except asyncio.TimeoutError:
@@ -105,10 +209,11 @@ class GenerationRouter:
             except (aiohttp.ClientError, ConnectionError) as exc:
                 return _error(502, f"generation worker {backend} failed mid-request: {exc!r}")
             finally:
+                call.cancel()
                 self.outstanding[backend] -= 1
         return _error(
             self.cfg.no_healthy_backend_status,
-            f"no healthy generation worker: all {len(self.backends)} are unreachable or cooling down",
+            f"no healthy generation worker: all {len(self.backends)} are unreachable, cooling down or quarantined",
         )
 
 
@@ -120,29 +225,28 @@ def start_router(cfg, backends: list[str], host: str, name: str | None = None) -
     options = {"num_cpus": 0, "max_restarts": -1}
     if name is not None:
         options.update(name=f"{name}-router", namespace="minirl", lifetime="detached")
-    actor = ray.remote(GenerationRouter).options(**options).remote(cfg.async_rl.generation_router, backends, host)
+    actor = ray.remote(GenerationRouter).options(**options).remote(
+        cfg.async_rl.generation_router, backends, host, cfg.async_rl.generation_fleet_health)
     return actor, ray.get(actor.start.remote())
 
 
-def router_url(cfg, model_urls: list[str], host: str) -> str | None:
-    """The run's router URL: the attached workers' router when there is one, else a new router
-    (None when `async_rl.generation_router.enabled` is false). Keeps the actor alive via the module."""
+def run_router(cfg, model_urls: list[str], host: str) -> tuple[object, str] | tuple[None, None]:
+    """The run's router as (actor, url): the attached workers' router when there is one (under this
+    run's fleet health), else a new one; (None, None) when `async_rl.generation_router.enabled` is
+    false. The caller holds the actor: a Ray actor lives while a handle to it does."""
     import ray
 
     if not cfg.async_rl.generation_router.enabled:
-        return None
+        return None, None
     attach = cfg.cluster.attach_generation_workers
     if attach:
         try:
-            return ray.get(ray.get_actor(f"{attach}-router", namespace="minirl").start.remote())
+            actor = ray.get_actor(f"{attach}-router", namespace="minirl")
+            ray.get(actor.set_health.remote(cfg.async_rl.generation_fleet_health))
+            return actor, ray.get(actor.start.remote())
         except ValueError:  # the attached workers have no router: start this run's own
             pass
-    actor, url = start_router(cfg, model_urls, host)
-    _ROUTERS.append(actor)
-    return url
-
-
-_ROUTERS: list = []  # this driver's routers: a Ray actor lives while a handle to it does
+    return start_router(cfg, model_urls, host)
 
 
 def write_endpoints(run_dir: Path, router: str | None, workers: list[str], agents: list[str]) -> dict:

@@ -15,7 +15,7 @@ minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns'
 `splice_prefix`), and a request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is
 recorded in the call log (`CallLog`) that the controller's ledger drains after each step; a header
 that does not parse is a 400 naming it. The engine-side fault sites (`context_overflow`,
-`model_error`, `worker_kill`) fire here, keyed by that header.
+`model_error`, `worker_kill`, `worker_hang`) fire here, keyed by that header.
 
 Nothing proportional to a request's size runs on the event loop: JSON parsing, validation, chat
 template rendering and tokenization run in a worker thread, and a prompt whose text alone has
@@ -213,6 +213,7 @@ class ModelServer:
         self.engine, self.tokenizer, self.model_name, self.plan = engine, tokenizer, model_name, plan
         self.calls = CallLog()
         self.tokens_generated = 0
+        self.hung = False  # set by a `worker_hang` fault: from then on no request is answered
         # vLLM's bound (tokenizers/hf.py): no token stands for more characters than the longest
         # vocabulary entry (for byte-level BPE, one character per byte, and no character decodes
         # from less than a byte), so a prompt whose text has more than max_model_len times that
@@ -222,7 +223,7 @@ class ModelServer:
         self.max_chars_per_token = max(len(t) for t in tokenizer.get_vocab())
 
     def app(self, max_request_bytes: int = VllmConfig.max_request_bytes) -> web.Application:
-        app = web.Application(client_max_size=max_request_bytes)
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[self.gate])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/v1/models", self.models)
@@ -305,6 +306,12 @@ class ModelServer:
         return json.dumps(out.model_dump(exclude_none=True)).encode()
 
     # -- routes --------------------------------------------------------------------------------
+    @web.middleware
+    async def gate(self, request: web.Request, handler) -> web.Response:
+        if self.hung:  # wedged, not dead: every request, /health included, waits until its caller leaves
+            await asyncio.Event().wait()
+        return await handler(request)
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": self.engine.version})
 
@@ -350,6 +357,9 @@ class ModelServer:
         fires = (lambda kind: self.plan is not None and coords is not None and self.plan.fires(kind, coords, call))
         if fires("worker_kill"):
             os.kill(os.getpid(), signal.SIGKILL)  # a real process death, mid-request
+        if fires("worker_hang"):
+            self.hung = True
+            await asyncio.Event().wait()
         if fires("context_overflow"):
             # the engine refuses the call as too long: the same error a real overflow gets
             raise HTTPError.bad_request(context_length_message(self.engine.max_model_len, max(len(prompt), self.engine.max_model_len + 1)), "input_tokens")

@@ -1,0 +1,46 @@
+"""Fleet health end to end (issue L): `python -m minirl.train` with two generation workers, one of
+them wedged by `worker_hang` at step 1. The router's probes quarantine it, its requests in flight
+fail as INFRA and are redispatched to the healthy worker, and the run trains on; the quarantine is
+in the event log and the step's metrics. (The router's state machine itself: tests/test_router.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2", "logger.tensorboard=false"]
+HEALTH = "async_rl.generation_fleet_health"
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def test_a_hung_worker_is_quarantined_and_the_run_trains_on(tmp_path):
+    proc = run_cli(*SMALL, "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false",
+                   "cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5",
+                   f"{HEALTH}.enabled=true", f"{HEALTH}.probe_interval_s=1", f"{HEALTH}.probe_timeout_s=0.5",
+                   "faults.inject=[{kind: worker_hang, step: 1, group: 0, rollout: 0, attempt: 0}]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, events = lines(tmp_path / "metrics.jsonl"), lines(tmp_path / "events.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2], "it finishes all its steps"
+    generated = sum(r["rollouts_generated"] for r in rows)
+    assert sum(r["rollouts_trained"] for r in rows) >= 0.99 * generated > 0
+
+    assert any(e["type"] == "fault" and e["kind"] == "worker_hang" and e["step"] == 1 for e in events)
+    quarantined = [e for e in events if e["type"] == "worker_quarantined"]
+    assert len(quarantined) == 1 and quarantined[0]["step"] == 1, quarantined
+    assert quarantined[0]["rank"] in (0, 1) and "probe_timeout_s=0.5" in quarantined[0]["reason"]
+    assert quarantined[0]["worker"] in json.loads((tmp_path / "endpoints.json").read_text())["generation_workers"]
+    assert not any(e["type"] == "worker_readmitted" for e in events), "a wedged worker stays out"
+    assert [r["workers_quarantined"] for r in rows] == [0, 1, 0]
+    assert [r["healthy_generation_workers"] for r in rows] == [2, 1, 1]
+    # the rollouts caught on the hung worker failed at the quarantine, as INFRA, and were redispatched
+    cut = [e for e in events if e["type"] == "failure" and "quarantined" in e["error"]]
+    assert cut and {(e["class"], e["decision"]) for e in cut} == {("infra", "retried")}, cut
