@@ -53,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -157,9 +158,16 @@ class FrontEnd:
     def _done(self, rid: str, fut: Future) -> None:
         """A request's answer (on the engine thread, which resolves the futures)."""
         exc = fut.exception()
-        self.chan.send("done", rid, None if exc else fut.result(), None if exc is None else _portable(exc))
+        self.chan.send("done", rid, fut.result() if exc is None else None, None if exc is None else _portable(exc))
 
     def _serve(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException:  # nothing would answer the front end's requests again: end the worker, loudly
+            traceback.print_exc()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _serve_forever(self) -> None:
         engine = self.engine
         while True:
             kind, key, *rest = self.chan.recv()
