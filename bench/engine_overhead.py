@@ -8,6 +8,14 @@ generate the same tokens). Raw: `LLM.generate` on token ids, in this process. mi
 per prompt (single-call episodes) sent concurrently to the agent-pool actor, which calls the
 generation-worker actor's HTTP endpoint, as in training. The two alternate `--rounds` times; the
 result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9.
+
+    python bench/engine_overhead.py --load [--agents 256] [--seconds 60]
+
+Load mode: no raw side. `--agents` concurrent agents each call the generation-worker actor's
+`/v1/chat/completions` in a loop for `--seconds` (a fresh doors prompt and seed per call, with the
+rollout header and the body minirl's model client sends, so the call log is written as in
+training); reports per-request latency p50/p99 (client side) and generated tokens/s over the
+window, and checks that the call log recorded every call.
 """
 
 from __future__ import annotations
@@ -30,8 +38,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 rounds of 64 prompts")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--load", action="store_true", help="load mode: concurrent agents calling the worker directly")
+    ap.add_argument("--agents", type=int, default=256, help="load mode: concurrent agents")
+    ap.add_argument("--seconds", type=float, default=60.0, help="load mode: the measured window")
     ap.add_argument("overrides", nargs="*", help="minirl config overrides for the pipeline, e.g. policy.generation.vllm_cfg.omp_threads=1")
     args = ap.parse_args(argv)
+    if args.load:
+        return load(args)
     rounds = args.rounds or (3 if args.quick else 7)
     n = args.prompts or (64 if args.quick else 128)
 
@@ -125,6 +138,71 @@ def main(argv=None) -> int:
     print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds) | {statistics.median(r for r, _, _, _ in results):.0f} | "
           f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 |")
     return 0
+
+
+def load(args) -> int:
+    import aiohttp
+    import numpy as np
+    import ray
+
+    from minirl.agents.agent import chat_tools
+    from minirl.agents.items import items_to_messages
+    from minirl.cluster import ACTOR_ENV, start_generation_workers
+    from minirl.config import load_config
+    from minirl.data import prompt_row
+    from minirl.wire import ROLLOUT_HEADER
+
+    cfg = load_config(None, args.overrides)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
+             runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
+    (gen,) = start_generation_workers(cfg, "127.0.0.1")
+    url = ray.get(gen.start.remote()) + "/v1/chat/completions"
+
+    def body(agent: int, k: int) -> dict:
+        params = prompt_row(cfg, k, agent)["responses_create_params"]
+        return {"model": cfg.policy.model_name, "messages": items_to_messages(params["input"]), "tools": chat_tools(params["tools"]),
+                "logprobs": True, "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "temperature": cfg.policy.generation.temperature, "max_completion_tokens": cfg.policy.generation.max_new_tokens,
+                "seed": k * args.agents + agent}
+
+    async def run() -> tuple[list[float], int, int, int]:
+        latencies, tokens, failed, drained = [], [0], [0], [0]
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as http:
+            async def agent(a: int, end: float):
+                k = 0
+                while time.perf_counter() < end:
+                    b, key = body(a, k), f"s0.g{a}.r{k}.a0.c0"
+                    t0 = time.perf_counter()
+                    async with http.post(url, json=b, headers={ROLLOUT_HEADER: key}) as r:
+                        data = await r.json()
+                    if time.perf_counter() <= end:  # only calls that finish inside the window count
+                        latencies.append(time.perf_counter() - t0)
+                        tokens[0] += data["usage"]["completion_tokens"] if r.status == 200 else 0
+                        failed[0] += r.status != 200
+                    k += 1
+
+            await asyncio.gather(*(agent(a, time.perf_counter() + 5.0) for a in range(args.agents)))  # warm up
+            await asyncio.to_thread(ray.get, gen.take_calls.remote(0))
+            latencies.clear()
+            tokens[0] = failed[0] = 0
+            await asyncio.gather(*(agent(a, time.perf_counter() + args.seconds) for a in range(args.agents)))
+            drained[0] = len(await asyncio.to_thread(ray.get, gen.take_calls.remote(0)))
+        return latencies, tokens[0], failed[0], drained[0]
+
+    before = ray.get(gen.stats.remote())
+    latencies, tokens, failed, recorded = asyncio.run(run())
+    after = ray.get(gen.stats.remote())
+    ray.shutdown()
+    p50, p99 = (float(np.percentile(latencies, q)) for q in (50, 99))
+    busy = after["busy_s"] - before["busy_s"]
+    print(f"{len(latencies)} calls in the {args.seconds:.0f} s window ({failed} failed), {recorded} call-log records in all; "
+          f"engine stepping {busy:.1f} s of the run")
+    print()
+    print("| benchmark | agents | window | calls | latency p50 | latency p99 | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| engine_overhead --load | {args.agents} | {args.seconds:.0f} s | {len(latencies)} | {p50 * 1000:.0f} ms | {p99 * 1000:.0f} ms | "
+          f"{tokens / args.seconds:.0f} |")
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

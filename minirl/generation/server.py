@@ -1,5 +1,6 @@
 """OpenAI-style HTTP server over one engine: `POST /v1/chat/completions`, `POST /tokenize`,
-`GET /v1/models`, `GET /health`.
+`GET /v1/models`, `GET /health`. In a generation worker it runs in the worker's front-end process,
+over an `EngineClient` (minirl.generation.frontend); tests also run it in-process over a `VllmEngine`.
 
 Requests and responses are parsed and built with vLLM's own protocol classes, so the shapes are
 vLLM's: `logprobs`/`top_logprobs`, `return_tokens_as_token_ids` and `return_token_ids` (which adds
@@ -356,7 +357,7 @@ class ModelServer:
         key = record["key"]
         fires = (lambda kind: self.plan is not None and coords is not None and self.plan.fires(kind, coords, call))
         if fires("worker_kill"):
-            os.kill(os.getpid(), signal.SIGKILL)  # a real process death, mid-request
+            os.kill(os.getpid(), signal.SIGKILL)  # a real process death, mid-request (a worker's engine process follows its front end)
         if fires("worker_hang"):
             self.hung = True
             await asyncio.Event().wait()

@@ -1,4 +1,5 @@
-"""The generation worker: a Ray actor hosting one engine and its OpenAI-style HTTP endpoint.
+"""The generation worker: a Ray actor hosting one engine, and its OpenAI-style HTTP endpoint in a
+child process (minirl.generation.frontend), so that this process only steps the engine.
 
 Invariant: the endpoint serves only after the engine holds the newest weights the trainer has
 published (caught up from the weights store in the constructor, then `update_weights` after every
@@ -12,7 +13,7 @@ import os
 
 from minirl.config import MinirlConfig
 from minirl.faults import FaultPlan
-from minirl.http_thread import HttpThread
+from minirl.generation.frontend import FrontEnd
 
 
 def make_engine(cfg: MinirlConfig, rank: int):
@@ -33,10 +34,6 @@ def make_engine(cfg: MinirlConfig, rank: int):
 
 class GenerationWorker:
     def __init__(self, cfg: MinirlConfig, rank: int, host: str, port: int, weights_store=None):
-        from transformers import AutoTokenizer
-
-        from minirl.generation.server import ModelServer
-
         self.rank = rank
         self.drain = not cfg.async_rl.in_flight_weight_updates
         self.engine = make_engine(cfg, rank)
@@ -46,35 +43,24 @@ class GenerationWorker:
             latest = ray.get(weights_store.latest.remote())
             if latest is not None:
                 version, (ref,) = latest
-                self.update_weights(ray.get(ref), version)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
-        self.server = ModelServer(self.engine, tokenizer, cfg.policy.model_name, FaultPlan(cfg.faults))
-        self.server.reasoning_parser = cfg.policy.generation.reasoning_parser
-
-        async def setup():
-            return self.server.app(cfg.policy.generation.vllm_cfg.max_request_bytes)
-
-        self.http = HttpThread(setup, host, port, name=f"model-server-{rank}")
+                self.engine.update_weights(ray.get(ref), version).result()
+        self.front = FrontEnd(self.engine, cfg, rank, host, port)
 
     def start(self) -> str:
         """The base URL (the server is already up: it starts in the constructor)."""
-        return self.http.url
+        return self.front.url
 
     def reset(self, cfg: MinirlConfig) -> str:
         """Serve a new run (sweeps reuse workers): its fault plan and reasoning parser, an empty call log. The run then
         publishes its initial weights before its first step."""
-
-        async def apply():
-            self.server.plan = FaultPlan(cfg.faults)
-            self.server.reasoning_parser = cfg.policy.generation.reasoning_parser
-            self.server.calls.clear()
-
         self.drain = not cfg.async_rl.in_flight_weight_updates
-        self.http.run(apply())
-        return self.http.url
+        self.front.call("reset", FaultPlan(cfg.faults), cfg.policy.generation.reasoning_parser)
+        return self.front.url
 
     def update_weights(self, named: list, version: int) -> int:
+        """Returns once the engine serves `version` and the front end's /health says so."""
         self.engine.update_weights(named, version, drain=self.drain).result()
+        self.front.call("version", version)
         return version
 
     def weights_finite(self) -> bool:
@@ -82,14 +68,15 @@ class GenerationWorker:
 
     def take_calls(self, step: int | None) -> list[dict]:
         """The call log of `step`; None: the calls that came without a rollout header."""
-        async def take():
-            return self.server.take_calls(step)
-
-        return self.http.run(take())
+        return self.front.call("take_calls", step)
 
     def stats(self) -> dict:
-        return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": self.server.tokens_generated, "version": self.engine.version,
-                "calls_dropped": self.server.calls.dropped}
+        front = self.front.call("stats")
+        return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": front["tokens"], "version": self.engine.version,
+                "calls_dropped": front["calls_dropped"]}
 
     def pid(self) -> int:
         return os.getpid()
+
+    def frontend_pid(self) -> int:
+        return self.front.proc.pid

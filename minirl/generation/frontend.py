@@ -1,0 +1,291 @@
+"""A generation worker's HTTP front end in its own process, talking to the engine's process over ZMQ.
+
+The engine's process (the `GenerationWorker` Ray actor) only steps vLLM; everything HTTP (aiohttp,
+JSON, vLLM's pydantic protocol classes, the chat template, the tokenizer, the call log, the fault
+sites, `required_prefix_token_ids`) runs in a child process started by `FrontEnd`, whose
+`ModelServer` sees the engine through `EngineClient`, an object with `VllmEngine`'s interface. So the
+front end's ~2.5 ms of Python per request no longer holds the GIL that the engine loop needs, as
+`vllm serve` keeps its API server apart from its EngineCore.
+
+What crosses (pickled tuples): to the engine, token ids with vLLM's own msgpack encoding of the
+SamplingParams (what vLLM sends to its EngineCore; 3x cheaper to decode than a pickle), aborts, and
+`required_prefix_token_ids` to check against the vocabulary (vLLM's own check, run in the engine's
+process, which holds the model config); back, each request's `GenResult` (token ids, logprobs,
+decoded token text, finish reason, versions) or its exception. The engine's process also calls into
+the front end (`FrontEnd.call`): take the call log, reset for a new run, stats, the new weight version.
+
+Why ZMQ: pyzmq ships with vLLM, which uses it for the same hop; messages arrive framed and in order;
+the I/O runs on ZMQ's own thread without the GIL, and the PUSH sockets have no high-water mark, so
+the engine thread's completion callbacks never wait for a slow front end; the sockets live in
+Linux's abstract namespace (`ipc://@...`), so a SIGKILLed worker leaves no files behind. A pipe
+would need our own framing and blocks its writer when full; shared memory our own framing and
+wake-ups, for messages of a few kB.
+
+Invariants: the front end lives exactly as long as its worker. It polls its parent pid and exits
+when the worker's process is gone (however it died), and the worker SIGKILLs its own process when
+the front end exits (so `worker_kill`, which kills the front end's process at its site in
+`ModelServer`, kills the whole worker and Ray restarts it at the same port). The URL is returned
+only once the front end serves; a front end that fails to start is a RuntimeError naming the
+worker, the address and the cause. Every request the front end sends leaves its pending table
+exactly once: resolved by the engine's answer, or dropped by `abort`.
+
+What remains hand-written, and why (the GPU route included). vLLM's own OpenAI server
+(`vllm serve`, API server + AsyncLLM + EngineCore process) could replace this split, but minirl
+would still need around it: the call log keyed by minirl's `X-Minirl-Rollout` header with each
+result's token ids, logprobs and version_start/version_end (the ledger the controller drains);
+the fault sites (`worker_kill`, `context_overflow`, `model_error`) keyed by that header;
+`required_prefix_token_ids` (splicing earlier turns' exact tokens, not a vLLM field); weight
+reloads between engine steps, with or without draining, tagged with minirl's version; and the
+restart-at-the-same-port contract with Ray. Neither vLLM's middleware hooks nor its engine client
+expose per-request results to a middleware, so those would be a fork of its serving code rather
+than a use of it; this module keeps minirl's ModelServer (vLLM's protocol classes and error
+mapping, as before) and moves only the process boundary. Tensor parallelism is untouched: the
+engine is built as before, in the actor, with `tensor_parallel_size`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+
+import msgspec
+import zmq
+
+START_TIMEOUT_S = 300.0  # the front end imports vLLM's protocol classes and loads the tokenizer
+CALL_TIMEOUT_S = 60.0
+PARENT_POLL_S = 0.2
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives a pickle (vLLM's errors keep their `parameter`), else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(repr(exc))
+
+
+class Channel:
+    """One process's end: a PUSH socket out (any thread may send: sends are locked) and a PULL
+    socket in (one thread reads). The engine's process binds, the front end connects."""
+
+    def __init__(self, out_addr: str, in_addr: str, bind: bool):
+        self.ctx = zmq.Context(io_threads=1)
+        self.out, self.inp = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        for sock, addr in ((self.out, out_addr), (self.inp, in_addr)):
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 2000)  # a last "failed" message still goes out on exit
+            sock.bind(addr) if bind else sock.connect(addr)
+        self._lock = threading.Lock()
+
+    def send(self, *msg) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self.out.send(data)
+
+    def recv(self, timeout_s: float | None = None):
+        """The next message, or None after `timeout_s`."""
+        if timeout_s is not None and not self.inp.poll(int(timeout_s * 1000)):
+            return None
+        return pickle.loads(self.inp.recv())
+
+
+# -- the engine's side (inside the GenerationWorker actor) -----------------------------------------
+class FrontEnd:
+    """Starts the front-end process and serves its requests to `engine` from one thread."""
+
+    def __init__(self, engine, cfg, rank: int, host: str, port: int):
+        tag = f"minirl-frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        to_front, to_engine = f"ipc://@{tag}-f", f"ipc://@{tag}-e"
+        self.engine, self.rank, self.where = engine, rank, f"{host}:{port}"
+        self.chan = Channel(to_front, to_engine, bind=True)
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count()
+        from vllm import SamplingParams
+
+        self._params = msgspec.msgpack.Decoder(SamplingParams)
+        spec = {"cfg": cfg, "rank": rank, "host": host, "port": port, "parent": os.getpid(), "channel": (to_engine, to_front),
+                "max_model_len": engine.max_model_len, "version": engine.version}
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "minirl.generation.frontend"], stdin=subprocess.PIPE, env=env)
+        self.proc.stdin.write(pickle.dumps(spec))
+        self.proc.stdin.close()
+        try:
+            self.url = self._await_ready()
+        except BaseException:
+            self.proc.kill()
+            raise
+        threading.Thread(target=self._serve, name=f"frontend-channel-{rank}", daemon=True).start()
+        threading.Thread(target=self._die_with_front_end, name=f"frontend-watch-{rank}", daemon=True).start()
+
+    def _await_ready(self) -> str:
+        what = f"generation worker {self.rank}'s HTTP front end (pid {self.proc.pid}) at {self.where}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self.chan.recv(timeout_s=0.5)
+            if msg is not None and msg[0] == "ready":
+                return msg[1]
+            if msg is not None and msg[0] == "failed":
+                raise RuntimeError(f"{what} failed to start: {msg[1]}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {self.proc.returncode} before serving (its stderr is in this worker's log)")
+        raise RuntimeError(f"{what} did not serve within {START_TIMEOUT_S:.0f} s")
+
+    def call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S):
+        """Run `op` (take_calls, reset, stats, version) in the front end, on its event loop; its result."""
+        cid, fut = next(self._ids), Future()
+        self._calls[cid] = fut
+        self.chan.send("call", cid, op, args)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"generation worker {self.rank}'s front end did not answer {op} within {timeout_s} s") from None
+        finally:
+            self._calls.pop(cid, None)
+
+    def _done(self, rid: str, fut: Future) -> None:
+        """A request's answer (on the engine thread, which resolves the futures)."""
+        exc = fut.exception()
+        self.chan.send("done", rid, fut.result() if exc is None else None, None if exc is None else _portable(exc))
+
+    def _serve(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException:  # nothing would answer the front end's requests again: end the worker, loudly
+            traceback.print_exc()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _serve_forever(self) -> None:
+        engine = self.engine
+        while True:
+            kind, key, *rest = self.chan.recv()
+            if kind == "gen":
+                prompt, params = rest
+                engine.generate(prompt, self._params.decode(params), key).add_done_callback(lambda f, rid=key: self._done(rid, f))
+            elif kind == "abort":
+                engine.abort(key)
+            elif kind == "validate":
+                try:
+                    engine.validate_token_ids(*rest)
+                    self.chan.send("done", key, None, None)
+                except Exception as exc:
+                    self.chan.send("done", key, None, _portable(exc))
+            elif kind == "reply":
+                fut = self._calls.get(key)
+                value, exc = rest
+                if fut is not None:
+                    fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+    def _die_with_front_end(self) -> None:
+        code = self.proc.wait()
+        print(f"minirl: generation worker {self.rank}'s front end (pid {self.proc.pid}) exited with code {code}; "
+              f"ending the worker so that Ray restarts it whole", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- the front end's side (its own process) ---------------------------------------------------------
+class EngineClient:
+    """The engine as `ModelServer` sees it, across the channel: `VllmEngine`'s interface
+    (generate -> Future, abort, validate_token_ids, max_model_len, version)."""
+
+    def __init__(self, chan: Channel, max_model_len: int, version: int):
+        self.chan, self.max_model_len, self.version = chan, max_model_len, version
+        self._pending: dict[str, Future] = {}
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def _ask(self, kind: str, rid: str, *payload) -> Future:
+        fut: Future = Future()
+        self._pending[rid] = fut
+        self.chan.send(kind, rid, *payload)
+        return fut
+
+    def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
+        return self._ask("gen", request_id or uuid.uuid4().hex, prompt_token_ids, self._encode(params))
+
+    def abort(self, request_id: str) -> None:
+        fut = self._pending.pop(request_id, None)
+        if fut is not None:
+            fut.cancel()
+            self.chan.send("abort", request_id)
+
+    def validate_token_ids(self, token_ids: list[int], parameter: str) -> None:
+        self._ask("validate", uuid.uuid4().hex, list(token_ids), parameter).result(CALL_TIMEOUT_S)
+
+    def resolve(self, rid: str, value, exc: BaseException | None) -> None:
+        fut = self._pending.pop(rid, None)
+        if fut is None or not fut.set_running_or_notify_cancel():  # aborted meanwhile
+            return
+        fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)  # the worker's process is gone: so is its front end
+
+
+def main() -> None:
+    spec = pickle.load(sys.stdin.buffer)
+    threading.Thread(target=_exit_with_parent, args=(spec["parent"],), name="parent-watch", daemon=True).start()
+    chan = Channel(*spec["channel"], bind=False)
+    cfg = spec["cfg"]
+    try:
+        from transformers import AutoTokenizer
+
+        from minirl.faults import FaultPlan
+        from minirl.generation.server import ModelServer
+        from minirl.http_thread import HttpThread
+
+        engine = EngineClient(chan, spec["max_model_len"], spec["version"])
+        server = ModelServer(engine, AutoTokenizer.from_pretrained(cfg.policy.model_name), cfg.policy.model_name, FaultPlan(cfg.faults))
+        server.reasoning_parser = cfg.policy.generation.reasoning_parser
+
+        async def setup():
+            return server.app(cfg.policy.generation.vllm_cfg.max_request_bytes)
+
+        http = HttpThread(setup, spec["host"], spec["port"], name=f"model-server-{spec['rank']}")
+    except BaseException as exc:
+        chan.send("failed", f"{type(exc).__name__}: {exc}")
+        chan.ctx.destroy(linger=2000)
+        sys.exit(1)
+
+    def reset(plan, reasoning_parser) -> None:
+        server.plan, server.reasoning_parser = plan, reasoning_parser
+        server.calls.clear()
+        server.hung = False  # a `worker_hang` of the previous run (sweeps reuse workers) ends with it
+
+    def set_version(version: int) -> None:
+        engine.version = version
+
+    ops = {"take_calls": server.take_calls, "reset": reset, "version": set_version,
+           "stats": lambda: {"tokens": server.tokens_generated, "calls_dropped": server.calls.dropped}}
+
+    def control(cid: int, op: str, args: tuple) -> None:  # on the server's loop, which owns its state
+        try:
+            chan.send("reply", cid, ops[op](*args), None)
+        except Exception as exc:
+            chan.send("reply", cid, None, _portable(exc))
+
+    chan.send("ready", http.url)
+    while True:
+        kind, key, *rest = chan.recv()
+        if kind == "done":
+            engine.resolve(key, *rest)
+        else:  # "call"
+            http.loop.call_soon_threadsafe(control, key, *rest)
+
+
+if __name__ == "__main__":
+    main()

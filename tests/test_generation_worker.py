@@ -1,0 +1,141 @@
+"""The generation worker as training runs it: a real Ray actor stepping the engine, with its HTTP
+front end in a child process (minirl.generation.frontend)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import aiohttp
+import psutil
+import pytest
+import ray
+
+from minirl.config import load_config
+from minirl.wire import ROLLOUT_HEADER
+
+pytestmark = pytest.mark.slow
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(*pids: int, timeout: float = 30.0) -> bool:
+    deadline = time.time() + timeout
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
+def chat(url: str, key: str | None, timeout: float | None = None, **extra) -> tuple[int, dict | None]:
+    async def go():
+        headers = {ROLLOUT_HEADER: key} if key else {}
+        body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 8, "seed": 1, **extra}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+            async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                return r.status, await r.json()
+
+    try:
+        return asyncio.run(go())
+    except (asyncio.TimeoutError, aiohttp.ClientError):  # the client gave up, or the server went away
+        return 0, None
+
+
+def restarted_url(worker, timeout: float = 600.0) -> str:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return ray.get(worker.start.remote(), timeout=timeout)
+        except ray.exceptions.ActorUnavailableError:  # Ray is restarting it
+            if time.time() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def health(url: str) -> dict:
+    async def go():
+        async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
+            return await r.json()
+
+    return asyncio.run(go())
+
+
+def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
+    from minirl.cluster import ACTOR_ENV, start_generation_workers
+    from minirl.trainer.policy_worker import PolicyWorker
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
+             runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
+    try:
+        (worker,) = start_generation_workers(base_cfg, "127.0.0.1")
+        url = ray.get(worker.start.remote(), timeout=300)
+        engine_pid, front_pid = ray.get(worker.pid.remote()), ray.get(worker.frontend_pid.remote())
+        assert engine_pid != front_pid and alive(front_pid)
+        assert psutil.Process(front_pid).ppid() == engine_pid
+
+        # a call crosses to the engine and back, and lands in the front end's call log
+        status, body = chat(url, "s3.g0.r1.a0.c0", return_token_ids=True)
+        assert status == 200 and body["choices"][0]["token_ids"]
+        (record,) = ray.get(worker.take_calls.remote(3))
+        assert record["status"] == 200 and record["generation_token_ids"] == body["choices"][0]["token_ids"]
+        assert ray.get(worker.take_calls.remote(3)) == []
+        assert ray.get(worker.stats.remote())["tokens"] == len(record["generation_token_ids"])
+
+        # required_prefix_token_ids: vLLM's vocabulary check runs in the engine's process
+        status, err = chat(url, None, required_prefix_token_ids=[10**9])
+        assert status == 400 and "out of vocabulary" in err["error"]["message"] and err["error"]["param"] == "required_prefix_token_ids"
+
+        # a caller that leaves is recorded as 499 and the engine stops stepping its request
+        before = ray.get(worker.stats.remote())["steps"]
+        status, _ = chat(url, "s4.g0.r0.a0.c0", timeout=1.0, max_completion_tokens=900, ignore_eos=True)
+        assert status == 0
+        deadline = time.time() + 30
+        while not (left := ray.get(worker.take_calls.remote(4))) and time.time() < deadline:
+            time.sleep(0.2)
+        assert [r["status"] for r in left] == [499]
+        readings = [ray.get(worker.stats.remote())["steps"]]
+        while time.time() < deadline and (len(readings) < 2 or readings[-1] != readings[-2]):
+            time.sleep(0.5)
+            readings.append(ray.get(worker.stats.remote())["steps"])
+        assert readings[-1] == readings[-2] < before + 900, f"the aborted request is still being stepped: {readings}"
+
+        # a weight update is what /health reports as soon as update_weights returns
+        weights = PolicyWorker(base_cfg).get_weights()
+        assert ray.get(worker.update_weights.remote(weights, 7), timeout=300) == 7
+        assert health(url) == {"status": "ok", "version": 7}
+        status, body = chat(url, "s5.g0.r0.a0.c0")
+        (record,) = ray.get(worker.take_calls.remote(5))
+        assert status == 200 and (record["version_start"], record["version_end"]) == (7, 7)
+
+        # worker_kill fires in the front end and ends the whole worker; Ray restarts it at the same port
+        cfg = load_config(None, ["faults.inject=[{kind: worker_kill, step: 6, group: 0, rollout: 0, attempt: 0}]"])
+        assert ray.get(worker.reset.remote(cfg)) == url
+        assert ray.get(worker.take_calls.remote(None)) == []
+        status, _ = chat(url, "s6.g0.r0.a0.c0", timeout=60)
+        assert status == 0
+        assert wait_gone(engine_pid, front_pid), "the killed worker left a process behind"
+        assert restarted_url(worker) == url
+        new_engine, new_front = ray.get(worker.pid.remote()), ray.get(worker.frontend_pid.remote())
+        assert new_engine != engine_pid and new_front != front_pid and health(url)["status"] == "ok"
+
+        # killing the actor leaves no front end behind
+        ray.kill(worker, no_restart=True)
+        assert wait_gone(new_engine, new_front), "the front end outlived its worker"
+    finally:
+        ray.shutdown()
+
+
+def test_a_front_end_that_cannot_start_is_a_clear_error(engine, base_cfg):
+    from minirl.generation.frontend import FrontEnd
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"generation worker 0's HTTP front end \(pid \d+\) at 127.0.0.1:{port} failed to start: OSError: .*address already in use"):
+            FrontEnd(engine, base_cfg, 0, "127.0.0.1", port)
