@@ -63,9 +63,12 @@ POLICIES = {
         "context_compaction.redispatch_dropped_groups=true",
     ],
     "minirl defaults": [],
+    "minirl defaults (masked in baseline)": ["grpo.baseline_excludes_masked=false"],
 }
 DEFAULTS = "minirl defaults"  # no preset: `python -m minirl.train` as shipped (fixes on, its own budgets)
-SHRINKS = {"+shrink", "all fixes"}  # upstream forces the floor to 100% without fix 1
+MASKED_IN_BASELINE = "minirl defaults (masked in baseline)"  # the same, but upstream's baseline (issue I)
+ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE}  # policies built on the shipped config rather than the preset
+SHRINKS = {"+shrink", "all fixes"} | ON_DEFAULTS  # upstream forces the floor to 100% without fix 1
 
 COLUMNS = [
     "cell", "kind", "rate", "policy", "budget", "fraction", "seed", "survived", "died_at_step", "died_reason",
@@ -102,14 +105,14 @@ class Grid:
 
     def cells(self):
         seen = set()
-        for kind, rate, policy, budget, fraction, seed in itertools.product(
-            self.kinds, self.rates, self.policies, self.budgets, self.fractions, self.seeds
+        for seed, kind, rate, policy, budget, fraction in itertools.product(  # seed outermost: a sweep cut
+            self.seeds, self.kinds, self.rates, self.policies, self.budgets, self.fractions  # short stays paired
         ):
             rate = 0.0 if kind == "overflow" else rate
-            if policy == DEFAULTS:  # the shipped budgets, whatever the grid's
+            if policy in ON_DEFAULTS:  # the shipped budgets, whatever the grid's
                 rf = _defaults().async_rl.rollout_failure
                 budget, fraction = rf.max_consecutive_dropped_prompts, rf.min_step_batch_fraction
-            frac = fraction if policy in SHRINKS | {DEFAULTS} else 1.0
+            frac = fraction if policy in SHRINKS else 1.0
             cell = {"kind": kind, "rate": rate, "policy": policy, "budget": budget, "fraction": frac, "seed": seed}
             if cell_id(cell) not in seen:
                 seen.add(cell_id(cell))
@@ -125,11 +128,18 @@ def _defaults():
 # one correlated mode, the four policies that survive it, 2 seeds: 8 cells fit the 10-minute budget
 QUICK = Grid(kinds=("guard_reject@room",), rates=(0.05,), policies=("+shrink", "+redispatch", "all fixes", DEFAULTS),
              budgets=(4,), fractions=(0.5,), seeds=(0, 1), steps=4, prompts=4, generations=2)
-# `timeout` is lane B too (INFRA, like agent_exception) but each hit costs rollout_timeout_s of wall
-# time; add it with --kinds guard_reject,agent_exception,timeout
-DEFAULT = Grid(kinds=("guard_reject", "guard_reject@room", "agent_exception@room", "overflow"), rates=(0.02, 0.05, 0.1),
-               policies=tuple(POLICIES), budgets=(0, 5), fractions=(0.75,), seeds=(0, 1, 2), steps=8, prompts=8,
-               generations=4, val_period=2, val_prompts=16)
+# The four questions of issue M on one correlated mode, 6 seeds (seeds, not cells, narrow the intervals):
+# at a per-room hazard of 7% shrink drops about half the groups (a 4-room group of 4 rollouts fails
+# with 1 - 0.93**16 = 69%, a 1-room one with 25%) and end_episode masks 16% of the rollouts; the
+# floor of one group (0.125) and a budget of 16 keep +shrink alive, so its skew is measured, not its death.
+# Each pair of policies differs in one thing: +shrink/+end_episode/+redispatch are the upstream preset
+# plus one fix; minirl defaults and its "(masked in baseline)" twin differ only in
+# grpo.baseline_excludes_masked. Other modes: --kinds guard_reject,overflow,agent_exception@room,...
+# (`timeout` fails like agent_exception, but each hit costs rollout_timeout_s of wall time).
+DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,),
+               policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS, MASKED_IN_BASELINE), budgets=(16,),
+               fractions=(0.125,), seeds=tuple(range(6)), steps=6, prompts=8, generations=4, val_period=3,
+               val_prompts=24)
 
 
 def kind_args(kind: str, rate: float) -> list[str]:
@@ -142,12 +152,13 @@ def kind_args(kind: str, rate: float) -> list[str]:
 
 
 def cell_id(c: dict) -> str:
-    return f"{c['kind']}-{c['rate']}-{c['policy'].replace(' ', '_').replace('+', 'plus_')}-b{c['budget']}-f{c['fraction']}-s{c['seed']}"
+    policy = c["policy"].replace("+", "plus_").replace("(", "").replace(")", "").replace(" ", "_")
+    return f"{c['kind']}-{c['rate']}-{policy}-b{c['budget']}-f{c['fraction']}-s{c['seed']}"
 
 
 def cell_args(c: dict, grid: Grid, run_dir: Path, attach: list[str]) -> list[str]:
-    if c["policy"] == DEFAULTS:
-        args = []
+    if c["policy"] in ON_DEFAULTS:
+        args = list(POLICIES[c["policy"]])
     else:
         args = [
             "--config", str(REPO / "configs" / "upstream_pr4124.yaml"), *POLICIES[c["policy"]],
@@ -281,7 +292,7 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
     cells = list(grid.cells())
     todo = [c for c in cells if cell_id(c) not in done]
     print(f"sweep: {len(cells)} cells, {len(done)} already in {results_path}, {len(todo)} to run "
-          f"(order: kind, rate, policy, budget, fraction, seed)", flush=True)
+          f"(order: seed, kind, rate, policy, budget, fraction)", flush=True)
     for i, c in enumerate(cells):
         print(f"  {i + 1:>3}. {cell_id(c)}{'  (done)' if cell_id(c) in done else ''}", flush=True)
     new_file = not results_path.exists()
@@ -477,7 +488,7 @@ def what_to_pick(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:
 
 
 # a marker and dash per policy, so that policies with equal results stay visible on top of each other
-STYLES = dict(zip(POLICIES, [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]))
+STYLES = dict(zip(POLICIES, [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--"), ("P", "-.")]))
 
 
 def _style(policy: str) -> dict:
@@ -486,7 +497,7 @@ def _style(policy: str) -> dict:
 
 
 def _in_plot(r: dict, kind: str, policy: str, budget: int) -> bool:
-    return r["kind"] == kind and r["policy"] == policy and (r["budget"] == budget or policy == DEFAULTS)
+    return r["kind"] == kind and r["policy"] == policy and (r["budget"] == budget or policy in ON_DEFAULTS)
 
 
 def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
