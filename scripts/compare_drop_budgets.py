@@ -131,18 +131,20 @@ def _defaults():
 # one correlated mode, the four policies that survive it, 2 seeds: 8 cells fit the 10-minute budget
 QUICK = Grid(kinds=("guard_reject@room",), rates=(0.05,), policies=("+shrink", "+redispatch", "all fixes", DEFAULTS),
              budgets=(4,), fractions=(0.5,), seeds=(0, 1), steps=4, prompts=4, generations=2)
-# The four questions of issue M on one correlated mode, 6 seeds (seeds, not cells, narrow the intervals):
+# The four questions of issue M on one correlated mode, 5 seeds (seeds, not cells, narrow the intervals):
 # at a per-room hazard of 7% shrink drops about half the groups (a 4-room group of 4 rollouts fails
 # with 1 - 0.93**16 = 69%, a 1-room one with 25%) and end_episode masks 16% of the rollouts; the
 # floor of one group (0.125) and a budget of 16 keep +shrink alive, so its skew is measured, not its death.
-# Each pair of policies differs in one thing: +shrink/+end_episode/+redispatch are the upstream preset
-# plus one fix; minirl defaults and its "(masked in baseline)" twin differ only in
-# grpo.baseline_excludes_masked. Other modes: --kinds guard_reject,overflow,agent_exception@room,...
-# (`timeout` fails like agent_exception, but each hit costs rollout_timeout_s of wall time).
-DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,),
-               policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS, MASKED_IN_BASELINE), budgets=(16,),
-               fractions=(0.125,), seeds=tuple(range(6)), steps=6, prompts=8, generations=4, val_period=3,
-               val_prompts=24)
+# +shrink, +end_episode and +redispatch are the upstream preset plus one fix. The baseline flag: +end_episode
+# (upstream's baseline_excludes_masked=false) and minirl defaults (true) differ in the flag, the budgets
+# and fixes 1 and 3; in this mode nothing is dropped or re-sent under either (guard rejections are masks),
+# so fixes 1 and 3 and the budgets never act and the pair isolates the flag (the report checks this per
+# seed). The literal twin, MASKED_IN_BASELINE, measured the same run as +end_episode. Other modes:
+# --kinds guard_reject,overflow,agent_exception@room,... (`timeout` fails like agent_exception, but each
+# hit costs rollout_timeout_s of wall time).
+DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,), policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS),
+               budgets=(16,), fractions=(0.125,), seeds=tuple(range(5)), steps=6, prompts=8, generations=4,
+               val_period=3, val_prompts=24)
 
 
 def kind_args(kind: str, rate: float) -> list[str]:
@@ -338,7 +340,10 @@ def kind_text(kind: str) -> str:
     if kind == "overflow":
         return f"a real context guard of {OVERFLOW_TOKENS} tokens, no injected fault (longer episodes cross it)"
     if kind.endswith("@room"):
-        return f"`{kind[:-5]}` with a per-room hazard q (an n-room attempt fails with 1 - (1 - q)^n)"
+        return (f"`{kind[:-5]}` with a per-room hazard q (an n-room attempt fails with 1 - (1 - q)^n). Each attempt "
+                "draws anew, so a re-sent rollout passes with probability (1 - q)^n: this mode is kind to redispatch. "
+                "A failure that recurs on the same prompt (a real overflow, the `overflow` mode) would fail its "
+                "re-sends too")
     return f"`{kind}` at a per-rollout-attempt rate, independent of the episode"
 
 
@@ -458,7 +463,8 @@ def four_questions(here: dict[str, list[dict]]) -> list[tuple[str, list[str], li
         rs, e = here[p], shift[p]
         ans = {-1: "**Yes**", 1: "**No, toward hard prompts**", 0: "**Not resolvable**"}[e.sign]
         lines = [f"{ans}. {p} {what} and trained {e.resolved()} rooms against the mix dispatched "
-                 f"(TV distance {_ci(rs, 'skew_tv')}); it trained {_ci(rs, 'fraction_trained')} of the rollouts returned."]
+                 f"(TV distance {_ci(rs, 'skew_tv')}); it trained {_ci(rs, 'fraction_trained')} of the rollouts "
+                 "returned."]
         if "+redispatch" not in here:
             return lines, [e]
         v = val_vs(p, "+redispatch")
@@ -467,7 +473,8 @@ def four_questions(here: dict[str, list[dict]]) -> list[tuple[str, list[str], li
     if "+shrink" in here:
         rs = here["+shrink"]
         out.append(("Does dropping under shrink skew training toward easy prompts?",
-                    *skew_answer("+shrink", f"dropped {_mean(rs, 'groups_dropped'):.1f} groups a run (mean over seeds)")))
+                    *skew_answer("+shrink", f"dropped {_mean(rs, 'groups_dropped'):.1f} groups a run "
+                                 "(mean over seeds)")))
     if "+end_episode" in here:
         rs = here["+end_episode"]
         lines, ests = skew_answer("+end_episode", f"masked {_mean(rs, 'rollouts_masked'):.1f} rollouts a run "
@@ -480,37 +487,44 @@ def four_questions(here: dict[str, list[dict]]) -> list[tuple[str, list[str], li
         rs, e = here["+redispatch"], shift["+redispatch"]
         gaps = [_paired(here[p], rs, "rooms_shift", f"skew: {p} − +redispatch")
                 for p in ("+shrink", "+end_episode", DEFAULTS) if p in here]
-        ans = "**Yes**" if e.sign == 0 and all(g.sign for g in gaps) else "**Not resolvably**" if e.sign == 0 else "**No**"
+        ans = "**No**" if e.sign else "**Yes**" if all(g.sign for g in gaps) else "**Not resolvably**"
         lines = [f"{ans}. +redispatch re-sent {_mean(rs, 'groups_redispatched'):.1f} groups a run, dropped "
                  f"{_mean(rs, 'groups_dropped'):.1f} and masked {_mean(rs, 'rollouts_masked'):.1f}; it trained "
                  f"{e.resolved()} rooms against dispatched."]
         lines += [f"Skew of {g.label.split(': ')[1]}, paired by seed: {g.resolved()}." for g in gaps]
         out.append(("Does redispatch avoid the skew?", lines, [e, *gaps]))
-    if DEFAULTS in here and MASKED_IN_BASELINE in here:
-        a, b = here[DEFAULTS], here[MASKED_IN_BASELINE]
+    twin = next((p for p in (MASKED_IN_BASELINE, "+end_episode") if p in here), None)
+    if DEFAULTS in here and twin:  # flag true against flag false, both masking
+        a, b = here[DEFAULTS], here[twin]
         unmasked = [p for p, rs in here.items() if all(r["rollouts_masked"] == 0 for r in rs)]
-        v = _paired(a, b, "val_reward_final", f"val reward: {DEFAULTS} − masked in baseline")
+        inert = all(r["groups_dropped"] == 0 and r["groups_redispatched"] == 0 for r in a + b)
+        v = _paired(a, b, "val_reward_final", f"val reward: {DEFAULTS} − {twin}")
         succ = _paired(a, b, "val_success_final", "val success: same pair")
         sk = _paired(a, b, "rooms_shift", "skew: same pair")
-        ans = "**Not resolvably**" if v.sign == 0 and succ.sign == 0 else "**Yes**"
-        lines = [f"{ans}. The two runs of a seed differ only in `grpo.baseline_excludes_masked` (true in {DEFAULTS}, "
-                 f"false in its twin, as in configs/upstream_pr4124.yaml); they masked {_mean(a, 'rollouts_masked'):.1f} "
-                 f"and {_mean(b, 'rollouts_masked'):.1f} rollouts a run. This pair isolates the flag: both runs meet the "
-                 "same prompts and faults, and the flag acts only on the advantages of groups with a masked rollout, "
-                 "so masking is where it can matter" + (f" (it does nothing under {', '.join(unmasked)}, which masked "
-                 "no rollout in any seed)." if unmasked else "."),
-                 f"Final held-out reward (true − false), paired by seed: {v.resolved()}; success rate: {succ.resolved()}.",
+        if twin == MASKED_IN_BASELINE:
+            pair = f"The two runs of a seed differ only in the flag (true in {DEFAULTS}, false in its twin)."
+        elif inert:
+            pair = (f"{DEFAULTS} (flag true) and +end_episode (the upstream preset with masking, flag false, as in "
+                    "configs/upstream_pr4124.yaml) also differ in fixes 1 and 3 and the budgets, but those never acted: "
+                    "neither policy dropped or re-sent a group in any seed. So the pair isolates the flag.")
+        else:
+            pair = (f"{DEFAULTS} and +end_episode differ in more than the flag here (some seed dropped or re-sent a "
+                    f"group): run `{MASKED_IN_BASELINE}` to isolate it.")
+        ans = ("**Not isolated**" if twin != MASKED_IN_BASELINE and not inert else
+               "**Not resolvably**" if v.sign == 0 and succ.sign == 0 else "**Yes**")
+        lines = [f"{ans}. {pair} Both runs of a seed meet the same prompts and faults; they masked "
+                 f"{_mean(a, 'rollouts_masked'):.1f} and {_mean(b, 'rollouts_masked'):.1f} rollouts a run. The flag "
+                 "acts only on the advantages of groups with a masked rollout, so masking is where it can matter"
+                 + (f" (it does nothing under {', '.join(unmasked)}, which masked no rollout in any seed)."
+                    if unmasked else "."),
+                 f"Final held-out reward (true − false), paired by seed: {v.resolved()}; "
+                 f"success rate: {succ.resolved()}.",
                  f"Skew (true − false): {sk.resolved()}: the flag cannot change which rollouts are masked, only "
                  "how the unmasked ones are weighted."]
-        ests = [v]
-        if "+end_episode" in here:
-            e = here["+end_episode"]
-            inert = all(r["groups_dropped"] == 0 and r["groups_redispatched"] == 0 for r in a + e)
-            w = _paired(a, e, "val_reward_final", f"val reward: {DEFAULTS} − +end_episode")
-            lines.append(f"A second view: {DEFAULTS} against +end_episode (the upstream preset with masking, flag "
-                         f"false): {w.resolved()}. " + ("Neither dropped nor re-sent a group in any seed, so they "
-                         "too differ only in the flag (and budgets that never bound)." if inert else
-                         "They differ in more than the flag here (some seed dropped or re-sent a group)."))
+        ests = [v, succ]
+        if twin == MASKED_IN_BASELINE and "+end_episode" in here:
+            w = _paired(a, here["+end_episode"], "val_reward_final", f"val reward: {DEFAULTS} − +end_episode")
+            lines.append(f"The same against +end_episode (the upstream preset with masking, flag false): {w.resolved()}.")
             ests.append(w)
         out.append(("Does `grpo.baseline_excludes_masked` change the outcome?", lines, ests))
     return out
@@ -526,7 +540,8 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
                for kind in grid.kinds for rate in [max(r for (k, r, *_) in cells if k == kind)]}
     plots = make_plots(rows, grid, out, answers)
     lines = [f"# {title}", "", f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC by "
-             f"`scripts/compare_drop_budgets.py`; {len(rows)} runs ({len(cells)} cells x {len({r['seed'] for r in rows})} seeds), "
+             f"`scripts/compare_drop_budgets.py`; {len(rows)} runs ({len(cells)} cells x "
+             f"{len({r['seed'] for r in rows})} seeds), "
              f"{grid.steps} steps of {grid.prompts} groups x {grid.generations} rollouts each, on the tiny default "
              f"model, a task mix of {'/'.join(map(str, grid.mix))} rooms, at most {grid.max_calls} model calls "
              "per episode.", "",
@@ -553,7 +568,8 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
                 continue
             died = [str(r["died_at_step"]) for r in rs if not r["survived"]]
             surv = f"{len(rs) - len(died)}/{len(rs)}" + (f" (died at step {','.join(died)})" if died else "")
-            counts = " / ".join(f"{_mean(rs, f):.1f}" for f in ("groups_dropped", "rollouts_masked", "groups_redispatched"))
+            counts = " / ".join(f"{_mean(rs, f):.1f}"
+                                for f in ("groups_dropped", "rollouts_masked", "groups_redispatched"))
             lines.append(f"| {policy} | {budget} | {frac} | {_rate(kind, rate)} | {surv} | {counts} "
                          f"| {_ci(rs, 'fraction_trained')} | {_ci(rs, 'val_reward_start')} "
                          f"| {_ci(rs, 'val_reward_final')} | {_ci(rs, 'val_success_final')} | {_by_rooms(rs)} "
@@ -636,7 +652,8 @@ def what_to_pick(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:
                   f", though it validates resolvably below {name(best)} ({gap[pick].text()}).")
                + (" Its validation lead is not resolvable, so the pick rests on the skew." if pick in fair and not below
                   else ""))
-            + (" With one seed per cell these are single runs, not evidence." if max(map(len, alive.values())) < 2 else ""))
+            + (" With one seed per cell these are single runs, not evidence."
+               if max(map(len, alive.values())) < 2 else ""))
     return lines
 
 
@@ -762,8 +779,10 @@ def make_plots(rows: list[dict], grid: Grid, out: Path, answers: dict) -> list[P
         ests = [e for _, _, es in qs for e in es]
         if not ests:
             continue
-        panels = (([e for e in ests if e.label.startswith("val")], "held-out reward or success, difference paired by seed"),
-                  ([e for e in ests if not e.label.startswith("val")], "rooms trained − dispatched, or its paired difference"))
+        panels = (([e for e in ests if e.label.startswith("val")],
+                   "held-out reward or success, difference paired by seed"),
+                  ([e for e in ests if not e.label.startswith("val")],
+                   "rooms trained − dispatched, or its paired difference"))
         panels = [(es, xlabel) for es, xlabel in panels if es]
         fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.6 * len(panels) + 0.4 * len(ests)), squeeze=False,
                                  gridspec_kw={"height_ratios": [len(es) + 1.5 for es, _ in panels]})

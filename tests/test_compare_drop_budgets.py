@@ -67,9 +67,10 @@ def test_answers_and_pick_follow_the_numbers():
                          "budget": 4 if policy in cmp.ON_DEFAULTS else 16, "fraction": 1.0,
                          "rooms_shift": shift[policy][seed], "skew_tv": abs(shift[policy][seed]) / 3,
                          "val_reward_final": v, "val_success_final": v / 2, "fraction_trained": 0.9,
-                         "groups_dropped": 20 * (policy == "+shrink"), "groups_redispatched": 3 * (policy == "+redispatch"),
+                         "groups_dropped": 20 * (policy == "+shrink"),
+                         "groups_redispatched": 3 * (policy == "+redispatch"),
                          "rollouts_masked": 30 * (policy not in ("+shrink", "+redispatch")), "rollouts_generated": 192})
-    grid = cmp.Grid(**{**cmp.DEFAULT.__dict__, "seeds": tuple(range(4))})
+    grid = cmp.Grid(**{**cmp.DEFAULT.__dict__, "seeds": tuple(range(4)), "policies": tuple(shift)})
     cells = cmp._cells(rows, grid)
     qs = cmp.four_questions(cmp._at(cells, grid, "guard_reject@room", 0.07))
     answers = {q: " ".join(lines) for q, lines, _ in qs}
@@ -79,7 +80,13 @@ def test_answers_and_pick_follow_the_numbers():
     assert "exactly 0 in every seed" in redispatch
     # unpaired, shrink's 0.03 below redispatch drowns in the 0.1-a-seed spread; paired, it is resolved
     assert "Its final held-out reward against +redispatch, paired by seed: -0.03" in shrink and "resolved" in shrink
-    assert flag.startswith("**Not resolvably**") and "not resolvable" in flag
-    assert "Neither dropped nor re-sent a group" in flag  # +end_episode vs the defaults isolates the flag too
+    assert flag.startswith("**Not resolvably**") and "differ only in the flag" in flag and "not resolvable" in flag
+    assert "it does nothing under +shrink, +redispatch" in flag
     pick = cmp.what_to_pick(cells, grid)[0]
     assert "Pick **+redispatch (budget 16)**" in pick and "skewed: +shrink (budget 16) (-0.40" in pick
+    # without the twin, +end_episode is the flag-false arm: it isolates the flag while nothing drops or is re-sent
+    here = {p: rs for p, rs in cmp._at(cells, grid, "guard_reject@room", 0.07).items() if p != cmp.MASKED_IN_BASELINE}
+    flag = " ".join(cmp.four_questions(here)[-1][1])
+    assert flag.startswith("**Not resolvably**") and "So the pair isolates the flag" in flag
+    here["+end_episode"] = [{**r, "groups_redispatched": r["seed"] == 2} for r in here["+end_episode"]]
+    assert cmp.four_questions(here)[-1][1][0].startswith("**Not isolated**")
