@@ -142,8 +142,8 @@ QUICK = Grid(kinds=("guard_reject@room",), rates=(0.05,), policies=("+shrink", "
 # seed). The literal twin, MASKED_IN_BASELINE, measured the same run as +end_episode. Other modes:
 # --kinds guard_reject,overflow,agent_exception@room,... (`timeout` fails like agent_exception, but each
 # hit costs rollout_timeout_s of wall time).
-DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,), policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS),
-               budgets=(16,), fractions=(0.125,), seeds=tuple(range(5)), steps=6, prompts=8, generations=4,
+DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,),
+               policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS), budgets=(16,), fractions=(0.125,), seeds=tuple(range(5)), steps=6, prompts=8, generations=4,
                val_period=3, val_prompts=24)
 
 
@@ -465,6 +465,11 @@ def four_questions(here: dict[str, list[dict]]) -> list[tuple[str, list[str], li
         lines = [f"{ans}. {p} {what} and trained {e.resolved()} rooms against the mix dispatched "
                  f"(TV distance {_ci(rs, 'skew_tv')}); it trained {_ci(rs, 'fraction_trained')} of the rollouts "
                  "returned."]
+        died = [r for r in rs if not r["survived"]]
+        if died:
+            steps = ", ".join(str(r["died_at_step"]) for r in died)
+            lines.append(f"{len(died)} of {len(rs)} runs died (at step {steps}): "
+                         "their skew covers the steps they completed, their final validation is the last they reached.")
         if "+redispatch" not in here:
             return lines, [e]
         v = val_vs(p, "+redispatch")
@@ -499,14 +504,14 @@ def four_questions(here: dict[str, list[dict]]) -> list[tuple[str, list[str], li
         unmasked = [p for p, rs in here.items() if all(r["rollouts_masked"] == 0 for r in rs)]
         inert = all(r["groups_dropped"] == 0 and r["groups_redispatched"] == 0 for r in a + b)
         v = _paired(a, b, "val_reward_final", f"val reward: {DEFAULTS} − {twin}")
-        succ = _paired(a, b, "val_success_final", "val success: same pair")
-        sk = _paired(a, b, "rooms_shift", "skew: same pair")
+        succ = _paired(a, b, "val_success_final", f"val success: {DEFAULTS} − {twin}")
+        sk = _paired(a, b, "rooms_shift", f"skew: {DEFAULTS} − {twin}")
         if twin == MASKED_IN_BASELINE:
             pair = f"The two runs of a seed differ only in the flag (true in {DEFAULTS}, false in its twin)."
         elif inert:
             pair = (f"{DEFAULTS} (flag true) and +end_episode (the upstream preset with masking, flag false, as in "
-                    "configs/upstream_pr4124.yaml) also differ in fixes 1 and 3 and the budgets, but those never acted: "
-                    "neither policy dropped or re-sent a group in any seed. So the pair isolates the flag.")
+                    "configs/upstream_pr4124.yaml) also differ in fixes 1 and 3 and the budgets, but those never "
+                    "acted: neither policy dropped or re-sent a group in any seed. So the pair isolates the flag.")
         else:
             pair = (f"{DEFAULTS} and +end_episode differ in more than the flag here (some seed dropped or re-sent a "
                     f"group): run `{MASKED_IN_BASELINE}` to isolate it.")
@@ -524,7 +529,8 @@ def four_questions(here: dict[str, list[dict]]) -> list[tuple[str, list[str], li
         ests = [v, succ]
         if twin == MASKED_IN_BASELINE and "+end_episode" in here:
             w = _paired(a, here["+end_episode"], "val_reward_final", f"val reward: {DEFAULTS} − +end_episode")
-            lines.append(f"The same against +end_episode (the upstream preset with masking, flag false): {w.resolved()}.")
+            lines.append(f"The same against +end_episode (the upstream preset with masking, flag false): "
+                         f"{w.resolved()}.")
             ests.append(w)
         out.append(("Does `grpo.baseline_excludes_masked` change the outcome?", lines, ests))
     return out
