@@ -143,8 +143,8 @@ QUICK = Grid(kinds=("guard_reject@room",), rates=(0.05,), policies=("+shrink", "
 # --kinds guard_reject,overflow,agent_exception@room,... (`timeout` fails like agent_exception, but each
 # hit costs rollout_timeout_s of wall time).
 DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,),
-               policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS), budgets=(16,), fractions=(0.125,), seeds=tuple(range(5)), steps=6, prompts=8, generations=4,
-               val_period=3, val_prompts=24)
+               policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS), budgets=(16,), fractions=(0.125,),
+               seeds=tuple(range(5)), steps=6, prompts=8, generations=4, val_period=3, val_prompts=24)
 
 
 def kind_args(kind: str, rate: float) -> list[str]:
