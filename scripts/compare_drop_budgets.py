@@ -2,7 +2,7 @@
 each policy makes the model learn.
 
     python scripts/compare_drop_budgets.py --quick --out /tmp/cmp     # <= 10 min on 2 CPU cores
-    python scripts/compare_drop_budgets.py --out runs/compare          # the README's grid
+    python scripts/compare_drop_budgets.py --out docs/experiments/default   # the README's grid
 
 Each cell is a real `python -m minirl.train` run of the upstream preset
 (configs/upstream_pr4124.yaml) with some of the review's fixes turned back on, one drop budget,
