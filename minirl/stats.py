@@ -1,5 +1,11 @@
-"""Statistics of experiments, as pure functions: Student-t intervals over seeds, Welch's test, and
-the difficulty skew of what a failure policy trains.
+"""Statistics of experiments, as pure functions: Student-t intervals over seeds, paired differences
+between two policies, and the difficulty skew of what a failure policy trains.
+
+Pairing: within one seed every policy of a sweep meets the same prompts, the same held-out set and
+the same fault draws (minirl.faults), so two policies are compared by their per-seed differences:
+`paired_ci` gives the mean difference and its t-interval, and an interval that excludes 0 is a
+paired t-test at the same level. The seed-to-seed spread of the prompts cancels out of a difference,
+which an unpaired test (e.g. Welch's) would count as noise.
 
 Skew: for a run, `dispatched[k]` counts the rollouts dispatched for prompts with k rooms (G per
 prompt group of every completed step), and `trained[k]` the rollouts of k-room prompts that reached
@@ -75,19 +81,11 @@ def mean_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
     return mean, t_ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
 
 
-def welch(a: list[float], b: list[float]) -> float:
-    """Two-sided p-value of Welch's t-test that a and b have the same mean (nan below 2 values each;
-    1.0 when both are constant and equal, 0.0 when constant and different)."""
-    if len(a) < 2 or len(b) < 2:
-        return float("nan")
-    ma, mb = sum(a) / len(a), sum(b) / len(b)
-    va = sum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
-    vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
-    if va + vb == 0:
-        return 1.0 if ma == mb else 0.0
-    t = (ma - mb) / math.sqrt(va + vb)
-    df = (va + vb) ** 2 / ((va * va / (len(a) - 1) if va else 0) + (vb * vb / (len(b) - 1) if vb else 0))
-    return 2 * (1 - t_cdf(abs(t), df))
+def paired_ci(a: dict, b: dict, level: float = 0.95) -> tuple[float, float, int]:
+    """(mean of a[s] - b[s], half-width of its t-interval, number of pairs) over the keys (seeds)
+    present in both with a value that is not nan."""
+    diffs = [a[k] - b[k] for k in sorted(set(a) & set(b)) if not (math.isnan(a[k]) or math.isnan(b[k]))]
+    return (*mean_ci(diffs, level), len(diffs))
 
 
 # ------------------------------------------------------------------------------------------- skew

@@ -2,7 +2,7 @@
 each policy makes the model learn.
 
     python scripts/compare_drop_budgets.py --quick --out /tmp/cmp     # <= 10 min on 2 CPU cores
-    python scripts/compare_drop_budgets.py --out runs/compare          # the README's grid
+    python scripts/compare_drop_budgets.py --out docs/experiments/default   # the README's grid
 
 Each cell is a real `python -m minirl.train` run of the upstream preset
 (configs/upstream_pr4124.yaml) with some of the review's fixes turned back on, one drop budget,
@@ -17,11 +17,14 @@ Fault modes (`--kinds`):
 A seed s sets `faults.seed=s`, `grpo.seed=42+s` and `env.data_seed=1234+s`: every policy meets the
 same prompts and the same fault stream within a seed, and `--seeds N` repeats each cell N times.
 
-The report gives each cell as mean ± the 95% t-interval over seeds, says which policies do not
-differ from minirl's defaults (Welch's test), measures the difficulty skew of what each policy
-trained (minirl.stats: the room mix of rollouts that reached the optimizer against the mix
-dispatched, recomputed from the prompt stream and events.jsonl), and draws validation learning
-curves with seed bands and the skew.
+The report gives each cell as mean ± the 95% t-interval over seeds, compares policies by their
+per-seed (paired) differences (minirl.stats.paired_ci), measures the difficulty skew of what each
+policy trained (minirl.stats: the room mix of rollouts that reached the optimizer against the mix
+dispatched, recomputed from the prompt stream and events.jsonl, which assumes sync steps: every
+group of step s is a prompt (s, k) of minirl.data), answers issue M's four questions for each
+mode (does shrink's dropping skew training toward easy prompts, does end_episode's masking, does
+redispatch avoid it, does `grpo.baseline_excludes_masked` change the outcome), and draws validation
+learning curves with seed bands, the skew, and the estimates behind the answers.
 
 Ray and the vLLM engine start once per sweep: the script starts a Ray head and a detached,
 named generation worker, and each cell attaches to it (`cluster.attach_generation_workers`),
@@ -50,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from minirl.stats import mean_ci, welch  # noqa: E402
+from minirl.stats import mean_ci, paired_ci  # noqa: E402
 
 POLICIES = {
     "upstream": [],
@@ -63,9 +66,12 @@ POLICIES = {
         "context_compaction.redispatch_dropped_groups=true",
     ],
     "minirl defaults": [],
+    "minirl defaults (masked in baseline)": ["grpo.baseline_excludes_masked=false"],
 }
 DEFAULTS = "minirl defaults"  # no preset: `python -m minirl.train` as shipped (fixes on, its own budgets)
-SHRINKS = {"+shrink", "all fixes"}  # upstream forces the floor to 100% without fix 1
+MASKED_IN_BASELINE = "minirl defaults (masked in baseline)"  # the same, but upstream's baseline (issue I)
+ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE}  # policies built on the shipped config rather than the preset
+SHRINKS = {"+shrink", "all fixes"} | ON_DEFAULTS  # upstream forces the floor to 100% without fix 1
 
 COLUMNS = [
     "cell", "kind", "rate", "policy", "budget", "fraction", "seed", "survived", "died_at_step", "died_reason",
@@ -102,14 +108,14 @@ class Grid:
 
     def cells(self):
         seen = set()
-        for kind, rate, policy, budget, fraction, seed in itertools.product(
-            self.kinds, self.rates, self.policies, self.budgets, self.fractions, self.seeds
+        for seed, kind, rate, policy, budget, fraction in itertools.product(  # seed outermost: a sweep cut
+            self.seeds, self.kinds, self.rates, self.policies, self.budgets, self.fractions  # short stays paired
         ):
             rate = 0.0 if kind == "overflow" else rate
-            if policy == DEFAULTS:  # the shipped budgets, whatever the grid's
+            if policy in ON_DEFAULTS:  # the shipped budgets, whatever the grid's
                 rf = _defaults().async_rl.rollout_failure
                 budget, fraction = rf.max_consecutive_dropped_prompts, rf.min_step_batch_fraction
-            frac = fraction if policy in SHRINKS | {DEFAULTS} else 1.0
+            frac = fraction if policy in SHRINKS else 1.0
             cell = {"kind": kind, "rate": rate, "policy": policy, "budget": budget, "fraction": frac, "seed": seed}
             if cell_id(cell) not in seen:
                 seen.add(cell_id(cell))
@@ -125,11 +131,20 @@ def _defaults():
 # one correlated mode, the four policies that survive it, 2 seeds: 8 cells fit the 10-minute budget
 QUICK = Grid(kinds=("guard_reject@room",), rates=(0.05,), policies=("+shrink", "+redispatch", "all fixes", DEFAULTS),
              budgets=(4,), fractions=(0.5,), seeds=(0, 1), steps=4, prompts=4, generations=2)
-# `timeout` is lane B too (INFRA, like agent_exception) but each hit costs rollout_timeout_s of wall
-# time; add it with --kinds guard_reject,agent_exception,timeout
-DEFAULT = Grid(kinds=("guard_reject", "guard_reject@room", "agent_exception@room", "overflow"), rates=(0.02, 0.05, 0.1),
-               policies=tuple(POLICIES), budgets=(0, 5), fractions=(0.75,), seeds=(0, 1, 2), steps=8, prompts=8,
-               generations=4, val_period=2, val_prompts=16)
+# The four questions of issue M on one correlated mode, 5 seeds (seeds, not cells, narrow the intervals):
+# at a per-room hazard of 7% shrink drops about half the groups (a 4-room group of 4 rollouts fails
+# with 1 - 0.93**16 = 69%, a 1-room one with 25%) and end_episode masks 16% of the rollouts; the
+# floor of one group (0.125) and a budget of 16 keep +shrink alive, so its skew is measured, not its death.
+# +shrink, +end_episode and +redispatch are the upstream preset plus one fix. The baseline flag: +end_episode
+# (upstream's baseline_excludes_masked=false) and minirl defaults (true) differ in the flag, the budgets
+# and fixes 1 and 3; in this mode nothing is dropped or re-sent under either (guard rejections are masks),
+# so fixes 1 and 3 and the budgets never act and the pair isolates the flag (the report checks this per
+# seed). The literal twin, MASKED_IN_BASELINE, measured the same run as +end_episode. Other modes:
+# --kinds guard_reject,overflow,agent_exception@room,... (`timeout` fails like agent_exception, but each
+# hit costs rollout_timeout_s of wall time).
+DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,),
+               policies=("+shrink", "+end_episode", "+redispatch", DEFAULTS), budgets=(16,), fractions=(0.125,),
+               seeds=tuple(range(5)), steps=6, prompts=8, generations=4, val_period=3, val_prompts=24)
 
 
 def kind_args(kind: str, rate: float) -> list[str]:
@@ -142,12 +157,13 @@ def kind_args(kind: str, rate: float) -> list[str]:
 
 
 def cell_id(c: dict) -> str:
-    return f"{c['kind']}-{c['rate']}-{c['policy'].replace(' ', '_').replace('+', 'plus_')}-b{c['budget']}-f{c['fraction']}-s{c['seed']}"
+    policy = c["policy"].replace("+", "plus_").replace("(", "").replace(")", "").replace(" ", "_")
+    return f"{c['kind']}-{c['rate']}-{policy}-b{c['budget']}-f{c['fraction']}-s{c['seed']}"
 
 
 def cell_args(c: dict, grid: Grid, run_dir: Path, attach: list[str]) -> list[str]:
-    if c["policy"] == DEFAULTS:
-        args = []
+    if c["policy"] in ON_DEFAULTS:
+        args = list(POLICIES[c["policy"]])
     else:
         args = [
             "--config", str(REPO / "configs" / "upstream_pr4124.yaml"), *POLICIES[c["policy"]],
@@ -281,7 +297,7 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
     cells = list(grid.cells())
     todo = [c for c in cells if cell_id(c) not in done]
     print(f"sweep: {len(cells)} cells, {len(done)} already in {results_path}, {len(todo)} to run "
-          f"(order: kind, rate, policy, budget, fraction, seed)", flush=True)
+          f"(order: seed, kind, rate, policy, budget, fraction)", flush=True)
     for i, c in enumerate(cells):
         print(f"  {i + 1:>3}. {cell_id(c)}{'  (done)' if cell_id(c) in done else ''}", flush=True)
     new_file = not results_path.exists()
@@ -324,7 +340,10 @@ def kind_text(kind: str) -> str:
     if kind == "overflow":
         return f"a real context guard of {OVERFLOW_TOKENS} tokens, no injected fault (longer episodes cross it)"
     if kind.endswith("@room"):
-        return f"`{kind[:-5]}` with a per-room hazard q (an n-room attempt fails with 1 - (1 - q)^n)"
+        return (f"`{kind[:-5]}` with a per-room hazard q (an n-room attempt fails with 1 - (1 - q)^n). Each attempt "
+                "draws anew, so a re-sent rollout passes with probability (1 - q)^n: this mode is kind to redispatch. "
+                "A failure that recurs on the same prompt (a real overflow, the `overflow` mode) would fail its "
+                "re-sends too")
     return f"`{kind}` at a per-rollout-attempt rate, independent of the episode"
 
 
@@ -363,64 +382,218 @@ def _by_rooms(rs: list[dict]) -> str:
     return " / ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(per.items())) or "–"
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over seeds and the half-width of its 95% t-interval: one policy's value, or the paired
+    (per-seed) difference of two policies' values."""
+
+    label: str
+    mean: float
+    half: float
+    n: int
+
+    @property
+    def sign(self) -> int:
+        """+1 or -1 where the interval excludes 0, 0 where it holds 0 or there is no interval."""
+        if math.isnan(self.mean) or math.isnan(self.half):
+            return 0
+        return 1 if self.mean - self.half > 0 else -1 if self.mean + self.half < 0 else 0
+
+    def text(self, digits: int = 2) -> str:
+        if math.isnan(self.mean):
+            return "no value"
+        if math.isnan(self.half):
+            return f"{self.mean:+.{digits}f} (one seed: no interval)"
+        return f"{self.mean:+.{digits}f} ± {self.half:.{digits}f}"
+
+    def resolved(self, digits: int = 2) -> str:
+        """The estimate, and whether it excludes 0 (a paired t-test at 5% for a difference)."""
+        if math.isnan(self.half):
+            return self.text(digits)
+        if self.sign:
+            return f"{self.text(digits)} (resolved: the interval excludes 0)"
+        if self.half == 0 and self.mean == 0:
+            return f"{self.text(digits)} (exactly 0 in every seed)"
+        return f"{self.text(digits)} (not resolvable: the interval holds 0)"
+
+
+def _level(rs: list[dict], field: str, label: str = "") -> Estimate:
+    vals = _values(rs, field)
+    return Estimate(label, *mean_ci(vals), len(vals))
+
+
+def _paired(a: list[dict], b: list[dict], field: str, label: str = "") -> Estimate:
+    return Estimate(label, *paired_ci({r["seed"]: r[field] for r in a}, {r["seed"]: r[field] for r in b}))
+
+
 def _skew_verdict(rs: list[dict]) -> str:
-    shift = _values(rs, "rooms_shift")
-    mean, half = mean_ci(shift)
-    if math.isnan(mean):
+    e = _level(rs, "rooms_shift")
+    if math.isnan(e.mean):
         return "no step completed"
-    if math.isnan(half):
-        return f"one seed: trained {mean:+.2f} rooms against dispatched"
-    if mean + half < 0:
-        return f"skews toward easy prompts: {mean:+.2f} ± {half:.2f} rooms"
-    if mean - half > 0:
-        return f"skews toward hard prompts: {mean:+.2f} ± {half:.2f} rooms"
-    return f"no skew measurable: {mean:+.2f} ± {half:.2f} rooms (the interval holds 0)"
+    toward = {-1: "skews toward easy prompts", 1: "skews toward hard prompts"}
+    if e.sign:
+        return f"{toward[e.sign]}: {e.text()} rooms"
+    return "no skew: " + e.resolved() if e.half == 0 and e.mean == 0 else f"no skew resolvable: {e.resolved()}"
+
+
+def _mean(rs: list[dict], field: str) -> float:
+    return sum(r[field] for r in rs) / len(rs)
+
+
+def _at(cells: dict[tuple, list[dict]], grid: Grid, kind: str, rate: float) -> dict[str, list[dict]]:
+    """A mode's rows at one rate by policy (the grid's first budget; the defaults at their own)."""
+    out: dict[str, list[dict]] = {}
+    for (k, r, policy, budget, _), rs in cells.items():
+        if k == kind and r == rate and (budget == grid.budgets[0] or policy in ON_DEFAULTS):
+            out.setdefault(policy, rs)
+    return out
+
+
+def four_questions(here: dict[str, list[dict]]) -> list[tuple[str, list[str], list[Estimate]]]:
+    """Issue M's questions, each as (question, answer lines, the estimates drawn in four_questions.png),
+    for the policies of one mode and rate that the grid ran; a question whose policies are missing
+    is left out."""
+    out = []
+    shift = {p: _level(rs, "rooms_shift", f"{p}: rooms trained − dispatched") for p, rs in here.items()}
+
+    def val_vs(a: str, b: str) -> Estimate:
+        return _paired(here[a], here[b], "val_reward_final", f"val reward: {a} − {b}")
+
+    def skew_answer(p: str, what: str) -> tuple[list[str], list[Estimate]]:
+        rs, e = here[p], shift[p]
+        ans = {-1: "**Yes**", 1: "**No, toward hard prompts**", 0: "**Not resolvable**"}[e.sign]
+        lines = [f"{ans}. {p} {what} and trained {e.resolved()} rooms against the mix dispatched "
+                 f"(TV distance {_ci(rs, 'skew_tv')}); it trained {_ci(rs, 'fraction_trained')} of the rollouts "
+                 "returned."]
+        died = [r for r in rs if not r["survived"]]
+        if died:
+            steps = ", ".join(str(r["died_at_step"]) for r in died)
+            lines.append(f"{len(died)} of {len(rs)} runs died (at step {steps}): "
+                         "their skew covers the steps they completed, their final validation is the last they reached.")
+        if "+redispatch" not in here:
+            return lines, [e]
+        v = val_vs(p, "+redispatch")
+        return lines + [f"Its final held-out reward against +redispatch, paired by seed: {v.resolved()}."], [e, v]
+
+    if "+shrink" in here:
+        rs = here["+shrink"]
+        out.append(("Does dropping under shrink skew training toward easy prompts?",
+                    *skew_answer("+shrink", f"dropped {_mean(rs, 'groups_dropped'):.1f} groups a run "
+                                 "(mean over seeds)")))
+    if "+end_episode" in here:
+        rs = here["+end_episode"]
+        lines, ests = skew_answer("+end_episode", f"masked {_mean(rs, 'rollouts_masked'):.1f} rollouts a run "
+                                  f"of {_mean(rs, 'rollouts_generated'):.0f}")
+        if DEFAULTS in here:  # the shipped config masks guard rejections too
+            lines.append(f"{DEFAULTS} (end_episode on) trained {shift[DEFAULTS].resolved()} rooms against dispatched.")
+            ests.append(shift[DEFAULTS])
+        out.append(("Does masking under end_episode skew it?", lines, ests))
+    if "+redispatch" in here:
+        rs, e = here["+redispatch"], shift["+redispatch"]
+        gaps = [_paired(here[p], rs, "rooms_shift", f"skew: {p} − +redispatch")
+                for p in ("+shrink", "+end_episode", DEFAULTS) if p in here]
+        ans = "**No**" if e.sign else "**Yes**" if all(g.sign for g in gaps) else "**Not resolvably**"
+        lines = [f"{ans}. +redispatch re-sent {_mean(rs, 'groups_redispatched'):.1f} groups a run, dropped "
+                 f"{_mean(rs, 'groups_dropped'):.1f} and masked {_mean(rs, 'rollouts_masked'):.1f}; it trained "
+                 f"{e.resolved()} rooms against dispatched."]
+        lines += [f"Skew of {g.label.split(': ')[1]}, paired by seed: {g.resolved()}." for g in gaps]
+        out.append(("Does redispatch avoid the skew?", lines, [e, *gaps]))
+    twin = next((p for p in (MASKED_IN_BASELINE, "+end_episode") if p in here), None)
+    if DEFAULTS in here and twin:  # flag true against flag false, both masking
+        a, b = here[DEFAULTS], here[twin]
+        unmasked = [p for p, rs in here.items() if all(r["rollouts_masked"] == 0 for r in rs)]
+        inert = all(r["groups_dropped"] == 0 and r["groups_redispatched"] == 0 for r in a + b)
+        v = _paired(a, b, "val_reward_final", f"val reward: {DEFAULTS} − {twin}")
+        succ = _paired(a, b, "val_success_final", f"val success: {DEFAULTS} − {twin}")
+        sk = _paired(a, b, "rooms_shift", f"skew: {DEFAULTS} − {twin}")
+        if twin == MASKED_IN_BASELINE:
+            pair = f"The two runs of a seed differ only in the flag (true in {DEFAULTS}, false in its twin)."
+        elif inert:
+            pair = (f"{DEFAULTS} (flag true) and +end_episode (the upstream preset with masking, flag false, as in "
+                    "configs/upstream_pr4124.yaml) also differ in fixes 1 and 3 and the budgets, but those never "
+                    "acted: neither policy dropped or re-sent a group in any seed. So the pair isolates the flag.")
+        else:
+            pair = (f"{DEFAULTS} and +end_episode differ in more than the flag here (some seed dropped or re-sent a "
+                    f"group): run `{MASKED_IN_BASELINE}` to isolate it.")
+        ans = ("**Not isolated**" if twin != MASKED_IN_BASELINE and not inert else
+               "**Not resolvably**" if v.sign == 0 and succ.sign == 0 else "**Yes**")
+        lines = [f"{ans}. {pair} Both runs of a seed meet the same prompts and faults; they masked "
+                 f"{_mean(a, 'rollouts_masked'):.1f} and {_mean(b, 'rollouts_masked'):.1f} rollouts a run. The flag "
+                 "acts only on the advantages of groups with a masked rollout, so masking is where it can matter"
+                 + (f" (it does nothing under {', '.join(unmasked)}, which masked no rollout in any seed)."
+                    if unmasked else "."),
+                 f"Final held-out reward (true − false), paired by seed: {v.resolved()}; "
+                 f"success rate: {succ.resolved()}.",
+                 f"Skew (true − false): {sk.resolved()}: the flag cannot change which rollouts are masked, only "
+                 "how the unmasked ones are weighted."]
+        ests = [v, succ]
+        if twin == MASKED_IN_BASELINE and "+end_episode" in here:
+            w = _paired(a, here["+end_episode"], "val_reward_final", f"val reward: {DEFAULTS} − +end_episode")
+            lines.append(f"The same against +end_episode (the upstream preset with masking, flag false): "
+                         f"{w.resolved()}.")
+            ests.append(w)
+        out.append(("Does `grpo.baseline_excludes_masked` change the outcome?", lines, ests))
+    return out
 
 
 def _differs(a: list[dict], b: list[dict], field: str) -> str:
-    p = welch(_values(a, field), _values(b, field))
-    if math.isnan(p):
-        return "too few seeds to test"
-    return f"p = {p:.2f}, " + ("differ" if p < 0.05 else "do not differ")
+    return _paired(a, b, field).resolved()
 
 
 def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Path]:
-    plots = make_plots(rows, grid, out)
     cells = _cells(rows, grid)
+    answers = {(kind, rate): four_questions(_at(cells, grid, kind, rate))  # each mode at its highest rate
+               for kind in grid.kinds for rate in [max(r for (k, r, *_) in cells if k == kind)]}
+    plots = make_plots(rows, grid, out, answers)
     lines = [f"# {title}", "", f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC by "
-             f"`scripts/compare_drop_budgets.py`; {len(rows)} runs ({len(cells)} cells x {len(grid.seeds)} seeds), "
+             f"`scripts/compare_drop_budgets.py`; {len(rows)} runs ({len(cells)} cells x "
+             f"{len({r['seed'] for r in rows})} seeds), "
              f"{grid.steps} steps of {grid.prompts} groups x {grid.generations} rollouts each, on the tiny default "
              f"model, a task mix of {'/'.join(map(str, grid.mix))} rooms, at most {grid.max_calls} model calls "
              "per episode.", "",
-             "Each cell: the upstream preset plus the named fixes, one drop budget "
-             "(`max_consecutive_dropped_prompts`), the floor (`min_step_batch_fraction`, forced to 1 without "
-             "fix 1), and one fault mode at one rate. A seed sets the fault stream, the sampling and the prompts. "
-             "Numbers are mean ± the 95% t-interval over seeds. Fraction trained: rollouts that reached an optimizer "
-             "step over the rollouts `/run` returned. Validation: the mean reward of held-out prompts (never trained "
+             "Each cell: the upstream preset plus the named fixes (minirl defaults: the shipped config), one drop "
+             "budget (`max_consecutive_dropped_prompts`), the floor (`min_step_batch_fraction`, forced to 1 without "
+             "fix 1), and one fault mode at one rate. A seed sets the fault stream, the sampling and the prompts, "
+             "so within a seed every policy meets the same prompts, held-out set and fault draws. Numbers are "
+             "mean ± the 95% t-interval over seeds; two policies are compared by their per-seed differences "
+             "(mean ± the 95% t-interval of the differences: an interval that excludes 0 is a paired t-test at 5%). "
+             "Fraction trained: rollouts that reached an optimizer step over the rollouts `/run` returned. "
+             "Validation: the mean reward of held-out prompts (never trained "
              f"on, no faults), {grid.val_prompts} per validation, at start and every {grid.val_period} steps; final = "
              "the last one the run reached. Skew: the mean room count of the rollouts trained minus that of the "
              "rollouts dispatched (negative: training saw an easier mix than it was given), and the total-variation "
              "distance between the two mixes.", ""]
     for kind in grid.kinds:
         lines += [f"## {kind}", "", kind_text(kind) + ".", "",
-                  "| policy | budget | floor | rate | survived | fraction trained | val reward start "
-                  "| val reward final | val success final | final val reward by rooms | rooms trained − dispatched | TV skew |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| policy | budget | floor | rate | survived | dropped / masked / re-sent a run | fraction trained "
+                  "| val reward start | val reward final | val success final | final val reward by rooms "
+                  "| rooms trained − dispatched | TV skew |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (k, rate, policy, budget, frac), rs in cells.items():
             if k != kind:
                 continue
             died = [str(r["died_at_step"]) for r in rs if not r["survived"]]
             surv = f"{len(rs) - len(died)}/{len(rs)}" + (f" (died at step {','.join(died)})" if died else "")
-            lines.append(f"| {policy} | {budget} | {frac} | {_rate(kind, rate)} | {surv} "
+            counts = " / ".join(f"{_mean(rs, f):.1f}"
+                                for f in ("groups_dropped", "rollouts_masked", "groups_redispatched"))
+            lines.append(f"| {policy} | {budget} | {frac} | {_rate(kind, rate)} | {surv} | {counts} "
                          f"| {_ci(rs, 'fraction_trained')} | {_ci(rs, 'val_reward_start')} "
-                         f"| {_ci(rs, 'val_reward_final')} | {_ci(rs, 'val_success_final')} | {_by_rooms(rs)} | {_ci(rs, 'rooms_shift')} | {_ci(rs, 'skew_tv')} |")
+                         f"| {_ci(rs, 'val_reward_final')} | {_ci(rs, 'val_success_final')} | {_by_rooms(rs)} "
+                         f"| {_ci(rs, 'rooms_shift')} | {_ci(rs, 'skew_tv')} |")
         rooms = " / ".join(f"{k} room(s)" for k in grid.mix)
-        lines += ["", f"Final val reward by rooms: {rooms}, mean over seeds.", ""]
+        lines += ["", f"Final val reward by rooms: {rooms}, mean over seeds. Dropped / masked / re-sent: prompt "
+                  "groups dropped, rollouts masked, groups redispatched, mean per run.", ""]
+
+    for (kind, rate), qs in answers.items():
+        if qs:
+            lines += [f"## The questions of issue M: {kind} {_rate(kind, rate)}", ""]
+            for q, ans, _ in qs:
+                lines += [f"**{q}** " + " ".join(ans), ""]
 
     base = DEFAULTS if DEFAULTS in grid.policies else grid.policies[0]
     lines += ["## Which differences are real", "",
-              f"Each policy against `{base}` in the same mode and rate, by Welch's t-test over seeds (p < 0.05: "
-              "differ). Two policies whose intervals overlap may still differ; the test is the judge.", ""]
+              f"Each policy against `{base}` in the same mode and rate: the per-seed difference (policy − {base}), "
+              "mean ± its 95% t-interval.", ""]
     for (kind, rate, policy, budget, frac), rs in cells.items():
         ref = next((v for (k2, r2, p2, _, _), v in cells.items() if (k2, r2, p2) == (kind, rate, base)), None)
         if ref is None or policy == base:
@@ -449,7 +622,9 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
 
 
 def what_to_pick(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:
-    """One line per fault mode at its highest rate, written from the numbers of the tables."""
+    """One line per fault mode at its highest rate, from the estimates the skew and validation plots
+    draw: the policies without a resolvable skew, the best final validation reward and which
+    policies are not resolvably below it (paired by seed), and the pick that follows."""
     lines = []
     for kind in grid.kinds:
         rate = max(r for (k, r, *_) in cells if k == kind)
@@ -459,25 +634,37 @@ def what_to_pick(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:
         if not alive:
             lines.append(f"- **{kind} {_rate(kind, rate)}**: no policy survived every seed.")
             continue
-        best = max(alive, key=lambda key: mean_ci(_values(alive[key], "val_reward_final"))[0])
-        ties = [key for key in alive if key != best and not welch(
-            _values(alive[key], "val_reward_final"), _values(alive[best], "val_reward_final")) < 0.05]
-        fair = [key for key in alive if "skews" not in _skew_verdict(alive[key])]
-        pick = next((key for key in [best, *ties] if key in fair), best)
+        shift = {key: _level(rs, "rooms_shift") for key, rs in alive.items()}
+        best = max(alive, key=lambda key: _level(alive[key], "val_reward_final").mean)
+        gap = {key: _paired(alive[key], alive[best], "val_reward_final") for key in alive if key != best}
+        below = [key for key, e in gap.items() if e.sign < 0]
+        fair = [key for key in alive if shift[key].sign == 0]
+        pick = max(fair, key=lambda key: _level(alive[key], "val_reward_final").mean) if fair else best
         dead = [name(key) for key in here if key not in alive]
+        skewed = [f"{name(k)} ({shift[k].text()} rooms)" for k in alive if shift[k].sign]
         lines.append(
-            f"- **{kind} {_rate(kind, rate)}**: highest final validation reward {name(best)}, "
-            f"{_ci(alive[best], 'val_reward_final')}; not distinguishable from it: "
-            f"{', '.join(map(name, ties)) or 'none'}. Without a measurable skew: "
-            f"{', '.join(map(name, fair)) or 'none'}. "
-            f"Died in some seed: {', '.join(dead) or 'none'}. Pick **{name(pick)}**"
-            + (" (the best that does not skew)." if pick in fair else " (every survivor skews; it learns most).")
-            + (" With one seed per cell these are single runs, not evidence." if len(grid.seeds) < 2 else ""))
+            f"- **{kind} {_rate(kind, rate)}**: without a resolvable skew: {', '.join(map(name, fair)) or 'none'}; "
+            f"skewed: {', '.join(skewed) or 'none'}. Highest final validation reward: {name(best)}, "
+            f"{_ci(alive[best], 'val_reward_final')}; resolvably below it (paired by seed): "
+            f"{', '.join(f'{name(k)} ({gap[k].text()})' for k in below) or 'none'}; "
+            f"not resolvable from it: {', '.join(name(k) for k in gap if k not in below) or 'none'}. "
+            f"Died in some seed: {', '.join(dead) or 'none'}. "
+            + (f"Nothing here separates the survivors (no skew and no validation difference is resolvable); "
+               f"**{name(pick)}** only has the highest mean." if len(fair) == len(alive) and not below else
+               f"Pick **{name(pick)}**: "
+               + ("the policy without a resolvable skew that validates best" if pick in fair else
+                  "every survivor skews; it validates best")
+               + ("." if pick == best or gap[pick].sign == 0 else
+                  f", though it validates resolvably below {name(best)} ({gap[pick].text()}).")
+               + (" Its validation lead is not resolvable, so the pick rests on the skew." if pick in fair and not below
+                  else ""))
+            + (" With one seed per cell these are single runs, not evidence."
+               if max(map(len, alive.values())) < 2 else ""))
     return lines
 
 
 # a marker and dash per policy, so that policies with equal results stay visible on top of each other
-STYLES = dict(zip(POLICIES, [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--")]))
+STYLES = dict(zip(POLICIES, [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--"), ("P", "-.")]))
 
 
 def _style(policy: str) -> dict:
@@ -486,10 +673,10 @@ def _style(policy: str) -> dict:
 
 
 def _in_plot(r: dict, kind: str, policy: str, budget: int) -> bool:
-    return r["kind"] == kind and r["policy"] == policy and (r["budget"] == budget or policy == DEFAULTS)
+    return r["kind"] == kind and r["policy"] == policy and (r["budget"] == budget or policy in ON_DEFAULTS)
 
 
-def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
+def make_plots(rows: list[dict], grid: Grid, out: Path, answers: dict) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -592,6 +779,31 @@ def make_plots(rows: list[dict], grid: Grid, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         save(fig, f"{name}.png")
+
+    # the estimates behind the answers to issue M's questions: skews (rooms) and held-out reward differences
+    for (k, rate), qs in answers.items():
+        ests = [e for _, _, es in qs for e in es]
+        if not ests:
+            continue
+        panels = (([e for e in ests if e.label.startswith("val")],
+                   "held-out reward or success, difference paired by seed"),
+                  ([e for e in ests if not e.label.startswith("val")],
+                   "rooms trained − dispatched, or its paired difference"))
+        panels = [(es, xlabel) for es, xlabel in panels if es]
+        fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.6 * len(panels) + 0.4 * len(ests)), squeeze=False,
+                                 gridspec_kw={"height_ratios": [len(es) + 1.5 for es, _ in panels]})
+        for ax, (es, xlabel) in zip(axes[:, 0], panels):
+            ys = list(range(len(es)))[::-1]
+            for y, e in zip(ys, es):
+                half = 0 if math.isnan(e.half) else e.half
+                color = "tab:red" if e.sign < 0 else "tab:blue" if e.sign > 0 else "tab:gray"
+                ax.errorbar([e.mean], [y], xerr=[[half], [half]], fmt="o", color=color, capsize=4)
+            ax.set_yticks(ys, [e.label for e in es], fontsize=8)
+            ax.set_ylim(-0.7, len(es) - 0.3)
+            ax.axvline(0, color="black", linewidth=0.8)
+            ax.set(xlabel=xlabel, title=f"{k} {_rate(k, rate)}: mean ± 95% interval over seeds")
+            ax.grid(alpha=0.3, axis="x")
+        save(fig, f"four_questions{'' if len(answers) == 1 else '_' + k.replace('@', '_')}.png")
     return paths
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from minirl.stats import difficulty_skew, mean_ci, rooms_mix, t_cdf, t_ppf, welch
+from minirl.stats import difficulty_skew, mean_ci, paired_ci, rooms_mix, t_cdf, t_ppf
 
 
 @pytest.mark.parametrize("df,q", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423), (1e6, 1.95997)])
@@ -26,16 +26,19 @@ def test_t_cdf_agrees_with_the_integrated_density():
             assert t_cdf(-t, df) == pytest.approx(1 - t_cdf(t, df), abs=1e-12)
 
 
-def test_mean_ci_and_welch():
+def test_mean_ci_and_paired_differences():
     mean, half = mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])
     assert mean == 3 and half == pytest.approx(2.7764 * math.sqrt(2.5) / math.sqrt(5), abs=1e-3)
-    assert math.isnan(mean_ci([0.4])[1]) and math.isnan(welch([1.0], [2.0, 3.0]))
-    # Welch: t = -3 / sqrt(0.5 + 2), df = 2.5**2 / (0.5**2/4 + 2**2/4)
-    a, b = [1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0, 6.0, 8.0, 10.0]
-    t, df = -3 / math.sqrt(2.5), 2.5 ** 2 / (0.25 / 4 + 4 / 4)
-    assert welch(a, b) == pytest.approx(2 * t_cdf(t, df)) and 0.1 < welch(a, b) < 0.12
-    assert welch(a, [x + 100 for x in a]) < 1e-6 and welch(a, list(a)) == pytest.approx(1.0)
-    assert welch([1.0, 1.0], [1.0, 1.0]) == 1.0 and welch([1.0, 1.0], [2.0, 2.0]) == 0.0
+    assert math.isnan(mean_ci([0.4])[1])
+    # seeds differ far more than the policies do: unpaired, 0.1 is lost in a spread of 0.4; paired,
+    # the differences 0.1, 0.12, 0.08 give 0.10 +- t(2) * 0.02 / sqrt(3)
+    a = {0: 0.30, 1: 0.72, 2: 0.48}
+    b = {0: 0.20, 1: 0.60, 2: 0.40, 3: 0.9}  # seed 3 has no partner
+    m, h, n = paired_ci(a, b)
+    assert n == 3 and m == pytest.approx(0.10) and h == pytest.approx(4.3027 * 0.02 / math.sqrt(3), abs=1e-4)
+    assert m - h > 0 and mean_ci(list(a.values()))[1] > 0.5  # resolved paired, not unpaired
+    assert paired_ci(a, {**b, 2: float("nan")})[2] == 2  # a nan drops its pair
+    assert math.isnan(paired_ci({0: 1.0}, {0: 0.5})[1]) and paired_ci({0: 1.0}, {1: 0.5})[2] == 0
 
 
 def test_skew_of_a_policy_that_loses_hard_prompts():
