@@ -34,17 +34,45 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    """Two `ray start` nodes, stopped at the end by stopping only the processes they started (tagged
+    in their environment), not with `ray stop`, which kills every Ray cluster on the machine, the
+    session's shared engine included."""
+    tag = f"test-ddp-{os.getpid()}"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MINIRL_TEST_TAG": tag}
     ray_bin = str(Path(sys.executable).parent / "ray")
     port = free_port()
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", '--resources={"node_a": 1}',
-                    "--include-dashboard=false", "--disable-usage-stats"], check=True, capture_output=True, env=env)
     try:
+        subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", '--resources={"node_a": 1}',
+                        "--include-dashboard=false", "--disable-usage-stats"], check=True, capture_output=True, env=env)
         subprocess.run([ray_bin, "start", f"--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"node_b": 1}',
                         "--disable-usage-stats"], check=True, capture_output=True, env=env)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env)
+        stop_tagged(tag)
+
+
+def stop_tagged(tag: str) -> None:
+    """SIGTERM, then SIGKILL after 10 s, every process with MINIRL_TEST_TAG=tag and its descendants."""
+    import psutil
+
+    procs = {}
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("MINIRL_TEST_TAG") == tag:
+                procs.update((q.pid, q) for q in [p, *p.children(recursive=True)])
+        except psutil.Error:
+            pass
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def real_batches(cfg, tokenizer, steps=2, groups=4, gens=4):

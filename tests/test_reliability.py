@@ -45,14 +45,16 @@ def test_sigkilled_driver_resumes_from_its_checkpoint_with_nothing_lost(tmp_path
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = tmp_path / "checkpoints" / "step_1" / "state.json"
     deadline = time.time() + 300
-    while not marker.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-    assert marker.exists(), "no checkpoint after step 1"
-    # let it get into step 2 or 3, then kill the driver and everything it started
-    while len(metrics(tmp_path)) < 3 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert marker.exists(), "no checkpoint after step 1"
+        # let it get into step 2 or 3, then kill the driver and everything it started
+        while len(metrics(tmp_path)) < 3 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+    finally:  # also when an assertion failed: leave no driver behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     before = metrics(tmp_path)
     assert len(before) >= 3
 
