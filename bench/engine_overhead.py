@@ -106,31 +106,35 @@ def main(argv=None) -> int:
     agent = ray.remote(AgentServer).options(num_cpus=0).remote(cfg, [model_url], "127.0.0.1", free_port("127.0.0.1"))
     agent_url = ray.get(agent.start.remote())
 
-    async def pipeline_round() -> tuple[int, float]:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            async def one(row):
-                async with http.post(agent_url + "/run", json=row) as r:
-                    body = await r.json()
-                return sum(len(it.get("generation_token_ids", [])) for it in body["response"]["output"])
+    # one client session for the whole run, as the controller's rollout manager keeps one
+    loop = asyncio.new_event_loop()
+    http = loop.run_until_complete(_session())
 
-            t0 = time.perf_counter()
-            tokens = await asyncio.gather(*(one(r) for r in rows))
-            return sum(tokens), time.perf_counter() - t0
+    async def one(row):
+        async with http.post(agent_url + "/run", json=row) as r:
+            body = await r.json()
+        return sum(len(it.get("generation_token_ids", [])) for it in body["response"]["output"])
+
+    def pipeline_round() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        tokens = loop.run_until_complete(_gather(one(r) for r in rows))
+        return sum(tokens), time.perf_counter() - t0
 
     raw_round()  # warm both paths up
-    asyncio.run(pipeline_round())
+    pipeline_round()
     results = []
     for k in range(rounds):
         raw_steps[0] = 0
         rt, rs = raw_round()
         before = ray.get(gen.stats.remote())
-        pt, ps = asyncio.run(pipeline_round())
+        pt, ps = pipeline_round()
         after = ray.get(gen.stats.remote())
         busy, steps = after["busy_s"] - before["busy_s"], after["steps"] - before["steps"]
         results.append((rt / rs, pt / ps, rt, pt))
         print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw_steps[0]} steps)   minirl {pt / ps:8.0f} tok/s "
               f"({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s in {steps} steps)   ratio {pt / ps / (rt / rs):.3f}", flush=True)
     ratios = [p / r for r, p, _, _ in results]
+    loop.run_until_complete(http.close())
     ray.shutdown()
     print()
     print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target |")
@@ -138,6 +142,16 @@ def main(argv=None) -> int:
     print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds) | {statistics.median(r for r, _, _, _ in results):.0f} | "
           f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 |")
     return 0
+
+
+async def _gather(coros):
+    return await asyncio.gather(*coros)
+
+
+async def _session():
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
 
 def load(args) -> int:
