@@ -8,9 +8,9 @@ The row is checked before its episode starts (`parse_row`): a body that is not a
 nests too deeply, an `agent_ref` without a string name, a bad `_minirl` block, a `task` without an
 integer `seed` or with `num_rooms` outside [1, env.max_num_rooms], an `input` that is not a list of
 items the agent can read, is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field, so
-the rollout manager reads it as DATA. Parsing and checking run in a worker thread and cost time
-linear in the row's size; the answer is serialized off the loop too, so a large row does not hold
-up other requests or `/health`.
+the rollout manager reads it as DATA. Parsing and checking cost time linear in the row's size
+and run in a worker thread for a row over `minirl.http_thread.INLINE_BYTES`; the answer is
+serialized off the loop too, so a large row does not hold up other requests or `/health`.
 
 As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`, in a
 typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
@@ -41,7 +41,7 @@ from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan
 from minirl.wire import BadCoordinates, Coords, run_error_body, run_error_status
-from minirl.http_thread import HttpThread
+from minirl.http_thread import HttpThread, off_loop
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")
 
@@ -155,7 +155,7 @@ class AgentServer:
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         try:
-            row, name, coords = await asyncio.to_thread(parse_row, await request.read(), self.cfg)
+            row, name, coords = await off_loop(parse_row, await request.read(), self.cfg)
         except (BadRow, BadCoordinates) as exc:
             return web.json_response(run_error_body(exc), status=400)
         if name not in self.agents:

@@ -18,8 +18,9 @@ recorded in the call log (`CallLog`) that the controller's ledger drains after e
 that does not parse is a 400 naming it. The engine-side fault sites (`context_overflow`,
 `model_error`, `worker_kill`, `worker_hang`) fire here, keyed by that header.
 
-Nothing proportional to a request's size runs on the event loop: JSON parsing, validation, chat
-template rendering and tokenization run in a worker thread, and a prompt whose text alone has
+Nothing proportional to a large request's size runs on the event loop: JSON parsing, validation,
+chat template rendering and tokenization run in a worker thread for a body over
+`minirl.http_thread.INLINE_BYTES` (a small one is cheaper to parse than to hand over), and a prompt whose text alone has
 more characters than `max_model_len` tokens could hold is refused before it is rendered (vLLM's
 own bound, below). A client that disconnects mid-generation has its request aborted in the
 engine (the HTTP runner cancels the handler: see minirl.http_thread).
@@ -60,6 +61,7 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
 from minirl.config import VllmConfig
 from minirl.faults import FaultPlan
+from minirl.http_thread import off_loop
 from minirl.generation.chat_format import normalize_content, parse_reply, splice_prefix
 from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
 
@@ -323,7 +325,7 @@ class ModelServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         # vLLM's /tokenize has no length limit; the work runs off the loop
         try:
-            body = await asyncio.to_thread(self._tokenize, await request.read())
+            body = await off_loop(self._tokenize, await request.read())
         except HTTPError as exc:
             return exc.response()
         return web.Response(body=body, content_type="application/json")
@@ -353,7 +355,7 @@ class ModelServer:
                 self.calls.unkeyed.append(record)
 
     async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> ChatCompletionResponse:
-        body, req, prompt = await asyncio.to_thread(self._prepare_chat, await request.read())
+        body, req, prompt = await off_loop(self._prepare_chat, await request.read())
         key = record["key"]
         fires = (lambda kind: self.plan is not None and coords is not None and self.plan.fires(kind, coords, call))
         if fires("worker_kill"):
