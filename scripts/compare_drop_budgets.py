@@ -29,7 +29,8 @@ learning curves with seed bands, the skew, and the estimates behind the answers.
 Ray and the vLLM engine start once per sweep: the script starts a Ray head and a detached,
 named generation worker, and each cell attaches to it (`cluster.attach_generation_workers`),
 resetting its fault plan and weights. A cell then skips ~20 s of engine start-up; `--fresh-engines`
-starts everything per cell instead. Cells run in the order printed at the start; the sweep resumes
+starts everything per cell instead, and `--attach` attaches the cells to generation workers that
+are already running (the test suite's, say) instead of starting the sweep's own. Cells run in the order printed at the start; the sweep resumes
 from `results.csv` (cells already there are skipped). Outputs in --out: results.csv, report.md,
 and PNG plots.
 """
@@ -263,12 +264,12 @@ def _died_step(run_dir: Path, step: int) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def shared_engines(fresh: bool):
+def shared_engines(fresh: bool, attach: list[str] | None = None):
     """Yields the overrides that attach a cell to the sweep's one generation worker, started here
     in the sweep's own Ray cluster (it ends with the sweep); with `fresh`, none: each cell starts
-    its own."""
-    if fresh:
-        yield []
+    its own; with `attach`, those overrides: the workers are someone else's and outlive the sweep."""
+    if fresh or attach:
+        yield [] if fresh else attach
         return
     import ray
 
@@ -284,7 +285,7 @@ def shared_engines(fresh: bool):
         ray.shutdown()
 
 
-def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
+def run_sweep(grid: Grid, out: Path, fresh_engines: bool, attach: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.csv"
     done = {}
@@ -301,7 +302,7 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool) -> list[dict]:
     for i, c in enumerate(cells):
         print(f"  {i + 1:>3}. {cell_id(c)}{'  (done)' if cell_id(c) in done else ''}", flush=True)
     new_file = not results_path.exists()
-    with shared_engines(fresh_engines or not todo) as attach, open(results_path, "a", newline="") as f:
+    with shared_engines(fresh_engines or not todo, attach) as attach, open(results_path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         if new_file:
             writer.writeheader()
@@ -812,6 +813,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small grid, <= 10 min on 2 CPU cores")
     ap.add_argument("--out", default=None, help="output directory (default runs/compare-<UTC time>)")
     ap.add_argument("--fresh-engines", action="store_true", help="start Ray and vLLM per cell instead of once")
+    ap.add_argument("--attach", nargs=2, metavar=("RAY_ADDRESS", "NAME"),
+                    help="attach every cell to running detached generation workers NAME-<rank> in the Ray cluster at RAY_ADDRESS")
     ap.add_argument("--kinds", help="comma-separated fault kinds (overrides the preset)")
     ap.add_argument("--rates", help="comma-separated rates (overrides the preset)")
     ap.add_argument("--policies", help="comma-separated policies (overrides the preset)")
@@ -841,7 +844,8 @@ def main(argv=None) -> int:
                      f"or KIND@room for one of {', '.join(AGENT_SIDE_KINDS)}")
     out = Path(args.out or REPO / "runs" / f"compare-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     t0 = time.time()
-    rows = run_sweep(grid, out, args.fresh_engines)
+    attach = [f"cluster.ray_address={args.attach[0]}", f"cluster.attach_generation_workers={args.attach[1]}"] if args.attach else None
+    rows = run_sweep(grid, out, args.fresh_engines, attach)
     plots = write_report(rows, grid, out, "Drop budgets and failure policies" + (" (quick)" if args.quick else ""))
     print(f"\nwrote {out / 'results.csv'}, {out / 'report.md'} and {len(plots)} plots in {(time.time() - t0) / 60:.1f} min")
     print((out / "report.md").read_text())

@@ -75,20 +75,27 @@ def stack(engine, tokenizer, base_cfg):
     return make
 
 
-SHARED_ENGINE_CHILD = """
+SHARED_WORKERS = 2
+"""Generation workers in the shared cluster: runs attach to the first (`cluster.num_generation_workers`
+defaults to 1); the fleet-health test attaches to both. Half a CPU each, so that a run's policy
+worker still fits in the 2 CPUs Ray advertises."""
+
+SHARED_ENGINE_CHILD = f"""
 import sys
 from minirl.cluster import start_shared_generation
 from minirl.config import load_config
-print(" ".join(start_shared_generation(load_config(), "shared-gen")), flush=True)
+cfg = load_config(None, ["cluster.num_generation_workers={SHARED_WORKERS}", "cluster.cpus_per_generation_worker=0.5"])
+print(" ".join(start_shared_generation(cfg, "shared-gen")), flush=True)
 sys.stdin.read()  # until the test session closes this pipe (or dies): then Ray's exit hook stops the cluster
 """
 
 
 @pytest.fixture(scope="session")
 def shared_engine():
-    """One Ray cluster and one detached generation worker for the whole session's CLI runs: they
-    attach with the returned overrides (`cluster.attach_generation_workers`) and so skip Ray and
-    vLLM start-up. A child process owns the cluster, so tests that start Ray in this process
+    """One Ray cluster and its detached generation workers (SHARED_WORKERS) for the whole session's
+    CLI runs: they attach with the returned overrides (`cluster.attach_generation_workers`) and so
+    skip Ray and vLLM start-up. A run resets the workers it attaches to (its faults, an empty call
+    log, a `worker_hang` of an earlier run undone) and publishes its initial weights. A child process owns the cluster, so tests that start Ray in this process
     (test_ddp) do not collide with it; it stops that cluster, and nothing else, when the session ends."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     child = subprocess.Popen([sys.executable, "-c", SHARED_ENGINE_CHILD], stdin=subprocess.PIPE,

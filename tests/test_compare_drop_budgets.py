@@ -19,10 +19,13 @@ def _script():
 
 
 @pytest.mark.slow
-def test_two_cell_sweep_writes_csv_report_and_plots(tmp_path):
+def test_two_cell_sweep_writes_csv_report_and_plots(tmp_path, shared_engine):
     out = tmp_path / "cmp"
+    opts = dict(o.split("=", 1) for o in shared_engine)  # the session's engine, not one of its own
+    address, name = opts["cluster.ray_address"], opts["cluster.attach_generation_workers"]
     cmd = [sys.executable, "scripts/compare_drop_budgets.py", "--out", str(out), "--kinds", "guard_reject",
-           "--rates", "0.2", "--policies", "upstream,all fixes", "--budgets", "0", "--steps", "2", "--seeds", "1"]
+           "--rates", "0.2", "--policies", "upstream,all fixes", "--budgets", "0", "--steps", "2", "--seeds", "1",
+           "--attach", address, name]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "results.csv") as f:

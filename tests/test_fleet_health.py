@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import SHARED_WORKERS, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +22,10 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def test_a_hung_worker_is_quarantined_and_the_run_trains_on(tmp_path):
+def test_a_hung_worker_is_quarantined_and_the_run_trains_on(tmp_path, shared_engine):
+    # attached to the session's two shared workers: the next run that attaches resets the hung one
     proc = run_cli(*SMALL, "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false",
-                   "cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5",
+                   *shared_engine, f"cluster.num_generation_workers={SHARED_WORKERS}",
                    f"{HEALTH}.enabled=true", f"{HEALTH}.probe_interval_s=1", f"{HEALTH}.probe_timeout_s=0.5",
                    "faults.inject=[{kind: worker_hang, step: 1, group: 0, rollout: 0, attempt: 0}]")
     assert proc.returncode == 0, proc.stderr[-3000:]
