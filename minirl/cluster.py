@@ -117,10 +117,9 @@ class Cluster:
             .remote(cfg, r, world, master)
             for r in range(world)
         ]
-        if attach:
-            self.sync_weights(version=0)  # a reused engine may hold another run's weights
-        else:
-            model_urls = ray.get([g.start.remote() for g in self.gen])
+        if not attach:
+            model_urls = ray.get([g.start.remote() for g in self.gen])  # the policy workers start meanwhile
+        # the router, agent and controller processes start while the policy workers load the model
         self.router, router = run_router(cfg, model_urls, host)
         health = cfg.async_rl.generation_fleet_health.enabled  # then the agents honour quarantine: via the router
         if cfg.agent.external_url:
@@ -140,6 +139,8 @@ class Cluster:
             .remote(cfg, str(self.run_dir), agent_urls, self.gen, model_cfg["vocab_size"], pad_id,
                     self.router if health else None)
         )
+        if attach:  # a reused engine may hold another run's weights (nothing is dispatched before the first step)
+            publish(self.policy[0], self.gen, self.store, version=0)
         self.urls = {"model": model_urls, "agents": agent_urls, "router": router}
         ends = write_endpoints(self.run_dir, self.urls["router"], model_urls, agent_urls)
         print("minirl: endpoints " + " ".join(f"{k}={v}" for k, v in ends.items()), flush=True)
