@@ -121,3 +121,36 @@ def test_a_restored_pump_drops_past_targets_keeps_the_rest_and_redispatches_only
     (event,) = events
     assert event["type"] == "buffer_restored" and event["dropped_past_target"] == [[2, 1]]
     assert event["kept"] == [[3, 0]] and event["redispatched"] == [[3, 1], [4, 0]]
+
+
+def test_a_snapshot_never_lists_a_finished_group_as_in_flight_too():
+    """A group's task commits its record and ends in one loop step, but the done callback that drops
+    it from the pump's task table runs a loop iteration later. A checkpoint taken in between listed
+    the group both as finished and as in flight, and the resumed run generated it twice (seen in the
+    async SIGKILL test). Here the callback has not run: the task is done, its record is in the buffer."""
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.config import load_config
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2"])
+
+    async def go():
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], lambda e: None, 100)
+        pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 2, 1), 0, 0, None)
+
+        async def finishes():
+            await pump.buffer.reserve()
+            await pump.buffer.commit(rec(0, 1, 0))
+
+        done, running = asyncio.create_task(finishes()), asyncio.create_task(asyncio.Event().wait())
+        pump.tasks.update({done: (0, 1, False), running: (0, 0, False)})  # as _launch registers them
+        await asyncio.sleep(0)
+        assert done.done() and (0, 1, False) in pump.tasks.values()
+        snap = pump.snapshot()
+        running.cancel()
+        return snap
+
+    snap = asyncio.run(go())
+    assert [(r.step, r.group) for r in snap["ready"]] == [(0, 1)]
+    assert snap["in_flight"] == [(0, 0, False)]

@@ -63,9 +63,12 @@ class RolloutPump:
 
     def snapshot(self) -> dict:
         """The pump's part of a checkpoint. Take it on the event loop (no await inside): a
-        consistent cut of the cursor, the groups in flight and the buffer."""
-        return {"next": self.next, "in_flight": sorted(self.tasks.values()), "ready": list(self.buffer.ready),
-                "fresh": dict(self.fresh), "replacements": dict(self.replacements)}
+        consistent cut of the cursor, the groups in flight and the buffer. A group's task commits
+        its record and ends in one loop step, but `_done` drops it from `tasks` a loop iteration
+        later, so a task that is done is not in flight: its record is in the buffer already (or
+        it failed, and the run ends)."""
+        return {"next": self.next, "in_flight": sorted(job for task, job in self.tasks.items() if not task.done()),
+                "ready": list(self.buffer.ready), "fresh": dict(self.fresh), "replacements": dict(self.replacements)}
 
     def _restore(self, snap: dict, first_step: int) -> None:
         past = [r for r in snap["ready"] if self.sampler.name == "in_order" and r.target_step < first_step]
