@@ -106,8 +106,10 @@ def main(argv=None) -> int:
     agent = ray.remote(AgentServer).options(num_cpus=0).remote(cfg, [model_url], "127.0.0.1", free_port("127.0.0.1"))
     agent_url = ray.get(agent.start.remote())
 
-    # one client session for the whole run, as the controller's rollout manager keeps one
-    loop = asyncio.new_event_loop()
+    # one client session for the whole run, on uvloop, as the controller's rollout manager keeps one (in a Ray async actor)
+    from minirl.http_thread import new_event_loop
+
+    loop = new_event_loop()
     http = loop.run_until_complete(_session())
 
     async def one(row):

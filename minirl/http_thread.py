@@ -18,10 +18,20 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (vLLM depends on it), as vLLM's API server and Ray's async
+    actors (the controller) run; else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class HttpThread:
     def __init__(self, setup: Callable[[], Awaitable[web.Application]], host: str, port: int, name: str):
         self.host, self.port = host, port
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._setup = setup
