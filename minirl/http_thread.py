@@ -5,6 +5,9 @@ later method) serves again at the same address without anyone asking. A handler 
 disconnects is cancelled (aiohttp's `handler_cancellation`), so no work goes on for a caller that
 left: a model server aborts the engine request, an agent server ends the episode.
 
+The loop is uvloop's where it is installed, and `off_loop` decides what a handler may parse on
+it (small bodies) and what goes to a worker thread (large ones).
+
 Invariant: `url` is answered once the constructor returns; `stop` closes the listener and
 everything `setup` opened, on the server's own loop.
 """

@@ -20,9 +20,9 @@ that does not parse is a 400 naming it. The engine-side fault sites (`context_ov
 
 Nothing proportional to a large request's size runs on the event loop: JSON parsing, validation,
 chat template rendering and tokenization run in a worker thread for a body over
-`minirl.http_thread.INLINE_BYTES` (a small one is cheaper to parse than to hand over), and a prompt whose text alone has
-more characters than `max_model_len` tokens could hold is refused before it is rendered (vLLM's
-own bound, below). A client that disconnects mid-generation has its request aborted in the
+`minirl.http_thread.INLINE_BYTES` (a small one is cheaper to parse than to hand over), and a
+prompt whose text alone has more characters than `max_model_len` tokens could hold is refused
+before it is rendered (vLLM's own bound, below). A client that disconnects mid-generation has its request aborted in the
 engine (the HTTP runner cancels the handler: see minirl.http_thread).
 
 Invariants: every request with a parseable rollout header leaves exactly one call-log record,
