@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -44,8 +45,30 @@ ACTOR_ENV = {
 NAMESPACE = "minirl"
 
 
+SERVER_PORTS = (20000, 32767)
+"""Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below Linux's
+ephemeral range (32768-60999 by default), from which every outgoing connection takes its local
+port. A port chosen by binding port 0 comes from that range, and an outgoing connection (Ray opens
+many) could take it before the server that was handed it binds: "address already in use", seen
+once in the suite."""
+
+
 def free_port(host: str) -> int:
-    with socket.socket() as s:
+    """A port no one listens on now, for a server that binds it later (and again after a restart)."""
+    low, high = SERVER_PORTS
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    for port in random.Random().sample(range(low, high + 1), min(64, max(high - low + 1, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is taken (or the kernel's ephemeral range starts below it)
         s.bind((host, 0))
         return s.getsockname()[1]
 
