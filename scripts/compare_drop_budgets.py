@@ -31,8 +31,8 @@ named generation worker, and each cell attaches to it (`cluster.attach_generatio
 resetting its fault plan and weights. A cell then skips ~20 s of engine start-up; `--fresh-engines`
 starts everything per cell instead, and `--attach` attaches the cells to generation workers that
 are already running (the test suite's, say) instead of starting the sweep's own. Cells run in the
-order printed at the start; the sweep resumes from `results.csv` (cells already there are skipped). Outputs in --out: results.csv, report.md,
-and PNG plots.
+order printed at the start; the sweep resumes from `results.csv` (cells already there are skipped).
+Outputs in --out: results.csv, report.md, and PNG plots.
 """
 
 from __future__ import annotations

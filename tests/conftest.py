@@ -95,8 +95,9 @@ def shared_engine():
     """One Ray cluster and its detached generation workers (SHARED_WORKERS) for the whole session's
     CLI runs: they attach with the returned overrides (`cluster.attach_generation_workers`) and so
     skip Ray and vLLM start-up. A run resets the workers it attaches to (its faults, an empty call
-    log, a `worker_hang` of an earlier run undone) and publishes its initial weights. A child process owns the cluster, so tests that start Ray in this process
-    (test_ddp) do not collide with it; it stops that cluster, and nothing else, when the session ends."""
+    log, a `worker_hang` of an earlier run undone) and publishes its initial weights. A child
+    process owns the cluster, so tests that start Ray in this process (test_ddp) do not collide
+    with it; it stops that cluster, and nothing else, when the session ends."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     child = subprocess.Popen([sys.executable, "-c", SHARED_ENGINE_CHILD], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=env)

@@ -22,8 +22,8 @@ Nothing proportional to a large request's size runs on the event loop: JSON pars
 chat template rendering and tokenization run in a worker thread for a body over
 `minirl.http_thread.INLINE_BYTES` (a small one is cheaper to parse than to hand over), and a
 prompt whose text alone has more characters than `max_model_len` tokens could hold is refused
-before it is rendered (vLLM's own bound, below). A client that disconnects mid-generation has its request aborted in the
-engine (the HTTP runner cancels the handler: see minirl.http_thread).
+before it is rendered (vLLM's own bound, below). A client that disconnects mid-generation has its
+request aborted in the engine (the HTTP runner cancels the handler: see minirl.http_thread).
 
 Invariants: every request with a parseable rollout header leaves exactly one call-log record,
 whatever its outcome (success, 4xx, 5xx, or 499 when its client left), with the token ids and
@@ -61,8 +61,8 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
 from minirl.config import VllmConfig
 from minirl.faults import FaultPlan
-from minirl.http_thread import off_loop
 from minirl.generation.chat_format import normalize_content, parse_reply, splice_prefix
+from minirl.http_thread import off_loop
 from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
 
 PREFIX_FIELD = "required_prefix_token_ids"
