@@ -439,6 +439,7 @@ FAULT_KINDS = (
     "bad_output",
     "worker_kill",
     "worker_hang",
+    "engine_hang",
     "agent_kill",
 )
 AGENT_SIDE_KINDS = ("guard_reject", "agent_exception", "timeout", "transport", "bad_output", "agent_kill")

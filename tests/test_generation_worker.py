@@ -57,10 +57,10 @@ def restarted_url(worker, timeout: float = 600.0) -> str:
             time.sleep(1.0)
 
 
-def health(url: str) -> dict:
+def health(url: str) -> tuple[int, dict]:
     async def go():
         async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
-            return await r.json()
+            return r.status, await r.json()
 
     return asyncio.run(go())
 
@@ -107,10 +107,20 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         # a weight update is what /health reports as soon as update_weights returns
         weights = PolicyWorker(base_cfg).get_weights()
         assert ray.get(worker.update_weights.remote(weights, 7), timeout=300) == 7
-        assert health(url) == {"status": "ok", "version": 7}
+        assert health(url) == (200, {"status": "ok", "version": 7})
         status, body = chat(url, "s5.g0.r0.a0.c0")
         (record,) = ray.get(worker.take_calls.remote(5))
         assert status == 200 and (record["version_start"], record["version_end"]) == (7, 7)
+
+        # engine_hang wedges the engine's thread, not the front end: /health, answered by that thread, turns 503
+        cfg = load_config(None, ["faults.inject=[{kind: engine_hang, step: 8, group: 0, rollout: 0, attempt: 0}]"])
+        ray.get(worker.reset.remote(cfg))
+        assert chat(url, "s8.g0.r0.a0.c0", timeout=2.0)[0] == 0
+        status, body = health(url)
+        assert status == 503 and "did not answer within" in body["error"], body
+        ray.get(worker.reset.remote(base_cfg))  # a new run's reset un-wedges it
+        assert health(url) == (200, {"status": "ok", "version": 7})
+        assert chat(url, "s9.g0.r0.a0.c0")[0] == 200
 
         # worker_kill fires in the front end and ends the whole worker; Ray restarts it at the same port
         cfg = load_config(None, ["faults.inject=[{kind: worker_kill, step: 6, group: 0, rollout: 0, attempt: 0}]"])
@@ -121,7 +131,7 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         assert wait_gone(engine_pid, front_pid), "the killed worker left a process behind"
         assert restarted_url(worker) == url
         new_engine, new_front = ray.get(worker.pid.remote()), ray.get(worker.frontend_pid.remote())
-        assert new_engine != engine_pid and new_front != front_pid and health(url)["status"] == "ok"
+        assert new_engine != engine_pid and new_front != front_pid and health(url)[0] == 200
 
         # killing the actor leaves no front end behind
         ray.kill(worker, no_restart=True)

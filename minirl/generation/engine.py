@@ -93,6 +93,8 @@ class VllmEngine:
         self._pending: dict[str, tuple[Future, int]] = {}
         self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
         self._deferred: list[tuple] = []  # requests that arrived while it waits
+        self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
+        self._unwedged.set()
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -138,6 +140,25 @@ class VllmEngine:
     def weights_finite(self) -> Future:
         """True when every weight the engine serves from is finite (a check for tests and operators)."""
         return self.run(lambda llm: all(llm.collective_rpc(_all_finite)))
+
+    def check_health(self) -> Future:
+        """Resolves (to None) once the engine thread passes between two steps; fails at once when the
+        engine is dead. A wedged engine thread (a step, kernel or collective that never returns) never
+        resolves it, so a caller's timeout is the verdict."""
+        if self.dead is not None:
+            fut: Future = Future()
+            fut.set_exception(RuntimeError(f"vLLM engine is dead: {self.dead!r}"))
+            return fut
+        return self.run(lambda llm: None)
+
+    def hang(self) -> None:
+        """The `engine_hang` fault: the engine thread blocks between two steps until `unhang`, as on a
+        step that never returns. Requests are still accepted; none finishes meanwhile."""
+        self._unwedged.clear()
+        self._inbox.put(("run", lambda llm: self._unwedged.wait(), Future()))
+
+    def unhang(self) -> None:
+        self._unwedged.set()
 
     def run(self, fn) -> Future:
         """Run `fn(llm)` on the engine thread, between steps."""

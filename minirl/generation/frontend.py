@@ -176,6 +176,10 @@ class FrontEnd:
                 engine.generate(prompt, self._params.decode(params), key).add_done_callback(lambda f, rid=key: self._done(rid, f))
             elif kind == "abort":
                 engine.abort(key)
+            elif kind == "health":  # answered by the engine thread itself, between two steps
+                engine.check_health().add_done_callback(lambda f, rid=key: self._done(rid, f))
+            elif kind == "hang":
+                engine.hang()
             elif kind == "validate":
                 try:
                     engine.validate_token_ids(*rest)
@@ -198,7 +202,7 @@ class FrontEnd:
 # -- the front end's side (its own process) ---------------------------------------------------------
 class EngineClient:
     """The engine as `ModelServer` sees it, across the channel: `VllmEngine`'s interface
-    (generate -> Future, abort, validate_token_ids, max_model_len, version)."""
+    (generate -> Future, abort, check_health -> Future, hang, validate_token_ids, max_model_len, version)."""
 
     def __init__(self, chan: Channel, max_model_len: int, version: int):
         self.chan, self.max_model_len, self.version = chan, max_model_len, version
@@ -219,6 +223,12 @@ class EngineClient:
         if fut is not None:
             fut.cancel()
             self.chan.send("abort", request_id)
+
+    def check_health(self) -> Future:
+        return self._ask("health", uuid.uuid4().hex)
+
+    def hang(self) -> None:
+        self.chan.send("hang", "")
 
     def validate_token_ids(self, token_ids: list[int], parameter: str) -> None:
         self._ask("validate", uuid.uuid4().hex, list(token_ids), parameter).result(CALL_TIMEOUT_S)

@@ -54,6 +54,7 @@ class GenerationWorker:
         """Serve a new run (sweeps reuse workers): its fault plan and reasoning parser, an empty call log. The run then
         publishes its initial weights before its first step."""
         self.drain = not cfg.async_rl.in_flight_weight_updates
+        self.engine.unhang()  # an `engine_hang` of the previous run ends with it
         self.front.call("reset", FaultPlan(cfg.faults), cfg.policy.generation.reasoning_parser)
         return self.front.url
 
