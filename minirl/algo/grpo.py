@@ -11,12 +11,19 @@ sampling against the generator's logprobs, token-level normalisation by the glob
 Invariant: nothing here depends on how many groups or rollouts a step holds: the advantage is per
 group and the token-level loss is divided by the tokens actually trained, so a shrunk step (fix 1)
 is exactly the same objective over fewer samples.
+
+The advantages are numpy and the loss is torch, imported where it is used: the controller, which
+computes advantages, never loads torch (2 s of CPU in every run's start-up on this machine).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize: bool = True,
@@ -55,6 +62,8 @@ def k3_kl(curr_logprobs: torch.Tensor, reference_logprobs: torch.Tensor, input_c
           output_clamp: float = 10.0) -> torch.Tensor:
     """Upstream's `calculate_kl(kl_type="k3")`: log r = ref - curr clamped to +-input_clamp, then
     exp(log r) - log r - 1 clamped to +-output_clamp."""
+    import torch
+
     log_r = (reference_logprobs - curr_logprobs).clamp(-input_clamp, input_clamp)
     return (torch.exp(log_r) - log_r - 1.0).clamp(-output_clamp, output_clamp)
 
@@ -65,6 +74,8 @@ def importance_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.T
     truncated: `tis` clamps w to [ratio_min or 0, ratio], `icepop` zeroes the tokens outside
     [ratio_min, ratio]. Returns (w, out_of_bounds) where out_of_bounds marks the tokens whose raw
     weight fell outside the bounds (all False without a truncation)."""
+    import torch
+
     w = torch.exp(prev_logprobs - generation_logprobs).detach()
     w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
     lo = 0.0 if ratio_min is None else ratio_min
@@ -100,6 +111,8 @@ def clipped_pg_loss(
     non-finite -> 0), which keeps the score-function gradient of the sampled tokens. With
     `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is
     weighted by `importance_weights`."""
+    import torch
+
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(curr_logprobs)
     ratio = torch.exp(curr_logprobs - prev_logprobs)
