@@ -440,6 +440,7 @@ FAULT_KINDS = (
     "worker_kill",
     "worker_hang",
     "engine_hang",
+    "engine_crash",
     "agent_kill",
 )
 AGENT_SIDE_KINDS = ("guard_reject", "agent_exception", "timeout", "transport", "bad_output", "agent_kill")

@@ -66,7 +66,9 @@ def _all_finite(worker) -> bool:
 class VllmEngine:
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True):
+                 enforce_eager: bool = True, on_dead=None):
+        """`on_dead(exc)` runs on the engine thread once a step has failed and every request in flight
+        has been failed with it (the generation worker ends its process there)."""
         import torch
         from vllm import LLM
 
@@ -93,8 +95,10 @@ class VllmEngine:
         self._pending: dict[str, tuple[Future, int]] = {}
         self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
         self._deferred: list[tuple] = []  # requests that arrived while it waits
+        self.on_dead = on_dead
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
+        self._crash = False  # set by the `engine_crash` fault: the next step fails
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -160,6 +164,11 @@ class VllmEngine:
     def unhang(self) -> None:
         self._unwedged.set()
 
+    def crash(self) -> None:
+        """The `engine_crash` fault: the next step fails, as on a CUDA error or an out-of-memory, and
+        the engine is dead from then on."""
+        self._crash = True
+
     def run(self, fn) -> Future:
         """Run `fn(llm)` on the engine thread, between steps."""
         fut: Future = Future()
@@ -216,12 +225,16 @@ class VllmEngine:
                 continue
             t0 = time.perf_counter()
             try:
+                if self._crash:
+                    raise RuntimeError("injected engine_crash")
                 outputs = engine.step()
             except BaseException as exc:  # the engine is unusable: fail everything, loudly
                 self.dead = exc
                 for fut, _ in self._pending.values():
                     fut.set_exception(RuntimeError(f"vLLM engine step failed: {exc!r}"))
                 self._pending.clear()
+                if self.on_dead is not None:
+                    self.on_dead(exc)
                 raise
             self.busy_s += time.perf_counter() - t0
             self.steps += 1

@@ -180,6 +180,8 @@ class FrontEnd:
                 engine.check_health().add_done_callback(lambda f, rid=key: self._done(rid, f))
             elif kind == "hang":
                 engine.hang()
+            elif kind == "crash":
+                engine.crash()
             elif kind == "validate":
                 try:
                     engine.validate_token_ids(*rest)
@@ -202,7 +204,8 @@ class FrontEnd:
 # -- the front end's side (its own process) ---------------------------------------------------------
 class EngineClient:
     """The engine as `ModelServer` sees it, across the channel: `VllmEngine`'s interface
-    (generate -> Future, abort, check_health -> Future, hang, validate_token_ids, max_model_len, version)."""
+    (generate -> Future, abort, check_health -> Future, hang, crash, validate_token_ids, max_model_len,
+    version)."""
 
     def __init__(self, chan: Channel, max_model_len: int, version: int):
         self.chan, self.max_model_len, self.version = chan, max_model_len, version
@@ -229,6 +232,9 @@ class EngineClient:
 
     def hang(self) -> None:
         self.chan.send("hang", "")
+
+    def crash(self) -> None:
+        self.chan.send("crash", "")
 
     def validate_token_ids(self, token_ids: list[int], parameter: str) -> None:
         self._ask("validate", uuid.uuid4().hex, list(token_ids), parameter).result(CALL_TIMEOUT_S)

@@ -16,7 +16,8 @@ minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns'
 `splice_prefix`), and a request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is
 recorded in the call log (`CallLog`) that the controller's ledger drains after each step; a header
 that does not parse is a 400 naming it. The engine-side fault sites (`context_overflow`,
-`model_error`, `worker_kill`, `worker_hang`, `engine_hang`) fire here, keyed by that header.
+`model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`) fire here, keyed by that
+header.
 
 `/health` is 200 only once the engine thread itself has answered, between two steps (within
 `HEALTH_TIMEOUT_S`), and 503 otherwise: as vLLM's, 503 when the engine is dead, and also when it is
@@ -380,6 +381,8 @@ class ModelServer:
             await asyncio.Event().wait()
         if fires("engine_hang"):  # the engine thread wedges; this request (and every later one) waits on it
             self.engine.hang()
+        if fires("engine_crash"):  # the engine's next step fails: it is dead (a generation worker ends with it)
+            self.engine.crash()
         if fires("context_overflow"):
             # the engine refuses the call as too long: the same error a real overflow gets
             raise HTTPError.bad_request(context_length_message(self.engine.max_model_len, max(len(prompt), self.engine.max_model_len + 1)), "input_tokens")

@@ -4,19 +4,23 @@ child process (minirl.generation.frontend), so that this process only steps the 
 Invariant: the endpoint serves only after the engine holds the newest weights the trainer has
 published (caught up from the weights store in the constructor, then `update_weights` after every
 optimizer step), at a port fixed at creation, so a restarted worker comes back at the same URL
-with current weights before it answers anyone.
+with current weights before it answers anyone. A worker whose engine dies (a step fails) ends its
+process, as `vllm serve` exits when its engine dies, so Ray restarts it whole rather than keeping a
+worker that fails every call.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 from minirl.config import MinirlConfig
 from minirl.faults import FaultPlan
 from minirl.generation.frontend import FrontEnd
 
 
-def make_engine(cfg: MinirlConfig, rank: int):
+def make_engine(cfg: MinirlConfig, rank: int, on_dead=None):
     gen = cfg.policy.generation
     from minirl.generation.engine import VllmEngine, configure_cpu_env
 
@@ -29,6 +33,7 @@ def make_engine(cfg: MinirlConfig, rank: int):
         tensor_parallel_size=gen.vllm_cfg.tensor_parallel_size,
         gpu_memory_utilization=gen.vllm_cfg.gpu_memory_utilization,
         enforce_eager=gen.vllm_cfg.enforce_eager,
+        on_dead=on_dead,
     )
 
 
@@ -36,7 +41,7 @@ class GenerationWorker:
     def __init__(self, cfg: MinirlConfig, rank: int, host: str, port: int, weights_store=None):
         self.rank = rank
         self.drain = not cfg.async_rl.in_flight_weight_updates
-        self.engine = make_engine(cfg, rank)
+        self.engine = make_engine(cfg, rank, on_dead=self._engine_died)
         if weights_store is not None:  # after a restart: catch up before serving
             import ray
 
@@ -45,6 +50,11 @@ class GenerationWorker:
                 version, (ref,) = latest
                 self.engine.update_weights(ray.get(ref), version).result()
         self.front = FrontEnd(self.engine, cfg, rank, host, port)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        print(f"minirl: generation worker {self.rank}'s engine died ({exc!r}); ending the worker so that Ray restarts it whole",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # its front end follows (it polls its parent)
 
     def start(self) -> str:
         """The base URL (the server is already up: it starts in the constructor)."""
