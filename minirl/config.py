@@ -98,6 +98,10 @@ class VllmConfig:
     """Torch threads of the engine on CPU."""
     enforce_eager: bool = True
     """Skip graph capture/compilation (start-up matters more than peak speed at this size)."""
+    step_timeout_s: float = 300.0
+    """An engine step that has not returned after this many seconds is a dead engine: the generation
+    worker ends and Ray restarts it (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300, which vLLM
+    applies only with tensor parallelism). 0: no limit."""
     max_request_bytes: int = 16_000_000
     """Largest request body the generation server accepts (aiohttp's client_max_size); a larger one gets 413."""
 

@@ -35,6 +35,11 @@ def configure_cpu_env(kv_cache_gb: int, omp_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(omp_threads)
 
 
+STUCK_STEP_S = 5.0
+"""A step running longer than this fails `check_health` (so fleet health quarantines the worker);
+`step_timeout_s`, much longer, then ends the engine."""
+
+
 @dataclass
 class GenResult:
     prompt_token_ids: list[int]
@@ -66,9 +71,10 @@ def _all_finite(worker) -> bool:
 class VllmEngine:
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, on_dead=None):
-        """`on_dead(exc)` runs on the engine thread once a step has failed and every request in flight
-        has been failed with it (the generation worker ends its process there)."""
+                 enforce_eager: bool = True, on_dead=None, step_timeout_s: float = 0.0):
+        """`on_dead(exc)` runs once a step has failed, or has not returned within `step_timeout_s`
+        (0: no limit; only with `on_dead`), and every request in flight has been failed with it; the
+        generation worker ends its process there."""
         import torch
         from vllm import LLM
 
@@ -99,8 +105,11 @@ class VllmEngine:
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
         self._crash = False  # set by the `engine_crash` fault: the next step fails
+        self._step_t0: float | None = None  # when the step in progress began
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
+        if on_dead is not None and step_timeout_s > 0:
+            threading.Thread(target=self._watch, args=(step_timeout_s,), name="vllm-engine-watchdog", daemon=True).start()
 
     # -- public API (thread-safe) -------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
@@ -146,20 +155,23 @@ class VllmEngine:
         return self.run(lambda llm: all(llm.collective_rpc(_all_finite)))
 
     def check_health(self) -> Future:
-        """Resolves (to None) once the engine thread passes between two steps; fails at once when the
-        engine is dead. A wedged engine thread (a step, kernel or collective that never returns) never
-        resolves it, so a caller's timeout is the verdict."""
+        """A done Future: None when the engine is healthy, else why not: it is dead, or the step in
+        progress has run for more than STUCK_STEP_S (wedged in a kernel or a collective). Answered
+        from the caller's thread, so a busy engine thread does not delay it."""
+        fut: Future = Future()
+        started, now = self._step_t0, time.monotonic()
         if self.dead is not None:
-            fut: Future = Future()
-            fut.set_exception(RuntimeError(f"vLLM engine is dead: {self.dead!r}"))
-            return fut
-        return self.run(lambda llm: None)
+            fut.set_result(f"vLLM engine is dead: {self.dead!r}")
+        elif started is not None and now - started > STUCK_STEP_S:
+            fut.set_result(f"an engine step has been running for {now - started:.0f} s (wedged?)")
+        else:
+            fut.set_result(None)
+        return fut
 
     def hang(self) -> None:
-        """The `engine_hang` fault: the engine thread blocks between two steps until `unhang`, as on a
-        step that never returns. Requests are still accepted; none finishes meanwhile."""
+        """The `engine_hang` fault: the next step does not return until `unhang` (or the step
+        timeout ends the engine). Requests are still accepted; none finishes meanwhile."""
         self._unwedged.clear()
-        self._inbox.put(("run", lambda llm: self._unwedged.wait(), Future()))
 
     def unhang(self) -> None:
         self._unwedged.set()
@@ -175,7 +187,21 @@ class VllmEngine:
         self._inbox.put(("run", fn, fut))
         return fut
 
-    # -- engine thread -------------------------------------------------------------------------
+    # -- engine thread (and its watchdog) -------------------------------------------------------
+    def _die(self, exc: BaseException) -> None:
+        self.dead = exc
+        for fut, _ in list(self._pending.values()):
+            fut.set_exception(RuntimeError(f"vLLM engine step failed: {exc!r}"))
+        self._pending.clear()
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
+    def _watch(self, timeout_s: float) -> None:
+        while self.dead is None:
+            time.sleep(min(1.0, timeout_s / 4))
+            started = self._step_t0
+            if started is not None and time.monotonic() - started > timeout_s:
+                self._die(TimeoutError(f"an engine step has not returned within step_timeout_s={timeout_s:g}"))
     def _accept(self, kind, payload, fut: Future) -> None:
         if self._held is not None and kind == "gen":  # draining for an update: new requests wait for it
             self._deferred.append((kind, payload, fut))
@@ -224,18 +250,16 @@ class VllmEngine:
             if not self._pending:
                 continue
             t0 = time.perf_counter()
+            self._step_t0 = time.monotonic()
             try:
                 if self._crash:
                     raise RuntimeError("injected engine_crash")
+                self._unwedged.wait()
                 outputs = engine.step()
             except BaseException as exc:  # the engine is unusable: fail everything, loudly
-                self.dead = exc
-                for fut, _ in self._pending.values():
-                    fut.set_exception(RuntimeError(f"vLLM engine step failed: {exc!r}"))
-                self._pending.clear()
-                if self.on_dead is not None:
-                    self.on_dead(exc)
+                self._die(exc)
                 raise
+            self._step_t0 = None
             self.busy_s += time.perf_counter() - t0
             self.steps += 1
             for out in outputs:

@@ -176,8 +176,8 @@ class FrontEnd:
                 engine.generate(prompt, self._params.decode(params), key).add_done_callback(lambda f, rid=key: self._done(rid, f))
             elif kind == "abort":
                 engine.abort(key)
-            elif kind == "health":  # answered by the engine thread itself, between two steps
-                engine.check_health().add_done_callback(lambda f, rid=key: self._done(rid, f))
+            elif kind == "health":
+                self.chan.send("done", key, engine.check_health().result(), None)
             elif kind == "hang":
                 engine.hang()
             elif kind == "crash":

@@ -19,9 +19,10 @@ that does not parse is a 400 naming it. The engine-side fault sites (`context_ov
 `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`) fire here, keyed by that
 header.
 
-`/health` is 200 only once the engine thread itself has answered, between two steps (within
-`HEALTH_TIMEOUT_S`), and 503 otherwise: as vLLM's, 503 when the engine is dead, and also when it is
-wedged in a step, which vLLM's does not see. One probe at a time reaches the engine.
+`/health` asks the engine (`check_health`, across the process boundary in a generation worker):
+as vLLM's, 503 when the engine is dead, and also when a step has run for more than
+`engine.STUCK_STEP_S` (wedged), which vLLM's does not see, or when the engine's process does not
+answer within `HEALTH_TIMEOUT_S`.
 
 Nothing proportional to a large request's size runs on the event loop: JSON parsing, validation,
 chat template rendering and tokenization run in a worker thread for a body over
@@ -72,7 +73,7 @@ from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
 
 PREFIX_FIELD = "required_prefix_token_ids"
 CLIENT_LEFT = 499  # nginx's "client closed request": the status recorded when the caller disconnected
-HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine thread (the router's probe_timeout_s is usually shorter)
+HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine's process (the router's probe_timeout_s is usually shorter)
 
 
 class HTTPError(Exception):
@@ -223,7 +224,6 @@ class ModelServer:
         self.calls = CallLog()
         self.tokens_generated = 0
         self.hung = False  # set by a `worker_hang` fault: from then on no request is answered
-        self._health = None  # the engine's answer to the probe in flight (a concurrent Future)
         # vLLM's bound (tokenizers/hf.py): no token stands for more characters than the longest
         # vocabulary entry (for byte-level BPE, one character per byte, and no character decodes
         # from less than a byte), so a prompt whose text has more than max_model_len times that
@@ -323,15 +323,12 @@ class ModelServer:
         return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
-        if self._health is None or self._health.done():
-            self._health = self.engine.check_health()
-        try:  # shielded: a probe that gives up leaves the engine's answer for the next one
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._health)), HEALTH_TIMEOUT_S)
+        try:
+            error = await asyncio.wait_for(asyncio.wrap_future(self.engine.check_health()), HEALTH_TIMEOUT_S)
         except asyncio.TimeoutError:
-            error = f"the engine did not answer within {HEALTH_TIMEOUT_S:.0f} s: it is wedged in a step or a weight update"
+            error = f"the engine's process did not answer within {HEALTH_TIMEOUT_S:.0f} s"
+        if error is not None:
             return web.json_response({"status": "unhealthy", "error": error}, status=503)
-        except Exception as exc:  # the engine is dead
-            return web.json_response({"status": "unhealthy", "error": str(exc)}, status=503)
         return web.json_response({"status": "ok", "version": self.engine.version})
 
     async def models(self, request: web.Request) -> web.Response:

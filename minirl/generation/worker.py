@@ -4,9 +4,9 @@ child process (minirl.generation.frontend), so that this process only steps the 
 Invariant: the endpoint serves only after the engine holds the newest weights the trainer has
 published (caught up from the weights store in the constructor, then `update_weights` after every
 optimizer step), at a port fixed at creation, so a restarted worker comes back at the same URL
-with current weights before it answers anyone. A worker whose engine dies (a step fails) ends its
-process, as `vllm serve` exits when its engine dies, so Ray restarts it whole rather than keeping a
-worker that fails every call.
+with current weights before it answers anyone. A worker whose engine dies (a step fails, or does
+not return within `vllm_cfg.step_timeout_s`) ends its process, as `vllm serve` exits when its
+engine dies, so Ray restarts it whole rather than keeping a worker that fails or hangs every call.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def make_engine(cfg: MinirlConfig, rank: int, on_dead=None):
         gpu_memory_utilization=gen.vllm_cfg.gpu_memory_utilization,
         enforce_eager=gen.vllm_cfg.enforce_eager,
         on_dead=on_dead,
+        step_timeout_s=gen.vllm_cfg.step_timeout_s,
     )
 
 
