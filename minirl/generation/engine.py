@@ -202,6 +202,7 @@ class VllmEngine:
             started = self._step_t0
             if started is not None and time.monotonic() - started > timeout_s:
                 self._die(TimeoutError(f"an engine step has not returned within step_timeout_s={timeout_s:g}"))
+
     def _accept(self, kind, payload, fut: Future) -> None:
         if self._held is not None and kind == "gen":  # draining for an update: new requests wait for it
             self._deferred.append((kind, payload, fut))
@@ -249,8 +250,7 @@ class VllmEngine:
                 pass
             if not self._pending:
                 continue
-            t0 = time.perf_counter()
-            self._step_t0 = time.monotonic()
+            self._step_t0 = t0 = time.monotonic()
             try:
                 if self._crash:
                     raise RuntimeError("injected engine_crash")
@@ -260,7 +260,7 @@ class VllmEngine:
                 self._die(exc)
                 raise
             self._step_t0 = None
-            self.busy_s += time.perf_counter() - t0
+            self.busy_s += time.monotonic() - t0
             self.steps += 1
             for out in outputs:
                 if not out.finished:

@@ -10,8 +10,9 @@ front end's ~2.5 ms of Python per request no longer holds the GIL that the engin
 What crosses (pickled tuples): to the engine, token ids with vLLM's own msgpack encoding of the
 SamplingParams (what vLLM sends to its EngineCore; 3x cheaper to decode than a pickle), aborts, and
 `required_prefix_token_ids` to check against the vocabulary (vLLM's own check, run in the engine's
-process, which holds the model config); back, each request's `GenResult` (token ids, logprobs,
-decoded token text, finish reason, versions) or its exception. The engine's process also calls into
+process, which holds the model config), health probes, and the `engine_hang` / `engine_crash`
+faults; back, each request's `GenResult` (token ids, logprobs, decoded token text, finish reason,
+versions) or its exception, and each probe's answer (None, or why the engine is unhealthy). The engine's process also calls into
 the front end (`FrontEnd.call`): take the call log, reset for a new run, stats, the new weight version.
 
 Why ZMQ: pyzmq ships with vLLM, which uses it for the same hop; messages arrive framed and in order;

@@ -376,7 +376,7 @@ class ModelServer:
         if fires("worker_hang"):
             self.hung = True
             await asyncio.Event().wait()
-        if fires("engine_hang"):  # the engine thread wedges; this request (and every later one) waits on it
+        if fires("engine_hang"):  # the engine's next step never returns; this request (and every later one) waits on it
             self.engine.hang()
         if fires("engine_crash"):  # the engine's next step fails: it is dead (a generation worker ends with it)
             self.engine.crash()
