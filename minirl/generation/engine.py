@@ -96,6 +96,8 @@ class VllmEngine:
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
         self.steps = 0  # engine steps taken
+        self.first_add_t = 0.0  # time.monotonic() of the latest request accepted into an idle engine,
+        self.last_add_t = 0.0  # and of the latest request accepted: a burst's arrival spread, for benches
         self.dead: BaseException | None = None  # set when a step fails: the engine serves no more
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, tuple[Future, int]] = {}
@@ -230,6 +232,9 @@ class VllmEngine:
         except BaseException as exc:  # vLLM refused the request (e.g. VLLMValidationError)
             fut.set_exception(exc)
             return
+        self.last_add_t = time.monotonic()
+        if not self._pending:
+            self.first_add_t = self.last_add_t
         self._pending[rid] = (fut, self.version)
 
     def _loop(self) -> None:

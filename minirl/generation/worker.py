@@ -85,7 +85,7 @@ class GenerationWorker:
     def stats(self) -> dict:
         front = self.front.call("stats")
         return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": front["tokens"], "version": self.engine.version,
-                "calls_dropped": front["calls_dropped"]}
+                "calls_dropped": front["calls_dropped"], "first_add_t": self.engine.first_add_t, "last_add_t": self.engine.last_add_t}
 
     def pid(self) -> int:
         return os.getpid()
