@@ -115,6 +115,15 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         (record,) = ray.get(worker.take_calls.remote(5))
         assert status == 200 and (record["version_start"], record["version_end"]) == (7, 7)
 
+        # a new run's reset ends the previous run's engine_hang (sweeps reuse workers): the same engine steps again
+        cfg = load_config(None, [*WATCHDOG, "faults.inject=[{kind: engine_hang, step: 9, group: 0, rollout: 0, attempt: 0}]"])
+        ray.get(worker.reset.remote(cfg))
+        assert chat(url, "s9.g0.r0.a0.c0", timeout=2.0)[0] == 0
+        steps = ray.get(worker.stats.remote())["steps"]
+        ray.get(worker.reset.remote(load_config(None, WATCHDOG)))
+        assert chat(url, "s9.g0.r0.a0.c0", timeout=30)[0] == 200
+        assert ray.get(worker.stats.remote())["steps"] > steps and ray.get(worker.pid.remote()) == engine_pid
+
         # engine_hang: a step that never returns. The front end still answers, but /health turns 503 once the step
         # has run for STUCK_STEP_S; past step_timeout_s the engine is dead and the worker ends itself, so Ray
         # restarts it (vLLM's executor gives up on a step after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
