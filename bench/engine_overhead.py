@@ -8,6 +8,9 @@ generate the same tokens). Raw: `LLM.generate` on token ids, in this process. mi
 per prompt (single-call episodes) sent concurrently to the agent-pool actor, which calls the
 generation-worker actor's HTTP endpoint, as in training. The two alternate `--rounds` times; the
 result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9.
+Each round also reads every process's CPU time (`/proc/<pid>/stat`): the raw side's, and on
+minirl's side the engine's process, its HTTP front end, the agent server and the bench's client,
+so the table shows where the pipeline's core-seconds go against the machine's cores.
 
     python bench/engine_overhead.py --load [--agents 256] [--seconds 60]
 
@@ -98,10 +101,11 @@ def main(argv=None) -> int:
 
     llm.llm_engine.step, llm.llm_engine.add_request = counted_step, timed_add
 
-    def raw_round() -> tuple[int, float, float]:
-        t0, m0 = time.perf_counter(), time.monotonic()
+    def raw_round() -> tuple[int, float, float, float]:
+        t0, m0, c0 = time.perf_counter(), time.monotonic(), _cpu_s(os.getpid())
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0, raw_last_add[0] - m0
+        wall, cpu = time.perf_counter() - t0, _cpu_s(os.getpid()) - c0
+        return sum(len(o.outputs[0].token_ids) for o in outs), wall, raw_last_add[0] - m0, cpu
 
     # minirl's path: the same actors as training
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
@@ -110,6 +114,8 @@ def main(argv=None) -> int:
     model_url = ray.get(gen.start.remote())
     agent = ray.remote(AgentServer).options(num_cpus=0).remote(cfg, [model_url], "127.0.0.1", free_port("127.0.0.1"))
     agent_url = ray.get(agent.start.remote())
+    pids = {"engine": ray.get(gen.pid.remote()), "front end": ray.get(gen.frontend_pid.remote()),
+            "agent": ray.get(agent.pid.remote()), "client": os.getpid()}
 
     # one client session for the whole run, on uvloop, as the controller's rollout manager keeps one (in a Ray async actor)
     from minirl.http_thread import new_event_loop
@@ -129,21 +135,22 @@ def main(argv=None) -> int:
 
     raw_round()  # warm both paths up
     pipeline_round()
-    results = []
+    results, cpus = [], []
     for k in range(rounds):
         raw_steps[0] = 0
-        rt, rs, r_in = raw_round()
-        before = ray.get(gen.stats.remote())
+        rt, rs, r_in, r_cpu = raw_round()
+        before, c0 = ray.get(gen.stats.remote()), {name: _cpu_s(pid) for name, pid in pids.items()}
         m0 = time.monotonic()  # the worker's engine stamps its adds on the same clock (one machine)
         pt, ps = pipeline_round()
-        after = ray.get(gen.stats.remote())
+        after, cpu = ray.get(gen.stats.remote()), {name: _cpu_s(pid) - c0[name] for name, pid in pids.items()}
         busy, steps = after["busy_s"] - before["busy_s"], after["steps"] - before["steps"]
         p_in = after["last_add_t"] - m0
         results.append((rt / rs, pt / ps, r_in, p_in))
+        cpus.append({"raw": r_cpu, **cpu, "minirl": sum(cpu.values())})
         print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw_steps[0]} steps, all prompts in by "
-              f"{1000 * r_in:.0f} ms)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s in {steps} "
-              f"steps, first prompt in at {1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms)   "
-              f"ratio {pt / ps / (rt / rs):.3f}", flush=True)
+              f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
+              f"in {steps} steps, first prompt in at {1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, CPU s: "
+              + ", ".join(f"{name} {s:.2f}" for name, s in cpu.items()) + f")   ratio {pt / ps / (rt / rs):.3f}", flush=True)
     ratios = [p / r for r, p, _, _ in results]
     loop.run_until_complete(http.close())
     ray.shutdown()
@@ -153,7 +160,19 @@ def main(argv=None) -> int:
     print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds) | {statistics.median(r for r, _, _, _ in results):.0f} | "
           f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 | "
           f"{1000 * statistics.median(r for _, _, r, _ in results):.0f} ms / {1000 * statistics.median(p for _, _, _, p in results):.0f} ms |")
+    print()
+    per_request = {name: 1000 * statistics.median(c[name] for c in cpus) / n for name in pids}
+    print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {statistics.median(c['raw'] for c in cpus):.2f}; "
+          f"minirl {statistics.median(c['minirl'] for c in cpus):.2f}, of which "
+          + ", ".join(f"{name} {statistics.median(c[name] for c in cpus):.2f}" for name in pids)
+          + " (per request: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_request.items() if name != "engine") + ")")
     return 0
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _gather(coros):
