@@ -10,6 +10,9 @@ mask, or none at all: a non-finite loss or gradient norm skips the step and rais
 NonFiniteUpdate, so the weights (and what is published from them) stay finite. The loss is
 token-normalised over what is trained, whatever the step's size; the logprobs it trains against
 are its own (the generator's only weight them, with use_importance_sampling_correction).
+
+torch is imported inside the functions: the driver imports this module only to hand the class to
+`ray.remote`, and a top-level import would cost every run ~2 s before its first actor starts.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import math
 import os
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from minirl.algo.grpo import clipped_pg_loss
 from minirl.config import MinirlConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -33,6 +38,9 @@ class NonFiniteUpdate(RuntimeError):
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
     """[B, T] logprob of each token given its prefix (position 0 gets 0)."""
+    import torch
+    import torch.nn.functional as F
+
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -42,6 +50,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 class PolicyWorker:
     def __init__(self, cfg: MinirlConfig, rank: int = 0, world_size: int = 1, master: str | None = None):
+        import torch
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -72,6 +81,7 @@ class PolicyWorker:
     def _global(self, value: float) -> float:
         if self.world_size == 1:
             return value
+        import torch
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64)
@@ -79,6 +89,8 @@ class PolicyWorker:
         return float(t.item())
 
     def train(self, batch: dict) -> dict:
+        import torch
+
         cfg = self.cfg
         valid = batch["loss_mask"] * batch["sample_mask"][:, None]
         rows = np.flatnonzero(valid.sum(-1) > 0)
@@ -157,10 +169,14 @@ class PolicyWorker:
 
     def get_weights(self) -> list[tuple[str, np.ndarray]]:
         """Hugging Face names -> float32 numpy arrays (cheap to send through Ray)."""
+        import torch
+
         return [(k, v.detach().to("cpu", torch.float32).numpy()) for k, v in self.model.state_dict().items()]
 
     def logprobs(self, batch: dict) -> np.ndarray:
         """Re-score a batch's tokens (for tests and the engine-contract check)."""
+        import torch
+
         self.model.eval()
         with torch.no_grad():
             width = int(batch["lengths"].max())
@@ -169,6 +185,8 @@ class PolicyWorker:
             return token_logprobs(self.model, ids, attn, self.cfg.policy.generation.temperature).float().cpu().numpy()
 
     def save(self, directory: str) -> None:
+        import torch
+
         path = Path(directory)
         if self.rank == 0:
             self.model.save_pretrained(path / "policy", safe_serialization=True)
@@ -178,6 +196,7 @@ class PolicyWorker:
             )
 
     def load(self, directory: str) -> None:
+        import torch
         from safetensors.torch import load_file
 
         path = Path(directory)
