@@ -8,7 +8,7 @@ generate the same tokens). Raw: `LLM.generate` on token ids, in this process. mi
 per prompt (single-call episodes) sent concurrently to the agent-pool actor, which calls the
 generation-worker actor's HTTP endpoint, as in training. The two alternate `--rounds` times; the
 result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9.
-Each round also reads every process's CPU time (`/proc/<pid>/stat`): the raw side's, and on
+Each round also reads every process's CPU time (psutil): the raw side's, and on
 minirl's side the engine's process, its HTTP front end, the agent server and the bench's client,
 so the table shows where the pipeline's core-seconds go against the machine's cores.
 
@@ -51,7 +51,6 @@ def main(argv=None) -> int:
     rounds = args.rounds or (3 if args.quick else 7)
     n = args.prompts or (64 if args.quick else 128)
 
-    import aiohttp
     import ray
 
     from minirl.agents.agent import chat_tools
@@ -161,18 +160,19 @@ def main(argv=None) -> int:
           f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 | "
           f"{1000 * statistics.median(r for _, _, r, _ in results):.0f} ms / {1000 * statistics.median(p for _, _, _, p in results):.0f} ms |")
     print()
-    per_request = {name: 1000 * statistics.median(c[name] for c in cpus) / n for name in pids}
-    print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {statistics.median(c['raw'] for c in cpus):.2f}; "
-          f"minirl {statistics.median(c['minirl'] for c in cpus):.2f}, of which "
-          + ", ".join(f"{name} {statistics.median(c[name] for c in cpus):.2f}" for name in pids)
-          + " (per request: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_request.items() if name != "engine") + ")")
+    med = {name: statistics.median(c[name] for c in cpus) for name in cpus[0]}
+    print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {med['raw']:.2f}; minirl {med['minirl']:.2f}, "
+          "of which " + ", ".join(f"{name} {med[name]:.2f}" for name in pids)
+          + " (per request: " + ", ".join(f"{name} {1000 * med[name] / n:.2f} ms" for name in pids if name != "engine") + ")")
     return 0
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process (all its threads) has used, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds a process (all its threads) has used."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 async def _gather(coros):
