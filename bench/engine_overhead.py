@@ -10,7 +10,9 @@ generation-worker actor's HTTP endpoint, as in training. The two alternate `--ro
 result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9.
 Each round also reads every process's CPU time (psutil): the raw side's, and on
 minirl's side the engine's process, its HTTP front end, the agent server and the bench's client,
-so the table shows where the pipeline's core-seconds go against the machine's cores.
+so the table shows where the pipeline's core-seconds go against the machine's cores; and when the
+round's last request reached the front end (its call log's `t_start`) and the engine, which splits
+the arrival spread between the hops before the front end and the front end itself.
 
     python bench/engine_overhead.py --load [--agents 256] [--seconds 60]
 
@@ -134,21 +136,26 @@ def main(argv=None) -> int:
 
     raw_round()  # warm both paths up
     pipeline_round()
-    results, cpus = [], []
+    results, cpus, front_in = [], [], []
     for k in range(rounds):
         raw_steps[0] = 0
         rt, rs, r_in, r_cpu = raw_round()
         before, c0 = ray.get(gen.stats.remote()), {name: _cpu_s(pid) for name, pid in pids.items()}
-        m0 = time.monotonic()  # the worker's engine stamps its adds on the same clock (one machine)
+        ray.get(gen.take_calls.remote(None))  # the bench's rows carry no rollout coordinates: their calls are logged unkeyed
+        m0, w0 = time.monotonic(), time.time()  # the engine stamps its adds on the monotonic clock, the call log on the wall clock
         pt, ps = pipeline_round()
         after, cpu = ray.get(gen.stats.remote()), {name: _cpu_s(pid) - c0[name] for name, pid in pids.items()}
+        calls = ray.get(gen.take_calls.remote(None))
+        assert len(calls) == n, f"the call log holds {len(calls)} calls for a round of {n}"
         busy, steps = after["busy_s"] - before["busy_s"], after["steps"] - before["steps"]
-        p_in = after["last_add_t"] - m0
+        p_in, f_in = after["last_add_t"] - m0, max(c["t_start"] for c in calls) - w0
         results.append((rt / rs, pt / ps, r_in, p_in))
+        front_in.append(f_in)
         cpus.append({"raw": r_cpu, **cpu, "minirl": sum(cpu.values())})
         print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw_steps[0]} steps, all prompts in by "
               f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
-              f"in {steps} steps, first prompt in at {1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, CPU s: "
+              f"in {steps} steps, all requests at the front end by {1000 * f_in:.0f} ms, first prompt in the engine at "
+              f"{1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, CPU s: "
               + ", ".join(f"{name} {s:.2f}" for name, s in cpu.items()) + f")   ratio {pt / ps / (rt / rs):.3f}", flush=True)
     ratios = [p / r for r, p, _, _ in results]
     loop.run_until_complete(http.close())
@@ -161,6 +168,9 @@ def main(argv=None) -> int:
           f"{1000 * statistics.median(r for _, _, r, _ in results):.0f} ms / {1000 * statistics.median(p for _, _, _, p in results):.0f} ms |")
     print()
     med = {name: statistics.median(c[name] for c in cpus) for name in cpus[0]}
+    print(f"minirl's last request reached the front end at {1000 * statistics.median(front_in):.0f} ms and the engine at "
+          f"{1000 * statistics.median(p for _, _, _, p in results):.0f} ms (medians): the first figure is the bench's client and the "
+          "agent server, the rest the front end")
     print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {med['raw']:.2f}; minirl {med['minirl']:.2f}, "
           "of which " + ", ".join(f"{name} {med[name]:.2f}" for name in pids)
           + " (per request: " + ", ".join(f"{name} {1000 * med[name] / n:.2f} ms" for name in pids if name != "engine") + ")")
