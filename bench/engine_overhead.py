@@ -14,6 +14,10 @@ so the table shows where the pipeline's core-seconds go against the machine's co
 round's last request reached the front end (its call log's `t_start`) and the engine, which splits
 the arrival spread between the hops before the front end and the front end itself.
 
+`--small` runs the same on the ~12M / 32k-vocab variant (built untrained on first use, as by
+bench/vs_trl.py, so it writes all 48 tokens): an engine step there costs ~90 ms instead of ~22 ms,
+so the pipeline's fixed cost per request weighs less against the engine's work.
+
     python bench/engine_overhead.py --load [--agents 256] [--seconds 60]
 
 Load mode: no raw side. `--agents` concurrent agents each call the generation-worker actor's
@@ -46,8 +50,14 @@ def main(argv=None) -> int:
     ap.add_argument("--load", action="store_true", help="load mode: concurrent agents calling the worker directly")
     ap.add_argument("--agents", type=int, default=256, help="load mode: concurrent agents")
     ap.add_argument("--seconds", type=float, default=60.0, help="load mode: the measured window")
+    ap.add_argument("--small", action="store_true",
+                    help="the ~12M / 32k-vocab variant instead of the default model (built untrained on first use, as bench/vs_trl.py builds it)")
     ap.add_argument("overrides", nargs="*", help="minirl config overrides for the pipeline, e.g. policy.generation.vllm_cfg.omp_threads=1")
     args = ap.parse_args(argv)
+    if args.small:  # appended, so it wins over a policy.model_name among the overrides
+        from vs_trl import ensure_small_model  # bench/ is this script's directory, so on sys.path
+
+        args.overrides.append(f"policy.model_name={ensure_small_model()}")
     if args.load:
         return load(args)
     rounds = args.rounds or (3 if args.quick else 7)
@@ -163,7 +173,7 @@ def main(argv=None) -> int:
     print()
     print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target | all prompts in the engine by, raw / minirl (median) |")
     print("|---|---|---|---|---|---|")
-    print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds) | {statistics.median(r for r, _, _, _ in results):.0f} | "
+    print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds, {Path(cfg.policy.model_name).name}) | {statistics.median(r for r, _, _, _ in results):.0f} | "
           f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 | "
           f"{1000 * statistics.median(r for _, _, r, _ in results):.0f} ms / {1000 * statistics.median(p for _, _, _, p in results):.0f} ms |")
     print()
