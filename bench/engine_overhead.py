@@ -65,58 +65,20 @@ def main(argv=None) -> int:
 
     import ray
 
-    from minirl.agents.agent import chat_tools
-    from minirl.agents.items import items_to_messages
     from minirl.cluster import ACTOR_ENV, free_port, start_generation_workers
     from minirl.config import load_config
     from minirl.data import prompt_row
     from minirl.gym.rows import with_extra_body
     from minirl.agents.server import AgentServer
-    from minirl.generation.engine import configure_cpu_env
 
     cfg = load_config(None, ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides])
-    max_new = cfg.policy.generation.max_new_tokens
     rows = []
     for i in range(n):
         row = prompt_row(cfg, 0, i)
         row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=i)
         rows.append({**row, "_rowidx": i})
 
-    # raw vLLM, in this process
-    configure_cpu_env(cfg.policy.generation.vllm_cfg.kv_cache_space_gb, cfg.policy.generation.vllm_cfg.omp_threads)
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-
-    tok = AutoTokenizer.from_pretrained(cfg.policy.model_name)
-    prompts = [
-        {"prompt_token_ids": tok.apply_chat_template(items_to_messages(r["responses_create_params"]["input"]),
-                                                     tools=chat_tools(r["responses_create_params"]["tools"]),
-                                                     add_generation_prompt=True, tokenize=True, return_dict=False)}
-        for r in rows
-    ]
-    params = [SamplingParams(temperature=1.0, max_tokens=max_new, seed=i, logprobs=0) for i in range(n)]
-    llm = LLM(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
-              enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
-
-    raw_steps, raw_last_add = [0], [0.0]
-    engine_step, engine_add = llm.llm_engine.step, llm.llm_engine.add_request
-
-    def counted_step():  # count raw vLLM's engine steps too, for the side-by-side line
-        raw_steps[0] += 1
-        return engine_step()
-
-    def timed_add(*a, **kw):  # and when its last prompt is in, as the worker's stats say for minirl
-        out = engine_add(*a, **kw)
-        raw_last_add[0] = time.monotonic()
-        return out
-
-    llm.llm_engine.step, llm.llm_engine.add_request = counted_step, timed_add
-
-    def raw_round() -> tuple[int, float, float, float]:
-        t0, m0, c0 = time.perf_counter(), time.monotonic(), _cpu_s(os.getpid())
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall, cpu = time.perf_counter() - t0, _cpu_s(os.getpid()) - c0
-        return sum(len(o.outputs[0].token_ids) for o in outs), wall, raw_last_add[0] - m0, cpu
+    raw = RawVllm(cfg, rows)  # raw vLLM, in this process
 
     # minirl's path: the same actors as training
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
@@ -144,12 +106,12 @@ def main(argv=None) -> int:
         tokens = loop.run_until_complete(_gather(one(r) for r in rows))
         return sum(tokens), time.perf_counter() - t0
 
-    raw_round()  # warm both paths up
+    raw.round()  # warm both paths up
     pipeline_round()
     results, cpus, front_in = [], [], []
     for k in range(rounds):
-        raw_steps[0] = 0
-        rt, rs, r_in, r_cpu = raw_round()
+        raw.steps = 0
+        rt, rs, r_in, r_cpu = raw.round()
         before, c0 = ray.get(gen.stats.remote()), {name: _cpu_s(pid) for name, pid in pids.items()}
         ray.get(gen.take_calls.remote(None))  # the bench's rows carry no rollout coordinates: their calls are logged unkeyed
         m0, w0 = time.monotonic(), time.time()  # the engine stamps its adds on the monotonic clock, the call log on the wall clock
@@ -162,7 +124,7 @@ def main(argv=None) -> int:
         results.append((rt / rs, pt / ps, r_in, p_in))
         front_in.append(f_in)
         cpus.append({"raw": r_cpu, **cpu, "minirl": sum(cpu.values())})
-        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw_steps[0]} steps, all prompts in by "
+        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw.steps} steps, all prompts in by "
               f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
               f"in {steps} steps, all requests at the front end by {1000 * f_in:.0f} ms, first prompt in the engine at "
               f"{1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, CPU s: "
@@ -186,6 +148,54 @@ def main(argv=None) -> int:
           "of which " + ", ".join(f"{name} {med[name]:.2f}" for name in pids)
           + " (per request: " + ", ".join(f"{name} {1000 * med[name] / n:.2f} ms" for name in pids if name != "engine") + ")")
     return 0
+
+
+class RawVllm:
+    """Raw vLLM: `LLM.generate` in this process on the rows' first-call prompts, rendered with the
+    chat template before any timer starts; counts its engine steps and stamps when its last prompt
+    is in, as the worker's stats do for minirl."""
+
+    def __init__(self, cfg, rows: list[dict]):
+        from minirl.agents.agent import chat_tools
+        from minirl.agents.items import items_to_messages
+        from minirl.generation.engine import configure_cpu_env
+
+        configure_cpu_env(cfg.policy.generation.vllm_cfg.kv_cache_space_gb, cfg.policy.generation.vllm_cfg.omp_threads)
+        from transformers import AutoTokenizer
+        from vllm import LLM, SamplingParams
+
+        tok = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+        self.prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(items_to_messages(r["responses_create_params"]["input"]),
+                                                         tools=chat_tools(r["responses_create_params"]["tools"]),
+                                                         add_generation_prompt=True, tokenize=True, return_dict=False)}
+            for r in rows
+        ]
+        self.params = [SamplingParams(temperature=1.0, max_tokens=cfg.policy.generation.max_new_tokens, seed=i, logprobs=0)
+                       for i in range(len(rows))]
+        self.llm = LLM(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
+                       enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
+        self.steps, self.last_add = 0, 0.0
+        engine = self.llm.llm_engine
+        engine_step, engine_add = engine.step, engine.add_request
+
+        def counted_step():
+            self.steps += 1
+            return engine_step()
+
+        def timed_add(*a, **kw):
+            out = engine_add(*a, **kw)
+            self.last_add = time.monotonic()
+            return out
+
+        engine.step, engine.add_request = counted_step, timed_add
+
+    def round(self) -> tuple[int, float, float, float]:
+        """(tokens generated, wall s, s until the last prompt was in, this process's CPU s)."""
+        t0, m0, c0 = time.perf_counter(), time.monotonic(), _cpu_s(os.getpid())
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - t0, _cpu_s(os.getpid()) - c0
+        return sum(len(o.outputs[0].token_ids) for o in outs), wall, self.last_add - m0, cpu
 
 
 def _cpu_s(pid: int) -> float:
