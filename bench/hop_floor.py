@@ -1,6 +1,6 @@
 """P1's floor: what minirl's two HTTP hops cost a burst before any handler does real work.
 
-    python bench/hop_floor.py [--prompts 128] [--rounds 9] [--hold 0.5] [--small]
+    python bench/hop_floor.py [--quick] [--prompts 128] [--rounds 9] [--hold 0.5] [--small]
 
 P1 (bench/engine_overhead.py) sends one `/run` per prompt, all at once, from a client through the
 agent server to the generation worker's front end. This bench keeps that chain's processes,
@@ -43,10 +43,12 @@ sys.path.insert(0, str(REPO))
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=9, help="rounds of each kind (bare, template), alternated")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of each kind")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of each kind (raw, template, bare), alternated; 9 by default")
     ap.add_argument("--hold", type=float, default=0.5, help="seconds the front end holds each reply, as generation would")
     ap.add_argument("--small", action="store_true", help="the ~12M / 32k-vocab variant, as bench/engine_overhead.py --small")
     args = ap.parse_args(argv)
+    args.rounds = args.rounds or (3 if args.quick else 9)
 
     from minirl.agents.agent import chat_tools
     from minirl.agents.items import items_to_messages
