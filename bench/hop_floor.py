@@ -21,7 +21,8 @@ request reached the front end, and the round's overhead, its wall time minus the
 spread plus the replies' way back. The ceiling these hops alone put on P1 follows, per round, from
 raw vLLM's round before it: raw's wall / (raw's wall - raw's time until its last prompt is in + the
 chain's overhead). It is generous to minirl: it charges no handler work and no competition with an
-engine for the cores, and lets the last request's generation take no longer than raw's.
+engine for the cores, and lets the last request's generation take no longer than raw's. Each
+process's CPU per request (psutil) is printed too, to set against P1's own line.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     from minirl.data import prompt_row
     from minirl.http_thread import new_event_loop
 
-    from engine_overhead import RawVllm  # bench/ is this script's directory, so on sys.path
+    from engine_overhead import RawVllm, _cpu_s  # bench/ is this script's directory, so on sys.path
     from vs_trl import ensure_small_model
 
     overrides = [f"policy.model_name={ensure_small_model()}"] if args.small else []
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     ready.wait(timeout=120)
     raw = RawVllm(cfg, rows)
 
+    pids = {"front end": front.pid, "agent": agent.pid, "client": os.getpid()}
     loop = new_event_loop()
 
     async def rounds():
@@ -102,14 +104,15 @@ def main(argv=None) -> int:
                     tokens, raw_wall, raw_in, _ = raw.round()
                     print(f"round {k + 1}: raw vLLM {tokens} tokens in {1000 * raw_wall:.0f} ms, last prompt in at {1000 * raw_in:.0f} ms", flush=True)
                     continue
-                t0 = time.time()
+                t0, c0 = time.time(), {name: _cpu_s(pid) for name, pid in pids.items()}
                 await asyncio.gather(*(one(i, mode) for i in range(args.prompts)))
                 wall = time.time() - t0
+                cpu = {name: (_cpu_s(pid) - c0[name]) / args.prompts for name, pid in pids.items()}
                 stamps = [arrivals.get(timeout=10) for _ in range(args.prompts)]
                 last_in, overhead = max(stamps) - t0, wall - args.hold
                 ceiling = raw_wall / (raw_wall - raw_in + overhead)
                 if k >= 3:
-                    results[mode].append((last_in, overhead, ceiling))
+                    results[mode].append((last_in, overhead, ceiling, cpu))
                 print(f"round {k + 1}: {mode:8s} last request at the front end {1000 * last_in:4.0f} ms, "
                       f"overhead (wall - hold) {1000 * overhead:4.0f} ms, P1 ceiling {ceiling:.3f}" + ("   (warm-up)" if k < 3 else ""), flush=True)
         return results
@@ -121,10 +124,15 @@ def main(argv=None) -> int:
     print("| benchmark | front end's work | last request at the front end (median) | round overhead, wall - hold (median) | P1 ceiling (median) |")
     print("|---|---|---|---|---|")
     for mode, what in (("bare", "parse only"), ("template", "parse + chat template + tokenizer")):
-        ins, overs, ceilings = zip(*results[mode])
+        ins, overs, ceilings, _ = zip(*results[mode])
         print(f"| hop_floor ({args.prompts} prompts x {args.rounds} rounds, {Path(cfg.policy.model_name).name}) | {what} | "
               f"{1000 * statistics.median(ins):.0f} ms | {1000 * statistics.median(overs):.0f} ms | {statistics.median(ceilings):.3f} |")
-    print(f"\n(the machine has {os.cpu_count()} cores)")
+    print()
+    for mode in ("bare", "template"):
+        cpus = [c for *_, c in results[mode]]
+        print(f"CPU per request, {mode} rounds (median): "
+              + ", ".join(f"{name} {1000 * statistics.median(c[name] for c in cpus):.2f} ms" for name in pids)
+              + f"; the machine has {os.cpu_count()} cores")
     return 0
 
 
