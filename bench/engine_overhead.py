@@ -223,6 +223,7 @@ def load(args) -> int:
 
     from minirl.agents.agent import chat_tools
     from minirl.agents.items import items_to_messages
+    from minirl.agents.model_client import chat_body
     from minirl.cluster import ACTOR_ENV, start_generation_workers
     from minirl.config import load_config
     from minirl.data import prompt_row
@@ -236,10 +237,8 @@ def load(args) -> int:
 
     def body(agent: int, k: int) -> dict:
         params = prompt_row(cfg, k, agent)["responses_create_params"]
-        return {"model": cfg.policy.model_name, "messages": items_to_messages(params["input"]), "tools": chat_tools(params["tools"]),
-                "logprobs": True, "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-                "temperature": cfg.policy.generation.temperature, "max_completion_tokens": cfg.policy.generation.max_new_tokens,
-                "seed": k * args.agents + agent}
+        return chat_body(cfg.policy.model_name, items_to_messages(params["input"]), chat_tools(params["tools"]),
+                         {**params, "seed": k * args.agents + agent})
 
     async def run() -> tuple[list[float], int, int, int]:
         latencies, tokens, failed, drained = [], [0], [0], [0]

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
 
     from minirl.agents.agent import chat_tools
     from minirl.agents.items import items_to_messages
+    from minirl.agents.model_client import chat_body
     from minirl.config import load_config
     from minirl.data import prompt_row
     from minirl.http_thread import new_event_loop
@@ -67,9 +68,7 @@ def main(argv=None) -> int:
         row = prompt_row(cfg, 0, i)
         params = row["responses_create_params"]
         rows.append(row)
-        chats.append({"model": cfg.policy.model_name, "messages": items_to_messages(params["input"]), "tools": chat_tools(params["tools"]),
-                      "logprobs": True, "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-                      "temperature": 1.0, "max_completion_tokens": cfg.policy.generation.max_new_tokens, "seed": i})
+        chats.append(chat_body(cfg.policy.model_name, items_to_messages(params["input"]), chat_tools(params["tools"]), {**params, "seed": i}))
 
     ctx = mp.get_context("spawn")
     arrivals, ready = ctx.Queue(), ctx.Barrier(3)

@@ -23,6 +23,33 @@ from minirl.wire import ROLLOUT_HEADER, GenerationUnavailable, ModelCallFailed
 LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
 
 
+def chat_body(model: str, messages: list[dict], tools: list[dict] | None, params: dict, required_prefix: list[int] | None = None) -> dict:
+    """The chat-completions body an agent's model call sends: token evidence asked for as Gym's
+    model proxy asks, and the row's sampling params (`responses_create_params` names) under
+    vLLM's names."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+    if tools:
+        body["tools"] = tools
+    for ours, theirs in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("max_output_tokens", "max_completion_tokens"),
+        ("seed", "seed"),
+    ):
+        if ours in params:
+            body[theirs] = params[ours]
+    if required_prefix:
+        body["required_prefix_token_ids"] = required_prefix
+    return body
+
+
 class HttpModelClient:
     """`urls`: the generation workers (a rollout's calls stick to one, for its prefix cache), or with
     `async_rl.generation_fleet_health` the router alone, which routes around quarantined workers."""
@@ -59,26 +86,7 @@ class HttpModelClient:
         return ModelCallFailed(f"{what} failed with HTTP {status}: {str(message)[:2000]}", status)
 
     async def chat(self, messages, tools, params, key, required_prefix) -> ModelReply:
-        body = {
-            "model": self.model,
-            "messages": messages,
-            "logprobs": True,
-            "top_logprobs": 0,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-        }
-        if tools:
-            body["tools"] = tools
-        for ours, theirs in (
-            ("temperature", "temperature"),
-            ("top_p", "top_p"),
-            ("max_output_tokens", "max_completion_tokens"),
-            ("seed", "seed"),
-        ):
-            if ours in params:
-                body[theirs] = params[ours]
-        if required_prefix:
-            body["required_prefix_token_ids"] = required_prefix
+        body = chat_body(self.model, messages, tools, params, required_prefix)
         status, data = await self._post(self._url(key), "/v1/chat/completions", body, key)
         if status != 200:
             error = self._error(status, data, "model call")
