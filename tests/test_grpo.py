@@ -15,20 +15,22 @@ from minirl.algo.grpo import clipped_pg_loss, group_advantages
 def reference_advantages(rewards, valid=None, leave_one_out=True, normalize=True, exclude_masked=True):
     """Upstream's definition in exact rational arithmetic (fractions.Fraction of the float inputs):
     leave-one-out mean and unbiased variance of the comparison set, computed exactly, so a constant
-    set has variance exactly 0 however its float mean rounds. A group with at most one valid
-    rollout gets 0; with `exclude_masked` the comparison set holds valid rollouts only and a
-    masked rollout gets 0, without it masked rollouts still count (upstream)."""
+    set has variance exactly 0 however its float mean rounds. The baseline's valid mask is the
+    sample mask with `exclude_masked` (minirl) and all ones without it (upstream's GRPO calls its
+    baseline function with `valid_mask = ones_like(rewards)`); a group whose valid mask holds at
+    most one rollout gets 0, and a rollout outside the mask gets 0."""
     g = len(rewards)
-    valid = [1] * g if valid is None else list(valid)
+    sample = [1] * g if valid is None else list(valid)
+    valid = sample if exclude_masked else [1] * g
     exact = [Fraction(r) for r in rewards]
     if sum(1 for v in valid if v) <= 1:
         return [0.0] * g
     out = []
     for i in range(g):
-        if exclude_masked and not valid[i]:
+        if not valid[i]:
             out.append(0.0)
             continue
-        members = [exact[j] for j in range(g) if (j != i or not leave_one_out) and (valid[j] or not exclude_masked)]
+        members = [exact[j] for j in range(g) if (j != i or not leave_one_out) and valid[j]]
         mean = sum(members) / len(members)
         a = exact[i] - mean
         if normalize and len(members) > 1:
@@ -84,8 +86,27 @@ def test_equal_rewards_give_zero_advantage():
 
 def test_groups_of_one_and_two():
     assert group_advantages([0.7]).tolist() == [0.0]
+    assert group_advantages([0.7], [0], exclude_masked=False).tolist() == [0.0]
     assert group_advantages([0.3, 0.1]) == pytest.approx([0.2, -0.2])  # one comparison rollout: no std
-    assert group_advantages([0.3, 0.1], [1, 0]).tolist() == [0.0, 0.0]  # one valid rollout
+    assert group_advantages([0.3, 0.1], [1, 0]).tolist() == [0.0, 0.0]  # minirl: one valid rollout
+    # upstream: both rollouts count, so the survivor trains with r0 - r1 (the masked one's is masked in the loss)
+    assert group_advantages([0.3, 0.1], [1, 0], exclude_masked=False) == pytest.approx([0.2, -0.2], abs=1e-15)
+    assert group_advantages([0.3, 0.1], [0, 0], exclude_masked=False) == pytest.approx([0.2, -0.2], abs=1e-15)
+
+
+def test_upstream_mode_edges_against_the_reference():
+    """Groups of 1 and 2, all-masked groups and constant sets with an inexact mean, each mask."""
+    cases = [([0.7], m) for m in ([1], [0])]
+    cases += [(r, m) for r in ([0.3, 0.1], [0.1, 0.1], [1.0, 0.0]) for m in ([1, 1], [1, 0], [0, 1], [0, 0])]
+    cases += [(r, m) for r in ([0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.0], [0.2, 0.1, 0.1, 0.1])
+              for m in ([1] * len(r), [0] * len(r), [1] + [0] * (len(r) - 1), [0] + [1] * (len(r) - 1))]
+    for rewards, mask in cases:
+        for exclude in (True, False):
+            want = reference_advantages(rewards, mask, exclude_masked=exclude)
+            np.testing.assert_allclose(group_advantages(rewards, mask, exclude_masked=exclude), want, rtol=1e-9, atol=1e-12,
+                                       err_msg=f"{rewards} {mask} exclude={exclude}")
+    assert group_advantages([0.1, 0.1, 0.1], [0, 0, 0], exclude_masked=False).tolist() == [0.0] * 3
+    assert group_advantages([0.1, 0.1, 0.1, 0.0], [0, 1, 1, 1], exclude_masked=False)[3] == pytest.approx(-0.1, abs=1e-12)
 
 
 def test_masked_rollouts_and_the_baseline():
@@ -96,7 +117,9 @@ def test_masked_rollouts_and_the_baseline():
     assert minirl[0] == pytest.approx(1.0)  # others {0, 0}: the masked 0.5 is not in the baseline
     assert upstream[0] == pytest.approx((1.0 - 1 / 6) / (math.sqrt(1 / 12) + 1e-6))  # others {0, 0, 0.5}
     assert group_advantages(rewards, [0, 0, 0, 0]).tolist() == [0.0] * 4  # all masked
-    assert group_advantages(rewards, [0, 0, 0, 0], exclude_masked=False).tolist() == [0.0] * 4
+    # upstream: an all-masked group still has its leave-one-out advantages (the loss masks every one of them)
+    assert group_advantages(rewards, [0, 0, 0, 0], exclude_masked=False) == pytest.approx(group_advantages(rewards))
+    assert upstream[3] == pytest.approx((0.5 - 1 / 3) / (math.sqrt(1 / 3) + 1e-6))  # computed, masked in the loss
 
 
 def test_advantage_worked_example():
@@ -240,3 +263,66 @@ def test_importance_sampling_correction_matches_reference(kind, hi, lo):
     assert m["is_oob_ratio"] == pytest.approx(oob if kind else 0.0)
     if kind:
         assert 0 < m["is_oob_ratio"] < 1
+
+
+def lane_a_step(cfg, rewards):
+    """The review's lane-A example as `assemble` receives it: 4 groups x 2 rollouts from real /run
+    results; group 1 rollout 0's second model call overflowed (an empty reply without tokens), so
+    that rollout is masked (capture_failed) and the rest of its group trains."""
+    from minirl.rollout.evidence import parse_rollout
+    from minirl.rollout.manager import GroupOutcome
+    from minirl.wire import Coords
+
+    def item(prompt, gen):
+        return {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
+                "prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-0.5] * len(gen)}
+
+    empty = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ""}]}
+    outcomes = []
+    for g in range(4):
+        rollouts = {}
+        for r in range(2):
+            output = [item([1, 2 + g], [3, 4 + r])] + ([empty] if (g, r) == (1, 0) else [])
+            res = {"response": {"output": output}, "reward": rewards[g][r]}
+            rollouts[r] = parse_rollout(res, Coords(0, g, r, 0), vocab_size=50, max_len=100, overlong_filtering=False)
+        outcomes.append(GroupOutcome(g, "committed", rollouts))
+    return outcomes
+
+
+@pytest.mark.parametrize("upstream", [True, False])
+def test_lane_a_survivor_trains_with_r1_minus_r0_in_upstream_mode(upstream):
+    """Issue 28's acceptance: under configs/upstream_pr4124.yaml the survivor of group 1 (rollout 0
+    masked) trains with r1 - r0, as upstream's baseline over all G rollouts gives; minirl's default
+    (baseline over the valid rollouts only) gives it 0."""
+    from minirl.config import REPO_ROOT, load_config
+    from minirl.controller import assemble
+
+    shape = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"]
+    cfg = load_config(str(REPO_ROOT / "configs" / "upstream_pr4124.yaml"), shape) if upstream else load_config(None, shape)
+    assert cfg.grpo.baseline_excludes_masked is not upstream
+    rewards = [[1.0, 0.0], [0.25, 1.0], [0.5, 0.5], [0.0, 0.75]]
+    batch, stats = assemble(cfg, lane_a_step(cfg, rewards), pad_id=0)
+    assert (stats["groups_trained"], stats["rollouts_masked"]) == (4, 1)
+    adv = {(int(g), int(r)): float(a) for g, r, a in zip(batch["group"], batch["rollout"], batch["advantages"])}
+    mask = {(int(g), int(r)): float(m) for g, r, m in zip(batch["group"], batch["rollout"], batch["sample_mask"])}
+    assert mask[(1, 0)] == 0.0 and mask[(1, 1)] == 1.0
+    r0, r1 = rewards[1]
+    assert adv[(1, 1)] == pytest.approx(r1 - r0 if upstream else 0.0, abs=1e-7)
+    # the other groups train as usual in both modes: G = 2, one comparison rollout, no std
+    for g in (0, 2, 3):
+        assert adv[(g, 0)] == pytest.approx(rewards[g][0] - rewards[g][1], abs=1e-7)
+
+
+def test_sequence_level_normaliser_counts_trained_rows():
+    """`global_valid_samples` (the sequence-level loss's normaliser) is upstream's global_valid_seqs,
+    the sample-mask sum over the batch's rows. Without CC (which sequence-level loss needs: CC
+    requires token_level_loss=true) each rollout is one row, so it counts the trained rollouts;
+    a masked rollout's row is not counted."""
+    from minirl.config import load_config
+    from minirl.controller import assemble
+
+    cfg = load_config(None, ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
+                             "context_compaction.enabled=false", "agent.name=simple_agent", "loss_fn.token_level_loss=false"])
+    batch, stats = assemble(cfg, lane_a_step(cfg, [[1.0, 0.0]] * 4), pad_id=0)
+    assert len(batch["sample_mask"]) == 8 and stats["rollouts_trained"] == 7
+    assert batch["global_valid_samples"] == float(batch["sample_mask"].sum()) == 7.0

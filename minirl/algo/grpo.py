@@ -2,8 +2,9 @@
 
 Matches NeMo-RL's `calculate_baseline_and_std_per_prompt` (leave-one-out baseline, unbiased std
 over the same leave-one-out set, divide by std + 1e-6 only where std > 0, a group with at most one
-valid sample gets advantage 0; a constant comparison set has std exactly 0, see `group_advantages`;
-`exclude_masked` keeps masked rollouts out of the baseline, minirl's default) and `ClippedPGLossFn`
+member gets advantage 0; a constant comparison set has std exactly 0, see `group_advantages`;
+`exclude_masked` keeps masked rollouts out of the baseline and out of that count, minirl's default;
+without it every rollout is a member, as upstream's GRPO passes `valid_mask = ones`) and `ClippedPGLossFn`
 (ratio clipped to [1 - lo, 1 + hi], per-token max(-A r, -A clip(r)), the k3 KL weighted by
 exp(curr - curr.detach()) and clamped as upstream's `calculate_kl`, optional truncated importance
 sampling against the generator's logprobs, token-level normalisation by the global valid-token count).
@@ -30,24 +31,29 @@ def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize:
                      exclude_masked: bool = True, eps: float = 1e-6) -> np.ndarray:
     """Advantages of one prompt group's rollouts; `valid` is each rollout's sample mask (default all 1).
 
-    A group with at most one valid rollout gets 0 everywhere. Rollout i is compared with the set of
-    the group's other rollouts (all of them with `leave_one_out=False`), restricted to the valid
-    ones when `exclude_masked` (minirl) and including masked ones when not (upstream); its
-    advantage is r_i minus the set's mean, divided by (std + eps) where the set's unbiased std is
-    > 0. A constant set has std exactly 0: the std is computed two-pass and only for a set whose
-    values differ, since even two-pass leaves ~1e-17 for [0.1, 0.1, 0.1] (an inexact mean), and
-    dividing by it turns an advantage of 0.1 into 1e5. Masked rollouts get 0 when excluded.
+    `exclude_masked` (minirl) runs the baseline over the valid rollouts; without it (upstream) the
+    baseline runs over every rollout, masked ones included, as upstream's GRPO hands its baseline
+    function `valid_mask = ones_like(rewards)`. That membership decides everything below: a group
+    whose membership holds at most one rollout gets 0 everywhere (minirl: at most one valid
+    rollout; upstream: a group of one, so a G = 2 group with one rollout masked trains its
+    survivor with r1 - r0). Rollout i is compared with the members other than itself (all of them
+    with `leave_one_out=False`); its advantage is r_i minus their mean, divided by (std + eps)
+    where their unbiased std is > 0. A constant set has std exactly 0: the std is computed
+    two-pass and only for a set whose values differ, since even two-pass leaves ~1e-17 for
+    [0.1, 0.1, 0.1] (an inexact mean), and dividing by it turns an advantage of 0.1 into 1e5.
+    Masked rollouts get 0 when excluded (upstream computes theirs too; the loss masks them).
     """
     r = np.asarray(rewards, dtype=np.float64)
     g = len(r)
     v = np.ones(g, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    members = v if exclude_masked else np.ones(g, dtype=bool)
     adv = np.zeros(g)
-    if v.sum() <= 1:
+    if members.sum() <= 1:
         return adv
     for i in range(g):
-        if exclude_masked and not v[i]:
+        if not members[i]:
             continue
-        member = v.copy() if exclude_masked else np.ones(g, dtype=bool)
+        member = members.copy()
         if leave_one_out:
             member[i] = False
         others = r[member]
