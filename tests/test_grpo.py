@@ -186,9 +186,9 @@ def test_gradient_is_minus_advantage_times_score_at_ratio_one():
 
 
 def test_kl_gradient_is_upstreams_not_plain_k3():
-    """Upstream weights k3 by w = exp(curr - curr.detach()) (value 1) and clamps it. Its gradient per
-    valid token, by hand: (-A + beta * (k3 + 1 - exp(ref - curr))) / N where the clamps do not bite;
-    where one does, k3's own gradient is 0 and only beta * k3 / N (from w) remains."""
+    """Upstream weights k3 by w = exp(curr - curr.detach()) (value 1) before its output clamp. Its
+    gradient per valid token, by hand: (-A + beta * (k3 + 1 - exp(ref - curr))) / N where no clamp
+    binds; where one does, the clamped product has no gradient at all, and only -A / N remains."""
     beta, adv = 0.05, 0.7
     curr0 = [-1.0, -2.0, -0.5, -0.3, -25.0, -1.2]
     ref = [-1.3, -1.5, -0.5, 2.7, -1.0, -30.0]  # token 3: k3 output-clamped; 4 and 5: log r input-clamped
@@ -199,22 +199,81 @@ def test_kl_gradient_is_upstreams_not_plain_k3():
                               torch.tensor([mask], dtype=torch.float64), n, 0.2, 0.2,
                               torch.tensor([ref], dtype=torch.float64), beta)
     loss.backward()
-    want = []
+    want, free = [], []
     for c, r, m in zip(curr0, ref, mask):
         d = r - c
-        dc = max(min(d, 20.0), -20.0)
-        k3 = math.exp(dc) - dc - 1
-        k3c = min(max(k3, -10.0), 10.0)
-        dk3 = (1 - math.exp(d)) if (abs(d) < 20.0 and abs(k3) < 10.0) else 0.0
-        want.append(m * (-adv + beta * (k3c + dk3)) / n)
+        k3 = math.exp(min(max(d, -20.0), 20.0)) - min(max(d, -20.0), 20.0) - 1
+        free.append(abs(d) < 20.0 and abs(k3) < 10.0)
+        want.append(m * (-adv + (beta * (k3 + 1 - math.exp(d)) if free[-1] else 0.0)) / n)
+    assert free == [True, True, True, False, False, False]
     np.testing.assert_allclose(curr.grad[0].tolist(), want, rtol=1e-12, atol=1e-15)
-    # plain k3 (no w) would miss exactly beta * k3 / N per token
+    # plain k3 (no w) would miss exactly beta * k3 / N on each unclamped token
     plain = torch.tensor([curr0], dtype=torch.float64, requires_grad=True)
     d = (torch.tensor([ref], dtype=torch.float64) - plain).clamp(-20, 20)
     k3 = (torch.exp(d) - d - 1).clamp(-10, 10)
     ((-adv * torch.exp(plain - plain.detach()) + beta * k3) * torch.tensor([mask], dtype=torch.float64)).sum().div(n).backward()
     gap = (curr.grad - plain.grad)[0].tolist()
-    np.testing.assert_allclose(gap, [m * beta * float(k) / n for m, k in zip(mask, k3[0].detach())], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(gap, [m * beta * float(k) / n if f else 0.0 for m, k, f in zip(mask, k3[0].detach(), free)],
+                               rtol=1e-12, atol=1e-15)
+
+
+def reference_calculate_kl(curr, ref, input_clamp=20.0, output_clamp=10.0):
+    """Upstream's `calculate_kl(kl_type="k3")` with its importance-sampling weight, as its loss
+    calls it, in plain float64 torch: w = exp(curr - curr.detach()), non-finite -> 0; log r =
+    ref - curr; where clamping log r to +-input_clamp changes it, w is detached; k3 of the clamped
+    log r, times w, then clamped to +-output_clamp."""
+    w = torch.exp(curr - curr.detach())
+    w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+    logr = ref - curr
+    if input_clamp is not None:
+        logr_c = logr.clamp(min=-input_clamp, max=input_clamp)
+        w = torch.where(logr == logr_c, w, w.detach())
+        logr = logr_c
+    kl = w * (torch.exp(logr) - 1 - logr)
+    if output_clamp is not None:
+        kl = kl.clamp(min=-output_clamp, max=output_clamp)
+    return kl
+
+
+@pytest.mark.parametrize("output_clamp", [10.0, None])
+def test_kl_where_the_clamps_bind_matches_upstreams_calculate_kl(output_clamp):
+    """Loss and d loss / d curr, token by token, in the three regimes: no clamp binds, the +-10
+    output clamp binds (log r > ~2.61 or < ~-11), the +-20 input clamp binds (|log r| > 20; with
+    the output clamp off, the detached weight is what keeps its gradient at 0)."""
+    from minirl.algo.grpo import k3_kl
+
+    d = torch.tensor([[0.0, 0.3, -0.7, 1.9, 2.0, -9.0],      # neither clamp binds
+                      [2.7, 3.0, 5.0, 12.0, -11.5, -15.0],   # output clamp binds (input does not)
+                      [20.5, 25.0, 40.0, -20.5, -33.0, 20.0]],  # input clamp binds (20.0: exactly at it)
+                     dtype=torch.float64)
+    c0 = torch.linspace(-3.0, -0.1, d.numel(), dtype=torch.float64).reshape(d.shape)
+    ref = c0 + d
+    ours = c0.clone().requires_grad_(True)
+    theirs = c0.clone().requires_grad_(True)
+    w = torch.exp(ours - ours.detach())
+    got = k3_kl(ours, ref, output_clamp=output_clamp, weights=torch.where(torch.isfinite(w), w, torch.zeros_like(w)))
+    want = reference_calculate_kl(theirs, ref, output_clamp=output_clamp)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=0)
+    if output_clamp is not None:
+        assert (ours.grad[1:] == 0).all() and (ours.grad[0, 1:] != 0).all()  # every clamped token: no gradient
+    assert (ours.grad[2, :5] == 0).all()
+    # and through the loss: beta * mean over the valid tokens
+    beta, mask = 0.01, torch.ones_like(d)
+    mask[0, 0] = 0
+    if output_clamp is not None:
+        a = c0.clone().requires_grad_(True)
+        b = c0.clone().requires_grad_(True)
+        zero = torch.zeros(d.shape[0], dtype=torch.float64)
+        loss, m = clipped_pg_loss(a, a.detach(), zero, mask, float(mask.sum()), reference_logprobs=ref, kl_penalty=beta)
+        want_loss = (beta * reference_calculate_kl(b, ref) * mask).sum() / mask.sum()
+        torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+        loss.backward()
+        want_loss.backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+        assert m["kl"] == pytest.approx(float((reference_calculate_kl(c0, ref) * mask).sum() / mask.sum()), rel=1e-12)
 
 
 def reference_is_loss(curr, prev, gen, adv, mask, kind, hi, lo):

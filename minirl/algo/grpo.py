@@ -4,10 +4,11 @@ Matches NeMo-RL's `calculate_baseline_and_std_per_prompt` (leave-one-out baselin
 over the same leave-one-out set, divide by std + 1e-6 only where std > 0, a group with at most one
 member gets advantage 0; a constant comparison set has std exactly 0, see `group_advantages`;
 `exclude_masked` keeps masked rollouts out of the baseline and out of that count, minirl's default;
-without it every rollout is a member, as upstream's GRPO passes `valid_mask = ones`) and `ClippedPGLossFn`
-(ratio clipped to [1 - lo, 1 + hi], per-token max(-A r, -A clip(r)), the k3 KL weighted by
-exp(curr - curr.detach()) and clamped as upstream's `calculate_kl`, optional truncated importance
-sampling against the generator's logprobs, token-level normalisation by the global valid-token count).
+without it every rollout is a member, as upstream's GRPO passes `valid_mask = ones`) and
+`ClippedPGLossFn` (ratio clipped to [1 - lo, 1 + hi], per-token max(-A r, -A clip(r)), the k3 KL
+weighted by exp(curr - curr.detach()) inside upstream's `calculate_kl`, before its output clamp,
+optional truncated importance sampling against the generator's logprobs, token-level
+normalisation by the global valid-token count).
 
 Invariant: nothing here depends on how many groups or rollouts a step holds: the advantage is per
 group and the token-level loss is divided by the tokens actually trained, so a shrunk step (fix 1)
@@ -64,14 +65,24 @@ def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize:
     return adv
 
 
-def k3_kl(curr_logprobs: torch.Tensor, reference_logprobs: torch.Tensor, input_clamp: float = 20.0,
-          output_clamp: float = 10.0) -> torch.Tensor:
-    """Upstream's `calculate_kl(kl_type="k3")`: log r = ref - curr clamped to +-input_clamp, then
-    exp(log r) - log r - 1 clamped to +-output_clamp."""
+def k3_kl(curr_logprobs: torch.Tensor, reference_logprobs: torch.Tensor, input_clamp: float | None = 20.0,
+          output_clamp: float | None = 10.0, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Upstream's `calculate_kl(kl_type="k3")`: log r = ref - curr clamped to +-input_clamp,
+    exp(log r) - log r - 1, times `weights` (where the input clamp binds, the weight is detached),
+    then clamped to +-output_clamp. The weight goes in before the output clamp, so a token whose
+    k3 is clamped by either clamp has zero gradient, as upstream's."""
     import torch
 
-    log_r = (reference_logprobs - curr_logprobs).clamp(-input_clamp, input_clamp)
-    return (torch.exp(log_r) - log_r - 1.0).clamp(-output_clamp, output_clamp)
+    log_r = reference_logprobs - curr_logprobs
+    if input_clamp is not None:
+        clamped = log_r.clamp(-input_clamp, input_clamp)
+        if weights is not None:
+            weights = torch.where(log_r == clamped, weights, weights.detach())
+        log_r = clamped
+    kl = torch.exp(log_r) - log_r - 1.0
+    if weights is not None:
+        kl = weights * kl
+    return kl if output_clamp is None else kl.clamp(-output_clamp, output_clamp)
 
 
 def importance_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, kind: str | None,
@@ -113,8 +124,9 @@ def clipped_pg_loss(
     (token_mask * sample_mask). `normalizer` is the global count of valid tokens (token-level)
     or of valid samples (sequence-level), so micro-batch losses add up to the step's loss.
 
-    The KL term is upstream's: kl_penalty * w * k3 with w = exp(curr - curr.detach()) (value 1,
-    non-finite -> 0), which keeps the score-function gradient of the sampled tokens. With
+    The KL term is upstream's: kl_penalty * clamp(w * k3) with w = exp(curr - curr.detach()) (value
+    1, non-finite -> 0), which keeps the score-function gradient of the sampled tokens where no
+    clamp binds (see `k3_kl`). With
     `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is
     weighted by `importance_weights`."""
     import torch
@@ -130,10 +142,10 @@ def clipped_pg_loss(
         per_token = per_token * w
     kl = torch.zeros_like(per_token)
     if reference_logprobs is not None and kl_penalty > 0:
-        kl = k3_kl(curr_logprobs, reference_logprobs)
         w_kl = torch.exp(curr_logprobs - curr_logprobs.detach())
         w_kl = torch.where(torch.isfinite(w_kl), w_kl, torch.zeros_like(w_kl))
-        per_token = per_token + kl_penalty * w_kl * kl
+        kl = k3_kl(curr_logprobs, reference_logprobs, weights=w_kl)
+        per_token = per_token + kl_penalty * kl
     if token_level:
         loss = (per_token * mask).sum() / normalizer
     else:
