@@ -147,8 +147,9 @@ class LossConfig:
     """Lower PPO clip: ratio >= 1 - ratio_clip_min."""
     ratio_clip_max: float = 0.2
     """Upper PPO clip: ratio <= 1 + ratio_clip_max."""
-    reference_policy_kl_penalty: float = 0.0
-    """Weight of the k3 KL to the initial policy (0 disables the reference model)."""
+    reference_policy_kl_penalty: float = 0.01
+    """Weight of the k3 KL to the initial policy (0 disables the reference model). Upstream's
+    default (ClippedPGLossConfig, grpo_math_1B.yaml); configs/default.yaml sets 0."""
     token_level_loss: bool = True
     """Sum over all valid tokens of the global batch, divided by their count (required under CC)."""
     use_importance_sampling_correction: bool = False

@@ -36,6 +36,9 @@ def test_upstream_preset_sets_every_switch():
     assert cfg.agent.context_history.guards.on_reject == "raise"
     assert cfg.async_rl.rollout_failure.min_step_batch_fraction == 1
     assert cfg.async_rl.rollout_failure.max_consecutive_dropped_prompts == 0
+    assert not cfg.grpo.baseline_excludes_masked
+    assert cfg.loss_fn.reference_policy_kl_penalty == 0.01  # upstream's default; the default run's is 0
+    assert load_config().loss_fn.reference_policy_kl_penalty == 0.0
     # one key turns a fix back on
     assert load_config(str(CONFIGS / "upstream_pr4124.yaml"), ["context_compaction.redispatch_dropped_groups=true"]).context_compaction.redispatch_dropped_groups
 
