@@ -156,12 +156,13 @@ class LossConfig:
     """Weight each token's clipped loss by exp(prev - generation): the trainer's logprob at the
     step's start over the engine's, detached (non-finite -> 0). For rollouts from older weights."""
     truncated_importance_sampling_type: Optional[str] = None
-    """Truncation of those weights: null, `tis` (clamp to [ratio_min or 0, ratio]) or `icepop`
-    (zero the tokens outside [ratio_min, ratio])."""
+    """Truncation of those weights: null, `tis` (clamp to [ratio_min or 0, ratio]), `icepop` (zero
+    the tokens outside [ratio_min, ratio]) or `seq-mask-tis` (zero every token of a sequence whose
+    geometric-mean weight falls outside [ratio_min, ratio]; the others keep theirs untruncated)."""
     truncated_importance_sampling_ratio: Optional[float] = None
     """Upper bound of the truncated weights (required with a truncation type)."""
     truncated_importance_sampling_ratio_min: Optional[float] = None
-    """Lower bound of the truncated weights (required for `icepop`)."""
+    """Lower bound of the truncated weights (required for `icepop` and `seq-mask-tis`)."""
 
 
 # ---------------------------------------------------------------------------------------- async_rl
@@ -742,15 +743,16 @@ def validate(cfg: MinirlConfig) -> None:
                 "context compaction requires min_step_batch_fraction=1",
             )
     lf = cfg.loss_fn
-    _require(lf.truncated_importance_sampling_type in (None, "tis", "icepop"), "loss_fn.truncated_importance_sampling_type",
-             f"must be null, tis or icepop, got {lf.truncated_importance_sampling_type!r}")
+    _require(lf.truncated_importance_sampling_type in (None, "tis", "icepop", "seq-mask-tis"),
+             "loss_fn.truncated_importance_sampling_type",
+             f"must be null, tis, icepop or seq-mask-tis, got {lf.truncated_importance_sampling_type!r}")
     if lf.truncated_importance_sampling_type is not None:
         _require(lf.use_importance_sampling_correction, "loss_fn.truncated_importance_sampling_type",
                  "needs loss_fn.use_importance_sampling_correction=true")
         ratio, lo = lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min
         _require(ratio is not None and ratio > 0, "loss_fn.truncated_importance_sampling_ratio", f"must be > 0, got {ratio}")
         _require(lo is not None or lf.truncated_importance_sampling_type == "tis",
-                 "loss_fn.truncated_importance_sampling_ratio_min", "is required for icepop")
+                 "loss_fn.truncated_importance_sampling_ratio_min", "is required for icepop and seq-mask-tis")
         _require(lo is None or 0 <= lo <= ratio, "loss_fn.truncated_importance_sampling_ratio_min",
                  f"must be in [0, truncated_importance_sampling_ratio], got {lo}")
     for i, spec in enumerate(cfg.faults.inject):

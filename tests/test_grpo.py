@@ -385,3 +385,76 @@ def test_sequence_level_normaliser_counts_trained_rows():
     batch, stats = assemble(cfg, lane_a_step(cfg, [[1.0, 0.0]] * 4), pad_id=0)
     assert len(batch["sample_mask"]) == 8 and stats["rollouts_trained"] == 7
     assert batch["global_valid_samples"] == float(batch["sample_mask"].sum()) == 7.0
+
+
+def reference_seq_mask_tis(curr, prev, gen, adv, mask, hi, lo):
+    """Upstream's `seq-mask-tis`, float64 loops: per sequence, the geometric mean of its token
+    weights, exp(sum over valid tokens of (prev - gen), a non-finite term counting 0, divided by
+    (valid tokens + 1e-8)); a sequence whose mean is outside [lo, hi] gets weight 0 on every token,
+    the others keep w = exp(prev - gen) untruncated (non-finite -> 0). is_oob_ratio: sequences
+    outside the bounds over the valid sequences."""
+    total = count = oob = seqs = 0.0
+    for b in range(len(curr)):
+        valid = [t for t in range(len(curr[b])) if mask[b][t]]
+        terms = [prev[b][t] - gen[b][t] for t in valid]
+        geo = math.exp(sum(x if math.isfinite(x) else 0.0 for x in terms) / (len(valid) + 1e-8))
+        out = geo < lo or geo > hi
+        if valid:
+            seqs += 1
+            oob += out
+        for t in valid:
+            try:
+                w = math.exp(prev[b][t] - gen[b][t])
+            except OverflowError:
+                w = math.inf
+            w = 0.0 if out or not math.isfinite(w) else w
+            r = math.exp(curr[b][t] - prev[b][t])
+            total += w * max(-adv[b] * r, -adv[b] * min(max(r, 0.8), 1.2))
+            count += 1
+    return total / count, oob / seqs
+
+
+def test_seq_mask_tis_matches_reference():
+    g = torch.Generator().manual_seed(5)
+    B, T, hi, lo = 10, 9, 1.25, 0.8
+    curr = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 - 1
+    prev = curr + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1
+    gen = prev + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.6
+    gen[0, 1] = -math.inf  # its weight is 0, and its term counts 0 in its sequence's mean
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.2).double()
+    mask[0, 1] = 1
+    mask[9] = 0  # a masked sample: not a valid sequence
+    curr.requires_grad_(True)
+    n = float(mask.sum())
+    loss, m = clipped_pg_loss(curr, prev, adv, mask, n, generation_logprobs=gen, is_type="seq-mask-tis", is_ratio=hi,
+                              is_ratio_min=lo)
+    want, oob = reference_seq_mask_tis(curr.tolist(), prev.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), hi, lo)
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-12)
+    assert m["is_oob_ratio"] == pytest.approx(oob, rel=1e-12) and (m["is_oob"], m["is_units"]) == (oob * 9, 9.0)
+    assert 0 < oob < 1
+    # a kept sequence keeps token weights above `hi` (untruncated); a masked-out one has no gradient
+    from minirl.algo.grpo import importance_weights
+
+    w, seq_oob = importance_weights(prev, gen, "seq-mask-tis", hi, lo, mask)
+    assert seq_oob.shape == (B,) and (w[~seq_oob] > hi).any() and (w[seq_oob] == 0).all()
+    loss.backward()
+    assert (curr.grad[seq_oob] == 0).all() and (curr.grad[~seq_oob] != 0).any() and curr.grad[0, 1] == 0
+
+
+def test_seq_mask_tis_config():
+    from minirl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["loss_fn.use_importance_sampling_correction=true",
+                             "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+                             "loss_fn.truncated_importance_sampling_ratio=1.002",
+                             "loss_fn.truncated_importance_sampling_ratio_min=0.999"])
+    assert cfg.loss_fn.truncated_importance_sampling_type == "seq-mask-tis"
+    with pytest.raises(ConfigError, match="truncated_importance_sampling_ratio_min.*seq-mask-tis"):
+        load_config(None, ["loss_fn.use_importance_sampling_correction=true",
+                           "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+                           "loss_fn.truncated_importance_sampling_ratio=1.002"])
+    with pytest.raises(ConfigError, match="must be null, tis, icepop or seq-mask-tis"):
+        load_config(None, ["loss_fn.use_importance_sampling_correction=true",
+                           "loss_fn.truncated_importance_sampling_type=seq_mask_tis",
+                           "loss_fn.truncated_importance_sampling_ratio=1.002"])

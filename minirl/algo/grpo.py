@@ -86,16 +86,27 @@ def k3_kl(curr_logprobs: torch.Tensor, reference_logprobs: torch.Tensor, input_c
 
 
 def importance_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, kind: str | None,
-                       ratio: float | None, ratio_min: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       ratio: float | None, ratio_min: float | None,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream's off-policy correction: w = exp(prev - generation), detached, non-finite -> 0, then
     truncated: `tis` clamps w to [ratio_min or 0, ratio], `icepop` zeroes the tokens outside
-    [ratio_min, ratio]. Returns (w, out_of_bounds) where out_of_bounds marks the tokens whose raw
-    weight fell outside the bounds (all False without a truncation)."""
+    [ratio_min, ratio], `seq-mask-tis` zeroes every token of a sequence whose geometric-mean
+    weight exp(mean over its `mask`ed tokens of prev - generation, non-finite terms -> 0) falls
+    outside [ratio_min, ratio], and leaves the other sequences' weights untruncated. Returns
+    (w, out_of_bounds): the tokens ([B, T]) or, for `seq-mask-tis`, the sequences ([B]) outside
+    the bounds (all False without a truncation)."""
     import torch
 
     w = torch.exp(prev_logprobs - generation_logprobs).detach()
     w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
     lo = 0.0 if ratio_min is None else ratio_min
+    if kind == "seq-mask-tis":
+        log_w = (prev_logprobs - generation_logprobs).detach()
+        log_w = torch.where(torch.isfinite(log_w), log_w, torch.zeros_like(log_w))
+        m = torch.ones_like(log_w) if mask is None else mask.to(log_w.dtype)
+        geo = torch.exp((log_w * m).sum(-1) / (m.sum(-1) + 1e-8))  # upstream's masked_mean: count + 1e-8
+        oob = (geo < lo) | (geo > ratio)
+        return torch.where(oob[:, None], torch.zeros_like(w), w), oob
     oob = torch.zeros_like(w, dtype=torch.bool) if kind is None else (w < lo) | (w > ratio)
     if kind == "tis":
         w = w.clamp(min=lo, max=ratio)
@@ -128,7 +139,8 @@ def clipped_pg_loss(
     1, non-finite -> 0), which keeps the score-function gradient of the sampled tokens where no
     clamp binds (see `k3_kl`). With
     `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is
-    weighted by `importance_weights`."""
+    weighted by `importance_weights`; `is_oob_ratio` counts tokens, or sequences for
+    `seq-mask-tis`."""
     import torch
 
     if advantages.dim() == 1:
@@ -138,7 +150,7 @@ def clipped_pg_loss(
     per_token = torch.maximum(-advantages * ratio, -advantages * clipped)
     oob = torch.zeros_like(per_token, dtype=torch.bool)
     if generation_logprobs is not None:
-        w, oob = importance_weights(prev_logprobs, generation_logprobs, is_type, is_ratio, is_ratio_min)
+        w, oob = importance_weights(prev_logprobs, generation_logprobs, is_type, is_ratio, is_ratio_min, mask)
         per_token = per_token * w
     kl = torch.zeros_like(per_token)
     if reference_logprobs is not None and kl_penalty > 0:
@@ -153,9 +165,16 @@ def clipped_pg_loss(
         loss = (per_sample * (mask.sum(-1) > 0)).sum() / normalizer
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
+        if oob.dim() == 1:  # seq-mask-tis: counted in sequences, as upstream (over global_valid_seqs)
+            valid_seqs = mask.sum(-1) > 0
+            is_oob, is_units = float((oob & valid_seqs).sum()), float(valid_seqs.sum())
+        else:
+            is_oob, is_units = float((oob.float() * mask).sum()), float(mask.sum())
         metrics = {
             "clip_fraction": float(((ratio != clipped).float() * mask).sum() / n),
             "kl": float((kl * mask).sum() / n),
-            "is_oob_ratio": float((oob.float() * mask).sum() / n),
+            "is_oob_ratio": is_oob / max(is_units, 1.0),
+            "is_oob": is_oob,  # tokens (or sequences) outside the bounds, and the valid ones they are out of,
+            "is_units": is_units,  # so micro-batches and ranks add up to the global ratio
         }
     return loss, metrics

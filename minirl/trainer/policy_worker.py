@@ -105,7 +105,7 @@ class PolicyWorker:
         self.optimizer.zero_grad(set_to_none=True)
         temperature = cfg.policy.generation.temperature
         lf = cfg.loss_fn
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "is_oob": 0.0, "abs_err": 0.0, "mult_err": 0.0, "tokens": 0.0}
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "is_oob": 0.0, "is_units": 0.0, "abs_err": 0.0, "mult_err": 0.0, "tokens": 0.0}
         for k in range(n_micro):
             idx = mine[k * micro : (k + 1) * micro]
             last = k == n_micro - 1
@@ -140,7 +140,8 @@ class PolicyWorker:
                     totals["loss"] += float(loss)
                     totals["clip_fraction"] += m["clip_fraction"] * n
                     totals["kl"] += m["kl"] * n
-                    totals["is_oob"] += m["is_oob_ratio"] * n
+                    totals["is_oob"] += m["is_oob"]
+                    totals["is_units"] += m["is_units"]
                     totals["abs_err"] += float(diff.abs().sum())
                     totals["mult_err"] += float((torch.exp(diff.abs()) * mask).sum())
                     totals["tokens"] += n
@@ -161,7 +162,7 @@ class PolicyWorker:
             "grad_norm": float(grad_norm),
             "clip_fraction": self._global(totals["clip_fraction"]) / max(tokens, 1),
             "kl": self._global(totals["kl"]) / max(tokens, 1),
-            "is_oob_ratio": self._global(totals["is_oob"]) / max(tokens, 1),
+            "is_oob_ratio": self._global(totals["is_oob"]) / max(self._global(totals["is_units"]), 1),
             "logprob_abs_error": self._global(totals["abs_err"]) / max(tokens, 1),
             "token_mult_prob_error": self._global(totals["mult_err"]) / max(tokens, 1),
             "train_tokens": tokens,
