@@ -98,8 +98,8 @@ def test_without_compaction_a_rewritten_history_is_upstreams_non_contiguous_fail
         ("nope", "not a JSON object"),
         ({"reward": 1.0}, "missing response.output"),
         (result([item([1], [2])], reward=float("nan")), "reward must be a finite number"),
-        (result([item([1], [2])], reward=1e39), "reward must be a finite number within float32 range, got 1e+39"),
-        (result([item([1], [2])], reward=-3.5e38), "reward must be a finite number within float32 range"),
+        (result([item([1], [2])], reward=1e39), "reward must be a finite number with |reward| <= 9.223e+08"),
+        (result([item([1], [2])], reward=-3.5e38), "reward must be a finite number with |reward| <= 9.223e+08"),
         (result([item([1], [2, 3], [-0.5, float("inf")])]), "generation_log_probs must be finite and <= 0, got inf"),
         (result([item([1], [2, 3], [float("-inf"), -0.5])]), "generation_log_probs must be finite and <= 0, got -inf"),
         (result([item([1], [2, 3], [-0.5, 0.25])]), "generation_log_probs must be finite and <= 0, got 0.25"),
@@ -190,11 +190,174 @@ def test_an_external_agents_calls_are_matched_by_their_tokens():
     rb = parse(result([item([1, 2], [6])]))
     rb.coords = b
     unkeyed = lambda p, g, v=0: {"prompt_token_ids": p, "generation_token_ids": g, "status": 200,  # noqa: E731
-                                 "version_start": v, "version_end": v}
+                                 "version_start": v, "version_end": v, "generation_log_probs": [-0.5] * len(g)}
     pool = [unkeyed([1, 2], [3]), unkeyed([1, 2, 3, 4], [5]), unkeyed([9], [9])]  # b's call is missing; [9] is another's
     counts, left = Ledger(None).match_external(0, pool, [ra, rb], version=0)
     assert (counts["calls_matched"], counts["calls_unrecorded"], counts["tokens_matched"]) == (2, 1, 2)
     assert ra.sample_mask == 1 and rb.mask_reason == "unrecorded_calls"
     assert left == [pool[2]]
-    with pytest.raises(RuntimeError, match="policy-version discipline"):
-        Ledger(None).match_external(3, [unkeyed([1, 2], [6], v=1)], [rb], version=3, oldest=2)
+    # issue 29: a call the engine ran under weights outside the window masks its rollout, never ends the run
+    rb.mask_reason = None
+    counts, _ = Ledger(None).match_external(3, [unkeyed([1, 2], [6], v=1)], [rb], version=3, oldest=2)
+    assert counts["calls_stale"] == 1 and counts["calls_matched"] == 0 and rb.mask_reason == "stale_calls"
+    assert "call 0 ran under weights [1], but step 3 trains versions 2..3" in rb.evidence["errors"][-1]
+
+
+# ------------------------------------------------------------------- issue 29: one total parser
+def test_forged_logprobs_mask_their_rollout_and_close_ones_pass():
+    """An external agent's logprob is compared with the engine's record of the same token: beyond
+    LOGPROB_TOLERANCE the rollout is masked (counted, with the gap in its mask event's errors);
+    the chat API's -9999 clamp is no mismatch."""
+    from minirl.rollout.evidence import LOGPROB_TOLERANCE
+
+    rec = lambda p, g, lps: {"prompt_token_ids": p, "generation_token_ids": g, "status": 200,  # noqa: E731
+                             "version_start": 0, "version_end": 0, "generation_log_probs": lps}
+    forged = parse(result([item([1, 2], [3, 4], [-40.0, -40.0])]))
+    close = parse(result([item([1, 2], [5, 6], [-0.5 + LOGPROB_TOLERANCE / 2, -9999.0])]))
+    pool = [rec([1, 2], [3, 4], [-0.25, -1.5]), rec([1, 2], [5, 6], [-0.5, float("-inf")])]
+    counts, left = Ledger(None).match_external(0, pool, [forged, close], version=0)
+    assert counts["calls_logprob_mismatch"] == 1 and counts["calls_matched"] == 1 and left == []
+    assert forged.mask_reason == "logprob_mismatch" and close.sample_mask == 1
+    assert "a logprob differs from the engine's record by 39.75" in forged.evidence["errors"][-1]
+    assert counts["tokens_matched"] == 2, "a mismatched call's tokens are not counted as matched"
+
+
+def test_the_reward_bound_keeps_a_worst_case_step_finite_in_float32():
+    """The bound (README, "Bounds on a /run result"): a group whose advantage is amplified the most
+    (normalised by std + eps with a spread of ~0) at |reward| = bound trains to a finite loss and
+    gradient norm in the real policy worker; one past float32's sum, as the issue's 1e38 with
+    equal siblings, is refused at parse as DATA naming the field and the bound."""
+    import inspect
+
+    from minirl.algo.grpo import group_advantages
+    from minirl.config import load_config
+    from minirl.rollout.evidence import ADVANTAGE_EPS, reward_bound
+    from minirl.trainer.policy_worker import PolicyWorker
+
+    assert inspect.signature(group_advantages).parameters["eps"].default == ADVANTAGE_EPS
+    bound = reward_bound(True)
+    assert reward_bound(False) == pytest.approx(bound * 1e6)
+    for bad in (3.4028234663852886e38, 1e38, 7e36, bound * 1.0001, -bound * 1.0001, 10**400, -(10**400)):
+        with pytest.raises(RolloutDataFailure, match=re.escape(f"reward must be a finite number with |reward| <= {bound:.4g}")):
+            parse(result([item([1], [2])], reward=bad))
+    cfg = load_config(None, ["policy.train_micro_batch_size=4"])
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 4
+    gen = list(range(10, 60))  # 50 generated tokens per trace, as the issue's case
+    rewards = [bound, 0.0, 1e-300, 0.0]  # rollout 0's others {0, 1e-300, 0}: a spread of ~0, so |A| = bound / eps
+    rollouts = {r: parse_rollout(result([item([3, 4, 5], gen, [-1.0] * 50)], reward=x), Coords(0, 0, r, 0), vocab_size=400,
+                                 max_len=1024, overlong_filtering=False) for r, x in enumerate(rewards)}
+    batch, _ = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
+    assert cfg.grpo.normalize_rewards and cfg.grpo.use_leave_one_out_baseline
+    assert np.isfinite(batch["advantages"]).all() and np.abs(batch["advantages"]).max() > 0.9 * bound / ADVANTAGE_EPS
+    out = PolicyWorker(cfg).train(batch)
+    assert math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]), out
+
+
+def deep_list(depth):
+    node = []
+    for _ in range(depth):
+        node = [node]
+    return node
+
+
+ISSUE_29_CASES = {  # name: (result, field the message names)
+    "reward_huge_int": (result([item([1], [2])], reward=10**400), "reward must be a finite number"),
+    "logprob_huge_negative_int": (result([item([1], [2], [-(10**400)])]), "generation_log_probs must be finite and <= 0"),
+    "logprob_float64_not_float32": (result([item([1], [2], [-1e308])]), "got -1e+308 (finite in float32"),
+    "logprob_positive_int": (result([item([1], [2], [1])]), "generation_log_probs must be finite and <= 0, got 1"),
+    "logprob_bool": (result([item([1], [2], [True])]), "one number per generated token"),
+    "token_id_huge_int": (result([item([1], [10**400])]), "in generation_token_ids is out of vocabulary"),
+    "compactions_a_string": (result([item([1], [2])], compactions="many"), "evidence.compactions must be a non-negative integer"),
+    "compactions_negative": (result([item([1], [2])], compactions=-1), "evidence.compactions must be a non-negative integer"),
+    "guard_an_int": (result([item([1], [2])], guard=5), "evidence.guard must be a list of flat objects"),
+    "guard_a_list_of_ints": (result([item([1], [2])], guard=[1]), "evidence.guard must be a list of flat objects"),
+    "guard_nested": (result([item([1], [2])], guard=[{"decision": deep_list(50_000)}]), "evidence.guard must be a list of flat"),
+    "errors_not_strings": (result([item([1], [2])], errors=[1]), "evidence.errors must be a list of strings"),
+    "capture_failed_a_string": (result([item([1], [2])], capture_failed="yes"), "evidence.capture_failed must be a boolean"),
+    "evidence_a_list": ({"response": {"output": [item([1], [2])]}, "reward": 1.0, "evidence": [1]}, "evidence must be an object"),
+    "content_an_int": (result([item([1], [2]), {"type": "message", "role": "assistant", "content": 5}]),
+                       "response.output[1].content must be a string or a list of parts"),
+    "content_text_an_int": (result([item([1], [2]), {"type": "message", "role": "assistant", "content": [{"text": 5}]}]),
+                            "response.output[1].content must be"),
+    "content_text_null": (result([item([1], [2]), {"type": "message", "role": "assistant", "content": [{"text": None}]}]),
+                          "response.output[1].content must be"),
+    "output_deep": ({"response": {"output": deep_list(200_000)}, "reward": 1.0}, "response.output[0]"),
+}
+
+
+@pytest.mark.parametrize("case", list(ISSUE_29_CASES))
+def test_each_malformed_shape_of_issue_29_is_a_data_failure_naming_the_field(case):
+    res, fragment = ISSUE_29_CASES[case]
+    with pytest.raises(RolloutDataFailure) as info:
+        parse(res)
+    assert fragment in str(info.value), str(info.value)
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(min_value=-(10**400), max_value=10**400)
+               | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                        max_leaves=12)
+
+
+FIELDS = [("reward",), ("evidence",), ("evidence", "compactions"), ("evidence", "guard"), ("evidence", "errors"),
+          ("evidence", "capture_failed"), ("evidence", "images_dropped"), ("response",), ("response", "output"),
+          ("response", "output", 0), ("response", "output", 1), ("response", "output", 0, "generation_token_ids"),
+          ("response", "output", 0, "prompt_token_ids"), ("response", "output", 0, "generation_log_probs"),
+          ("response", "output", 1, "content"), ("response", "output", 0, "generation_log_probs", 1),
+          ("response", "output", 0, "generation_token_ids", 0), ("evidence", "guard", 0)]
+
+
+def _good():
+    return {"response": {"output": [item([1, 2], [3, 4], [-0.5, -1.0]), {"type": "message", "role": "assistant", "content": "hi"}]},
+            "reward": 0.5, "evidence": {"compactions": 1, "guard": [{"call": 0, "decision": "admit"}], "errors": []}}
+
+
+def _survives(res) -> None:
+    """parse_rollout returns or raises RolloutDataFailure; what it returns goes through the
+    manager's event code and assemble without any other exception."""
+    import json
+
+    from minirl.config import MinirlConfig
+    from minirl.rollout.manager import RolloutManager
+
+    try:
+        r = parse(res)
+    except RolloutDataFailure:
+        return
+    cfg = MinirlConfig()
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 2
+    events = []
+    RolloutManager(cfg, [], events.append, 50)._agent_events(r)
+    json.dumps(events)
+    sibling = parse(_good())
+    batch, stats = assemble(cfg, [GroupOutcome(0, "committed", {0: r, 1: sibling})], pad_id=0)
+    assert np.isfinite(batch["advantages"]).all() and np.isfinite(batch["gen_logprobs"]).all()
+    assert all(e["type"] in ("compaction", "guard") and e["rollout"] == 0 for e in events)
+
+
+def test_no_result_shape_escapes_the_parser_as_another_exception():
+    """Property test: a good result with one field (at any depth) replaced by an arbitrary JSON
+    value, and arbitrary JSON values as whole results."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=600, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(FIELDS), _json_values())
+    def one_field(path, value):
+        res = _good()
+        node = res
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        _survives(res)
+
+    @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_json_values())
+    def whole(value):
+        _survives(value)
+
+    one_field()
+    whole()

@@ -24,6 +24,11 @@ from pathlib import Path
 from minirl.wire import Coords, RolloutDataFailure
 
 FLOAT32_MAX = 3.4028234663852886e38
+ADVANTAGE_EPS = 1e-6
+"""minirl.algo.grpo.group_advantages' eps: a normalised advantage is divided by (std + eps)."""
+GRAD_HEADROOM = 1e4
+"""What the reward bound leaves between |advantage| and sqrt(float32 max) for the per-token weight
+and the score gradient's norm (the default model's is about 1; see `reward_bound`)."""
 
 
 @dataclass
@@ -81,53 +86,141 @@ def split_traces(calls: list[Call], allow_rewrites: bool = True) -> list[Trace]:
     return traces
 
 
-def _int_list(value, what: str, vocab_size: int) -> list[int]:
+def _short(value) -> str:
+    """A bounded description of any JSON value (a container's repr could recurse past the limit,
+    and an integer's str is refused past 4300 digits)."""
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def reward_bound(normalize_rewards: bool, eps: float = ADVANTAGE_EPS) -> float:
+    """The largest |reward| a `/run` result may carry: the bound that keeps advantage x tokens, and
+    the gradient norm built from it, finite in float32 (README, "Bounds on a /run result").
+
+    |A| <= 2 |r|max (r_i minus a mean of rewards), times 1/eps where the group's std is normalised
+    (a spread std + eps can be as small as eps). The loss sums |A| x weight over at most every token
+    of the step and the gradient-norm computation squares each entry, so what has to stay finite is
+    |A| x GRAD_HEADROOM <= sqrt(float32 max) (1.8e19), GRAD_HEADROOM (1e4) covering the per-token
+    weight and the score gradient's norm; the loss's own sum (|A| x tokens, tokens <= 1e9) is then
+    far inside float32."""
+    amplification = 2.0 * (1.0 / eps if normalize_rewards and eps < 1.0 else 1.0)
+    return math.sqrt(FLOAT32_MAX) / (amplification * GRAD_HEADROOM)
+
+
+def _int_list(value, what: str, vocab_size: int, where: str = "") -> list[int]:
     # set(map(type, ...)), min and max run in C: this check is on the controller's hot path
     if not isinstance(value, list) or not set(map(type, value)) <= {int}:
-        raise RolloutDataFailure(f"malformed /run result: {what} must be a list of integers")
+        raise RolloutDataFailure(f"malformed /run result: {what} must be a list of integers{where}")
     if value and not (0 <= min(value) and max(value) < vocab_size):
         bad = next(t for t in value if not 0 <= t < vocab_size)
-        raise RolloutDataFailure(f"token id {bad} in {what} is out of vocabulary (size {vocab_size})")
+        raise RolloutDataFailure(f"token id {_short(bad)} in {what} is out of vocabulary (size {vocab_size}){where}")
     return value
 
 
-def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, overlong_filtering: bool,
-                  allow_rewrites: bool = True) -> Rollout:
-    """Validate a `/run` result and turn it into a Rollout. Raises RolloutDataFailure.
+def _logprobs(lps, n: int, where: str) -> list[float]:
+    """One float32-finite number <= 0 per generated token, as floats. A JSON integer is exact and
+    unbounded in Python, so it is bounded before it is converted (10**400 overflows a float)."""
+    types = set(map(type, lps)) if isinstance(lps, list) else {object}
+    if not isinstance(lps, list) or len(lps) != n or not types <= {int, float}:
+        raise RolloutDataFailure(f"malformed /run result: generation_log_probs must be one number per generated token{where}")
+    if int in types:
+        ints = [x for x in lps if type(x) is int]
+        if not (min(ints) >= -FLOAT32_MAX and max(ints) <= 0):
+            bad = next(x for x in ints if not -FLOAT32_MAX <= x <= 0)
+            raise RolloutDataFailure(f"malformed /run result: generation_log_probs must be finite and <= 0, got "
+                                     f"{_short(bad)} (finite in float32: at least {-FLOAT32_MAX!r}){where}")
+        lps = list(map(float, lps))
+    if any(map(math.isnan, lps)):
+        raise RolloutDataFailure(f"Generation logprobs contain NaN{where}")
+    if lps and not (max(lps) <= 0.0 and min(lps) >= -FLOAT32_MAX):
+        bad = next(x for x in lps if not -FLOAT32_MAX <= x <= 0.0)
+        raise RolloutDataFailure(f"malformed /run result: generation_log_probs must be finite and <= 0, got {bad!r} "
+                                 f"(finite in float32: at least {-FLOAT32_MAX!r}){where}")
+    return lps
 
+
+def _reward(reward, bound: float) -> float:
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward or not -bound <= reward <= bound:
+        raise RolloutDataFailure(f"malformed /run result: reward must be a finite number with |reward| <= {bound:.4g} (the bound "
+                                 f"that keeps advantage x tokens finite in float32), got {_short(reward)}")
+    return float(reward)  # within the bound: an integer converts exactly enough, and never overflows
+
+
+EVIDENCE_COUNTS = ("calls", "compactions", "images_dropped", "reasoning_dropped")
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _evidence(evidence) -> dict:
+    """The agent's evidence, checked for what minirl reads from it (an external agent sends none).
+    Only the known keys are kept, each of the shape its readers expect."""
+    if evidence is None:
+        return {}
+    if not isinstance(evidence, dict):
+        raise RolloutDataFailure(f"malformed /run result: evidence must be an object, got {_short(evidence)}")
+    out = {}
+    for key in EVIDENCE_COUNTS:
+        if key in evidence:
+            v = evidence[key]
+            if type(v) is not int or not 0 <= v <= 2**31:
+                raise RolloutDataFailure(f"malformed /run result: evidence.{key} must be a non-negative integer, got {_short(v)}")
+            out[key] = v
+    if "capture_failed" in evidence:
+        if not isinstance(evidence["capture_failed"], bool):
+            raise RolloutDataFailure(f"malformed /run result: evidence.capture_failed must be a boolean, got "
+                                     f"{_short(evidence['capture_failed'])}")
+        out["capture_failed"] = evidence["capture_failed"]
+    if "end_reason" in evidence:
+        if not isinstance(evidence["end_reason"], str):
+            raise RolloutDataFailure(f"malformed /run result: evidence.end_reason must be a string, got {_short(evidence['end_reason'])}")
+        out["end_reason"] = evidence["end_reason"]
+    guard = evidence.get("guard", [])
+    if not isinstance(guard, list) or not all(isinstance(g, dict) and all(isinstance(k, str) and isinstance(v, _SCALARS)
+                                                                           for k, v in g.items()) for g in guard):
+        raise RolloutDataFailure(f"malformed /run result: evidence.guard must be a list of flat objects, got {_short(guard)}")
+    out["guard"] = guard
+    errors = evidence.get("errors", [])
+    if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
+        raise RolloutDataFailure(f"malformed /run result: evidence.errors must be a list of strings, got {_short(errors)}")
+    out["errors"] = errors
+    return out
+
+
+def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, overlong_filtering: bool,
+                  allow_rewrites: bool = True, max_abs_reward: float | None = None) -> Rollout:
+    """Validate a `/run` result and turn it into a Rollout: the one parser of a result, total over
+    JSON shapes. Any malformed shape raises RolloutDataFailure naming the field, before any
+    arithmetic; nothing else escapes (tests/test_evidence.py's table and property test).
+
+    `max_abs_reward` defaults to `reward_bound(normalize_rewards=True)`, the tighter one.
     The rollout is truncated (and masked under `overlong_filtering`) when one of its traces
     reaches `max_len` tokens, as upstream marks it; a reply cut by the per-call cap is not."""
     if not isinstance(result, dict):
         raise RolloutDataFailure("malformed /run result: not a JSON object")
-    response, reward = result.get("response"), result.get("reward")
+    response = result.get("response")
     if not isinstance(response, dict) or not isinstance(response.get("output"), list):
         raise RolloutDataFailure("malformed /run result: missing response.output")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) \
-            or abs(reward) > FLOAT32_MAX:
-        raise RolloutDataFailure(f"malformed /run result: reward must be a finite number within float32 range, got {reward!r}")
-    evidence = result.get("evidence") if isinstance(result.get("evidence"), dict) else {}
+    reward = _reward(result.get("reward"), reward_bound(True) if max_abs_reward is None else max_abs_reward)
+    evidence = _evidence(result.get("evidence"))
 
     calls: list[Call] = []
-    capture_failed = bool(evidence.get("capture_failed"))
-    for item in response["output"]:
+    capture_failed = evidence.get("capture_failed", False)
+    for i, item in enumerate(response["output"]):
+        where = f" (response.output[{i}])"
         if not isinstance(item, dict):
-            raise RolloutDataFailure("malformed /run result: an output item is not an object")
+            raise RolloutDataFailure(f"malformed /run result: an output item is not an object{where}")
         if "generation_token_ids" not in item:
-            if item.get("type") == "message" and item.get("role") == "assistant" and not _text(item):
+            if item.get("type") == "message" and item.get("role") == "assistant" and not _text(item, i):
                 capture_failed = True  # an empty model reply without tokens: the call failed (lane A)
             continue
-        gen = _int_list(item["generation_token_ids"], "generation_token_ids", vocab_size)
-        prompt = _int_list(item.get("prompt_token_ids"), "prompt_token_ids", vocab_size)
-        lps = item.get("generation_log_probs")
-        if not isinstance(lps, list) or len(lps) != len(gen) or not set(map(type, lps)) <= {int, float}:
-            raise RolloutDataFailure("malformed /run result: generation_log_probs must be one number per generated token")
-        if any(map(math.isnan, lps)):
-            raise RolloutDataFailure("Generation logprobs contain NaN")
-        if lps and not (max(lps) <= 0.0 and min(lps) > -math.inf):
-            bad = next(x for x in lps if not -math.inf < x <= 0.0)
-            raise RolloutDataFailure(f"malformed /run result: generation_log_probs must be finite and <= 0, got {bad!r}")
+        gen = _int_list(item["generation_token_ids"], "generation_token_ids", vocab_size, where)
+        prompt = _int_list(item.get("prompt_token_ids"), "prompt_token_ids", vocab_size, where)
+        lps = _logprobs(item.get("generation_log_probs"), len(gen), where)
         if gen:
-            calls.append(Call(prompt, gen, list(map(float, lps))))
+            calls.append(Call(prompt, gen, lps))
     if not calls and not capture_failed:
         raise RolloutDataFailure("empty episode: the /run result has no trainable model call")
     traces = split_traces(calls, allow_rewrites)
@@ -138,14 +231,34 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
             )
     truncated = any(len(t.tokens) >= max_len for t in traces)
     mask_reason = "capture_failed" if capture_failed else ("overlong" if truncated and overlong_filtering else None)
-    return Rollout(coords, float(reward), calls, traces, capture_failed, truncated, evidence, mask_reason)
+    return Rollout(coords, reward, calls, traces, capture_failed, truncated, evidence, mask_reason)
 
 
-def _text(item: dict) -> str:
+def _text(item: dict, i: int = 0) -> str:
+    """An output message's text: `content` as a string, or a list of parts whose `text` is a string."""
     content = item.get("content")
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise RolloutDataFailure(f"malformed /run result: response.output[{i}].content must be a string or a list of parts "
+                             f"with string text, got {_short(content)}")
+
+
+LOGPROB_TOLERANCE = 1e-3
+"""How far an external agent's logprob may sit from the engine's record of the same token. JSON
+carries the engine's float exactly, so only a client that rounds (or clamps at -9999, as vLLM's chat
+logprobs do) moves it; a forged number moves it by much more."""
+
+
+def logprob_gap(reported: list[float], recorded) -> float:
+    """The largest |reported - recorded| over a call's tokens, the record clamped at -9999 as the
+    chat API writes it; inf when the record holds none to compare."""
+    if not isinstance(recorded, list) or len(recorded) != len(reported):
+        return math.inf
+    return max((abs(a - max(b, -9999.0)) for a, b in zip(reported, recorded)), default=0.0)
 
 
 class Ledger:
@@ -164,10 +277,16 @@ class Ledger:
     def match_external(self, step: int, pool: list[dict], rollouts: list[Rollout], version: int,
                        oldest: int | None = None) -> tuple[Counter, list[dict]]:
         """An external agent's calls carry no rollout header: find each committed call in `pool`
-        (the servers' headerless records) by its token content, prompt ids + generated ids. A call
-        not found masks its rollout (`unrecorded_calls`), as for minirl's own agents; a matched
-        call outside the version window raises. Returns the counts and the records left unmatched
-        (another step's, or a failed attempt's)."""
+        (the servers' headerless records) by its token content, prompt ids + generated ids. Each
+        of these masks its rollout (counted; the controller writes the `mask` event) and never
+        ends the run, since an external agent is not minirl's to trust:
+        - a call not found (`calls_unrecorded`, mask `unrecorded_calls`), as for minirl's own agents;
+        - a call whose logprobs differ from the engine's record by more than LOGPROB_TOLERANCE
+          (`calls_logprob_mismatch`, mask `logprob_mismatch`): the agent reported numbers the engine
+          did not produce, so neither they nor the rollout's reward are trusted;
+        - a call the engine ran under weights outside [oldest, version] (`calls_stale`, mask
+          `stale_calls`): e.g. an earlier step's call returned again.
+        Returns the counts and the records left unmatched (another step's, or a failed attempt's)."""
         oldest = version if oldest is None else oldest
         index: dict[tuple, list[dict]] = {}
         for rec in pool:
@@ -182,14 +301,25 @@ class Ledger:
                     r.mask_reason = r.mask_reason or "unrecorded_calls"
                     continue
                 rec = found.pop()
+                status = "matched"
                 versions = {rec.get("version_start"), rec.get("version_end")} - {None}
+                gap = logprob_gap(c.logprobs, rec.get("generation_log_probs"))
                 if versions and not (oldest <= min(versions) and max(versions) <= version):
-                    raise RuntimeError(f"policy-version discipline: a call of {r.coords.key} ran under weights "
-                                       f"{sorted(versions)}, but step {step} trains versions {oldest}..{version}")
-                counts["calls_matched"] += 1
-                counts["tokens_matched"] += len(c.gen)
+                    status = "stale"
+                    r.evidence.setdefault("errors", []).append(
+                        f"call {i} ran under weights {sorted(versions)}, but step {step} trains versions {oldest}..{version}")
+                elif gap > LOGPROB_TOLERANCE:
+                    status = "logprob_mismatch"
+                    r.evidence.setdefault("errors", []).append(
+                        f"call {i}: a logprob differs from the engine's record by {gap:.4g} (tolerance {LOGPROB_TOLERANCE})")
+                if status == "matched":
+                    counts["calls_matched"] += 1
+                    counts["tokens_matched"] += len(c.gen)
+                else:
+                    counts[f"calls_{status}"] += 1
+                    r.mask_reason = r.mask_reason or {"stale": "stale_calls"}.get(status, status)
                 lines.append({**r.coords.as_dict(), "call": i, **{k: rec.get(k) for k in ("finish_reason", "version_start",
-                              "version_end", "generation_token_ids")}, "http_status": 200, "ledger_status": "matched"})
+                              "version_end", "generation_token_ids")}, "http_status": 200, "ledger_status": status})
         self._write(step, lines)
         return counts, [rec for recs in index.values() for rec in recs]
 

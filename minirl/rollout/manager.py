@@ -36,7 +36,7 @@ from minirl.config import FAULT_KINDS, MinirlConfig
 from minirl.data import sampling_seed
 from minirl.faults import FaultPlan
 from minirl.gym.rows import with_extra_body
-from minirl.rollout.evidence import Rollout, parse_rollout
+from minirl.rollout.evidence import Rollout, parse_rollout, reward_bound
 from minirl.wire import (
     Coords,
     INFRA,
@@ -92,6 +92,8 @@ async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
         return json.loads(body)
     except ValueError as exc:
         raise RolloutDataFailure(f"malformed /run result: {what} returned invalid JSON ({exc})") from exc
+    except RecursionError:  # json's C parser refuses a body nested past the interpreter's limit
+        raise RolloutDataFailure(f"malformed /run result: {what} returned JSON nested deeper than it parses") from None
 
 
 class RolloutManager:
@@ -119,6 +121,7 @@ class RolloutManager:
         self.sends = 0  # run total of /run requests (rollout attempts)
         self.returned = 0  # run total of valid /run results (rollouts generated)
         self.session: aiohttp.ClientSession | None = None
+        self.max_abs_reward = reward_bound(cfg.grpo.normalize_rewards)
 
     def backoff(self, k: int) -> float:
         """Delay before INFRA retry k (k = INFRA attempts failed so far, from 1)."""
@@ -176,7 +179,9 @@ class RolloutManager:
                 self.last_progress = time.monotonic()
 
     # -- a group ---------------------------------------------------------------------------------
-    async def run_group(self, step: int, group: int, row: dict) -> GroupOutcome:
+    async def run_group(self, step: int, group: int, row: dict, on_attempt: Callable[[], None] | None = None) -> GroupOutcome:
+        """One prompt group under the failure policy; `on_attempt` (the async pump's) is called as
+        each group attempt starts, where upstream reserves the attempt under the current version."""
         G = self.cfg.grpo.num_generations_per_prompt
         out = GroupOutcome(group, "committed", step=step)
         row_attempt = [0] * G
@@ -185,6 +190,8 @@ class RolloutManager:
             gid = f"grp-{uuid.uuid4().hex[:12]}"
             self.reservations[gid] = (step, group)
             out.group_attempts += 1
+            if on_attempt is not None:
+                on_attempt()
             try:
                 failures = await self._attempt(step, group, gid, row, out, row_attempt)
             finally:
@@ -268,12 +275,15 @@ class RolloutManager:
         G = self.cfg.grpo.num_generations_per_prompt
         pending = [r for r in range(G) if r not in out.rollouts]
         deadline = self.rf.nemo_gym.rollout_timeout_s
+        before = list(row_attempt)
         try:
             async with asyncio.timeout(deadline):
                 results = await asyncio.gather(*(self._row(step, group, r, gid, row, out, row_attempt) for r in pending),
                                                return_exceptions=True)
         except TimeoutError:
             exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {deadline}s")
+            for r in pending:  # a row the deadline caught before its first send still gets an attempt id of its own
+                row_attempt[r] += row_attempt[r] == before[r]
             return [(Coords(step, group, r, row_attempt[r] - 1), exc) for r in range(G) if r not in out.rollouts]
         failures = []
         for res in results:
@@ -304,7 +314,7 @@ class RolloutManager:
                     result, coords, vocab_size=self.vocab_size,
                     max_len=self.cfg.policy.max_total_sequence_length,
                     overlong_filtering=self.cfg.grpo.overlong_filtering,
-                    allow_rewrites=self.cfg.context_compaction.enabled,
+                    allow_rewrites=self.cfg.context_compaction.enabled, max_abs_reward=self.max_abs_reward,
                 )
             except asyncio.CancelledError:
                 raise
@@ -334,5 +344,5 @@ class RolloutManager:
         if ev.get("compactions"):
             self.emit({"type": "compaction", **c, "compactions": ev["compactions"],
                        "images_dropped": ev.get("images_dropped", 0), "reasoning_dropped": ev.get("reasoning_dropped", 0)})
-        for g in ev.get("guard", []):
-            self.emit({"type": "guard", **c, **g})
+        for g in ev.get("guard", []):  # the agent's record may not overwrite the event's type or coordinates
+            self.emit({**g, "type": "guard", **c})
