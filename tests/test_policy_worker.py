@@ -2,6 +2,7 @@
 initial policy is computed against a real reference model."""
 
 import numpy as np
+import pytest
 
 from minirl.config import load_config
 from minirl.trainer.policy_worker import PolicyWorker
@@ -57,3 +58,102 @@ def test_a_non_finite_loss_skips_the_step_and_keeps_the_weights():
     assert all(np.array_equal(before[k], after[k]) for k in before) and worker.steps_done == 0
     assert np.isfinite(worker.train(batch())["loss"])  # the next good batch trains
     assert all(np.isfinite(v).all() for _, v in worker.get_weights())
+
+
+def reference_top_p_logprob(logits_row, target, temperature, top_p):
+    """float64, from the definition vLLM's processed logprobs use: probabilities of logits /
+    temperature sorted ascending; a token is dropped when the cumulative probability of it and
+    every smaller one is <= 1 - top_p (the most likely token always stays); the rest renormalised.
+    Returns (logprob of `target` or None when it is dropped, the smallest distance of a cumulative
+    sum from the boundary, to skip positions that float32 may decide the other way)."""
+    z = np.asarray(logits_row, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(p, kind="stable")
+    cum = np.cumsum(p[order])
+    keep = np.ones(len(p), dtype=bool)
+    keep[order[cum <= 1 - top_p]] = False
+    keep[order[-1]] = True
+    margin = float(np.min(np.abs(cum - (1 - top_p))))
+    if not keep[target]:
+        return None, margin
+    return float(np.log(p[target] / p[keep].sum())), margin
+
+
+def test_top_p_filter_is_vllms():
+    """The trainer's nucleus is exactly vLLM's (its own apply_top_k_top_p_pytorch, on the same float32 logits)."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from minirl.trainer.policy_worker import top_p_filter
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 400, generator=g) * 3
+    logits[0, :5] = 7.0  # ties at the top
+    for p in (0.1, 0.5, 0.9, 0.99):
+        ours = top_p_filter(logits.clone(), p)
+        theirs = apply_top_k_top_p_pytorch(logits.clone(), None, torch.full((64,), p))
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), p
+        assert torch.equal(ours[~torch.isinf(ours)], logits[~torch.isinf(ours)])
+
+
+def test_top_p_logprobs_match_a_float64_reference():
+    import torch
+
+    from minirl.trainer.policy_worker import token_logprobs
+
+    cfg = load_config(None, [])
+    worker = PolicyWorker(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.as_tensor(batch(rows=6, width=24)["input_ids"])
+    with torch.no_grad():  # tokens 8.. sampled from the model itself (most inside a nucleus, some not)
+        for t in range(8, ids.shape[1]):
+            probs = worker.model(input_ids=ids[:, :t]).logits[:, -1].float().softmax(-1)
+            ids[:, t] = torch.multinomial(probs, 1, generator=g)[:, 0]
+        attn = torch.ones_like(ids)
+        logits = worker.model(input_ids=ids, attention_mask=attn).logits.double()
+    for temperature, top_p in ((1.0, 0.9), (0.7, 0.5), (1.0, 0.2)):
+        with torch.no_grad():
+            got = token_logprobs(worker.model, ids, attn, temperature, top_p)
+            plain = token_logprobs(worker.model, ids, attn, temperature)
+        dropped = checked = 0
+        for i in range(ids.shape[0]):
+            for t in range(1, ids.shape[1]):
+                want, margin = reference_top_p_logprob(logits[i, t - 1].numpy(), int(ids[i, t]), temperature, top_p)
+                if margin < 1e-5:
+                    continue  # at the boundary float32 may round either way
+                checked += 1
+                if want is None:
+                    dropped += 1
+                    assert got[i, t] == 0.0  # outside the nucleus: 0, as upstream's mask_out_neg_inf_logprobs
+                else:
+                    assert float(got[i, t]) == pytest.approx(want, abs=2e-5)
+                    assert float(got[i, t]) >= float(plain[i, t]) - 1e-6  # renormalised over fewer tokens
+        assert checked > 80 and 0 < dropped < checked
+    # top_p = 1: the unfiltered log-softmax, exactly as before
+    with torch.no_grad():
+        want = torch.log_softmax(worker.model(input_ids=ids, attention_mask=attn).logits.float()[:, :-1], dim=-1)
+        assert torch.equal(token_logprobs(worker.model, ids, attn, 1.0)[:, 1:], want.gather(-1, ids[:, 1:, None]).squeeze(-1))
+
+
+def test_top_p_training_step_and_kl_on_unfiltered_logprobs():
+    """With top_p < 1 the worker trains against filtered logprobs (a token outside the nucleus has
+    no gradient) and the KL compares unfiltered ones with the unfiltered reference: 0 at step 0."""
+    cfg = load_config(None, ["policy.generation.top_p=0.5", "loss_fn.reference_policy_kl_penalty=0.01",
+                             "policy.optimizer.lr=1e-2"])
+    import torch
+
+    worker = PolicyWorker(cfg)
+    b = batch()
+    with torch.no_grad():  # the trained tokens sampled from the model itself, as the engine would
+        ids = torch.as_tensor(b["input_ids"])
+        for t in range(15, ids.shape[1]):
+            ids[:, t] = torch.multinomial(worker.model(input_ids=ids[:, :t]).logits[:, -1].float().softmax(-1), 1,
+                                          generator=torch.Generator().manual_seed(t))[:, 0]
+    b["input_ids"] = ids.numpy()
+    lp = worker.logprobs(b)[:, 15:]
+    assert (lp <= 0).all() and (lp == 0).any() and (lp < 0).any()  # some sampled tokens fall outside a 0.5 nucleus
+    first = worker.train(b)
+    second = worker.train(b)
+    assert np.isfinite(first["loss"]) and np.isfinite(second["loss"])
+    assert first["kl"] == 0.0 and second["kl"] > 0.0

@@ -130,6 +130,7 @@ def clipped_pg_loss(
     is_type: str | None = None,
     is_ratio: float | None = None,
     is_ratio_min: float | None = None,
+    curr_logprobs_unfiltered: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a (micro)batch: [B, T] logprobs, [B] or [B, T] advantages, [B, T] mask
     (token_mask * sample_mask). `normalizer` is the global count of valid tokens (token-level)
@@ -137,7 +138,8 @@ def clipped_pg_loss(
 
     The KL term is upstream's: kl_penalty * clamp(w * k3) with w = exp(curr - curr.detach()) (value
     1, non-finite -> 0), which keeps the score-function gradient of the sampled tokens where no
-    clamp binds (see `k3_kl`). With
+    clamp binds (see `k3_kl`). With top-p filtering (policy.generation.top_p < 1) the KL takes
+    `curr_logprobs_unfiltered`, as upstream's does: the reference's logprobs are unfiltered. With
     `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is
     weighted by `importance_weights`; `is_oob_ratio` counts tokens, or sequences for
     `seq-mask-tis`."""
@@ -154,9 +156,10 @@ def clipped_pg_loss(
         per_token = per_token * w
     kl = torch.zeros_like(per_token)
     if reference_logprobs is not None and kl_penalty > 0:
-        w_kl = torch.exp(curr_logprobs - curr_logprobs.detach())
+        curr_kl = curr_logprobs if curr_logprobs_unfiltered is None else curr_logprobs_unfiltered
+        w_kl = torch.exp(curr_kl - curr_kl.detach())
         w_kl = torch.where(torch.isfinite(w_kl), w_kl, torch.zeros_like(w_kl))
-        kl = k3_kl(curr_logprobs, reference_logprobs, weights=w_kl)
+        kl = k3_kl(curr_kl, reference_logprobs, weights=w_kl)
         per_token = per_token + kl_penalty * kl
     if token_level:
         loss = (per_token * mask).sum() / normalizer

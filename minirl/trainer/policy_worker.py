@@ -36,16 +36,39 @@ class NonFiniteUpdate(RuntimeError):
     """The step's loss or gradient norm is not finite: the optimizer step was skipped."""
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, T] logprob of each token given its prefix (position 0 gets 0)."""
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """vLLM's nucleus filter (`apply_top_k_top_p`, its PyTorch path): sort each row's probabilities
+    ascending, drop every token whose cumulative probability (itself and all smaller ones) is
+    <= 1 - top_p, always keep the most likely one; dropped logits become -inf."""
+    import torch
+
+    ascending, order = logits.sort(dim=-1)
+    drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    drop[..., -1] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                   top_p: float = 1.0, also_unfiltered: bool = False):
+    """[B, T] logprob of each token given its prefix (position 0 gets 0), from the distribution
+    vLLM samples and reports as its processed logprobs: logits / temperature, then, with
+    top_p < 1, nucleus-filtered (`top_p_filter`) and renormalised, as upstream filters the
+    trainer's side so the two compare. A token outside the trainer's nucleus gets logprob 0 with
+    no gradient (upstream's `mask_out_neg_inf_logprobs`). With `also_unfiltered`, returns
+    (filtered, unfiltered): upstream's KL uses the unfiltered ones."""
     import torch
     import torch.nn.functional as F
 
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return F.pad(lp, (1, 0))
+    logits, targets = logits[:, :-1], input_ids[:, 1:, None]
+    raw = F.pad(torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1), (1, 0))
+    if top_p >= 1.0:
+        return (raw, raw) if also_unfiltered else raw
+    lp = torch.log_softmax(top_p_filter(logits, top_p), dim=-1).gather(-1, targets).squeeze(-1)
+    lp = F.pad(torch.where(torch.isneginf(lp), torch.zeros_like(lp), lp), (1, 0))
+    return (lp, raw) if also_unfiltered else lp
 
 
 class PolicyWorker:
@@ -103,7 +126,7 @@ class PolicyWorker:
         n_micro = max(1, math.ceil(per_rank / micro))  # the same on every rank (DDP needs it)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        temperature = cfg.policy.generation.temperature
+        temperature, top_p = cfg.policy.generation.temperature, cfg.policy.generation.top_p
         lf = cfg.loss_fn
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "is_oob": 0.0, "is_units": 0.0, "abs_err": 0.0, "mult_err": 0.0, "tokens": 0.0}
         for k in range(n_micro):
@@ -121,10 +144,10 @@ class PolicyWorker:
                 mask = torch.as_tensor(valid[idx, :width], device=self.device)
                 gen_lp = torch.as_tensor(batch["gen_logprobs"][idx, :width], device=self.device)
                 adv = torch.as_tensor(batch["advantages"][idx], device=self.device)
-                curr = token_logprobs(self.net, ids, attn, temperature)
+                curr, curr_unfiltered = token_logprobs(self.net, ids, attn, temperature, top_p, also_unfiltered=True)
                 prev = curr.detach()  # one optimizer step per batch: the pre-update policy is this one
                 ref = None
-                if self.reference is not None:
+                if self.reference is not None:  # unfiltered, as upstream's reference logprobs
                     with torch.no_grad():
                         ref = token_logprobs(self.reference, ids, attn, temperature)
                 loss, m = clipped_pg_loss(
@@ -132,6 +155,7 @@ class PolicyWorker:
                     ref, lf.reference_policy_kl_penalty, token_level,
                     gen_lp if lf.use_importance_sampling_correction else None, lf.truncated_importance_sampling_type,
                     lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min,
+                    curr_unfiltered if top_p < 1.0 else None,
                 )
                 (loss * self.world_size).backward()  # DDP averages gradients over ranks
                 with torch.no_grad():
@@ -183,7 +207,8 @@ class PolicyWorker:
             width = int(batch["lengths"].max())
             ids = torch.as_tensor(batch["input_ids"][:, :width], device=self.device)
             attn = (torch.arange(width)[None, :] < torch.as_tensor(batch["lengths"])[:, None]).long().to(self.device)
-            return token_logprobs(self.model, ids, attn, self.cfg.policy.generation.temperature).float().cpu().numpy()
+            gen = self.cfg.policy.generation
+            return token_logprobs(self.model, ids, attn, gen.temperature, gen.top_p).float().cpu().numpy()
 
     def save(self, directory: str) -> None:
         import torch
