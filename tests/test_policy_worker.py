@@ -157,3 +157,17 @@ def test_top_p_training_step_and_kl_on_unfiltered_logprobs():
     second = worker.train(b)
     assert np.isfinite(first["loss"]) and np.isfinite(second["loss"])
     assert first["kl"] == 0.0 and second["kl"] > 0.0
+
+
+def test_sequence_level_loss_is_normalised_by_the_valid_rows():
+    """token_level_loss=false: upstream's masked_mean(masked_mean(loss, token_mask, -1), sample_mask,
+    global_valid_seqs), global_valid_seqs being the sample-mask sum over the batch's rows. At
+    ratio 1 each row's token mean is -A, so the loss is -(sum of A over the valid rows) / rows."""
+    cfg = load_config(None, ["policy.train_micro_batch_size=2", "context_compaction.enabled=false",
+                             "agent.name=simple_agent", "loss_fn.token_level_loss=false"])
+    b = batch(rows=5, masked=(1,))
+    b["advantages"] = np.array([0.5, 9.0, -0.25, 1.0, 0.75], np.float32)
+    b["loss_mask"][3, :25] = 0  # rows of different lengths: each still counts once
+    stats = PolicyWorker(cfg).train(b)
+    valid = [0, 2, 3, 4]
+    assert stats["loss"] == pytest.approx(-float(b["advantages"][valid].sum()) / len(valid), rel=1e-6)
