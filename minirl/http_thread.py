@@ -9,7 +9,8 @@ The loop is uvloop's where it is installed, and `off_loop` decides what a handle
 it (small bodies) and what goes to a worker thread (large ones).
 
 Invariant: `url` is answered once the constructor returns; `stop` closes the listener and
-everything `setup` opened, on the server's own loop.
+everything `setup` opened, on the server's own loop; a start that fails (a port taken) runs the
+app's cleanup before the constructor raises.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class HttpThread:
             self.port = site._server.sockets[0].getsockname()[1]
         except BaseException as exc:  # report start-up failures to the constructor
             self._error = exc
+            if hasattr(self, "runner"):  # close what the app opened (its cleanup_ctx), as `stop` would
+                try:
+                    self.loop.run_until_complete(self.runner.cleanup())
+                except Exception:
+                    pass
             self._ready.set()
             return
         self._ready.set()

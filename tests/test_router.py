@@ -216,3 +216,80 @@ def test_fleet_health_config_is_validated():
     cfg = load_config(None, [f"{key}.enabled=true", "cluster.num_generation_workers=2", f"{key}.min_healthy_shards=2"])
     assert cfg.async_rl.generation_fleet_health.probe_interval_s == 5.0 and cfg.async_rl.generation_fleet_health.probe_timeout_s == 2.0
     assert load_config().async_rl.generation_fleet_health.enabled is False
+
+
+# ------------------------------------------------------------------------------- issue 29: half-sent bodies, the session
+def test_a_client_that_stalls_mid_body_gets_408_and_is_closed_while_others_are_served():
+    """A raw socket on loopback sends headers and half its body, then nothing: within
+    connect_timeout_s the router answers 408 and closes the connection; a whole request meanwhile
+    is forwarded as usual."""
+    import json as _json
+    import time
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        a = Backend("a")
+        urls = [await a.start()]
+        router = await loop.run_in_executor(None, GenerationRouter, router_cfg(connect_timeout_s=0.5), urls)
+        try:
+            port = int(router.url.rsplit(":", 1)[1])
+
+            def stall() -> tuple[float, bytes, bytes]:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    body = _json.dumps({"messages": [{"role": "user", "content": "x" * 100}]}).encode()
+                    head = (f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}\r\n\r\n").encode()
+                    t0 = time.monotonic()
+                    sock.sendall(head + body[: len(body) // 2])
+                    answer = b""
+                    while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                        chunk = sock.recv(65536)
+                        if not chunk:
+                            break
+                        answer += chunk
+                    took = time.monotonic() - t0
+                    rest = sock.recv(65536)  # closed by the router: b""
+                    return took, answer, rest
+
+            stalled = loop.run_in_executor(None, stall)
+            async with aiohttp.ClientSession() as http:
+                async with http.post(router.url + "/tokenize", json={}) as r:
+                    whole = r.status, await r.json()
+            took, answer, rest = await stalled
+            return took, answer, rest, whole
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await a.runner.cleanup()
+
+    took, answer, rest, (status, body) = asyncio.run(go())
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"connect_timeout_s=0.5" in answer and b'"type": "RequestTimeoutError"' in answer
+    assert 0.4 < took < 3.0, took
+    assert rest == b"", "the stalled connection stays open"
+    assert status == 200 and body["backend"] == "a"
+
+
+def test_a_router_whose_first_port_is_taken_leaves_no_unclosed_session():
+    """A start that fails on a taken port closes its client session (the last stderr line of a
+    successful run was aiohttp's "Unclosed client session" warning from the router)."""
+    import subprocess
+    import sys
+
+    child = """
+import socket, sys
+from minirl.generation.router import GenerationRouter
+from tests.test_router import router_cfg
+taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen()
+low = taken.getsockname()[1]
+router = GenerationRouter(router_cfg(port_range_low=low, port_range_high=low + 20), ["http://127.0.0.1:9"])
+assert int(router.url.rsplit(":", 1)[1]) > low, router.url
+router.stop()
+taken.close()
+import gc; gc.collect()
+print("stopped", flush=True)
+"""
+    from minirl.config import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-W", "default", "-c", child], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 0 and "stopped" in done.stdout, done.stderr[-2000:]
+    assert "Unclosed" not in done.stderr, done.stderr[-2000:]

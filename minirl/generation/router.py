@@ -20,6 +20,10 @@ worker Ray restarted rejoins). Each transition is kept for `poll_health`, which 
 every `probe_interval_s` to log it and to end the run when fewer than `min_healthy_shards` workers
 are out of quarantine.
 
+A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is closed
+(the router holds no half-sent request). The client session to the workers lives exactly as long as
+the router's app: `stop` closes it, and so does a start that fails on a taken port.
+
 Invariant: a request is forwarded to at most one worker that accepted its connection, and gets
 exactly one answer; the outstanding count of each worker returns to zero when its requests end; no
 request is forwarded to a quarantined worker, and none stays in flight on one.
@@ -40,10 +44,11 @@ from minirl.http_thread import HttpThread
 from minirl.wire import ROLLOUT_HEADER
 
 FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER)
+MAX_BODY_BYTES = 64 * 2**20  # above every worker's vllm_cfg.max_request_bytes: the worker answers a too-large body
 
 
 def _error(status: int, message: str) -> web.Response:
-    kind = {409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    kind = {408: "RequestTimeoutError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
             504: "GatewayTimeoutError"}.get(status, "RouterError")
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
 
@@ -90,17 +95,23 @@ class GenerationRouter:
         for task in self.probers:
             task.cancel()
         await asyncio.gather(*self.probers, return_exceptions=True)
-        await self.session.close()
 
     async def _setup(self) -> web.Application:
+        self._admit_all()
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_route("*", "/{path:.*}", self.forward)
+        app.cleanup_ctx.append(self._session_ctx)
+        return app
+
+    async def _session_ctx(self, app: web.Application):
+        """The client session to the workers, open while the app runs: closed by `stop`, and also when
+        a start fails (a port taken), so no "Unclosed client session" is left behind."""
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s, sock_connect=self.cfg.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=0),
         )
-        self._admit_all()
-        app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_route("*", "/{path:.*}", self.forward)
-        return app
+        yield
+        await self.session.close()
 
     # -- fleet health ----------------------------------------------------------------------------
     def set_health(self, health: GenerationFleetHealthConfig) -> None:
@@ -186,8 +197,31 @@ class GenerationRouter:
         async with self.session.request(request.method, backend + request.rel_url.path_qs, data=body, headers=headers) as resp:
             return resp.status, await resp.read(), resp.content_type
 
+    async def _read_body(self, request: web.Request) -> bytes | None:
+        """The request's body, or None when the client sends nothing for `connect_timeout_s` before
+        the body is complete (a half-sent request is not held)."""
+        body = bytearray()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), self.cfg.connect_timeout_s)
+            except asyncio.TimeoutError:
+                return None
+            if not chunk:
+                return bytes(body)
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=len(body))
+
     async def forward(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        body = await self._read_body(request)
+        if body is None:
+            stalled = _error(408, f"the request body stalled: nothing arrived for connect_timeout_s={self.cfg.connect_timeout_s} "
+                                  f"before it was complete")
+            stalled.force_close()  # "Connection: close"
+            await stalled.prepare(request)
+            await stalled.write_eof()
+            request.protocol.force_close()  # at once: aiohttp would otherwise linger, reading the rest, for 10 s
+            return stalled
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         tried: set[str] = set()
         while (backend := self.pick(tried)) is not None:
