@@ -165,7 +165,10 @@ class Cluster:
 
     # -- used by the training loop ---------------------------------------------------------------
     def sync_weights(self, version: int) -> None:
-        """Every generation worker serves `version`; then the controller dispatches under it."""
+        """Every generation worker serves `version`; then the controller dispatches under it. Async:
+        the rollout pump dispatches nothing while the weights move (upstream's pause during a sync)."""
+        if self.controller is not None:
+            ray.get(self.controller.syncing.remote())
         publish(self.policy[0], self.gen, self.store, version)
         if self.controller is not None:
             ray.get(self.controller.published.remote(version))

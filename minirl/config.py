@@ -169,7 +169,9 @@ class LossConfig:
 @dataclass
 class NemoGymConfig:
     rollout_timeout_s: Optional[float] = None
-    """Deadline of one `/run` request; past it the attempt fails with RolloutTimeout (INFRA)."""
+    """One deadline around a whole prompt group attempt (all its rows' `/run` requests, row re-sends
+    included); past it the attempt fails with RolloutTimeout("NeMo-Gym prompt group exceeded {s}s"),
+    INFRA. None: no deadline."""
     max_row_attempts: int = 3
     """Attempts per row within one group attempt before the group attempt fails (row redispatch)."""
 
@@ -191,12 +193,15 @@ class RolloutFailureConfig:
     min_step_batch_fraction: float = 0.9
     """Floor: a step needs ceil(fraction x num_prompts_per_step) groups, in (0, 1]."""
     on_dropped_prompt: str = "shrink"
-    """What a drop does to its step: `shrink` trains the step on the groups it has; `replace` (async
-    in_order only) fills its place: a later step's finished group is promoted, or a fresh prompt drawn."""
+    """What a lost prompt (an INFRA drop or a DATA skip) does to its step: `shrink` trains the step on
+    the groups it has; `replace` (async, a sampler that stamps target steps: in_order) gives its
+    place a spare prompt: the furthest later step's finished group is promoted into the step and the
+    spare repays that step, or the spare fills the step itself."""
     max_replacement_attempts: int = 1
-    """`replace`: fresh prompts drawn per step for its drops at most; beyond, the step shrinks."""
+    """`replace`: spare prompts one lost place may take (its spare may be lost too); beyond, the step shrinks."""
     replacement_reserve_prompts: int = 1
-    """`replace`: fresh prompts in flight at once at most (buffer places beyond its capacity)."""
+    """`replace`: low-water mark of the spare-prompt pool: below it, a whole batch of spare prompts
+    (num_prompts_per_step) is added at the next batch boundary. An empty pool means shrink."""
     nemo_gym: NemoGymConfig = field(default_factory=NemoGymConfig)
 
 
@@ -253,10 +258,16 @@ class GenerationFleetHealthConfig:
 @dataclass
 class SamplerConfig:
     name: str = "in_order"
-    """`in_order` (each step trains its own prompt groups), `windowed` (any ready group in the window)
-    or `weight_fifo` (the oldest weight's groups first); see minirl/async_rl/samplers.py."""
+    """`in_order` (each step trains its own prompt groups), `windowed` (any ready group in the
+    window), `weight_fifo` (one weight's groups per step, oldest first) or `ready_first` (the first
+    ready groups, of any age); see minirl/async_rl/samplers.py."""
     max_staleness_versions: int = 1
-    """A group dispatched under weights v may train at versions v..v+this; older ones are evicted."""
+    """S: a group dispatched under weights v may train at versions v..v+S, older ones are evicted;
+    the gated samplers (in_order, weight_fifo, ready_first) dispatch prompt batch k only while
+    k <= version + S."""
+    max_lookahead_versions: Optional[int] = None
+    """Upstream's name of in_order's gate: when set (in_order only), it is S, and max_staleness_versions
+    takes its value (one resolved value, in config.yaml too)."""
 
 
 @dataclass
@@ -272,7 +283,8 @@ class AsyncRLConfig:
     the sampler's window, or the pumps would deadlock."""
     in_flight_weight_updates: bool = False
     """New weights reach the engine between its steps, without draining: a call in flight may span
-    two versions (recorded, and checked against the window). False: the engine drains first."""
+    two versions (recorded, and checked against the window). False: the engine drains first.
+    Upstream's Single-Controller path always updates in flight (the upstream preset sets true)."""
     rollout_failure: RolloutFailureConfig = field(default_factory=RolloutFailureConfig)
     stall_watchdog: StallWatchdogConfig = field(default_factory=StallWatchdogConfig)
     generation_router: GenerationRouterConfig = field(default_factory=GenerationRouterConfig)
@@ -622,7 +634,8 @@ AT_LEAST_0 = (
     "policy.max_grad_norm", "policy.optimizer.lr", "policy.optimizer.weight_decay",
     "loss_fn.ratio_clip_min", "loss_fn.ratio_clip_max", "loss_fn.reference_policy_kl_penalty",
     "async_rl.rollout_failure.max_skipped_prompts", "async_rl.rollout_failure.max_consecutive_dropped_prompts",
-    "async_rl.rollout_failure.backoff_base_s", "async_rl.sampler.max_staleness_versions", "env.tool_latency_s",
+    "async_rl.rollout_failure.backoff_base_s", "async_rl.sampler.max_staleness_versions",
+    "async_rl.sampler.max_lookahead_versions", "env.tool_latency_s",
     "agent.context_history.guards.reserved_generation_tokens",
     "agent.context_history.policy.config.images.keep_last_groups",
     "agent.context_history.policy.config.reasoning.keep_last_blocks",
@@ -702,8 +715,8 @@ def validate(cfg: MinirlConfig) -> None:
     _require(rf.on_dropped_prompt in ("shrink", "replace"), "async_rl.rollout_failure.on_dropped_prompt",
              f"must be shrink or replace, got {rf.on_dropped_prompt!r}")
     if rf.on_dropped_prompt == "replace":
-        _require(cfg.async_rl.enabled and cfg.async_rl.sampler.name == "in_order", "async_rl.rollout_failure.on_dropped_prompt",
-                 "replace needs async_rl.enabled=true with async_rl.sampler.name=in_order")
+        _require(cfg.async_rl.enabled, "async_rl.rollout_failure.on_dropped_prompt",
+                 "replace needs async_rl.enabled=true with a sampler that stamps target steps (async_rl.sampler.name=in_order)")
         for key in ("max_replacement_attempts", "replacement_reserve_prompts"):
             _require(getattr(rf, key) >= 1, f"async_rl.rollout_failure.{key}", f"must be >= 1 with replace, got {getattr(rf, key)}")
     timeout = rf.nemo_gym.rollout_timeout_s
@@ -775,16 +788,33 @@ def validate(cfg: MinirlConfig) -> None:
         "a `timeout` fault needs a rollout timeout, or /run would hang",
     )
     ar = cfg.async_rl
+    look = ar.sampler.max_lookahead_versions
+    if look is not None:  # upstream's name of in_order's gate: one resolved value
+        _require(ar.sampler.name == "in_order", "async_rl.sampler.max_lookahead_versions",
+                 f"is in_order's gate; {ar.sampler.name} reads async_rl.sampler.max_staleness_versions")
+        ar.sampler.max_staleness_versions = look
     if ar.enabled:
         from minirl.async_rl.samplers import SAMPLERS
 
         _require(ar.sampler.name in SAMPLERS, "async_rl.sampler.name", f"must be one of {', '.join(SAMPLERS)}, got {ar.sampler.name!r}")
-        window = g.num_prompts_per_step * (ar.sampler.max_staleness_versions + 1 if ar.sampler.name == "in_order" else 1)
+        sampler = SAMPLERS[ar.sampler.name]
+        window = sampler.capacity(g.num_prompts_per_step, ar.sampler.max_staleness_versions)
         _require(ar.max_buffered_rollouts >= window, "async_rl.max_buffered_rollouts",
                  f"must hold the sampler's window of {window} prompt groups, got {ar.max_buffered_rollouts}")
         _require(ar.sampler.max_staleness_versions == 0 or cfg.loss_fn.use_importance_sampling_correction,
                  "loss_fn.use_importance_sampling_correction",
                  "must be true when async_rl.sampler.max_staleness_versions > 0: rollouts come from older weights")
+        _require(not sampler.needs_is_correction or cfg.loss_fn.use_importance_sampling_correction,
+                 "loss_fn.use_importance_sampling_correction",
+                 f"must be true with async_rl.sampler.name={ar.sampler.name}: it trains groups of any age")
+        _require(sampler.stamps_target_steps or not (rf.max_skipped_prompts or rf.max_consecutive_dropped_prompts),
+                 "async_rl.sampler.name",
+                 f"{ar.sampler.name!r} stamps no target step, so the drop budget (max_skipped_prompts={rf.max_skipped_prompts}, "
+                 f"max_consecutive_dropped_prompts={rf.max_consecutive_dropped_prompts}) cannot be honoured: a prompt that is "
+                 "given up on is never subtracted from the step waiting for it. Set async_rl.sampler.name=in_order to get the "
+                 "tolerance these budgets promise, or set both budgets to 0 to end the run on the first dropped prompt instead")
+        _require(sampler.stamps_target_steps or rf.on_dropped_prompt == "shrink", "async_rl.rollout_failure.on_dropped_prompt",
+                 f"replace needs a sampler that stamps target steps (in_order); {ar.sampler.name} stamps none")
     # serving for external (Gym) servers
     _require(cfg.policy.generation.reasoning_parser in (None, "think"), "policy.generation.reasoning_parser", "must be think or null")
     gr = cfg.async_rl.generation_router

@@ -25,6 +25,7 @@ outage made the step fail first (its failure is the cause).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 import time
 
@@ -39,6 +40,11 @@ from minirl.wire import GenerationFleetUnhealthy
 
 FLEET_COUNTS = {"worker_quarantined": "workers_quarantined", "worker_readmitted": "workers_readmitted"}
 """Fleet health: the router's transition events and the per-step metric that counts each."""
+
+
+def _keys(record) -> list[tuple[int, int]]:
+    """Async: the (step, group) of a buffer record's prompt and of the prompts its place gave up on."""
+    return [(record.step, record.group)] + [(o.step, o.group) for o in record.lost]
 
 
 def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> None:
@@ -165,7 +171,7 @@ class Controller:
         snap = {"rollout_manager": self.manager.state(), "async_buffer": None}
         if self.pump is not None:
             pump = self.pump.snapshot()
-            calls = {k: self.calls[k] for k in ((r.step, r.group) for r in pump["ready"]) if k in self.calls}
+            calls = {k: self.calls[k] for k in (k for r in pump["ready"] for k in _keys(r)) if k in self.calls}
             snap["async_buffer"] = pickle.dumps({"pump": pump, "calls": calls})
         return snap
 
@@ -218,14 +224,16 @@ class Controller:
                                "rollout_attempts": sends, "rollouts_generated": returned})
             raise
         kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
+        # the oldest weights a trained call may have run under: the window's, or an older group's start (ready_first)
+        oldest = min([version - self._window()] + [w for o, w in zip(outcomes, starts) if o.status == "committed"])
         if self.cfg.agent.external_url:  # no rollout header: match the calls by their tokens
             ledger, left = self.ledger.match_external(step, self.pool + await self._drain(None), kept, version,
-                                                      oldest=version - self._window())
+                                                      oldest=oldest)
             keep = step - 1 - self._window()  # a record is kept for the window's steps (async runs ahead), then retired
             self.pool = [rec for rec in left if rec.setdefault("drained_step", step) >= keep]
             ledger["calls_retired"] = len(left) - len(self.pool)
         else:
-            ledger = self.ledger.close_step(step, server_calls, kept, version, oldest=version - self._window())
+            ledger = self.ledger.close_step(step, server_calls, kept, version, oldest=oldest)
         batch, stats = assemble(self.cfg, outcomes, self.pad_id)
         for r in kept:
             if r.mask_reason:
@@ -317,18 +325,29 @@ class Controller:
 
         def pick(ready):
             self.pump.check()
-            return self.sampler.stale(version, ready), self.sampler.select(step, version, ready, self.pump.inflight)
+            return self.sampler.stale(version, ready, self.pump.inflight), self.sampler.select(step, version, ready, self.pump.inflight)
 
         stale, chosen = await self.buffer.take_when(pick)
         for r in stale:
             self.events.write({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
-                               "train_version": version, "max_staleness_versions": self.sampler.s})
-            self.orphans += self.calls.pop((r.step, r.group), [])
+                               "train_version": version, "max_staleness_versions": self.sampler.s,
+                               "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight"})
+            for key in _keys(r):
+                self.orphans += self.calls.pop(key, [])
+        # upstream's counters: a place whose spare committed is replaced (counted in the step it filled),
+        # a group re-stamped into the step promoted; `dropped_prompt_groups` is the shortfall left
         self.async_stats = {"stale_groups_evicted": len(stale), "promoted_prompt_groups": sum(r.promoted for r in chosen),
-                            "replaced_prompt_groups": sum(r.replacement for r in chosen)}
-        self.consumed.update((r.step, r.group) for r in stale + chosen)
-        calls, self.orphans = [c for r in chosen for c in self.calls.pop((r.step, r.group), [])] + self.orphans, []
-        return [r.outcome for r in chosen], [r.start_weight for r in chosen], calls
+                            "replaced_prompt_groups": sum(r.replacement and r.outcome.status == "committed" for r in chosen)}
+        self.consumed.update(key for r in stale + chosen for key in _keys(r))
+        calls, self.orphans = [c for r in chosen for key in _keys(r) for c in self.calls.pop(key, [])] + self.orphans, []
+        # the prompts a place gave up on (replaced): counted in the step's attempts and costs, never as groups
+        lost = [dataclasses.replace(o, status="replaced") for r in chosen for o in r.lost]
+        return [r.outcome for r in chosen] + lost, [r.start_weight for r in chosen] + [version] * len(lost), calls
+
+    async def syncing(self) -> None:
+        """A weight sync begins: the pump dispatches nothing until `published` (upstream's pause)."""
+        if self.pump is not None:
+            self.pump.pause()
 
     async def _resolved(self, step: int, group: int) -> None:
         """A group resolved: move its step's call records from the servers into `self.calls` (those

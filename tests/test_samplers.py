@@ -35,11 +35,39 @@ def test_windowed_takes_the_oldest_in_window_and_evicts_what_fell_out():
     assert s.select(0, 2, ready[:2], Counter()) is None  # one in window: wait
 
 
-def test_weight_fifo_waits_for_the_oldest_weights_batch():
+def test_weight_fifo_is_gated_and_takes_one_weight_per_step_oldest_first():
+    """Upstream's weight_fifo: batch k is admitted only while k <= w + S (as in_order), and a step
+    waits for the single oldest start weight over every in-window group, in flight or ready, and
+    never mixes versions."""
     s = make_sampler("weight_fifo", 2, 1)
+    assert s.admit(3, 2) and not s.admit(4, 2)  # ungated before: 68 groups under version 0 in 4 steps
     ready = [rec(0, 0, 1), rec(1, 0, 2), rec(1, 1, 2)]
-    assert s.select(0, 2, ready, Counter({1: 1})) is None  # weight 1 still has a group in flight
-    assert [(r.step, r.group) for r in s.select(0, 2, ready, Counter())] == [(0, 0), (1, 0)]
+    assert s.select(0, 2, ready, Counter({1: 1})) is None  # weight 1's batch is still filling
+    assert s.stale(2, ready, Counter({1: 1})) == []
+    # nothing of weight 1 in flight and one ready: it can never fill a step of its own, and is
+    # evicted rather than mixed into weight 2's step (upstream's select would wait for it)
+    assert s.stale(2, ready, Counter()) == [ready[0]]
+    assert [(r.step, r.group) for r in s.select(0, 2, ready[1:], Counter())] == [(1, 0), (1, 1)]
+    assert s.select(0, 2, ready[1:], Counter({1: 1})) is None  # an older weight is in flight: wait for it
+    assert s.stale(2, ready[1:], Counter()) == []  # the current weight can still grow
+
+
+def test_ready_first_takes_the_first_ready_groups_of_any_age_and_evicts_nothing():
+    s = make_sampler("ready_first", 2, 0)
+    assert s.admit(2, 2) and not s.admit(3, 2)  # gated as in_order
+    ready = [rec(1, 0, 3), rec(0, 0, 0), rec(1, 1, 2)]  # commit order; weight 0 is 3 versions old
+    assert s.stale(3, ready) == []
+    assert [(r.step, r.group) for r in s.select(0, 3, ready, Counter())] == [(1, 0), (0, 0)]
+    assert s.select(0, 2, ready, Counter()) == [ready[1], ready[2]]  # never a group from a newer weight
+    assert s.select(0, 1, ready, Counter()) is None
+
+
+def test_each_sampler_declares_what_the_config_asks_of_it():
+    from minirl.async_rl.samplers import SAMPLERS
+
+    assert {name for name, cls in SAMPLERS.items() if cls.stamps_target_steps} == {"in_order"}
+    assert {name for name, cls in SAMPLERS.items() if cls.gated} == {"in_order", "weight_fifo", "ready_first"}
+    assert SAMPLERS["weight_fifo"].capacity(4, 1) == 8 and SAMPLERS["windowed"].capacity(4, 1) == 4
 
 
 def test_buffer_holds_capacity_places_and_evicts_while_waiting():
@@ -72,6 +100,44 @@ def test_unknown_sampler_and_a_buffer_too_small_for_the_window_are_config_errors
                            "loss_fn.use_importance_sampling_correction=true"])
     with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction"):
         load_config(None, ["async_rl.enabled=true"])
+    with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction: must be true with async_rl.sampler.name=ready_first"):
+        load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=ready_first", "async_rl.sampler.max_staleness_versions=0",
+                           "async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"])
+    with pytest.raises(ConfigError, match="async_rl.max_buffered_rollouts: must hold the sampler's window of 16"):
+        load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=weight_fifo", "async_rl.max_buffered_rollouts=8",
+                           "loss_fn.use_importance_sampling_correction=true", "async_rl.rollout_failure.max_skipped_prompts=0",
+                           "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"])
+
+
+@pytest.mark.parametrize("name", ["windowed", "weight_fifo", "ready_first"])
+def test_drop_budgets_under_a_sampler_that_stamps_no_target_step_are_rejected_at_setup(name):
+    """Upstream rejects them at setup: a prompt given up on is never subtracted from the step
+    waiting for it. The default config carries budgets (4, 4); both at 0 are accepted."""
+    from minirl.config import ConfigError, load_config
+
+    base = ["async_rl.enabled=true", f"async_rl.sampler.name={name}", "loss_fn.use_importance_sampling_correction=true"]
+    with pytest.raises(ConfigError, match=rf"^async_rl.sampler.name: '{name}' stamps no target step, so the drop budget "
+                                          r"\(max_skipped_prompts=4, max_consecutive_dropped_prompts=4\) cannot be honoured"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match=r"^async_rl.sampler.name: .*max_skipped_prompts=0, max_consecutive_dropped_prompts=4\)"):
+        load_config(None, [*base, "async_rl.rollout_failure.max_skipped_prompts=0"])
+    zero = ["async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"]
+    assert load_config(None, [*base, *zero]).async_rl.sampler.name == name
+    with pytest.raises(ConfigError, match="^async_rl.rollout_failure.on_dropped_prompt: replace needs a sampler that stamps"):
+        load_config(None, [*base, *zero, "async_rl.rollout_failure.on_dropped_prompt=replace"])
+
+
+def test_max_lookahead_versions_is_upstreams_name_for_the_in_order_gate():
+    from minirl.config import ConfigError, load_config
+
+    on = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+    sampler = load_config(None, [*on, "async_rl.sampler.max_lookahead_versions=2"]).async_rl.sampler
+    assert (sampler.max_lookahead_versions, sampler.max_staleness_versions) == (2, 2)  # one resolved value
+    assert load_config(None, on).async_rl.sampler.max_staleness_versions == 1  # unset: minirl's name
+    with pytest.raises(ConfigError, match="^async_rl.sampler.max_lookahead_versions: is in_order's gate"):
+        load_config(None, ["async_rl.sampler.name=windowed", "async_rl.sampler.max_lookahead_versions=1"])
+    with pytest.raises(ConfigError, match="^async_rl.sampler.max_lookahead_versions: must be >= 0"):
+        load_config(None, ["async_rl.sampler.max_lookahead_versions=-1"])
 
 
 def test_evicting_while_waiting_frees_places_for_the_pump():
@@ -112,12 +178,14 @@ def test_a_restored_pump_drops_past_targets_keeps_the_rest_and_redispatches_only
                              "grpo.num_prompts_per_step=2"])
     events = []
     manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100)
-    snap = {"next": (4, 1), "in_flight": [(3, 1, False), (4, 0, False)], "fresh": {}, "replacements": {},
-            "ready": [rec(2, 1, 1), rec(3, 0, 2)]}
+    snap = {"next": (4, 1), "in_flight": [(3, 1, 3, False, 0), (4, 0, 4, False, 0), (0, 2, 2, True, 1)], "pool": [(0, 3)],
+            "spare_batches": 1, "ready": [rec(2, 1, 1), rec(3, 0, 2)]}
     snap = pickle.loads(pickle.dumps(snap))  # as the checkpoint file holds it
     pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 2, 1), 3, 3, None, snap)
     assert [(r.step, r.group) for r in pump.buffer.ready] == [(3, 0)]
-    assert pump.relaunch == [(3, 1, False), (4, 0, False)] and pump.next == (4, 1)
+    # the spare (0, 2) in flight for step 2 is past its target too: only the target step counts
+    assert pump.relaunch == [[3, 1, 3, False, 0], [4, 0, 4, False, 0]] and pump.next == (4, 1)
+    assert pump.pool == [(0, 3)] and pump.spare_batches == 1
     (event,) = events
     assert event["type"] == "buffer_restored" and event["dropped_past_target"] == [[2, 1]]
     assert event["kept"] == [[3, 0]] and event["redispatched"] == [[3, 1], [4, 0]]

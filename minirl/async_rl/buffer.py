@@ -1,8 +1,8 @@
 """The buffer of finished prompt groups that the rollout pump fills and the train pump drains.
 
 Each entry is one prompt group's resolution (committed, dropped or skipped) with `start_weight`,
-the policy version when it was dispatched, and `end_weight`, the version when it resolved. Retries
-and redispatches happen inside the group's dispatch, so they keep its `start_weight`.
+the policy version when its last group attempt started (re-stamped on every attempt, as upstream
+reserves each attempt under the current version), and `end_weight`, the version when it resolved.
 
 Invariant: a group enters the buffer once, and leaves it once: consumed by exactly one optimizer
 step, or evicted as stale (counted, never trained). At most `capacity` unconsumed groups are held;
@@ -12,9 +12,11 @@ the pump reserves a place before it dispatches, so a finished group always finds
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from minirl.rollout.manager import GroupOutcome
+if TYPE_CHECKING:  # the samplers (and so the config's check) import this module without aiohttp
+    from minirl.rollout.manager import GroupOutcome
 
 
 @dataclass
@@ -25,9 +27,9 @@ class GroupRecord:
     end_weight: int
     outcome: GroupOutcome
     target_step: int  # the optimizer step this group is stamped for (in_order); the prompt step otherwise
-    replacement: bool = False  # a fresh prompt dispatched for a dropped group (on_dropped_prompt=replace)
-    replaced: bool = False  # dropped, and a replacement fills its place in its step
+    replacement: bool = False  # a spare prompt that stood in for a lost one (on_dropped_prompt=replace)
     promoted: bool = False  # re-stamped from a later step into a short one
+    lost: list = field(default_factory=list)  # outcomes of the prompts its place gave up on before this one (replace)
 
 
 class GroupBuffer:
@@ -42,12 +44,11 @@ class GroupBuffer:
     def free(self) -> int:
         return self.capacity - len(self.ready) - self.reserved
 
-    async def reserve(self, over: int = 0) -> None:
-        """Wait for a free place and hold it for a group about to be dispatched; a replacement may
-        take up to `over` places beyond the capacity (`replacement_reserve_prompts`), since the
-        step it completes may be what the train pump waits for to free the buffer."""
+    async def reserve(self) -> None:
+        """Wait for a free place and hold it for a place about to be dispatched; the place keeps it
+        through its substitutions (on_dropped_prompt=replace) until its record is committed."""
         async with self.changed:
-            await self.changed.wait_for(lambda: self.free > -over)
+            await self.changed.wait_for(lambda: self.free > 0)
             self.reserved += 1
 
     async def commit(self, record: GroupRecord) -> None:

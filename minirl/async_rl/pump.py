@@ -3,26 +3,39 @@ to the group buffer with its weight versions.
 
 It walks the prompt stream in order ((step, group) from `first_step`, group 0..N-1 per step), and
 dispatches the next group once the sampler admits it at the current policy version, fewer than
-`async_rl.max_inflight_prompts` groups are in flight, and the buffer has a free place. Each group
-runs through `RolloutManager.run_group`: the whole failure policy (retry, backoff, row and group
-redispatch, drop budget) applies unchanged, and keeps the group's `start_weight`.
+`async_rl.max_inflight_prompts` groups are in flight, the buffer has a free place, and no weight
+sync is under way (`pause` .. `set_version`: the version changes only after the new weights are
+served). Each group runs through `RolloutManager.run_group`: the whole failure policy (retry,
+backoff, row and group redispatch, drop budget) applies unchanged, and every group attempt is
+stamped with the version current at its start (`start_weight`), as upstream reserves each attempt.
 
-`on_dropped_prompt: replace` (in_order): a dropped group's step keeps its batch size. If a later
-step already holds a finished group, that group is re-stamped into the short step (promoted) and
-a fresh prompt is dispatched for the lender's step; otherwise the fresh prompt fills the short
-step itself (replaced). Fresh prompts take the prompt stream's groups past `num_prompts_per_step`
-((s, N), (s, N+1), ...). At most `max_replacement_attempts` fresh prompts per step and
-`replacement_reserve_prompts` in flight at once; beyond either, the step shrinks.
+A dispatched group holds one *place* of its step (and one buffer place) until a record commits.
+`on_dropped_prompt: replace` (a sampler that stamps target steps), as upstream's pump runs it: when
+the place's prompt is lost (an INFRA drop or a DATA skip alike) it takes a spare prompt from the
+pool, up to `max_replacement_attempts` per place; if a later step holds a finished group, the one
+from the furthest such step is re-stamped into this step (promoted) and the place, with its spare,
+is re-aimed at the lender's step; otherwise the spare fills this step. With no spare or no attempt
+left the lost record commits and the step shrinks. The pool's low-water mark is
+`replacement_reserve_prompts`: at each batch boundary (once a batch has been admitted) a pool below
+it is refilled with a whole batch of spare prompts, batch b being the groups N..2N-1 of prompt step
+b: prompts no step trains, so a step's own prompts never depend on drops (upstream diverts the next
+batch of its training stream instead).
 
 Checkpoint (`snapshot`, `restored`): a checkpoint keeps the cursor, the finished groups not yet
-trained (with their weight versions and target steps), the groups in flight and the replacement
-counters. On resume the pump drops kept groups whose target step has passed (in_order), leaves the
-stale ones to the train pump's eviction, re-dispatches the groups that were in flight (under the
-resumed version: the prompt stream and the fault stream are functions of the coordinates) and
-goes on from the cursor: only what is missing is generated again.
+trained (with their weight versions and target steps), the places in flight (prompt, target step,
+replacement attempts used) and the spare pool. On resume the pump drops kept groups whose target
+step has passed (stamping samplers), leaves the stale ones to the train pump's eviction,
+re-dispatches the places that were in flight (under the resumed version: the prompt stream and the
+fault stream are functions of the coordinates) and goes on from the cursor: only what is missing
+is generated again.
 
-Invariant: every prompt group is dispatched once and resolves once into the buffer (or the run
-ends; after a resume, once more only if it was in flight at the checkpoint); a run-ending failure
+Watchdogs: the manager's (no rollout completed for `stall_timeout_s` with some in flight), and the
+pump's own for a train pump that has waited `stall_timeout_s` with none in flight, which no
+arriving group can end: both raise RolloutStall (or warn), naming what they waited for.
+
+Invariant: every place is dispatched once and resolves once into the buffer, with the prompt that
+last held it (or the run ends; after a resume, once more only if it was in flight at the
+checkpoint); a prompt it gave up on rides on its record (`lost`), never in the buffer; a run-ending failure
 (drop budget, DATA re-raise, stall) stops the pump and is raised to the train pump by `check`,
 never swallowed.
 """
@@ -30,6 +43,7 @@ never swallowed.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Awaitable, Callable
 
@@ -38,6 +52,7 @@ from minirl.async_rl.samplers import Sampler
 from minirl.config import MinirlConfig
 from minirl.data import prompt_row
 from minirl.rollout.manager import RolloutManager
+from minirl.wire import RolloutStall
 
 
 class RolloutPump:
@@ -48,16 +63,19 @@ class RolloutPump:
         self.on_resolved = on_resolved
         self.next = (first_step, 0)
         self.version = version
-        self.inflight: Counter = Counter()  # start_weight -> groups in flight
-        self.tasks: dict[asyncio.Task, tuple[int, int, bool]] = {}  # in flight -> (step, group, replacement)
+        self.permitted = asyncio.Event()  # cleared while the weights sync: nothing is dispatched
+        self.permitted.set()
+        self.inflight: Counter = Counter()  # start_weight of each place's current attempt -> places
+        self.tasks: dict[asyncio.Task, list] = {}  # in flight -> [step, group, target_step, replacement, attempts used]
         self.error: BaseException | None = None
         self.wake = asyncio.Event()
         self.main: asyncio.Task | None = None
         self.watchdog: asyncio.Task | None = None
-        self.fresh: Counter = Counter()  # prompt step -> fresh prompts drawn for it
-        self.replacements: Counter = Counter()  # step -> replacements dispatched for its drops
-        self.reserve_in_flight = 0
-        self.relaunch: list[tuple[int, int, bool]] = []  # groups in flight at the checkpoint resumed from
+        self.pool: list[tuple[int, int]] = []  # spare prompts (on_dropped_prompt=replace)
+        self.spare_batches = 0  # batches of spare prompts drawn so far
+        self.stamped = False  # a stamped batch was admitted: the pool may be filled (as upstream)
+        self.relaunch: list[list] = []  # places in flight at the checkpoint resumed from
+        self.train_waiting: int | None = None  # the step the train pump waits for (set by the controller)
         if restored is not None:
             self._restore(restored, first_step)
 
@@ -67,26 +85,65 @@ class RolloutPump:
         its record and ends in one loop step, but `_done` drops it from `tasks` a loop iteration
         later, so a task that is done is not in flight: its record is in the buffer already (or
         it failed, and the run ends)."""
-        return {"next": self.next, "in_flight": sorted(job for task, job in self.tasks.items() if not task.done()),
-                "ready": list(self.buffer.ready), "fresh": dict(self.fresh), "replacements": dict(self.replacements)}
+        return {"next": self.next, "in_flight": sorted(tuple(job) for task, job in self.tasks.items() if not task.done()),
+                "ready": list(self.buffer.ready), "pool": list(self.pool), "spare_batches": self.spare_batches}
 
     def _restore(self, snap: dict, first_step: int) -> None:
-        past = [r for r in snap["ready"] if self.sampler.name == "in_order" and r.target_step < first_step]
+        stamps = self.sampler.stamps_target_steps
+        past = [r for r in snap["ready"] if stamps and r.target_step < first_step]
         self.buffer.ready = [r for r in snap["ready"] if r not in past]
-        self.relaunch = [job for job in snap["in_flight"] if not (self.sampler.name == "in_order" and job[0] < first_step)]
-        self.next, self.fresh, self.replacements = tuple(snap["next"]), Counter(snap["fresh"]), Counter(snap["replacements"])
+        jobs = [list(job) if len(job) == 5 else [job[0], job[1], job[0], job[2], 0] for job in snap["in_flight"]]
+        self.relaunch = [job for job in jobs if not (stamps and job[2] < first_step)]
+        self.next, self.pool = tuple(snap["next"]), [tuple(p) for p in snap.get("pool", [])]
+        self.spare_batches = snap.get("spare_batches", 0)
         self.manager.emit({"type": "buffer_restored", "step": first_step, "version": self.version,
                            "kept": [[r.step, r.group] for r in self.buffer.ready],
                            "dropped_past_target": [[r.step, r.group] for r in past],
-                           "redispatched": [[s, g] for s, g, _ in self.relaunch]})
+                           "redispatched": [job[:2] for job in self.relaunch]})
 
     def start(self) -> None:
         self.main = asyncio.create_task(self._run())
         self.watchdog = asyncio.create_task(self.manager.watchdog(self.next[0]))
         self.watchdog.add_done_callback(lambda t: t.cancelled() or asyncio.ensure_future(self._fail(t.exception())))
+        self.starved = asyncio.create_task(self._starvation_watch())
+        self.starved.add_done_callback(lambda t: t.cancelled() or asyncio.ensure_future(self._fail(t.exception())))
+
+    async def _starvation_watch(self) -> None:
+        """RolloutStall (or a warning) when the train pump has waited `stall_timeout_s` with no group
+        in flight: nothing can arrive to end the wait (e.g. the sampler needs a group the pump will
+        never dispatch)."""
+        wd = self.cfg.async_rl.stall_watchdog
+        if wd.stall_timeout_s is None:
+            await asyncio.Event().wait()
+        since = None
+        while True:
+            await asyncio.sleep(min(1.0, wd.stall_timeout_s / 4))
+            if self.train_waiting is None or any(not t.done() for t in self.tasks):
+                since = None
+                continue
+            since = since or time.monotonic()
+            if (idle := time.monotonic() - since) <= wd.stall_timeout_s:
+                continue
+            held = sorted((r.step, r.group, r.target_step) for r in self.buffer.ready)
+            message = (f"the train pump has waited {idle:.1f}s for step {self.train_waiting} with no prompt group in flight "
+                       f"(async_rl.stall_watchdog.stall_timeout_s={wd.stall_timeout_s}): the {self.sampler.name} sampler "
+                       f"selects nothing from the buffer's {len(held)} group(s) {held[:8]} (step, group, target_step), "
+                       f"and the pump's next group is {self.next}")
+            self.manager.emit({"type": "stall", "step": self.train_waiting, "in_flight": 0, "decision": wd.action,
+                               "message": message})
+            if wd.action == "raise":
+                raise RolloutStall(message)
+            print(f"warning: {message}", flush=True)
+            since = None
+
+    def pause(self) -> None:
+        """A weight sync begins: dispatch nothing until `set_version`."""
+        self.permitted.clear()
 
     def set_version(self, version: int) -> None:
+        """The generation workers serve `version`: attempts that start now are stamped with it; dispatch resumes."""
         self.version = version
+        self.permitted.set()
         self.wake.set()
 
     def check(self) -> None:
@@ -101,38 +158,71 @@ class RolloutPump:
 
     async def _run(self) -> None:
         limit = self.cfg.async_rl.max_inflight_prompts
-        for step, group, replacement in self.relaunch:  # resumed: what was in flight at the checkpoint
-            self.reserve_in_flight += replacement
-            await self.buffer.reserve(over=self.cfg.async_rl.rollout_failure.replacement_reserve_prompts if replacement else 0)
-            self._launch(step, group, replacement)
+        n, stamps = self.cfg.grpo.num_prompts_per_step, self.sampler.stamps_target_steps
+        for job in self.relaunch:  # resumed: what was in flight at the checkpoint
+            await self.buffer.reserve()
+            await self.permitted.wait()
+            self._launch(job)
         while self.error is None:
             step, group = self.next
-            if self.sampler.name == "in_order" and step >= self.cfg.grpo.max_num_steps:
-                return  # every step's prompts are out (the other samplers draw spares past the end)
-            while not (self.sampler.admit(step, self.version) and len(self.tasks) < limit):
+            if group == 0 and self.stamped:
+                self._refill()
+            if stamps and step >= self.cfg.grpo.max_num_steps:
+                return  # every step's prompts are out (the other samplers draw prompts past the end)
+            while not (self.permitted.is_set() and self.sampler.admit(step, self.version) and len(self.tasks) < limit):
                 self.wake.clear()
                 await self.wake.wait()
             await self.buffer.reserve()
-            self._launch(step, group)
-            n = self.cfg.grpo.num_prompts_per_step
+            await self.permitted.wait()  # a sync may have begun while the place was reserved
+            self._launch([step, group, step, False, 0])
+            self.stamped |= stamps
             self.next = (step + (group + 1) // n, (group + 1) % n)
 
-    def _launch(self, step: int, group: int, replacement: bool = False) -> None:
-        task = asyncio.create_task(self._dispatch(step, group, self.version, replacement))
-        self.tasks[task] = (step, group, replacement)
+    def _refill(self) -> None:
+        """Below the low-water mark, divert a whole batch of spare prompts into the pool."""
+        rf, n = self.cfg.async_rl.rollout_failure, self.cfg.grpo.num_prompts_per_step
+        while rf.on_dropped_prompt == "replace" and len(self.pool) < rf.replacement_reserve_prompts:
+            b, self.spare_batches = self.spare_batches, self.spare_batches + 1
+            self.pool += [(b, n + g) for g in range(n)]
+            self.manager.emit({"type": "spare_pool", "step": self.next[0], "batch": b, "prompts": [[b, n + g] for g in range(n)],
+                               "pool": len(self.pool), "low_water": rf.replacement_reserve_prompts})
+
+    def _launch(self, job: list) -> None:
+        task = asyncio.create_task(self._place(job))
+        self.tasks[task] = job
         task.add_done_callback(self._done)
-        self.manager.emit({"type": "dispatch", "step": step, "group": group, "start_weight": self.version,
-                           "replacement": replacement})
+        self._dispatched(job)
+
+    def _dispatched(self, job: list) -> None:
+        step, group, target, replacement, _ = job
+        self.manager.emit({"type": "dispatch", "step": step, "group": group, "target_step": target,
+                           "start_weight": self.version, "replacement": replacement})
 
     def _done(self, task: asyncio.Task) -> None:
         self.tasks.pop(task, None)
         self.wake.set()
 
-    async def _dispatch(self, step: int, group: int, start: int, replacement: bool) -> None:
-        self.inflight[start] += 1
+    async def _place(self, job: list) -> None:
+        """One place of a step: its prompt's group, and under `replace` the spares that stand in for
+        it, until a record commits (or the run ends)."""
+        lost, start = [], []
+
+        def attempt() -> None:  # a group attempt starts: stamp it with the version served now
+            if start:
+                self.inflight[start.pop()] -= 1
+            start.append(self.version)
+            self.inflight[self.version] += 1
+
         try:
-            outcome = await self.manager.run_group(step, group, prompt_row(self.cfg, step, group))
-            await self.on_resolved(step, group)
+            while True:
+                step, group = job[0], job[1]
+                outcome = await self.manager.run_group(step, group, prompt_row(self.cfg, step, group), on_attempt=attempt)
+                await self.on_resolved(step, group)
+                if outcome.status == "committed" or not self._substitute(job, outcome):
+                    break
+                lost.append(outcome)
+                await self.permitted.wait()  # a substitute is a fresh dispatch: it waits out a weight sync
+                self._dispatched(job)
         except asyncio.CancelledError:
             await self.buffer.release()
             raise
@@ -141,33 +231,37 @@ class RolloutPump:
             await self._fail(exc)
             return
         finally:
-            self.inflight[start] -= 1
-            self.reserve_in_flight -= replacement
-        record = GroupRecord(step, group, start, self.version, outcome, target_step=step, replacement=replacement)
-        if outcome.status == "dropped" and self.cfg.async_rl.rollout_failure.on_dropped_prompt == "replace":
-            await self._replace(record)
+            if start:
+                self.inflight[start[0]] -= 1
+        step, group, target, replacement, _ = job
+        record = GroupRecord(step, group, start[0], self.version, outcome, target_step=target, replacement=replacement,
+                             lost=lost)
         await self.buffer.commit(record)
 
-    async def _replace(self, dropped: GroupRecord) -> None:
-        """Keep the dropped group's step at full size: promote a later step's finished group into
-        it and draw a fresh prompt for that step, or draw one for this step; or shrink."""
-        rf, s = self.cfg.async_rl.rollout_failure, dropped.target_step
-        event = {"type": "replace", "step": dropped.step, "group": dropped.group, "target_step": s}
-        if self.replacements[s] >= rf.max_replacement_attempts or self.reserve_in_flight >= rf.replacement_reserve_prompts:
-            self.manager.emit({**event, "decision": "shrink", "replacements": self.replacements[s],
-                               "reserve_in_flight": self.reserve_in_flight})
-            return
-        self.replacements[s] += 1
-        dropped.replaced = True
-        lender = next((r for r in self.buffer.ready if r.outcome.status == "committed" and r.target_step > s
-                       and not r.promoted), None)
-        fill = s
-        if lender is not None:  # no await between the choice and the re-stamp: the train pump cannot interleave
-            fill, lender.target_step, lender.promoted = lender.target_step, s, True
-            self.manager.emit({**event, "decision": "promoted", "lender_step": lender.step, "lender_group": lender.group})
-        group = self.cfg.grpo.num_prompts_per_step + self.fresh[fill]
-        self.fresh[fill] += 1
-        self.manager.emit({**event, "decision": "fresh_prompt", "fresh_step": fill, "fresh_group": group})
-        self.reserve_in_flight += 1
-        await self.buffer.reserve(over=rf.replacement_reserve_prompts)
-        self._launch(fill, group, replacement=True)
+    def _substitute(self, job: list, outcome) -> bool:
+        """The place's prompt was lost: under `replace`, aim the place at a spare prompt (promoting
+        the furthest later step's finished group into this step when there is one, and re-aiming
+        the place at that step); False: the place keeps its lost record and the step shrinks. No
+        await between the choice and the re-stamp, so the train pump cannot interleave."""
+        rf = self.cfg.async_rl.rollout_failure
+        if rf.on_dropped_prompt != "replace" or not self.sampler.stamps_target_steps:
+            return False
+        step, group, target, _, used = job
+        event = {"type": "replace", "step": step, "group": group, "status": outcome.status, "target_step": target,
+                 "attempt": used + 1, "max_replacement_attempts": rf.max_replacement_attempts}
+        if used >= rf.max_replacement_attempts or not self.pool:
+            self.manager.emit({**event, "decision": "shrink", "pool": len(self.pool),
+                               "reason": "max_replacement_attempts" if used >= rf.max_replacement_attempts else "pool_empty"})
+            return False
+        spare = self.pool.pop(0)
+        later = [r for r in self.buffer.ready if r.outcome.status == "committed" and r.target_step > target]
+        lender = next((r for r in later if r.target_step == max(x.target_step for x in later)), None)
+        if lender is not None:
+            event.update(decision="promoted", lender_step=lender.target_step, lender_group=[lender.step, lender.group])
+            target, lender.target_step, lender.promoted = lender.target_step, target, True
+        else:
+            event["decision"] = "fresh_prompt"
+        job[:] = [spare[0], spare[1], target, True, used + 1]
+        self.manager.emit({**event, "fresh_step": spare[0], "fresh_group": spare[1], "fills_step": target,
+                           "pool": len(self.pool)})
+        return True

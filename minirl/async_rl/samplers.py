@@ -1,22 +1,31 @@
 """Staleness samplers: which prompt groups the rollout pump may dispatch now, and which finished
 groups the next optimizer step takes, as NeMo-RL's Single-Controller samplers decide it.
 
-A group is trainable at policy version `w` only if its `start_weight` (the version it was
-dispatched under) lies in [w - max_staleness_versions, w]; committed groups outside the window are
-evicted (counted, never trained).
-- `in_order`: the prompt groups of step s are stamped `target_step = s` at admission and admitted
-  only once s - version <= max_staleness_versions; step s trains exactly those groups, once all of
-  them have resolved (committed, dropped or skipped), so a drop shrinks its own step as in sync
-  (with `on_dropped_prompt=replace`, a dropped group's place waits for its replacement, and a
-  group re-stamped from a later step counts in this one).
-  At max_staleness_versions=0 this is the synchronous loop, step for step.
-- `windowed`: dispatch is ungated (only the buffer and max_inflight_prompts bound it); a step takes
-  the `num_prompts_per_step` oldest committed groups in the window, whatever their prompt step.
-- `weight_fifo`: as windowed, but a step waits until the oldest start_weight in the window has
-  filled the batch, or nothing of that weight is still in flight.
+A sampler is built with S (`async_rl.sampler.max_staleness_versions`; for `in_order` its gate,
+upstream's `max_lookahead_versions`). A *gated* sampler dispatches the groups of prompt batch k
+only while k <= w + S (w: the policy version the generation workers serve); an ungated one only as
+the buffer and `max_inflight_prompts` allow. Each sampler declares `gated`, `stamps_target_steps`
+(a batch's groups are stamped for one optimizer step, so a lost group can be credited to it, which
+drop budgets and `on_dropped_prompt=replace` need) and `needs_is_correction`; `capacity` is the
+buffer the sampler needs, or the pumps deadlock.
+- `in_order` (gated, stamps): batch s's groups are stamped `target_step = s`; step s trains exactly
+  the groups stamped for it once every place has resolved (committed, or lost and reported), so a
+  drop shrinks its own step as in sync, or is replaced (`on_dropped_prompt=replace`, see pump.py).
+  Eviction keeps [w - S, w] by start weight. At S = 0 it is the synchronous loop, step for step.
+- `windowed` (ungated): a step takes the `num_prompts_per_step` oldest committed groups whose
+  start weight lies in [w - S, w]; the committed groups outside it are evicted (wasted compute).
+- `weight_fifo` (gated): a step waits for the single oldest start weight over every in-window
+  group, in flight or ready, and takes `num_prompts_per_step` groups of that weight only: it never
+  mixes versions. A weight below w that can no longer fill a step (nothing of it in flight, fewer
+  than a step's groups ready: a batch split across a version change by the in-flight cap or by a
+  retry's re-stamp) is evicted whole, where upstream's select would wait for it.
+- `ready_first` (gated): a step takes the first `num_prompts_per_step` ready groups (commit order)
+  with start weight <= w, however old: nothing is evicted, so the config requires the importance
+  sampling correction with it.
 
 Invariant: `select` returns the records of one optimizer step or None (wait), and never a
-committed record outside the window; `stale` names exactly the committed records outside it.
+committed record outside the sampler's window; `stale` names exactly the committed records that
+can no longer be selected.
 """
 
 from __future__ import annotations
@@ -28,17 +37,28 @@ from minirl.async_rl.buffer import GroupRecord
 
 class Sampler:
     name = "base"
+    gated = False
+    """Dispatch batch k only while k <= version + S."""
+    stamps_target_steps = False
+    """Admission stamps a batch's groups for one optimizer step (upstream: `admit` returns a target step)."""
+    needs_is_correction = False
+    """Selects groups of any age: the config requires loss_fn.use_importance_sampling_correction."""
 
     def __init__(self, num_prompts_per_step: int, max_staleness_versions: int):
         self.n, self.s = num_prompts_per_step, max_staleness_versions
+
+    @classmethod
+    def capacity(cls, num_prompts_per_step: int, s: int) -> int:
+        """Buffer places the sampler needs: the live batch plus one per lookahead version if gated."""
+        return num_prompts_per_step * (s + 1) if cls.gated else num_prompts_per_step
 
     def in_window(self, r: GroupRecord, version: int) -> bool:
         return version - self.s <= r.start_weight <= version
 
     def admit(self, prompt_step: int, version: int) -> bool:
-        return True
+        return not self.gated or prompt_step - version <= self.s
 
-    def stale(self, version: int, ready: list[GroupRecord]) -> list[GroupRecord]:
+    def stale(self, version: int, ready: list[GroupRecord], inflight: Counter | None = None) -> list[GroupRecord]:
         return [r for r in ready if r.outcome.status == "committed" and r.start_weight < version - self.s]
 
     def select(self, step: int, version: int, ready: list[GroupRecord], inflight: Counter) -> list[GroupRecord] | None:
@@ -47,14 +67,12 @@ class Sampler:
 
 class InOrder(Sampler):
     name = "in_order"
-
-    def admit(self, prompt_step: int, version: int) -> bool:
-        return prompt_step - version <= self.s
+    gated = True
+    stamps_target_steps = True
 
     def select(self, step, version, ready, inflight):
         mine = [r for r in ready if r.target_step == step]
-        places = sum(not r.replaced for r in mine)  # a replaced drop's place is filled by its replacement
-        return sorted(mine, key=lambda r: (r.step, r.group)) if places == self.n else None
+        return sorted(mine, key=lambda r: (r.step, r.group)) if len(mine) == self.n else None
 
 
 class Windowed(Sampler):
@@ -71,21 +89,46 @@ class Windowed(Sampler):
         return ok[: self.n] + lost if len(ok) >= self.n else None
 
 
-class WeightFifo(Windowed):
+class WeightFifo(Sampler):
     name = "weight_fifo"
+    gated = True
+
+    def _oldest(self, version, ready, inflight) -> int | None:
+        weights = [r.start_weight for r in ready if self.in_window(r, version)]
+        weights += [w for w, k in (inflight or {}).items() if k > 0 and version - self.s <= w <= version]
+        return min(weights, default=None)
+
+    def stale(self, version, ready, inflight=None):
+        out = super().stale(version, ready)
+        oldest = self._oldest(version, ready, inflight)
+        while oldest is not None and oldest < version and not (inflight or {}).get(oldest):
+            same = [r for r in ready if r.start_weight == oldest and r not in out]
+            if len(same) >= self.n:
+                break
+            out += same  # this weight can never fill a step of its own
+            oldest = self._oldest(version, [r for r in ready if r not in out], inflight)
+        return out
 
     def select(self, step, version, ready, inflight):
-        ok, lost = self._batch(version, ready)
-        if len(ok) < self.n:
-            return None
-        oldest = ok[0].start_weight
-        same = [r for r in ok if r.start_weight == oldest]
-        if len(same) < self.n and inflight.get(oldest, 0) > 0:
-            return None  # that weight's batch is still filling
-        return ok[: self.n] + lost
+        oldest = self._oldest(version, ready, inflight)
+        same = sorted((r for r in ready if r.start_weight == oldest), key=lambda r: (r.step, r.group))
+        return same[: self.n] if oldest is not None and len(same) >= self.n else None
 
 
-SAMPLERS = {cls.name: cls for cls in (InOrder, Windowed, WeightFifo)}
+class ReadyFirst(Sampler):
+    name = "ready_first"
+    gated = True
+    needs_is_correction = True
+
+    def stale(self, version, ready, inflight=None):
+        return []  # every admitted group stays selectable
+
+    def select(self, step, version, ready, inflight):
+        ok = [r for r in ready if r.start_weight <= version]
+        return ok[: self.n] if len(ok) >= self.n else None
+
+
+SAMPLERS = {cls.name: cls for cls in (InOrder, Windowed, WeightFifo, ReadyFirst)}
 
 
 def make_sampler(name: str, num_prompts_per_step: int, max_staleness_versions: int) -> Sampler:
