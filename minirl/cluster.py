@@ -7,7 +7,14 @@ would leave some pending forever. A placement group reserves all the heavy actor
 (STRICT_PACK on one node, PACK across several) so a run never starts half-placed.
 
 Invariant: after `__enter__` every server answers on its URL and every generation worker serves
-the policy's current weights; `__exit__` always shuts Ray down.
+the policy's current weights; `__exit__` always shuts Ray down. A run that ends with an exception,
+wherever it is raised (start-up, the step path, the update, the weight sync, a checkpoint), leaves
+exactly one `run_failed` event naming it in events.jsonl: the controller writes it (once), or the
+driver when the controller cannot.
+
+Resources are checked before anything is placed: the workers' bundles must fit in what Ray offers
+(else ConfigError naming the keys and numbers), and a placement group that still does not become
+ready says what it asked for and what was free.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from minirl.agents.server import AgentServer
-from minirl.config import MinirlConfig
+from minirl.config import ConfigError, MinirlConfig, resource_shortfall
 from minirl.controller import Controller
 from minirl.generation.router import run_router, write_endpoints
 from minirl.generation.worker import GenerationWorker
@@ -75,6 +82,19 @@ def node_host(cfg: MinirlConfig) -> str:
     return ray.util.get_node_ip_address() if len(ray.nodes()) > 1 else "127.0.0.1"
 
 
+def cause(exc: BaseException) -> BaseException:
+    """The user's exception behind Ray's wrapper (RayTaskError carries it as `.cause`)."""
+    while getattr(exc, "cause", None) is not None and type(exc).__name__.startswith("RayTaskError"):
+        exc = exc.cause
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    """`ExceptionClass: message`, as the run's last stderr line and its `run_failed` event say it."""
+    exc = cause(exc)
+    return f"{type(exc).__name__}: {exc if str(exc) or not isinstance(exc, KeyboardInterrupt) else 'interrupted'}"
+
+
 class Cluster:
     def __init__(self, cfg: MinirlConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
@@ -96,13 +116,42 @@ class Cluster:
         )
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
+            self._run_failed(exc)
             ray.shutdown()
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        ray.shutdown()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc is not None:
+                self._run_failed(exc)
+        finally:
+            ray.shutdown()
+
+    def _run_failed(self, exc: BaseException) -> None:
+        """The run's `run_failed` event: through the controller (which writes it once, with the step),
+        or straight into events.jsonl when there is none or it does not answer."""
+        error = describe(exc)
+        if self.controller is not None:
+            try:
+                ray.get(self.controller.run_failed.remote(error), timeout=10)
+                return
+            except Exception:
+                pass
+        from minirl.metrics import EventLog
+
+        log = EventLog(Path(self.run_dir) / "events.jsonl")
+        log.write({"type": "run_failed", "step": None, "error": error})
+        log.f.close()
+
+    def _check_resources(self, bundles: list[dict]) -> None:
+        """What the bundles need against what Ray offers (ConfigError naming the keys and numbers)."""
+        total = ray.cluster_resources()
+        for res in ("CPU", "GPU"):
+            problem = resource_shortfall(self.cfg, res, total.get(res, 0.0), f"ray.cluster_resources() {total.get(res, 0.0):g}")
+            if problem is not None:
+                raise ConfigError(f"cluster.num_{res.lower()}s", problem)
 
     def _start(self) -> None:
         cfg, cl = self.cfg, self.cfg.cluster
@@ -113,9 +162,15 @@ class Cluster:
         pol_bundle = {"CPU": cl.cpus_per_policy_worker, "GPU": cl.gpus_per_policy_worker}
         bundles = ([] if attach else [gen_bundle] * cl.num_generation_workers) + [pol_bundle] * cl.num_policy_workers
         bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.001} for b in bundles]
+        self._check_resources(bundles)
         strategy = "STRICT_PACK" if len(ray.nodes()) == 1 else "PACK"
         self.pg = placement_group(bundles, strategy=strategy)
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the workers' placement group ({strategy}, bundles {bundles}) was not ready within 120 s: "
+                               f"Ray has {ray.available_resources()} free of {ray.cluster_resources()} "
+                               "(another job holds them, or no single node fits the bundles)") from None
 
         def on(bundle: int) -> dict:
             return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
@@ -174,15 +229,22 @@ class Cluster:
             ray.get(self.controller.published.remote(version))
 
     def save_checkpoint(self, step: int) -> None:
+        from dataclasses import asdict
+
         snap = ray.get(self.controller.snapshot.remote())
-        state = {"step": step, "next_step": step + 1, "rollout_manager": snap["rollout_manager"]}
+        state = {"step": step, "next_step": step + 1, "rollout_manager": snap["rollout_manager"],
+                 "config": json.loads(json.dumps(asdict(self.cfg), default=str))}  # checkpoint.check_resume reads it
 
         def write(d: str) -> None:
             ray.get([w.save.remote(d) for w in self.policy])
             if snap["async_buffer"] is not None:
                 (Path(d) / checkpoint.ASYNC_BUFFER).write_bytes(snap["async_buffer"])
 
-        checkpoint.save(self.run_dir, step, state, write, self.cfg.policy.model_name, self.cfg.checkpoint.keep_last_k)
+        try:
+            checkpoint.save(self.run_dir, step, state, write, self.cfg.policy.model_name, self.cfg.checkpoint.keep_last_k)
+        except OSError as exc:
+            raise checkpoint.CheckpointError(f"cannot write the checkpoint of step {step} under "
+                                             f"{checkpoint.directory(self.run_dir)}: {exc}") from exc
 
     def resume(self) -> int:
         """Load the checkpoint `checkpoint.resume` names; returns the first step to run. Each newer

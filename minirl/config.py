@@ -673,6 +673,36 @@ def _check_finite(node: Any, key: str) -> None:
         _require(math.isfinite(node), key, f"must be a finite number, got {node}")
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
+
+
+def _check_resources(cfg: MinirlConfig) -> None:
+    """A locally started Ray advertises cluster.num_cpus / num_gpus: the workers' bundles must fit, or
+    the placement group would wait forever (Ray's GetTimeoutError after 120 s, naming nothing). Where
+    they are unset (Ray detects the machine's) or a cluster is joined by address, `Cluster` checks
+    against what Ray offers once it is up, before anything is placed."""
+    cl = cfg.cluster
+    for res, key in (("CPU", "cpus"), ("GPU", "gpus")):
+        have = getattr(cl, f"num_{key}")
+        if cl.ray_address is None and have is not None:
+            problem = resource_shortfall(cfg, res, have, f"cluster.num_{key}={have}")
+            _require(problem is None, f"cluster.num_{key}", problem or "")
+
+
+def resource_shortfall(cfg: MinirlConfig, res: str, have: float | None, where: str) -> str | None:
+    """None when the workers' `res` (CPU or GPU) fits in `have` (None: not known, not checked); else the sum, named."""
+    cl, key = cfg.cluster, res.lower() + "s"
+    gen = 0 if cl.attach_generation_workers else cl.num_generation_workers
+    per_gen, per_pol = getattr(cl, f"{key}_per_generation_worker"), getattr(cl, f"{key}_per_policy_worker")
+    need = gen * per_gen + cl.num_policy_workers * per_pol
+    if have is None or need <= have + 1e-9:
+        return None
+    return (f"the workers need {need:g} {res}s (cluster.num_generation_workers={gen} x cluster.{key}_per_generation_worker="
+            f"{per_gen:g} + cluster.num_policy_workers={cl.num_policy_workers} x cluster.{key}_per_policy_worker={per_pol:g}), "
+            f"more than Ray offers ({where})")
+
+
 def validate(cfg: MinirlConfig) -> None:
     """Every range and cross-field rule, then the paths and the URL; each failure names its key."""
     g, rf, cc, ch = cfg.grpo, cfg.async_rl.rollout_failure, cfg.context_compaction, cfg.agent.context_history
@@ -686,6 +716,11 @@ def validate(cfg: MinirlConfig) -> None:
         for key in keys:
             value = _get(cfg, key)
             _require(value is None or ok(value), key, f"{problem}, got {value}")
+    temp = cfg.policy.generation.temperature
+    _require(temp >= GREEDY_TEMPERATURE, "policy.generation.temperature",
+             f"must be >= {GREEDY_TEMPERATURE} (below it vLLM samples greedily, and a group's identical rollouts "
+             f"train nothing), got {temp}")
+    _check_resources(cfg)
     clip = cfg.loss_fn.ratio_clip_min
     _require(clip < 1, "loss_fn.ratio_clip_min", f"must be < 1 (the lower clip is 1 - ratio_clip_min), got {clip}")
     betas = cfg.policy.optimizer.betas
@@ -788,15 +823,15 @@ def validate(cfg: MinirlConfig) -> None:
         "a `timeout` fault needs a rollout timeout, or /run would hang",
     )
     ar = cfg.async_rl
+    from minirl.async_rl.samplers import SAMPLERS  # checked with async off too: a typo must not wait for the day it is on
+
+    _require(ar.sampler.name in SAMPLERS, "async_rl.sampler.name", f"must be one of {', '.join(SAMPLERS)}, got {ar.sampler.name!r}")
     look = ar.sampler.max_lookahead_versions
     if look is not None:  # upstream's name of in_order's gate: one resolved value
         _require(ar.sampler.name == "in_order", "async_rl.sampler.max_lookahead_versions",
                  f"is in_order's gate; {ar.sampler.name} reads async_rl.sampler.max_staleness_versions")
         ar.sampler.max_staleness_versions = look
     if ar.enabled:
-        from minirl.async_rl.samplers import SAMPLERS
-
-        _require(ar.sampler.name in SAMPLERS, "async_rl.sampler.name", f"must be one of {', '.join(SAMPLERS)}, got {ar.sampler.name!r}")
         sampler = SAMPLERS[ar.sampler.name]
         window = sampler.capacity(g.num_prompts_per_step, ar.sampler.max_staleness_versions)
         _require(ar.max_buffered_rollouts >= window, "async_rl.max_buffered_rollouts",
@@ -850,6 +885,10 @@ def _check_outside(cfg: MinirlConfig) -> None:
         raise ConfigError("policy.model_name", f"{model}: {problem}") from None
     _require(isinstance(model_cfg, dict) and "model_type" in model_cfg, "policy.model_name",
              f"{model / 'config.json'}: not a Hugging Face model config (no model_type)")
+    positions = model_cfg.get("max_position_embeddings")
+    max_len = cfg.policy.generation.vllm_cfg.max_model_len
+    _require(not isinstance(positions, int) or max_len <= positions, "policy.generation.vllm_cfg.max_model_len",
+             f"must be <= the model's max_position_embeddings ({positions}, {model / 'config.json'}), got {max_len}")
     resume = cfg.checkpoint.resume
     _require(resume in ("none", "auto") or Path(resume).is_dir(), "checkpoint.resume",
              f"must be none, auto or an existing checkpoint directory; {resume!r} is not a directory")

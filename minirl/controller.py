@@ -163,6 +163,8 @@ class Controller:
         self.restored: dict | None = None  # async resume: the checkpoint's buffer, until the pump starts
         self.fleet = fleet  # the generation router's actor when fleet health is on, else None
         self.fleet_stats: dict = {}  # fleet health: this step's quarantines, re-admissions, healthy workers
+        self.step: int | None = None  # the step last collected (a later failure is that step's)
+        self.failed = False  # the run's run_failed event is written
 
     async def snapshot(self) -> dict:
         """The controller's part of a checkpoint, taken between two awaits (a consistent cut): the
@@ -201,28 +203,41 @@ class Controller:
     async def _drain(self, step: int) -> list[dict]:
         return [c for w in self.gen_workers for c in await w.take_calls.remote(step)]
 
+    def run_failed(self, error: str) -> None:
+        """The run ends with `error` (`ExceptionClass: message`): its one `run_failed` event, with the
+        step and what the step spent; a second call (the driver's, for a failure already written) is a no-op."""
+        if self.failed:
+            return
+        self.failed = True
+        sends, returned, _ = self._step_counters()
+        self.events.write({"type": "run_failed", "step": self.step, "error": error,
+                           "rollout_attempts": sends, "rollouts_generated": returned})
+
     async def collect(self, step: int, version: int) -> tuple[dict, dict]:
-        """Rollouts for `step` under the failure policy, then the assembled batch and its stats."""
+        """Rollouts for `step` under the failure policy, then the assembled batch and its stats. Any
+        failure on the way (the rollouts, the step checks, the ledger, the assembly) writes run_failed."""
+        self.step = step
+        try:
+            return await self._collect(step, version)
+        except BaseException as exc:  # the run ends here: leave its reason and its cost in the log
+            self.run_failed(f"{type(exc).__name__}: {exc}")
+            raise
+
+    async def _collect(self, step: int, version: int) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         busy0 = await self._engine_busy_s()
         if self.fleet is not None:
             self.fleet_stats = dict.fromkeys(FLEET_COUNTS.values(), 0)
-        try:
-            if self.cfg.async_rl.enabled:
-                outcomes, starts, server_calls = await self._fleet_watched(step, self._from_buffer(step, version))
-            else:
-                rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
-                outcomes = await self._fleet_watched(step, self.manager.run_step(step, rows))
-                starts, server_calls = [version] * len(outcomes), await self._drain(step)
-            # async: generation overlaps training, so its rate is over the whole period since the last step
-            gen_s = time.perf_counter() - (self.last_collect if self.cfg.async_rl.enabled else t0)
-            engine_busy_s = await self._engine_busy_s() - busy0
-            check_step(self.cfg, step, outcomes)
-        except BaseException as exc:  # the run ends here: leave its reason and its cost in the log
-            sends, returned, _ = self._step_counters()
-            self.events.write({"type": "run_failed", "step": step, "error": f"{type(exc).__name__}: {exc}",
-                               "rollout_attempts": sends, "rollouts_generated": returned})
-            raise
+        if self.cfg.async_rl.enabled:
+            outcomes, starts, server_calls = await self._fleet_watched(step, self._from_buffer(step, version))
+        else:
+            rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
+            outcomes = await self._fleet_watched(step, self.manager.run_step(step, rows))
+            starts, server_calls = [version] * len(outcomes), await self._drain(step)
+        # async: generation overlaps training, so its rate is over the whole period since the last step
+        gen_s = time.perf_counter() - (self.last_collect if self.cfg.async_rl.enabled else t0)
+        engine_busy_s = await self._engine_busy_s() - busy0
+        check_step(self.cfg, step, outcomes)
         kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
         # the oldest weights a trained call may have run under: the window's, or an older group's start (ready_first)
         oldest = min([version - self._window()] + [w for o, w in zip(outcomes, starts) if o.status == "committed"])
@@ -325,15 +340,20 @@ class Controller:
 
         def pick(ready):
             self.pump.check()
-            return self.sampler.stale(version, ready, self.pump.inflight), self.sampler.select(step, version, ready, self.pump.inflight)
+            stale = self.sampler.stale(version, ready, self.pump.inflight)
+            for r in stale:  # evicted now, even if the wait goes on (or ends the run): its event now
+                self.events.write({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
+                                   "train_version": version, "max_staleness_versions": self.sampler.s,
+                                   "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight"})
+                for key in _keys(r):
+                    self.orphans += self.calls.pop(key, [])
+            return stale, self.sampler.select(step, version, ready, self.pump.inflight)
 
-        stale, chosen = await self.buffer.take_when(pick)
-        for r in stale:
-            self.events.write({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
-                               "train_version": version, "max_staleness_versions": self.sampler.s,
-                               "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight"})
-            for key in _keys(r):
-                self.orphans += self.calls.pop(key, [])
+        self.pump.train_waiting = step  # the pump's watchdog: a wait with nothing in flight is a stall
+        try:
+            stale, chosen = await self.buffer.take_when(pick)
+        finally:
+            self.pump.train_waiting = None
         # upstream's counters: a place whose spare committed is replaced (counted in the step it filled),
         # a group re-stamped into the step promoted; `dropped_prompt_groups` is the shortfall left
         self.async_stats = {"stale_groups_evicted": len(stale), "promoted_prompt_groups": sum(r.promoted for r in chosen),

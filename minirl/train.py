@@ -2,8 +2,10 @@
 
 With no arguments it trains the default: context-compaction GRPO of the tiny model on the `doors`
 task, on this machine's CPUs, with the review's three fixes on. Exit codes: 0 on success, 2 for a
-bad config key or value (one line naming the key), 1 for a run-ending failure, whose
-`ExceptionClass: message` is the last line on stderr.
+bad config key or value (one line naming the key; also a resume that changes the step's shape, a
+checkpoint directory that cannot be written, workers that do not fit in what Ray offers), 1 for a
+run-ending failure. Either way `ExceptionClass: message` is the last line on stderr, and a failure
+after the run directory exists is also a `run_failed` event in events.jsonl.
 
 The loop, one optimizer step per iteration:
   1. the controller collects the step's rollouts under the failure policy and assembles the batch;
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 from minirl.config import REPO_ROOT, ConfigError, MinirlConfig, load_config, to_yaml
+from minirl.trainer import checkpoint
 
 
 def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
@@ -72,14 +75,9 @@ def prepare_run_dir(cfg: MinirlConfig) -> Path:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     except OSError as exc:
         raise ConfigError("run_dir", f"cannot write {run_dir}: {exc.strerror or exc}") from None
+    if cfg.checkpoint.enabled:
+        checkpoint.check_writable(run_dir)
     return run_dir
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The user's exception behind Ray's wrapper (RayTaskError carries it as `.cause`)."""
-    while getattr(exc, "cause", None) is not None and type(exc).__name__.startswith("RayTaskError"):
-        exc = exc.cause
-    return exc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,25 +88,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        checkpoint.check_resume(cfg)  # the checkpoint's step shape and staleness window, before anything is written
         run_dir = prepare_run_dir(cfg)
     except ConfigError as exc:  # before Ray starts: one line naming the key
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
     print(f"minirl: run directory {run_dir}", flush=True)
-    from minirl.cluster import Cluster
+    from minirl.cluster import Cluster, cause, describe
 
     failure = None
     try:
-        with Cluster(cfg, run_dir) as cluster:
+        with Cluster(cfg, run_dir) as cluster:  # on the way out of a failure: its run_failed event
             train(cfg, cluster, run_dir)
-    except KeyboardInterrupt:
-        failure = KeyboardInterrupt("interrupted")
-    except Exception as exc:  # the run ends: report the root cause, last, after Ray is down
-        failure = _cause(exc)
+    except (KeyboardInterrupt, Exception) as exc:  # the run ends: report the root cause, last, after Ray is down
+        failure = exc
     if failure is not None:
         sys.stdout.flush()
-        print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
-        return 1
+        print(describe(failure), file=sys.stderr, flush=True)
+        return 2 if isinstance(cause(failure), ConfigError) else 1
     print(f"minirl: done, metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return 0
 

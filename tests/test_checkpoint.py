@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import last_line, run_cli
-from minirl.config import REPO_ROOT
+from minirl.config import REPO_ROOT, ConfigError, load_config
 from minirl.trainer import checkpoint
 from minirl.trainer.checkpoint import CheckpointError
 
@@ -55,8 +55,10 @@ def test_save_writes_a_manifest_of_every_file_and_it_verifies(tmp_path):
         (lambda p: p.joinpath("state.json").write_text('{"step": 0, "manif'), "state.json unreadable"),
         (lambda p: p.joinpath("state.json").unlink(), "state.json unreadable"),
         (lambda p: p.joinpath("state.json").write_text('{"step": 0, "next_step": 1}'), "state.json has no manifest"),
+        (lambda p: p.joinpath("state.json").write_text('{"step": 0, "next_step": 1, "manifest": {}}'),
+         "state.json has an empty manifest"),
     ],
-    ids=["truncated", "changed", "missing", "state_truncated", "state_missing", "old_format"],
+    ids=["truncated", "changed", "missing", "state_truncated", "state_missing", "old_format", "empty_manifest"],
 )
 def test_verify_names_the_damaged_file(tmp_path, damage, reason):
     path = save(tmp_path, 0)
@@ -82,6 +84,62 @@ def test_auto_takes_the_newest_that_verifies_and_reports_each_skipped(tmp_path):
     (path / "state.json").unlink()
     path, skipped = checkpoint.select(tmp_path, "auto")
     assert path is None and [p.name for p, _ in skipped] == ["step_2", "step_1", "step_0"]
+
+
+def test_auto_skips_a_checkpoint_whose_manifest_is_empty(tmp_path):
+    """An empty manifest verifies nothing: `auto` skips it (reported) and takes the one before."""
+    good, empty = save(tmp_path, 0), save(tmp_path, 1)
+    state = checkpoint.read_state(empty)
+    (empty / "state.json").write_text(json.dumps({**state, "manifest": {}}))
+    assert checkpoint.select(tmp_path, "auto") == (good, [(empty, "state.json has an empty manifest: nothing to verify")])
+
+
+def save_with_config(run_dir: Path, overrides: list[str]) -> Path:
+    from dataclasses import asdict
+
+    cfg = load_config(None, overrides)
+    state = {"step": 0, "next_step": 1, "rollout_manager": {}, "config": json.loads(json.dumps(asdict(cfg)))}
+    return checkpoint.save(run_dir, 0, state, write_policy(0), str(MODEL), 0)
+
+
+ASYNC_ON = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ([], ["grpo.num_prompts_per_step=3"],  # sync: groups_target would go [8, 3, ...] silently
+     "grpo.num_prompts_per_step: differs from the checkpoint resumed (grpo.num_prompts_per_step: 8 -> 3; "),
+    (ASYNC_ON, [*ASYNC_ON, "async_rl.sampler.max_staleness_versions=0", "grpo.num_generations_per_prompt=2"],
+     "grpo.num_generations_per_prompt: differs from the checkpoint resumed (grpo.num_generations_per_prompt: 4 -> 2, "
+     "async_rl.sampler.max_staleness_versions: 1 -> 0; "),
+    (ASYNC_ON, [], "async_rl.enabled: differs from the checkpoint resumed (async_rl.enabled: True -> False; "),
+])
+def test_a_resume_that_changes_the_step_shape_is_refused_naming_the_keys(tmp_path, old, new, message):
+    path = save_with_config(tmp_path, old)
+    for resume in ("auto", str(path)):
+        with pytest.raises(ConfigError) as err:
+            checkpoint.check_resume(load_config(None, [*new, f"run_dir={tmp_path}", f"checkpoint.resume={resume}"]))
+        assert str(err.value).startswith(message) and str(path) in str(err.value) and "\n" not in str(err.value)
+    # what does not shape a step may change (max_num_steps grows on every resume); sync ignores the sampler keys
+    checkpoint.check_resume(load_config(None, [*old, "grpo.max_num_steps=99", f"run_dir={tmp_path}", "checkpoint.resume=auto"]))
+    if not old:
+        checkpoint.check_resume(load_config(None, ["async_rl.sampler.name=windowed", f"run_dir={tmp_path}", "checkpoint.resume=auto"]))
+
+
+def test_cli_refuses_a_changed_resume_and_an_unwritable_checkpoint_dir_before_ray_starts(tmp_path):
+    path = save_with_config(tmp_path, [])
+    proc = run_cli(f"run_dir={tmp_path}", "checkpoint.resume=auto", "grpo.num_prompts_per_step=3", timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert [x for x in proc.stderr.splitlines() if x.strip()] == [
+        f"ConfigError: grpo.num_prompts_per_step: differs from the checkpoint resumed (grpo.num_prompts_per_step: 8 -> 3; {path}): "
+        "a resume must keep the step's shape and the staleness window; set them back, or start a new run_dir"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "checkpoints").write_text("a file where the checkpoint directory goes")
+    proc = run_cli(f"run_dir={other}", timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert line.startswith(f"ConfigError: checkpoint.enabled: checkpoints cannot be written to {other / 'checkpoints'}: ")
+    assert line.endswith("(make it writable, or set checkpoint.enabled=false)")
 
 
 def test_an_explicit_damaged_checkpoint_raises_naming_the_path_and_the_file(tmp_path):

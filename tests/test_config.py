@@ -96,6 +96,15 @@ def test_fault_list_in_yaml_flow_style():
         (["agent.external_url=http://"], "agent.external_url", "http(s) URL with a host"),
         (["agent.external_url=http://127.0.0.1:99999"], "agent.external_url", "Port out of range"),
         (["grpo=5"], "grpo", "is a section"),
+        # issue 29: found only after Ray and vLLM started (or never)
+        (["policy.generation.vllm_cfg.max_model_len=4096"], "policy.generation.vllm_cfg.max_model_len",
+         "must be <= the model's max_position_embeddings (2048"),
+        (["async_rl.sampler.name=in_ordr"], "async_rl.sampler.name", "got 'in_ordr'"),  # async off: still a typo
+        (["policy.generation.temperature=1e-6"], "policy.generation.temperature", "must be >= 1e-05 (below it vLLM samples greedily"),
+        (["cluster.num_cpus=2", "cluster.num_generation_workers=8"], "cluster.num_cpus",
+         "the workers need 9 CPUs (cluster.num_generation_workers=8 x cluster.cpus_per_generation_worker=1 + "
+         "cluster.num_policy_workers=1 x cluster.cpus_per_policy_worker=1), more than Ray offers (cluster.num_cpus=2)"),
+        (["cluster.num_gpus=1", "cluster.gpus_per_policy_worker=2"], "cluster.num_gpus", "the workers need 2 GPUs"),
     ],
 )
 def test_errors_name_the_key(overrides, key, text):
@@ -136,6 +145,8 @@ def test_yaml_file_errors_are_one_line_naming_the_key_or_file(tmp_path, text, ke
 @pytest.mark.parametrize("override,line", [
     ("no.such.key=1", "ConfigError: no.such.key: unknown config key"),
     ("policy.generation.temperature=0", "ConfigError: policy.generation.temperature: must be > 0, got 0.0"),
+    ("policy.generation.vllm_cfg.max_model_len=4096", "ConfigError: policy.generation.vllm_cfg.max_model_len: must be <= the "
+     f"model's max_position_embeddings (2048, {REPO_ROOT}/models/tiny-doors/config.json), got 4096"),
 ])
 def test_cli_bad_value_exits_2_with_one_line_before_ray_starts(override, line):
     t0 = time.perf_counter()

@@ -167,3 +167,46 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
         assert ray.get(ray.get_actor("shared-gen-0").weights_finite.remote())
     finally:
         ray.shutdown()
+
+
+def test_async_resume_keeps_the_step_shape_and_a_starved_train_pump_cannot_hang(tmp_path, shared_engine):
+    """Issue 29. A checkpoint holds its run's resolved config: resuming it with another step shape or
+    staleness window is refused at once (exit 2, one line naming the keys, old and new values).
+    A checkpoint written before configs were saved cannot be checked: resumed with
+    num_prompts_per_step 2 -> 3, the restored buffer's cursor is past the third group step 1 now
+    needs, and in_order waits for it with nothing in flight. That wait used to hang silently; the
+    pump's watchdog now ends it with RolloutStall (a `stall` event, a `run_failed` event), and a kept
+    group that the lowered staleness window evicts inside the wait has its `evict` event."""
+    base = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "logger.tensorboard=false", *ASYNC,
+            "checkpoint.save_period=1", "checkpoint.keep_last_k=0", f"run_dir={tmp_path}", *shared_engine]
+    first = run_cli(*base, "grpo.max_num_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Unclosed client session" not in first.stderr, "the run's router closes its session at shutdown"
+    step0 = tmp_path / "checkpoints" / "step_0"
+    state = json.loads((step0 / "state.json").read_text())
+    assert state["config"]["grpo"]["num_prompts_per_step"] == 2 and state["config"]["async_rl"]["enabled"] is True
+
+    changed = ["grpo.num_prompts_per_step=3", "async_rl.sampler.max_staleness_versions=0", f"checkpoint.resume={step0}"]
+    refused = run_cli(*base, "grpo.max_num_steps=2", *changed, timeout=60)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr[-3000:]
+    assert [x for x in refused.stderr.splitlines() if x.strip()] == [
+        "ConfigError: grpo.num_prompts_per_step: differs from the checkpoint resumed (grpo.num_prompts_per_step: 2 -> 3, "
+        f"async_rl.sampler.max_staleness_versions: 1 -> 0; {step0}): a resume must keep the step's shape and the staleness "
+        "window; set them back, or start a new run_dir"]
+
+    del state["config"]  # as written before this round (state.json is not in its own manifest: it still verifies)
+    (step0 / "state.json").write_text(json.dumps(state))
+    before = len(events(tmp_path))
+    stalled = run_cli(*base, "grpo.max_num_steps=2", *changed, "async_rl.stall_watchdog.stall_timeout_s=4", timeout=300)
+    tail = [x for x in stalled.stderr.splitlines() if x.strip()][-1]
+    assert stalled.returncode == 1, stalled.stderr[-3000:]
+    assert tail.startswith("RolloutStall: the train pump has waited ") and "for step 1 with no prompt group in flight" in tail, tail
+    after = events(tmp_path)[before:]
+    (stall,) = [e for e in after if e["type"] == "stall"]
+    (failed,) = [e for e in after if e["type"] == "run_failed"]
+    assert stall["step"] == 1 and stall["in_flight"] == 0 and failed["error"] == tail and failed["step"] == 1
+    (restored,) = [e for e in after if e["type"] == "buffer_restored"]
+    assert restored["kept"] or restored["redispatched"], "the checkpoint held step 1's groups"
+    first_starts = {(e["step"], e["group"]): e["start_weight"] for e in events(tmp_path)[:before] if e["type"] == "dispatch"}
+    evicted = {(e["step"], e["group"]) for e in after if e["type"] == "evict"}
+    assert {tuple(g) for g in restored["kept"] if first_starts[tuple(g)] < 1} <= evicted, "every group evicted in the wait has its event"

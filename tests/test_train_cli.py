@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_line, run_cli
+from conftest import connect, last_line, run_cli
 from minirl.metrics import REQUIRED_FIELDS
 
 pytestmark = pytest.mark.slow
@@ -115,3 +115,81 @@ def test_a_model_error_on_the_default_config_is_redispatched_not_masked(tmp_path
     assert row["rollouts_masked"] == 0 and row["groups_trained"] == 4 and row["redispatched_rows"] == 1
     (failure,) = [e for e in events(tmp_path) if e["type"] == "failure"]
     assert failure["decision"] == "retried" and failure["error_type"] == "ModelCallFailed"
+
+
+def run_failed(run_dir: Path) -> list[dict]:
+    return [e for e in events(run_dir) if e["type"] == "run_failed"]
+
+
+def test_a_diverging_update_ends_the_run_naming_the_lr_before_weights_are_published(tmp_path, shared_engine):
+    """Issue 29: lr=1e30 leaves finite weights whose forward pass overflows. The run ends after that
+    optimizer step with NonFiniteUpdate naming the step and the lr (not blaming the generation fleet
+    one step later), writes run_failed, and the engine never serves the diverged weights."""
+    proc = run_cli("policy.optimizer.lr=1e30", "grpo.max_num_steps=3", "grpo.num_prompts_per_step=2",
+                   "grpo.num_generations_per_prompt=2", "checkpoint.enabled=false", "logger.tensorboard=false",
+                   f"run_dir={tmp_path}", *shared_engine)
+    tail = last_line(proc.stderr)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert tail.startswith("NonFiniteUpdate: after optimizer step 0 (policy.optimizer.lr=1e+30) ") and "not finite" in tail, tail
+    (failed,) = run_failed(tmp_path)
+    assert failed["error"] == tail and failed["step"] == 0
+    assert not (tmp_path / "metrics.jsonl").read_text().strip(), "no step completed"
+    ray = connect(shared_engine)
+    try:
+        assert ray.get(ray.get_actor("shared-gen-0").weights_finite.remote())
+    finally:
+        ray.shutdown()
+
+
+def test_a_checkpoint_that_cannot_be_written_mid_run_ends_it_with_run_failed(tmp_path, shared_engine):
+    """The directory is checked at start; one that breaks later (here: replaced by a file after
+    step 0) ends the run at the save with CheckpointError naming the step and the path, and a
+    run_failed event, as every run-ending failure outside the collect path does."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from minirl.config import REPO_ROOT
+
+    args = ["grpo.max_num_steps=3", "checkpoint.save_period=3", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+            "logger.tensorboard=false", f"run_dir={tmp_path}", *shared_engine]
+    proc = subprocess.Popen([sys.executable, "-m", "minirl.train", *args], cwd=REPO_ROOT, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 240
+        ckpt = tmp_path / "checkpoints"
+        while time.time() < deadline and proc.poll() is None and not (
+                (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text().strip()):
+            time.sleep(0.1)
+        assert ckpt.is_dir(), "the start-up check made the directory"
+        ckpt.rmdir()
+        ckpt.write_text("not a directory any more")
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    tail = last_line(stderr)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert tail.startswith(f"CheckpointError: cannot write the checkpoint of step 2 under {tmp_path / 'checkpoints'}: "), tail
+    (failed,) = run_failed(tmp_path)
+    assert failed["error"] == tail and failed["step"] == 2
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
+
+
+def test_workers_beyond_what_ray_offers_end_at_once_naming_the_keys(tmp_path):
+    """Not Ray's GetTimeoutError after 120 s: with cluster.num_cpus unset, Ray detects the machine's
+    CPUs, and the bundles are checked against them before anything is placed."""
+    import time
+
+    t0 = time.perf_counter()
+    proc = run_cli("cluster.num_generation_workers=64", f"run_dir={tmp_path}", timeout=120)
+    elapsed = time.perf_counter() - t0
+    tail = last_line(proc.stderr)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert tail.startswith("ConfigError: cluster.num_cpus: the workers need 65 CPUs (cluster.num_generation_workers=64 x "
+                           "cluster.cpus_per_generation_worker=1 + cluster.num_policy_workers=1 x cluster.cpus_per_policy_worker=1), "
+                           "more than Ray offers (ray.cluster_resources() "), tail
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    (failed,) = run_failed(tmp_path)
+    assert failed["error"] == tail

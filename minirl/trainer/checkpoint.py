@@ -9,9 +9,15 @@ A checkpoint is written into a temporary directory; `state.json`, written last, 
 of every other file (relative path, size, sha256); every file and directory is fsynced, then the
 directory is renamed to `step_N` and its parent fsynced.
 
-Invariant: a checkpoint is trusted only when its manifest verifies; `select` never resumes from one
-that does not (`auto` falls back to the newest that does and reports each one skipped, an explicit
-path raises CheckpointError naming the path and the file), and resuming repeats no step and skips none.
+Invariant: a checkpoint is trusted only when its manifest verifies (an empty manifest does not);
+`select` never resumes from one that does not (`auto` falls back to the newest that does and reports
+each one skipped, an explicit path raises CheckpointError naming the path and the file), and
+resuming repeats no step and skips none.
+
+`state.json` also holds the run's resolved config (`config`). A resume whose config changes the
+step's shape or the staleness window (RESUME_KEYS) is refused before Ray starts, with one
+ConfigError line naming each changed key with its old and new values: the restored data position,
+buffer and cursor are only meaningful under the config that wrote them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ from pathlib import Path
 
 STATE = "state.json"
 ASYNC_BUFFER = "async_buffer.pkl"
+RESUME_KEYS = ("grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "async_rl.enabled")
+"""Keys a resume must keep: they fix which prompt groups make a step."""
+ASYNC_RESUME_KEYS = ("async_rl.sampler.name", "async_rl.sampler.max_staleness_versions", "async_rl.max_buffered_rollouts",
+                     "async_rl.rollout_failure.on_dropped_prompt")
+"""...and, when either run is async, these too: the buffer's cursor, its kept groups' window, its size."""
 
 
 class CheckpointError(RuntimeError):
@@ -92,6 +103,8 @@ def verify(path: Path) -> str | None:
         return f"{STATE} unreadable ({exc})"
     except KeyError:
         return f"{STATE} has no manifest (written before manifests existed): cannot verify"
+    if not isinstance(manifest, dict) or not manifest:
+        return f"{STATE} has an empty manifest: nothing to verify"
     for rel, want in manifest.items():
         file = path / rel
         if not file.is_file():
@@ -129,3 +142,53 @@ def select(run_dir: Path, resume: str) -> tuple[Path | None, list[tuple[Path, st
 
 def read_state(path: Path) -> dict:
     return json.loads((path / STATE).read_text())
+
+
+def _lookup(tree: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return "<unset>"
+        tree = tree[part]
+    return tree
+
+
+def check_resume(cfg) -> None:
+    """Before Ray starts: the checkpoint `checkpoint.resume` would take must have been written under
+    the same RESUME_KEYS (and, async, ASYNC_RESUME_KEYS); else ConfigError naming each changed key.
+    A checkpoint written before configs were saved is not checked. Which checkpoint is taken, and
+    what is skipped on the way, is decided (and reported) again by `select` once the run starts."""
+    from dataclasses import asdict
+
+    from minirl.config import ConfigError
+
+    if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and cfg.run_dir is None):
+        return
+    try:
+        path, _ = select(Path(cfg.run_dir or "."), cfg.checkpoint.resume)
+    except CheckpointError:
+        return  # the run reports it, as before
+    old = read_state(path).get("config") if path is not None else None
+    if not isinstance(old, dict):
+        return
+    new = asdict(cfg)
+    keys = RESUME_KEYS + (ASYNC_RESUME_KEYS if _lookup(old, "async_rl.enabled") is True or cfg.async_rl.enabled else ())
+    changed = [(k, _lookup(old, k), _lookup(new, k)) for k in keys if _lookup(old, k) != _lookup(new, k)]
+    if changed:
+        raise ConfigError(changed[0][0], "differs from the checkpoint resumed (" + ", ".join(
+            f"{k}: {a!r} -> {b!r}" for k, a, b in changed) + f"; {path}): a resume must keep the step's shape and "
+            "the staleness window; set them back, or start a new run_dir")
+
+
+def check_writable(run_dir: Path) -> None:
+    """Before Ray starts: the checkpoint directory can be made and written (a probe file, removed)."""
+    from minirl.config import ConfigError
+
+    root = directory(run_dir)
+    probe = root / f".probe_{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("checkpoint.enabled", f"checkpoints cannot be written to {root}: {exc.strerror or exc} "
+                          "(make it writable, or set checkpoint.enabled=false)") from None

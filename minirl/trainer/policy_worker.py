@@ -7,7 +7,10 @@ so N workers compute the same update as one.
 
 Invariant: one `train` call makes exactly one optimizer step over every trace with a non-zero
 mask, or none at all: a non-finite loss or gradient norm skips the step and raises
-NonFiniteUpdate, so the weights (and what is published from them) stay finite. The loss is
+NonFiniteUpdate, so the weights (and what is published from them) stay finite; so does a step
+after which a parameter, or the logits of a forward pass on one of the step's sequences, is not
+finite (a huge learning rate leaves finite weights whose activations overflow), before anything
+is published. The loss is
 token-normalised over what is trained, whatever the step's size; the logprobs it trains against
 are its own (the generator's only weight them, with use_importance_sampling_correction).
 
@@ -179,6 +182,7 @@ class PolicyWorker:
                 "and no weights were published"
             )
         self.optimizer.step()
+        self._check_update(batch, rows)
         self.steps_done += 1
         tokens = self._global(totals["tokens"])
         return {
@@ -191,6 +195,30 @@ class PolicyWorker:
             "token_mult_prob_error": self._global(totals["mult_err"]) / max(tokens, 1),
             "train_tokens": tokens,
         }
+
+    def _check_update(self, batch: dict, rows: np.ndarray) -> None:
+        """The weights the step left are finite, and so are the logits of a forward pass on one of the
+        step's sequences; else NonFiniteUpdate naming the step, the lr and what is not finite."""
+        import torch
+
+        with torch.no_grad():
+            params = list(self.model.named_parameters())
+            what = next((f"parameter {name}" for name, p in params if not torch.isfinite(p).all()), None)
+            if what is None:
+                n = int(batch["lengths"][rows[0]]) if len(rows) else 2
+                ids = batch["input_ids"][rows[:1], :n] if len(rows) else np.zeros((1, 2), dtype=np.int64)
+                self.model.eval()
+                logits = self.model(input_ids=torch.as_tensor(ids, device=self.device)).logits
+                self.model.train()
+                bad = int((~torch.isfinite(logits)).sum())
+                what = f"the logits of a forward pass on a trained sequence ({bad} of {logits.numel()})" if bad else None
+            if what is None:
+                return
+            largest = float(max(p.detach().abs().max().float() for _, p in params))
+        raise NonFiniteUpdate(
+            f"after optimizer step {self.steps_done} (policy.optimizer.lr={self.cfg.policy.optimizer.lr:g}) {what} not finite "
+            f"(largest |weight| {largest:.3g}): the update diverged, and no weights were published"
+        )
 
     def get_weights(self) -> list[tuple[str, np.ndarray]]:
         """Hugging Face names -> float32 numpy arrays (cheap to send through Ray)."""
