@@ -222,3 +222,38 @@ def test_a_snapshot_never_lists_a_finished_group_as_in_flight_too():
     snap = asyncio.run(go())
     assert [(r.step, r.group) for r in snap["ready"]] == [(0, 1)]
     assert snap["in_flight"] == [(0, 0, False)]
+
+
+def test_a_lost_place_takes_a_spare_within_its_own_budget_and_borrows_from_the_furthest_step():
+    """`replace` as upstream's pump decides it, on constructed records: the pool refills a whole
+    batch at a time below its low-water mark; a lost place (drop or skip) takes a spare and, when a
+    later step holds a finished group, promotes one from the furthest such step and re-aims itself
+    there; `max_replacement_attempts` counts per place, and an empty pool shrinks."""
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.config import load_config
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2", "async_rl.rollout_failure.on_dropped_prompt=replace",
+                             "async_rl.rollout_failure.replacement_reserve_prompts=3"])
+    events = []
+    pump = RolloutPump(cfg, RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100), GroupBuffer(8),
+                       make_sampler("in_order", 2, 2), 0, 0, None)
+    pump.stamped = True
+    pump._refill()
+    assert pump.pool == [(0, 2), (0, 3), (1, 2), (1, 3)]  # two batches to get above the mark of 3
+    assert [e["batch"] for e in events if e["type"] == "spare_pool"] == [0, 1]
+    step1, step2a, step2b = rec(1, 0, 0), rec(2, 0, 0), rec(2, 1, 0)
+    pump.buffer.ready = [step1, step2a, step2b, rec(2, 9, 0, "dropped")]
+    place = [0, 1, 0, False, 0]
+    assert pump._substitute(place, GroupOutcome(1, "dropped", step=0))
+    assert place == [0, 2, 2, True, 1] and (step2a.target_step, step2a.promoted) == (0, True)  # furthest step lends
+    assert not pump._substitute(place, GroupOutcome(2, "dropped", step=0))  # its one attempt is used: shrink
+    other = [1, 1, 1, False, 0]
+    assert pump._substitute(other, GroupOutcome(1, "skipped", step=1))  # a skip is replaced as a drop is
+    assert other == [0, 3, 2, True, 1] and step2b.target_step == 1 and step1.target_step == 1
+    pump.pool = []
+    assert not pump._substitute([1, 0, 1, False, 0], GroupOutcome(0, "dropped", step=1))
+    decisions = [(e["decision"], e.get("reason"), e.get("lender_step")) for e in events if e["type"] == "replace"]
+    assert decisions == [("promoted", None, 2), ("shrink", "max_replacement_attempts", None), ("promoted", None, 2),
+                         ("shrink", "pool_empty", None)]
