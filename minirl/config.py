@@ -174,6 +174,10 @@ class NemoGymConfig:
     INFRA. None: no deadline."""
     max_row_attempts: int = 3
     """Attempts per row within one group attempt before the group attempt fails (row redispatch)."""
+    keep_returned_rows: bool = True
+    """A group retry re-sends only the rows that did not come back; their siblings keep their
+    validated results (minirl, fix 3's design). `false`: upstream's retry, every row of the group
+    re-run under the fresh group id."""
 
 
 @dataclass

@@ -131,7 +131,8 @@ def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tu
         "traces_trained": sum(len(r.traces) for r in trained),
         "tokens_trained": int(batch["global_valid_tokens"]),
         "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
-        "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+        "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),  # every kept rollout, masked ones too
+        "reward_mean_trained": float(np.mean([r.reward for r in trained])) if trained else float("nan"),
         "episode_calls_mean": float(np.mean([len(r.calls) for r in all_rollouts])) if all_rollouts else 0.0,
     }
     return batch, stats
@@ -266,6 +267,8 @@ class Controller:
             guard_rejections=guard_failed + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
             calls_retired=ledger.get("calls_retired", 0),
             calls_unrecorded=ledger.get("calls_unrecorded", 0),
+            calls_stale=ledger.get("calls_stale", 0),  # external agents: masked, see Ledger.match_external
+            calls_logprob_mismatch=ledger.get("calls_logprob_mismatch", 0),
             calls_matched=ledger.get("calls_matched", 0),
             gen_time_s=gen_s,
             engine_busy_s=engine_busy_s,

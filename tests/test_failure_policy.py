@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 
 import pytest
 
@@ -369,3 +370,207 @@ def test_a_programming_error_propagates_and_is_never_a_skipped_prompt(base_cfg):
     with pytest.raises(KeyError):
         asyncio.run(go())
     assert not [e for e in events if e["type"] == "failure"]
+
+
+# ---------------------------------------------------------------------------- issue 29
+def deep_json(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+GOOD_ITEM = {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
+             "prompt_token_ids": [1, 2, 3], "generation_token_ids": [5, 6], "generation_log_probs": [-0.1, -0.2]}
+EMPTY_REPLY = {"type": "message", "role": "assistant"}
+ISSUE_29_RESULTS = {  # group: (what rollout 0 of the group answers, as JSON text; the message fragment)
+    0: ('{"response": {"output": [ITEM]}, "reward": 1' + "0" * 400 + "}", "reward must be a finite number with |reward| <="),
+    1: ('{"response": {"output": [ITEM_LPS]}, "reward": 1.0}', "generation_log_probs must be finite and <= 0"),
+    2: ('{"response": {"output": [ITEM_F32]}, "reward": 1.0}', "got -1e+308 (finite in float32"),
+    3: ('{"response": {"output": [ITEM]}, "reward": 1.0, "evidence": {"compactions": "many"}}', "evidence.compactions"),
+    4: ('{"response": {"output": [ITEM]}, "reward": 1.0, "evidence": {"guard": 5}}', "evidence.guard"),
+    5: ('{"response": {"output": [ITEM]}, "reward": 1.0, "evidence": {"guard": [1]}}', "evidence.guard"),
+    6: ('{"response": {"output": [ITEM, CONTENT_5]}, "reward": 1.0}', "response.output[1].content must be"),
+    7: ('{"response": {"output": [ITEM, CONTENT_NULL]}, "reward": 1.0}', "response.output[1].content must be"),
+    8: ('{"response": {"output": ' + deep_json(200_000) + '}, "reward": 1.0}', "nested deeper than it parses"),
+    9: ('{"response": {"output": [ITEM]}, "reward": 1e38}', "reward must be a finite number with |reward| <="),
+}
+
+
+def _issue_29_body(group: int) -> str:
+    text = ISSUE_29_RESULTS[group][0]
+    for name, item in {"ITEM_LPS": {**GOOD_ITEM, "generation_log_probs": [-0.1, -(10**400)]},
+                       "ITEM_F32": {**GOOD_ITEM, "generation_log_probs": [-0.1, -1e308]},
+                       "CONTENT_5": {**EMPTY_REPLY, "content": 5}, "CONTENT_NULL": {**EMPTY_REPLY, "content": [{"text": None}]},
+                       "ITEM": GOOD_ITEM}.items():
+        text = text.replace(name, json.dumps(item))
+    return text
+
+
+def test_each_malformed_result_of_issue_29_costs_its_group_one_data_failure(base_cfg):
+    """An external agent server answers rollout 0 of each group with one of the issue's shapes
+    (rollout 1 is good): each group's malformed row is one DATA failure naming the field, retried
+    without backoff and then skipped within the skip budget (the normal DATA policy); no bare
+    Python exception escapes, the good sibling is never trained alone, no backoff is slept."""
+    from aiohttp import web
+
+    async def run_handler(request):
+        row = await request.json()
+        c = row["_minirl"]
+        if c["rollout"] == 0:
+            return web.Response(text=_issue_29_body(c["group"]), content_type="application/json")
+        return web.json_response({**row, "response": {"output": [GOOD_ITEM]}, "reward": 0.0})
+
+    n = len(ISSUE_29_RESULTS)
+    cfg = policy_cfg(base_cfg, groups=n, gens=2, max_data_attempts_per_prompt=2, max_skipped_prompts=n)
+    run = Run()
+
+    async def sleep(s):
+        run.sleeps.append(s)
+
+    async def go():
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/run", run_handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        m = run.manager = RolloutManager(cfg, [url], run.events.append, VOCAB, sleep=sleep)
+        try:
+            return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(n)])
+        finally:
+            await m.session.close()
+            await runner.cleanup()
+
+    run.outcomes = asyncio.run(go())
+    assert [o.status for o in run.outcomes] == ["skipped"] * n and run.manager.skipped == n
+    assert all(o.rollouts == {} for o in run.outcomes), "nothing reaches the trainer"
+    assert run.sleeps == []
+    for g, (_, fragment) in ISSUE_29_RESULTS.items():
+        mine = [e for e in run.failures() if e["group"] == g]
+        assert [e["decision"] for e in mine] == ["retried", "skipped"], mine
+        assert {e["rollout"] for e in mine} == {0} and {e["class"] for e in mine} == {"data"}
+        assert {e["reason"] for e in mine} == {"RolloutDataFailure"}
+        assert all(fragment in e["error"] for e in mine), (g, mine[0]["error"])
+    assert_invariants(run)
+
+
+def test_a_group_deadline_before_any_send_names_fresh_attempts_never_minus_one(base_cfg):
+    """A deadline that ends the group attempt before its rows are sent (here 0 s) still writes
+    each row's failure under an attempt id of its own: 0, then 1 (never -1, never reused)."""
+    cfg = policy_cfg(base_cfg, groups=1, gens=2, max_infra_attempts_per_prompt=2, max_consecutive_dropped_prompts=1)
+    cfg.async_rl.rollout_failure.nemo_gym.rollout_timeout_s = 0.0
+    run = Run()
+
+    async def sleep(s):
+        run.sleeps.append(s)
+
+    async def go():
+        m = run.manager = RolloutManager(cfg, ["http://127.0.0.1:9"], run.events.append, VOCAB, sleep=sleep)
+        try:
+            return await m.run_step(0, [prompt_row(cfg, 0, 0)])
+        finally:
+            await m.session.close()
+
+    run.outcomes = asyncio.run(go())
+    assert run.outcomes[0].status == "dropped" and run.outcomes[0].row_sends == 0
+    assert sorted((e["rollout"], e["attempt"]) for e in run.failures()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [e["decision"] for e in run.failures()] == ["retried", "retried", "dropped", "dropped"]
+    assert run.manager.reservations == {} and run.manager.in_flight == {}
+    assert len({e["group_attempt"] for e in run.failures()}) == 2, "one fresh group id per group attempt, shared by its rows"
+
+
+def test_a_group_retry_keeps_returned_rows_unless_keep_returned_rows_is_false(stack, base_cfg):
+    """Fix 3's design: a group retry re-sends only the rows that did not come back; with
+    `nemo_gym.keep_returned_rows=false` (upstream) it re-runs every row of the group. With
+    `max_row_attempts=1` rollout 0's INFRA failure fails the group attempt at once."""
+    once = {"kind": "agent_exception", "step": 0, "group": 0, "rollout": 0, "attempt": 0}
+    for keep, sibling_attempts in ((True, {0}), (False, {0, 1})):
+        cfg = policy_cfg(base_cfg, [once], groups=1)
+        cfg.async_rl.rollout_failure.nemo_gym.max_row_attempts = 1
+        cfg.async_rl.rollout_failure.nemo_gym.keep_returned_rows = keep
+        run = run_step(stack, cfg)
+        assert run.error is None and run.sleeps == [1.0]
+        g0 = run.outcomes[0]
+        assert g0.status == "committed" and g0.group_attempts == 2
+        assert g0.rollouts[0].coords.attempt == 1 and g0.rollouts[1].coords.attempt == max(sibling_attempts)
+        assert {c["attempt"] for c in run.calls if c["rollout"] == 1} == sibling_attempts
+        assert_invariants(run)
+
+
+def test_the_exhausted_message_names_the_prompts_stream_index_as_upstreams_idx(stack, base_cfg):
+    """Upstream's `prompt idx={idx}` is the sample's dataset index: here group 1 of step 1 with
+    2 prompts a step is prompt 3 of the stream, not slot 1 of its step."""
+    always = {"kind": "agent_exception", "step": 1, "group": 1, "rollout": 0}
+    run = run_step(stack, policy_cfg(base_cfg, [always], redispatch=False), step=1)
+    assert isinstance(run.error, RolloutRedispatchExhausted)
+    assert str(run.error).startswith("prompt idx=3 exhausted its infrastructure retry budget after 1 attempt(s)")
+
+
+def test_an_external_agents_forged_logprobs_and_stale_call_mask_their_rollouts(stack, base_cfg, engine):
+    """Through the real model server and engine: an external agent (no rollout header) whose
+    rollout 1 reports every logprob as -40 is masked (`calls_logprob_mismatch`), its honest sibling
+    trains; at step 1 (after a weight update) rollout 0 returns a call it made and discarded at
+    step 0: that call is stale, and it masks its rollout (`calls_stale`) instead of ending the run."""
+    from aiohttp import ClientSession, web
+
+    from minirl.agents.agent import chat_tools
+    from minirl.agents.items import items_to_messages, reply_to_items
+    from minirl.agents.model_client import HttpModelClient
+    from minirl.trainer.policy_worker import PolicyWorker
+
+    cfg = policy_cfg(base_cfg, groups=1, gens=2)
+    stash = {}
+
+    async def go():
+        async with stack(cfg) as s, ClientSession() as http:
+            client = HttpModelClient([s.model_url], cfg.policy.model_name, http)
+
+            async def call(row, seed):
+                params = row["responses_create_params"]
+                reply = await client.chat(items_to_messages(params["input"]), chat_tools(params["tools"]),
+                                          {"temperature": 1.0, "max_output_tokens": 6, "seed": seed}, "", None)
+                return reply_to_items(reply.message, reply.evidence)
+
+            async def run_handler(request):
+                row = await request.json()
+                c = row["_minirl"]
+                if c["step"] == 1 and c["rollout"] == 0:
+                    items = stash["discarded"]  # made at step 0, under the old weights
+                else:
+                    items = await call(row, 100 * c["step"] + c["rollout"])
+                if c["step"] == 0 and c["rollout"] == 0:
+                    stash["discarded"] = await call(row, 7)  # a second call it does not return now
+                if c["rollout"] == 1 and c["step"] == 0:
+                    items[-1]["generation_log_probs"] = [-40.0] * len(items[-1]["generation_log_probs"])
+                return web.json_response({**row, "response": {"output": items}, "reward": float(c["rollout"])})
+
+            app = web.Application()
+            app.router.add_post("/run", run_handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            m = RolloutManager(cfg, [url], [].append, VOCAB)
+            ledger = Ledger(None)
+            v0 = engine.version
+            weights = PolicyWorker(base_cfg).get_weights()
+            try:
+                out0 = await m.run_step(0, [prompt_row(cfg, 0, 0)])
+                kept0 = [out0[0].rollouts[r] for r in sorted(out0[0].rollouts)]
+                counts0, left = ledger.match_external(0, s.model.take_calls(None), kept0, version=v0)
+                await asyncio.wrap_future(engine.update_weights(weights, version=v0 + 1))
+                out1 = await m.run_step(1, [prompt_row(cfg, 1, 0)])
+                kept1 = [out1[0].rollouts[r] for r in sorted(out1[0].rollouts)]
+                counts1, _ = ledger.match_external(1, left + s.model.take_calls(None), kept1, version=v0 + 1)
+                return kept0, counts0, left, kept1, counts1
+            finally:
+                await asyncio.wrap_future(engine.update_weights(weights, version=v0))
+                await m.session.close()
+                await runner.cleanup()
+
+    kept0, counts0, left, kept1, counts1 = asyncio.run(go())
+    assert counts0["calls_matched"] == 1 and counts0["calls_logprob_mismatch"] == 1 and len(left) == 1
+    assert [r.mask_reason for r in kept0] == [None, "logprob_mismatch"]
+    assert "differs from the engine's record by" in kept0[1].evidence["errors"][-1]
+    assert counts1["calls_matched"] == 1 and counts1["calls_stale"] == 1
+    assert [r.mask_reason for r in kept1] == ["stale_calls", None]

@@ -85,6 +85,35 @@ def test_walk_stops_after_eight_links_and_on_cycles():
     assert classify(a) == DATA
 
 
+class Counted(Exception):
+    """A link that counts how often the walk looks at it (through its `status`)."""
+
+    def __init__(self):
+        super().__init__("counted")
+        self.looks = 0
+
+    @property
+    def status(self):
+        self.looks += 1
+        return None
+
+
+def test_walk_looks_at_eight_links_at_most_and_at_each_link_of_a_cycle_once():
+    """Upstream's walk: at most 8 links, with a cycle guard. A chain of 20 is read 8 links deep;
+    a cycle of 3 is read once per link and not 8 times round, and ends as DATA."""
+    links = [Counted() for _ in range(20)]
+    assert classify(chain(*links)) == DATA
+    assert [x.looks for x in links] == [1] * 8 + [0] * 12
+    a, b, c = Counted(), Counted(), Counted()
+    a.__cause__, b.__cause__, c.__cause__ = b, c, a
+    assert classify(a) == DATA
+    assert (a.looks, b.looks, c.looks) == (1, 1, 1)
+    d = Counted()  # a cycle that reaches an INFRA link on its way round still finds it
+    d.__cause__ = ConnectionError()
+    d.__cause__.__cause__ = d
+    assert classify(d) == INFRA
+
+
 def test_budget_errors_are_not_rollout_failures():
     assert not issubclass(RolloutRedispatchExhausted, RolloutFailure)
     assert not issubclass(RolloutStall, RolloutFailure)

@@ -7,7 +7,8 @@ model call's token ids and logprobs), `reward` and the agent's `evidence`.
 The row is checked before its episode starts (`parse_row`): a body that is not a JSON object or
 nests too deeply, an `agent_ref` without a string name, a bad `_minirl` block, a `task` without an
 integer `seed` or with `num_rooms` outside [1, env.max_num_rooms], an `input` that is not a list of
-items the agent can read, is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field, so
+items the agent can read, a `metadata.extra_body` that is not a JSON object in a string (or whose seed is
+not an integer), is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field, so
 the rollout manager reads it as DATA. Parsing and checking cost time linear in the row's size
 and run in a worker thread for a row over `minirl.http_thread.INLINE_BYTES`; the answer is
 serialized off the loop too, so a large row does not hold up other requests or `/health`.
@@ -40,6 +41,7 @@ from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan
+from minirl.gym.rows import WHERE as EXTRA_BODY, extra_body
 from minirl.wire import BadCoordinates, Coords, run_error_body, run_error_status
 from minirl.http_thread import HttpThread, off_loop
 
@@ -102,6 +104,12 @@ def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
         raise BadRow(f"responses_create_params.tools must be a list of objects, got {_short(tools)}")
     if "seed" in params and not _int(params["seed"]):
         raise BadRow(f"responses_create_params.seed must be an integer, got {_short(params['seed'])}")
+    try:  # Gym's per-request extras: a JSON object written as a string; the agent reads its seed
+        extras = extra_body(params)
+    except ValueError as exc:
+        raise BadRow(str(exc)[:300]) from None
+    if "seed" in extras and not _int(extras["seed"]):
+        raise BadRow(f"{EXTRA_BODY}.seed must be an integer, got {_short(extras['seed'])}")
     return row, ref["name"], coords
 
 

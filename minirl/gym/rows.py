@@ -19,12 +19,15 @@ WHERE = "responses_create_params.metadata.extra_body"
 
 def extra_body(params: dict) -> dict:
     """The per-request extras of a row's `responses_create_params` ({} when there are none)."""
-    raw = (params.get("metadata") or {}).get("extra_body")
+    metadata = params.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"responses_create_params.metadata must be an object, got {type(metadata).__name__}")
+    raw = (metadata or {}).get("extra_body")
     if raw is None:
         return {}
     try:
         extras = json.loads(raw) if isinstance(raw, str) else None
-    except ValueError:
+    except (ValueError, RecursionError):
         extras = None
     if not isinstance(extras, dict):
         raise ValueError(f"{WHERE} must be a JSON object written as a string, got {raw!r}")

@@ -8,7 +8,8 @@ Per group (NeMo-RL's `generate_and_push`, plus minirl's fixes):
 - a DATA failure is retried without backoff up to `max_data_attempts_per_prompt`, then skipped
   within `max_skipped_prompts` (past it, upstream's skip-budget error), or re-raised unchanged at 0;
 - within a group attempt, a row that failed with INFRA is re-sent alone, up to
-  `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch);
+  `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch),
+  and keep them across group attempts too unless `nemo_gym.keep_returned_rows=false` (upstream);
 - `nemo_gym.rollout_timeout_s` is one deadline per group attempt, row re-sends included (upstream's
   "NeMo-Gym prompt group exceeded {s}s"); rows that came back before it keep their results;
 - under context compaction with `redispatch_dropped_groups=false` (upstream), nothing is re-sent:
@@ -187,6 +188,8 @@ class RolloutManager:
         row_attempt = [0] * G
         infra = data = 0
         while True:
+            if out.group_attempts and not self.rf.nemo_gym.keep_returned_rows:
+                out.rollouts = {}  # upstream: a group retry re-runs every row
             gid = f"grp-{uuid.uuid4().hex[:12]}"
             self.reservations[gid] = (step, group)
             out.group_attempts += 1
@@ -209,7 +212,7 @@ class RolloutManager:
                     await self.sleep(delay)
                     continue
                 self._failed(failures, kind, "dropped", group_attempt=gid)
-                return self._drop(step, group, out, exc, self._exhausted_message(group, infra, exc))
+                return self._drop(step, group, out, exc, self._exhausted_message(step, group, infra, exc))
             data += 1
             if self.can_redispatch and data < self.rf.max_data_attempts_per_prompt:
                 self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=gid)
@@ -232,16 +235,21 @@ class RolloutManager:
             # upstream under CC: a group with no valid owner is dropped, against the same budget
             reasons = sorted({r.mask_reason for r in out.rollouts.values()})
             exc = RolloutDataFailure(f"no valid owner: every rollout of the group is masked ({', '.join(reasons)})")
-            message = (f"prompt idx={group} has no valid owner (every rollout masked: {', '.join(reasons)}), and this was "
+            message = (f"prompt idx={self.prompt_idx(step, group)} has no valid owner (every rollout masked: {', '.join(reasons)}), and this was "
                        f"drop {self.consecutive_drops + 1} with no rollout committed in between, exceeding "
                        f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}")
             return self._drop(step, group, out, exc, message)
         self.consecutive_drops = 0
         return out
 
-    def _exhausted_message(self, group: int, attempts: int, exc: BaseException) -> str:
+    def prompt_idx(self, step: int, group: int) -> int:
+        """Upstream's `idx`: the prompt's position in the prompt stream (its dataset index), not its
+        slot in the step: group g of step s is prompt s * num_prompts_per_step + g."""
+        return step * self.cfg.grpo.num_prompts_per_step + group
+
+    def _exhausted_message(self, step: int, group: int, attempts: int, exc: BaseException) -> str:
         return (
-            f"prompt idx={group} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
+            f"prompt idx={self.prompt_idx(step, group)} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
             f"(max_infra_attempts_per_prompt={self.rf.max_infra_attempts_per_prompt}), and this was drop "
             f"{self.consecutive_drops + 1} with no rollout committed in between, exceeding "
             f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}; the generation fleet is not "
