@@ -115,11 +115,16 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
     from aiohttp import web
 
     def answer(row):
-        group = row["_minirl"]["group"]
-        lps = {2: [-0.1, float("inf")], 3: [-0.1, 0.5]}.get(group, [-0.1, -0.2])
+        group, step = row["_minirl"]["group"], row["_minirl"]["step"]
+        lps = {2: [-0.1, float("inf")], 3: [-0.1, 0.5]}.get(group, [-0.1, -0.2]) if step == 0 else [-0.1, -0.2]
         item = {"type": "function_call", "name": "open_door", "arguments": '{"code": 1}', "call_id": "c",
                 "prompt_token_ids": [5, 6, 7], "generation_token_ids": [8, 9], "generation_log_probs": lps}
         reward = 1e39 if group == 1 else 0.25 * row["_minirl"]["rollout"]
+        if step == 1:  # issue 29: shapes that ended the run with a bare TypeError / OverflowError
+            reward = 10**400 if group == 1 else reward
+            evidence = {"guard": 5} if group == 2 else {}
+            output = [item, {"type": "message", "role": "assistant", "content": [{"text": None}]}] if group == 3 else [item]
+            return {**row, "response": {"output": output}, "reward": reward, "evidence": evidence}
         return {**row, "response": {"output": [item]}, "reward": reward}
 
     async def run_handler(request):  # json.dumps writes inf as Infinity, which Python's json reads back
@@ -157,11 +162,15 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
     # match (J item 5) finds no record of them, so they are masked too
     assert all(r["calls_unrecorded"] == 2 and r["rollouts_masked"] == 2 for r in rows), rows
     failures = [e for e in events(tmp_path) if e["type"] == "failure"]
-    by_group = {e["group"]: e["error"] for e in failures}
-    assert "reward must be a finite number with |reward| <= 9.223e+08" in by_group[1] and "got 1e+39" in by_group[1]
-    assert "generation_log_probs must be finite and <= 0, got inf" in by_group[2]
-    assert "generation_log_probs must be finite and <= 0, got 0.5" in by_group[3]
-    assert {e["decision"] for e in failures} == {"skipped"} and 0 not in by_group
+    by_group = {(e["step"], e["group"]): e["error"] for e in failures}
+    assert "reward must be a finite number with |reward| <= 9.223e+08" in by_group[0, 1] and "got 1e+39" in by_group[0, 1]
+    assert "generation_log_probs must be finite and <= 0, got inf" in by_group[0, 2]
+    assert "generation_log_probs must be finite and <= 0, got 0.5" in by_group[0, 3]
+    assert "reward must be a finite number with |reward| <= 9.223e+08" in by_group[1, 1] and "an integer of 1329 bits" in by_group[1, 1]
+    assert "evidence.guard must be a list of flat objects" in by_group[1, 2]
+    assert "response.output[1].content must be a string or a list of parts" in by_group[1, 3]
+    assert {e["decision"] for e in failures} == {"skipped"} and {g for _, g in by_group} == {1, 2, 3}
+    assert {e["class"] for e in failures} == {"data"} and len(failures) == 2 * 3 * 2  # both rows of 3 groups, 2 steps
     ray = connect(shared_engine)
     try:
         assert ray.get(ray.get_actor("shared-gen-0").weights_finite.remote())
