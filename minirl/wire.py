@@ -216,7 +216,7 @@ def parse_error_body(raw: bytes) -> tuple[str, str | None]:
     text = raw[:ERROR_BODY_LIMIT].decode(errors="replace")
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # an agent's body nested past the parser's limit is text too
         return text, None
     if isinstance(body, dict):
         error, kind = body.get("error"), body.get("type")

@@ -155,6 +155,9 @@ def test_run_error_body_is_typed_and_parsed_back():
     assert parse_error_body(b'{"error": "boom"}') == ("boom", None)  # Gym's own middleware body
     assert parse_error_body(b'{"error": {"message": "bad", "type": "BadRequestError"}}') == ("bad", "BadRequestError")
     assert parse_error_body(b"plain text 500") == ("plain text 500", None)
+    deep = b'{"error": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"  # issue 29: an agent's 500 nested 200k deep
+    text, kind = parse_error_body(deep)
+    assert kind is None and text.startswith('{"error": [[[') and len(text) == 4096
     long = json.dumps({"error": "x" * 10000, "type": "T"}).encode()
     assert len(parse_error_body(long)[0]) == 4096  # kept whole up to a few KB, not 300 characters
     assert run_error_status(ModelCallFailed("m", 400)) == 400 and run_error_status(ModelCallFailed("m", 503)) == 500
