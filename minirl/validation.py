@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -45,8 +44,9 @@ import aiohttp
 from minirl.config import MinirlConfig
 from minirl.data import _seed, task_row, task_seed
 from minirl.gym.rows import with_extra_body
+from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
-from minirl.wire import INFRA, RolloutDataFailure, RolloutFailure, RolloutTimeout, classify
+from minirl.wire import INFRA, RolloutFailure, RolloutTimeout, classify
 
 
 class ValidationFailed(RuntimeError):
@@ -89,18 +89,13 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
         try:
             async with asyncio.timeout(ng.rollout_timeout_s):
                 result = await post_run(session, url, row)
-            reward = float(result["reward"])
-            if not math.isfinite(reward):
-                raise RolloutDataFailure(f"reward {result['reward']!r} is not finite")
-            return result
+            return parse_scored(result, reward_bound(cfg.grpo.normalize_rewards))  # the training path's checks
         except TimeoutError:
             exc: BaseException = RolloutTimeout(f"held-out /run exceeded {ng.rollout_timeout_s}s")
         except RolloutFailure as e:
             if getattr(e, "error_type", None) == "ContextGuardRejected":
                 return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": "guard_reject"}}
             exc = e
-        except (KeyError, TypeError, ValueError) as e:
-            exc = RolloutDataFailure(f"malformed /run result: {e!r}")
         if classify(exc) != INFRA or send >= ng.max_row_attempts:
             task = row["task"]
             raise ValidationFailed(f"held-out row {row['_rowidx']} (seed {task['seed']}, {task['num_rooms']} rooms) "

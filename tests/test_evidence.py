@@ -361,3 +361,19 @@ def test_no_result_shape_escapes_the_parser_as_another_exception():
 
     one_field()
     whole()
+
+
+def test_validation_reads_a_held_out_result_with_the_same_checks():
+    """minirl.validation scores held-out results through parse_scored: the shapes that ended a
+    run as OverflowError / AttributeError there are DATA failures naming the field."""
+    from minirl.rollout.evidence import parse_scored, reward_bound
+
+    bound = reward_bound(True)
+    good = parse_scored({"response": {"status": "completed", "output": []}, "reward": 1, "evidence": {"end_reason": "env_done"}}, bound)
+    assert good == {"reward": 1.0, "evidence": {"end_reason": "env_done", "guard": [], "errors": []}, "response": {"status": "completed"}}
+    for bad, fragment in (({"response": {}, "reward": 10**400}, "reward must be a finite number"),
+                          ({"response": {}, "reward": 1.0, "evidence": [1]}, "evidence must be an object"),
+                          ({"response": [1], "reward": 1.0}, "response must be an object"),
+                          ([1], "not a JSON object")):
+        with pytest.raises(RolloutDataFailure, match=re.escape(fragment)):
+            parse_scored(bad, bound)

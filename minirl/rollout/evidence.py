@@ -189,6 +189,20 @@ def _evidence(evidence) -> dict:
     return out
 
 
+def parse_scored(result, max_abs_reward: float) -> dict:
+    """A held-out `/run` result (validation reads only its score): the reward, the checked
+    evidence and the response's status, in a dict of known shapes. Raises RolloutDataFailure
+    naming the field, as parse_rollout does for the same fields."""
+    if not isinstance(result, dict):
+        raise RolloutDataFailure("malformed /run result: not a JSON object")
+    response = result.get("response")
+    if not isinstance(response, dict):
+        raise RolloutDataFailure(f"malformed /run result: response must be an object, got {_short(response)}")
+    status = response.get("status")
+    return {"reward": _reward(result.get("reward"), max_abs_reward), "evidence": _evidence(result.get("evidence")),
+            "response": {"status": status if isinstance(status, str) else None}}
+
+
 def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, overlong_filtering: bool,
                   allow_rewrites: bool = True, max_abs_reward: float | None = None) -> Rollout:
     """Validate a `/run` result and turn it into a Rollout: the one parser of a result, total over
