@@ -164,7 +164,7 @@ def test_a_10mb_prompt_is_refused_before_rendering_while_health_answers(stack):
     (status, body), took, worst_health, (good_status, _) = asyncio.run(go())
     assert status == 400 and body["error"]["param"] == "input_text"
     assert "maximum context length is 1024 tokens" in body["error"]["message"]  # the agent reads it as lane A
-    assert f"contains {len(text)} characters" in body["error"]["message"]
+    assert f"contains {len(text) + len('user')} characters" in body["error"]["message"]  # every printed field: the role too
     assert took < 10, f"a refused 10 MB prompt took {took:.1f}s"
     assert worst_health < 1.0, f"/health took {worst_health:.2f}s while a 10 MB prompt was handled"
     assert good_status == 200

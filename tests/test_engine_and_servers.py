@@ -24,14 +24,14 @@ def messages():
     return items_to_messages(env.initial_input())
 
 
-def test_openai_client_gets_tool_calls_token_ids_and_logprobs(stack):
+def test_openai_client_gets_tool_calls_token_ids_and_logprobs(stack, base_cfg):
     import openai
 
     async def go():
         async with stack() as s:
             client = openai.AsyncOpenAI(base_url=s.model_url + "/v1", api_key="unused")
             resp = await client.chat.completions.create(
-                model="tiny", messages=messages(), tools=CHAT_TOOLS,
+                model=base_cfg.policy.model_name, messages=messages(), tools=CHAT_TOOLS,  # an unknown name is vLLM's 404
                 logprobs=True, top_logprobs=0, temperature=0.0, max_completion_tokens=40,
                 extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
             )

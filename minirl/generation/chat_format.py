@@ -7,6 +7,10 @@ think-tag reasoning parser do, so a standard OpenAI client gets `tool_calls` and
 Message content sent as a list of parts (as Gym's `vllm_model` sends it) is flattened the way
 vLLM flattens it for a text-only chat template (`normalize_content`), before the template runs.
 
+`rendered_chars` counts, without rendering, a lower bound on the rendered text's length (every
+field the template prints, and no other), so the server can refuse a prompt too long to tokenize
+before the template runs.
+
 Invariant: for a reply in canonical form, rendering the parsed message back through the template
 reproduces the reply's text exactly (`render(parse(text)) == text`), so a history that is not
 rewritten re-renders as a prefix of the next prompt; and list content renders exactly as the
@@ -92,6 +96,56 @@ def normalize_content(content):
     return "\n".join(texts)
 
 
+def _strings(value) -> int:
+    """Characters in every string inside a JSON value, keys included: no more than `str(value)`
+    holds, so a lower bound on what the template prints for it (iterative: any nesting depth)."""
+    n, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, dict):
+            n += sum(len(k) for k in v if isinstance(k, str))
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return n
+
+
+def _content_chars(content) -> int:
+    if isinstance(content, list):  # the parts' text, as `normalize_content` joins it
+        keys = (_TEXT_PARTS.get(p.get("type")) if isinstance(p, dict) and isinstance(p.get("type"), str) else None for p in content)
+        return sum(_strings(p.get(k)) for p, k in zip(content, keys) if k is not None)
+    return _strings(content) if isinstance(content, str) else 0
+
+
+def rendered_chars(messages: list, tools: list | None) -> int:
+    """A lower bound on the length of the text CHAT_TEMPLATE renders from `messages` and `tools`,
+    counted without rendering: every field the template prints (each message's role and content;
+    an assistant's reasoning and its tool calls' names and arguments; each tool's name and
+    parameter names), never one it skips (a tool's description, a field the template does not
+    read). A value that is not a string is printed as its `str()`, which holds at least its strings."""
+    n = 0
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict):
+            continue
+        n += _strings(m.get("role")) + _content_chars(m.get("content"))
+        if m.get("role") == "assistant":
+            n += _strings(m["reasoning_content"] if "reasoning_content" in m else m.get("reasoning"))
+            calls = m.get("tool_calls")
+            for call in calls if isinstance(calls, list) else ():
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    n += _strings(fn.get("name")) + _strings(fn.get("arguments"))
+    for t in tools if isinstance(tools, list) and tools else ():
+        f = (t.get("function") or t) if isinstance(t, dict) else None
+        if not isinstance(f, dict):
+            continue
+        props = (f.get("parameters") or {}).get("properties") if isinstance(f.get("parameters") or {}, dict) else None
+        n += _strings(f.get("name")) + (sum(len(k) for k in props) if isinstance(props, dict) else _strings(props))
+    return n
+
+
 _THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -137,21 +191,43 @@ def parse_reply(text: str, tools_enabled: bool = True, reasoning_parser: str | N
     return {"content": text or None, "reasoning": reasoning, "tool_calls": tool_calls}
 
 
-def splice_prefix(prefix: list[int], rendered: list[int], eos_id: int) -> list[int] | None:
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+
+
+class PrefixMismatch(ValueError):
+    """`required_prefix_token_ids` that are not the tokens of the messages' earlier turns."""
+
+
+def splice_prefix(prefix: list[int], rendered: list[int], eos_id: int, decode) -> list[int]:
     """Keep the exact tokens of earlier turns: `prefix` (last prompt + reply) + the new tail.
 
     Re-tokenizing a rendered history need not reproduce the tokens the model generated, which
     would break the trace. The reply ends with EOS; the new turn starts right after the same
-    number of EOS tokens in the re-rendered prompt. Returns None when the structure does not line
-    up (then the caller uses `rendered` as is, and the call starts a new trace).
+    number of EOS tokens in the re-rendered prompt.
+
+    The prefix must be the messages' earlier turns: it ends with EOS, the messages render at least
+    as many turns, and turn by turn (each ending at an EOS) the prefix's tokens equal the rendered
+    ones, except where both are assistant turns (`decode(ids)` tells: they open with
+    ASSISTANT_HEADER), whose generated tokens may re-tokenize differently, or re-render
+    differently from a reply that was not in canonical form. Otherwise PrefixMismatch says where.
     """
     if not prefix or prefix[-1] != eos_id:
-        return None
-    want = prefix.count(eos_id)
-    seen = 0
-    for pos, tok in enumerate(rendered):
-        if tok == eos_id:
-            seen += 1
-            if seen == want:
-                return prefix + rendered[pos + 1 :]
-    return None
+        raise PrefixMismatch(f"must end with the end-of-turn token {eos_id} (the last reply's), got {str(prefix[-1:])[:80]}")
+    ends_p = [i for i, t in enumerate(prefix) if t == eos_id]
+    ends_r = [i for i, t in enumerate(rendered) if t == eos_id]
+    if len(ends_r) < len(ends_p):
+        raise PrefixMismatch(f"holds {len(ends_p)} turns, but the messages render only {len(ends_r)}")
+
+    def assistant(ids: list[int]) -> bool:
+        return decode(ids[:16]).lstrip("\n").startswith(ASSISTANT_HEADER)
+
+    start_p = start_r = 0
+    for turn, (end_p, end_r) in enumerate(zip(ends_p, ends_r)):
+        seg_p, seg_r = prefix[start_p:end_p + 1], rendered[start_r:end_r + 1]
+        if seg_p != seg_r and not (assistant(seg_p) and assistant(seg_r)):
+            raise PrefixMismatch(
+                f"turn {turn} (tokens {start_p}-{end_p}) differs from the messages' turn {turn}, and they are not both "
+                f"assistant turns: {decode(seg_p)[:80]!r} vs {decode(seg_r)[:80]!r}"
+            )
+        start_p, start_r = end_p + 1, end_r + 1
+    return prefix + rendered[start_r:]

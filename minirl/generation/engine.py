@@ -50,6 +50,10 @@ class GenResult:
     finish_reason: str
     version_start: int
     version_end: int
+    top: list[list[tuple[int, float, str | None]]] | None = None
+    """Each position's logprob entries as vLLM orders them (the sampled token first, then the top
+    ones or the requested `logprob_token_ids`): (token id, logprob, decoded text); only when the
+    request asked for more than the sampled token's."""
 
 
 def _reload_weights(worker, named: list) -> None:
@@ -273,6 +277,7 @@ class VllmEngine:
                 fut, version = self._pending.pop(out.request_id)
                 comp = out.outputs[0]
                 sampled = [lp[tok] for lp, tok in zip(comp.logprobs or [], comp.token_ids)]
+                wide = any(len(lp) > 1 for lp in comp.logprobs or [])
                 fut.set_result(
                     GenResult(
                         prompt_token_ids=list(out.prompt_token_ids),
@@ -283,5 +288,6 @@ class VllmEngine:
                         finish_reason=comp.finish_reason or "stop",
                         version_start=version,
                         version_end=self.version,
+                        top=[[(t, e.logprob, e.decoded_token) for t, e in lp.items()] for lp in comp.logprobs] if wide else None,
                     )
                 )

@@ -8,7 +8,9 @@ front end's ~2.5 ms of Python per request no longer holds the GIL that the engin
 `vllm serve` keeps its API server apart from its EngineCore.
 
 What crosses (pickled tuples): to the engine, token ids with vLLM's own msgpack encoding of the
-SamplingParams (what vLLM sends to its EngineCore; 3x cheaper to decode than a pickle), aborts, and
+SamplingParams (what vLLM sends to its EngineCore; 3x cheaper to decode than a pickle; the
+SamplingParams pickled when an int in them is too large for msgpack, so that vLLM's own
+validation in the engine's process answers it, naming the field), aborts, and
 `required_prefix_token_ids` to check against the vocabulary (vLLM's own check, run in the engine's
 process, which holds the model config), health probes, and the `engine_hang` / `engine_crash`
 faults; back, each request's `GenResult` (token ids, logprobs, decoded token text, finish reason,
@@ -174,7 +176,8 @@ class FrontEnd:
             kind, key, *rest = self.chan.recv()
             if kind == "gen":
                 prompt, params = rest
-                engine.generate(prompt, self._params.decode(params), key).add_done_callback(lambda f, rid=key: self._done(rid, f))
+                params = self._params.decode(params) if isinstance(params, bytes) else params
+                engine.generate(prompt, params, key).add_done_callback(lambda f, rid=key: self._done(rid, f))
             elif kind == "abort":
                 engine.abort(key)
             elif kind == "health":
@@ -220,7 +223,11 @@ class EngineClient:
         return fut
 
     def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
-        return self._ask("gen", request_id or uuid.uuid4().hex, prompt_token_ids, self._encode(params))
+        try:
+            encoded = self._encode(params)
+        except OverflowError:  # an int beyond msgpack's 64 bits (a token id of 2**70): pickled instead, so that
+            encoded = params  # vLLM's own check in the engine's process refuses it, naming the field
+        return self._ask("gen", request_id or uuid.uuid4().hex, prompt_token_ids, encoded)
 
     def abort(self, request_id: str) -> None:
         fut = self._pending.pop(request_id, None)

@@ -52,6 +52,7 @@ from aiohttp import web
 from pydantic import ValidationError
 from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
 from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     ChatCompletionRequest,
@@ -67,7 +68,7 @@ from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
 from minirl.config import VllmConfig
 from minirl.faults import FaultPlan
-from minirl.generation.chat_format import normalize_content, parse_reply, splice_prefix
+from minirl.generation.chat_format import PrefixMismatch, normalize_content, parse_reply, rendered_chars, splice_prefix
 from minirl.http_thread import off_loop
 from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
 
@@ -149,26 +150,6 @@ def input_text_message(max_model_len: int, chars: int, max_chars: int) -> str:
     )
 
 
-def message_chars(messages: list) -> int:
-    """Characters of the text the chat template renders from `messages` (contents, reasoning,
-    tool-call arguments): a lower bound on the rendered prompt's length, counted without rendering."""
-    def text(value) -> int:
-        if isinstance(value, str):
-            return len(value)
-        if isinstance(value, list):
-            return sum(len(p["text"]) for p in value if isinstance(p, dict) and isinstance(p.get("text"), str))
-        return 0
-
-    n = 0
-    for m in messages:
-        if isinstance(m, dict):
-            n += text(m.get("content")) + text(m.get("reasoning")) + text(m.get("reasoning_content"))
-            for call in m.get("tool_calls") or []:
-                fn = call.get("function") if isinstance(call, dict) else None
-                n += text(fn.get("arguments")) if isinstance(fn, dict) else 0
-    return n
-
-
 CALL_LOG_STEPS = 64
 """Steps the call log holds at once: the async controller drains several prompt steps at a time
 (up to the buffer's `max_buffered_rollouts` groups' worth), the sync one a single step."""
@@ -227,9 +208,10 @@ class ModelServer:
         # vLLM's bound (tokenizers/hf.py): no token stands for more characters than the longest
         # vocabulary entry (for byte-level BPE, one character per byte, and no character decodes
         # from less than a byte), so a prompt whose text has more than max_model_len times that
-        # many characters cannot fit, however it tokenizes. vLLM checks the rendered text; the
-        # messages' text is a lower bound on it, so checking it before rendering refuses nothing
-        # that vLLM would serve.
+        # many characters cannot fit, however it tokenizes. vLLM checks the rendered text;
+        # `rendered_chars` (every field the template prints: roles, contents, reasoning, tool
+        # calls, tool names and parameter names) is a lower bound on it, so checking it before
+        # rendering refuses nothing that vLLM would serve.
         self.max_chars_per_token = max(len(t) for t in tokenizer.get_vocab())
 
     def app(self, max_request_bytes: int = VllmConfig.max_request_bytes) -> web.Application:
@@ -282,6 +264,7 @@ class ModelServer:
             req = ChatCompletionRequest.model_validate(body)
         except Exception as exc:  # ValidationError, or a VLLMValidationError from a validator
             raise HTTPError.of(exc) from None
+        self._check_model(req.model)
         if req.stream:
             raise HTTPError.bad_request("minirl's model server does not stream; send stream=false", "stream")
         if (req.n or 1) != 1:
@@ -289,7 +272,7 @@ class ModelServer:
         prefix = body.get(PREFIX_FIELD)
         if prefix is not None:
             prefix = self._check_prefix(prefix)
-        chars, limit = message_chars(body["messages"]), self.engine.max_model_len * self.max_chars_per_token
+        chars, limit = rendered_chars(body["messages"], body.get("tools")), self.engine.max_model_len * self.max_chars_per_token
         if chars > limit:
             raise HTTPError.bad_request(input_text_message(self.engine.max_model_len, chars, limit), "input_text")
         try:
@@ -297,18 +280,35 @@ class ModelServer:
         except Exception as exc:  # a template error is the client's fault, as in vLLM
             raise HTTPError.bad_request(f"chat template failed: {exc!r}"[:2000]) from None
         if prefix:
-            prompt = splice_prefix(prefix, prompt, self.tokenizer.eos_token_id) or prompt
+            try:
+                prompt = splice_prefix(prefix, prompt, self.tokenizer.eos_token_id, self._decode)
+            except PrefixMismatch as exc:
+                raise HTTPError.bad_request(f"{PREFIX_FIELD} does not match the messages: {exc}", PREFIX_FIELD) from None
         return body, req, prompt
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _check_model(self, model: str | None) -> None:
+        """vLLM's `_check_model`: a request naming a model this server does not serve is a 404 (none: the served one)."""
+        if model and model != self.model_name:
+            raise HTTPError(create_error_response(
+                f"The model `{model}` does not exist. Valid aliases: {self.model_name}.",
+                err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="model"))
 
     def _tokenize(self, raw: bytes) -> bytes:
         body = parse_json_object(raw)
         try:
             if "messages" in body:
                 req = TokenizeChatRequest.model_validate(body)
+                self._check_model(req.model)
                 ids = self.render(body["messages"], body.get("tools"), req.add_generation_prompt)
             else:
                 req = TokenizeCompletionRequest.model_validate(body)
+                self._check_model(req.model)
                 ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        except HTTPError:
+            raise
         except Exception as exc:  # vLLM's mapping: a schema or template error is the client's
             raise HTTPError.of(exc) from None
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -367,6 +367,33 @@ class ModelServer:
             elif record.get("status") == 200:  # an external agent's call: matched later by its tokens
                 self.calls.unkeyed.append(record)
 
+    def _logprobs(self, req: ChatCompletionRequest, result) -> ChatCompletionLogProbs:
+        """As vLLM's `_create_chat_logprobs` builds them, from the engine's own detokenized text: each
+        generated token with its logprob, and as its `top_logprobs` the first `top_logprobs` of that
+        position's entries in vLLM's order (the sampled token first), all of them for -1 or with
+        `logprob_token_ids`."""
+        as_ids, k = req.return_tokens_as_token_ids, req.top_logprobs
+        every = bool(req.logprob_token_ids) or k == -1
+
+        def name(tok: int, text: str | None) -> str:
+            if as_ids:
+                return f"token_id:{tok}"
+            return text if text is not None else self.tokenizer.decode([tok])
+
+        def top(entries) -> list[ChatCompletionLogProb]:
+            return [ChatCompletionLogProb(token=(t := name(tok, text)), logprob=max(lp, -9999.0), bytes=list(t.encode("utf-8", errors="replace")))
+                    for j, (tok, lp, text) in enumerate(entries) if every or (k is not None and j < k)]
+
+        return ChatCompletionLogProbs(content=[
+            ChatCompletionLogProbsContent(
+                token=name(tok, text),
+                logprob=max(lp, -9999.0),
+                bytes=None if text is None else list(text.encode("utf-8", errors="replace")),
+                top_logprobs=top(result.top[i] if result.top else [(tok, lp, text)]),
+            )
+            for i, (tok, lp, text) in enumerate(zip(result.token_ids, result.logprobs, result.decoded))
+        ])
+
     async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> ChatCompletionResponse:
         body, req, prompt = await off_loop(self._prepare_chat, await request.read())
         key = record["key"]
@@ -396,8 +423,8 @@ class ModelServer:
             params = req.to_sampling_params(get_max_tokens(self.engine.max_model_len, asked, len(prompt), {}), {})
         except Exception as exc:
             raise HTTPError.of(exc) from None
-        if params.logprobs is None:  # the sampled token's logprob, always: it is the evidence
-            params.logprobs = 0
+        if params.logprobs is None and not params.logprob_token_ids:  # the sampled token's logprob, always: it is
+            params.logprobs = 0  # the evidence (with `logprob_token_ids`, vLLM returns it first among those)
         rid = uuid.uuid4().hex
         try:
             result = await asyncio.wrap_future(self.engine.generate(prompt, params, rid))
@@ -425,18 +452,7 @@ class ModelServer:
             reasoning=parsed["reasoning"],
             tool_calls=[ToolCall(id=tc["id"], function=FunctionCall(**tc["function"])) for tc in parsed["tool_calls"]],
         )
-        logprobs = None
-        if req.logprobs:
-            logprobs = ChatCompletionLogProbs(
-                content=[  # as vLLM builds it, from the engine's own detokenized text
-                    ChatCompletionLogProbsContent(
-                        token=f"token_id:{tok}" if req.return_tokens_as_token_ids else text,
-                        logprob=max(lp, -9999.0),
-                        bytes=None if text is None else list(text.encode("utf-8", errors="replace")),
-                    )
-                    for tok, lp, text in zip(result.token_ids, result.logprobs, result.decoded)
-                ]
-            )
+        logprobs = self._logprobs(req, result) if req.logprobs else None
         finish = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason
         choice = ChatCompletionResponseChoice(
             index=0,
