@@ -3,17 +3,21 @@
 over an `EngineClient` (minirl.generation.frontend); tests also run it in-process over a `VllmEngine`.
 
 Requests and responses are parsed and built with vLLM's own protocol classes, so the shapes are
-vLLM's: `logprobs`/`top_logprobs`, `return_tokens_as_token_ids` and `return_token_ids` (which adds
-`prompt_token_ids` and per-choice `token_ids`) behave as in `vllm serve`, and a prompt longer than
-the context gets vLLM's HTTP 400 "maximum context length" error.
+vLLM's: `logprobs`/`top_logprobs` (the sampled token first among each position's top ones, as
+vLLM orders them), `logprob_token_ids`, `return_tokens_as_token_ids` and `return_token_ids` (which
+adds `prompt_token_ids` and per-choice `token_ids`) behave as in `vllm serve`, a temperature under
+vLLM's 1e-5 is greedy (vLLM's own SamplingParams), and a prompt longer than the context gets
+vLLM's HTTP 400 "maximum context length" error.
 
 Errors are vLLM's too: a client error (a body that is not a JSON object or nests too deeply, a
 sampling parameter out of range, vLLM's own validation errors, a bad `required_prefix_token_ids`)
 is a 400 with vLLM's OpenAI-style body `{"error": {"message", "type", "param", "code"}}` naming the
-field, mapped by vLLM's `create_error_response`; only a failure of the server itself is a 5xx.
+field, mapped by vLLM's `create_error_response`; a `model` other than the served one (the
+`policy.model_name` the server was started with) is vLLM's 404 "The model `X` does not exist."
+on both routes; only a failure of the server itself is a 5xx.
 
 minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns' exact tokens (see
-`splice_prefix`), and a request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is
+`splice_prefix`; a prefix that is not the messages' earlier turns is a 400 naming it), and a request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is
 recorded in the call log (`CallLog`) that the controller's ledger drains after each step; a header
 that does not parse is a 400 naming it. The engine-side fault sites (`context_overflow`,
 `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`) fire here, keyed by that
@@ -27,8 +31,9 @@ answer within `HEALTH_TIMEOUT_S`.
 Nothing proportional to a large request's size runs on the event loop: JSON parsing, validation,
 chat template rendering and tokenization run in a worker thread for a body over
 `minirl.http_thread.INLINE_BYTES` (a small one is cheaper to parse than to hand over), and a
-prompt whose text alone has more characters than `max_model_len` tokens could hold is refused
-before it is rendered (vLLM's own bound, below). A client that disconnects mid-generation has its
+prompt whose printed fields alone (`rendered_chars`: roles, contents, reasoning, tool calls, tool
+names and parameter names) have more characters than `max_model_len` tokens could hold is refused
+before it is rendered (vLLM's own bound, below), whichever field holds them. A client that disconnects mid-generation has its
 request aborted in the engine (the HTTP runner cancels the handler: see minirl.http_thread).
 
 Invariants: every request with a parseable rollout header leaves exactly one call-log record,
