@@ -206,6 +206,11 @@ class RolloutFailureConfig:
     replacement_reserve_prompts: int = 1
     """`replace`: low-water mark of the spare-prompt pool: below it, a whole batch of spare prompts
     (num_prompts_per_step) is added at the next batch boundary. An empty pool means shrink."""
+    replacement_prompt_source: str = "spare_groups"
+    """`replace`: where a refill's batch comes from. `spare_groups`: batch b is the groups N..2N-1 of
+    prompt step b, prompts no step trains, so a step's prompts never depend on drops. `stream`
+    (upstream): the next batch of the training stream is diverted, and every later step trains the
+    batch after the one it would have (which batch depends on when the pool ran low)."""
     nemo_gym: NemoGymConfig = field(default_factory=NemoGymConfig)
 
 
@@ -758,6 +763,8 @@ def validate(cfg: MinirlConfig) -> None:
                  "replace needs async_rl.enabled=true with a sampler that stamps target steps (async_rl.sampler.name=in_order)")
         for key in ("max_replacement_attempts", "replacement_reserve_prompts"):
             _require(getattr(rf, key) >= 1, f"async_rl.rollout_failure.{key}", f"must be >= 1 with replace, got {getattr(rf, key)}")
+    _require(rf.replacement_prompt_source in ("spare_groups", "stream"), "async_rl.rollout_failure.replacement_prompt_source",
+             f"must be spare_groups or stream, got {rf.replacement_prompt_source!r}")
     timeout = rf.nemo_gym.rollout_timeout_s
     wd = cfg.async_rl.stall_watchdog
     _require(wd.action in ("raise", "warn"), "async_rl.stall_watchdog.action", f"must be raise or warn, got {wd.action!r}")

@@ -257,3 +257,50 @@ def test_a_lost_place_takes_a_spare_within_its_own_budget_and_borrows_from_the_f
     decisions = [(e["decision"], e.get("reason"), e.get("lender_step")) for e in events if e["type"] == "replace"]
     assert decisions == [("promoted", None, 2), ("shrink", "max_replacement_attempts", None), ("promoted", None, 2),
                          ("shrink", "pool_empty", None)]
+
+
+def test_replacement_prompt_source_stream_diverts_the_next_training_batch_as_upstream():
+    """`replacement_prompt_source=stream`: a refill takes the batch the next step would have trained,
+    and from then on step s trains prompt step s + (batches diverted). The real pump's dispatches
+    are read off its events (the groups never get far: the test ends them at once)."""
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.config import load_config
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2", "grpo.max_num_steps=2", "async_rl.rollout_failure.on_dropped_prompt=replace",
+                             "async_rl.rollout_failure.replacement_prompt_source=stream", "async_rl.stall_watchdog.stall_timeout_s=null"])
+    events = []
+
+    async def go():
+        async def parked(seconds):
+            await asyncio.Event().wait()
+
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, sleep=parked)
+        manager.open()
+
+        async def resolved(step, group):
+            pass
+
+        pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 2, 1), 0, 0, resolved)
+        pump.start()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if pump.main.done():
+                break
+        for t in [pump.main, pump.watchdog, pump.starved, *pump.tasks]:
+            t.cancel()
+        await asyncio.gather(pump.main, pump.watchdog, pump.starved, *pump.tasks, return_exceptions=True)
+        await manager.session.close()
+        return pump
+
+    pump = asyncio.run(go())
+    dispatched = [(e["step"], e["group"], e["target_step"]) for e in events if e["type"] == "dispatch"]
+    assert dispatched == [(0, 0, 0), (0, 1, 0), (2, 0, 1), (2, 1, 1)]  # prompt step 1 went to the pool
+    assert pump.pool == [(1, 0), (1, 1)] and pump.spare_batches == 1
+    (refill,) = [e for e in events if e["type"] == "spare_pool"]
+    assert refill["prompts"] == [[1, 0], [1, 1]]
+    from minirl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="^async_rl.rollout_failure.replacement_prompt_source: must be spare_groups or stream"):
+        load_config(None, ["async_rl.rollout_failure.replacement_prompt_source=dataset"])

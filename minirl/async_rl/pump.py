@@ -18,8 +18,9 @@ is re-aimed at the lender's step; otherwise the spare fills this step. With no s
 left the lost record commits and the step shrinks. The pool's low-water mark is
 `replacement_reserve_prompts`: at each batch boundary (once a batch has been admitted) a pool below
 it is refilled with a whole batch of spare prompts, batch b being the groups N..2N-1 of prompt step
-b: prompts no step trains, so a step's own prompts never depend on drops (upstream diverts the next
-batch of its training stream instead).
+b: prompts no step trains, so a step's own prompts never depend on drops. With
+`replacement_prompt_source=stream` (upstream) the refill diverts the batch the next step would have
+trained, and from then on step s trains prompt step s + (batches diverted).
 
 Checkpoint (`snapshot`, `restored`): a checkpoint keeps the cursor, the finished groups not yet
 trained (with their weight versions and target steps), the places in flight (prompt, target step,
@@ -72,7 +73,7 @@ class RolloutPump:
         self.main: asyncio.Task | None = None
         self.watchdog: asyncio.Task | None = None
         self.pool: list[tuple[int, int]] = []  # spare prompts (on_dropped_prompt=replace)
-        self.spare_batches = 0  # batches of spare prompts drawn so far
+        self.spare_batches = 0  # batches of spare prompts drawn so far (stream: training batches diverted)
         self.stamped = False  # a stamped batch was admitted: the pool may be filled (as upstream)
         self.relaunch: list[list] = []  # places in flight at the checkpoint resumed from
         self.train_waiting: int | None = None  # the step the train pump waits for (set by the controller)
@@ -174,17 +175,25 @@ class RolloutPump:
                 await self.wake.wait()
             await self.buffer.reserve()
             await self.permitted.wait()  # a sync may have begun while the place was reserved
-            self._launch([step, group, step, False, 0])
+            self._launch([step + self._diverted(), group, step, False, 0])
             self.stamped |= stamps
             self.next = (step + (group + 1) // n, (group + 1) % n)
 
+    def _diverted(self) -> int:
+        """Training batches diverted into the pool so far (`replacement_prompt_source=stream`): step s
+        trains the prompt step s + this."""
+        return self.spare_batches if self.cfg.async_rl.rollout_failure.replacement_prompt_source == "stream" else 0
+
     def _refill(self) -> None:
-        """Below the low-water mark, divert a whole batch of spare prompts into the pool."""
+        """Below the low-water mark, divert a whole batch of spare prompts into the pool: the groups
+        N..2N-1 of prompt step b (`spare_groups`), or the batch the next step would have trained (`stream`)."""
         rf, n = self.cfg.async_rl.rollout_failure, self.cfg.grpo.num_prompts_per_step
         while rf.on_dropped_prompt == "replace" and len(self.pool) < rf.replacement_reserve_prompts:
-            b, self.spare_batches = self.spare_batches, self.spare_batches + 1
-            self.pool += [(b, n + g) for g in range(n)]
-            self.manager.emit({"type": "spare_pool", "step": self.next[0], "batch": b, "prompts": [[b, n + g] for g in range(n)],
+            b = self.next[0] + self._diverted() if rf.replacement_prompt_source == "stream" else self.spare_batches
+            prompts = [(b, g) for g in range(n)] if rf.replacement_prompt_source == "stream" else [(b, n + g) for g in range(n)]
+            self.spare_batches += 1
+            self.pool += prompts
+            self.manager.emit({"type": "spare_pool", "step": self.next[0], "batch": b, "prompts": [list(p) for p in prompts],
                                "pool": len(self.pool), "low_water": rf.replacement_reserve_prompts})
 
     def _launch(self, job: list) -> None:
