@@ -377,3 +377,14 @@ def test_validation_reads_a_held_out_result_with_the_same_checks():
                           ([1], "not a JSON object")):
         with pytest.raises(RolloutDataFailure, match=re.escape(fragment)):
             parse_scored(bad, bound)
+
+
+def test_reward_mean_keeps_its_meaning_and_reward_mean_trained_leaves_masked_rollouts_out():
+    cfg = MinirlConfig()
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 3
+    empty = {"type": "message", "role": "assistant", "content": ""}  # lane A: masked capture_failed
+    rollouts = {r: parse_rollout(result([item([1], [2])] + ([empty] if r == 2 else []), reward), Coords(0, 0, r, 0),
+                                 vocab_size=50, max_len=100, overlong_filtering=False) for r, reward in enumerate([1.0, 0.5, 0.0])}
+    _, stats = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
+    assert stats["rollouts_masked"] == 1
+    assert stats["reward_mean"] == pytest.approx(0.5) and stats["reward_mean_trained"] == pytest.approx(0.75)
