@@ -104,17 +104,17 @@ class Cluster:
         cl = self.cfg.cluster
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         env = {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}
-        ray.init(
-            address=cl.ray_address or "local",  # never join a cluster that merely happens to run here
-            num_cpus=cl.num_cpus if cl.ray_address is None else None,
-            num_gpus=cl.num_gpus if cl.ray_address is None else None,
-            include_dashboard=False,
-            namespace=NAMESPACE,
-            runtime_env={"env_vars": env},
-            logging_level="warning",
-            log_to_driver=True,
-        )
         try:
+            ray.init(
+                address=cl.ray_address or "local",  # never join a cluster that merely happens to run here
+                num_cpus=cl.num_cpus if cl.ray_address is None else None,
+                num_gpus=cl.num_gpus if cl.ray_address is None else None,
+                include_dashboard=False,
+                namespace=NAMESPACE,
+                runtime_env={"env_vars": env},
+                logging_level="warning",
+                log_to_driver=True,
+            )
             self._start()
         except BaseException as exc:
             self._run_failed(exc)
