@@ -137,7 +137,7 @@ def test_guard_admit_admit_after_compaction_and_reject(stack, base_cfg, schedule
         from minirl.agents.compaction import compact
 
         async with stack(cfg) as s, aiohttp.ClientSession() as session:
-            client = HttpModelClient([s.model_url], "tiny", session)
+            client = HttpModelClient([s.model_url], cfg.policy.model_name, session)  # the served name: another is a 404
             full = history_with_pictures(3)
             n_full = await client.count_tokens(items_to_messages(full), tools)
             n_small = await client.count_tokens(items_to_messages(compact(full, ch, 2).items), tools)
