@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from helpers import SHARED_WORKERS
 from minirl.config import REPO_ROOT, MinirlConfig, load_config
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -75,11 +76,6 @@ def stack(engine, tokenizer, base_cfg):
     return make
 
 
-SHARED_WORKERS = 2
-"""Generation workers in the shared cluster: runs attach to the first (`cluster.num_generation_workers`
-defaults to 1); the fleet-health test attaches to both. Half a CPU each, so that a run's policy
-worker still fits in the 2 CPUs Ray advertises."""
-
 SHARED_ENGINE_CHILD = f"""
 import sys
 from minirl.cluster import start_shared_generation
@@ -111,24 +107,3 @@ def shared_engine():
             child.wait(timeout=120)
         except subprocess.TimeoutExpired:
             child.kill()
-
-
-def connect(shared_engine: list[str]):
-    """Connect this process to the shared engine's cluster (`ray.shutdown()` then only disconnects)."""
-    import ray
-
-    address = next(o.split("=", 1)[1] for o in shared_engine if o.startswith("cluster.ray_address="))
-    ray.init(address=address, namespace="minirl", logging_level="error", log_to_driver=False)
-    return ray
-
-
-def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
-    """`python -m minirl.train ARGS` in a subprocess, as a user would run it."""
-    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "minirl.train", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO_ROOT, env=full_env)
-
-
-def last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_line, run_cli
+from helpers import last_line, run_cli
 from minirl.config import REPO_ROOT, ConfigError, load_config
 from minirl.trainer import checkpoint
 from minirl.trainer.checkpoint import CheckpointError

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from minirl.config import REPO_ROOT, ConfigError, load_config
 
 CONFIGS = REPO_ROOT / "configs"

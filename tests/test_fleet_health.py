@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHARED_WORKERS, run_cli
+from helpers import SHARED_WORKERS, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import connect, run_cli
+from helpers import connect, run_cli
 from minirl.config import REPO_ROOT, load_config
 from minirl.data import prompt_row
 

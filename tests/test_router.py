@@ -277,11 +277,12 @@ def test_a_router_whose_first_port_is_taken_leaves_no_unclosed_session():
 
     child = """
 import socket, sys
+from minirl.config import GenerationRouterConfig
 from minirl.generation.router import GenerationRouter
-from tests.test_router import router_cfg
 taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen()
 low = taken.getsockname()[1]
-router = GenerationRouter(router_cfg(port_range_low=low, port_range_high=low + 20), ["http://127.0.0.1:9"])
+cfg = GenerationRouterConfig(port_range_low=low, port_range_high=low + 20, connect_timeout_s=2.0)
+router = GenerationRouter(cfg, ["http://127.0.0.1:9"])
 assert int(router.url.rsplit(":", 1)[1]) > low, router.url
 router.stop()
 taken.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import connect, last_line, run_cli
+from helpers import connect, last_line, run_cli
 from minirl.metrics import REQUIRED_FIELDS
 
 pytestmark = pytest.mark.slow

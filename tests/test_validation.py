@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from minirl.agents.env import make_rooms
 from minirl.config import FAULT_KINDS, REPO_ROOT, load_config
 from minirl.data import prompt_row

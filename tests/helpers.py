@@ -1,0 +1,37 @@
+"""Helpers the tests import (`from helpers import ...`): plain functions and constants, no fixtures.
+pytest's default `prepend` import mode puts tests/ on sys.path (it has no __init__.py), so every test
+module and conftest.py imports this file as `helpers`. Fixtures stay in conftest.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from minirl.config import REPO_ROOT
+
+SHARED_WORKERS = 2
+"""Generation workers in the shared cluster: runs attach to the first (`cluster.num_generation_workers`
+defaults to 1); the fleet-health test attaches to both. Half a CPU each, so that a run's policy
+worker still fits in the 2 CPUs Ray advertises."""
+
+
+def connect(shared_engine: list[str]):
+    """Connect this process to the shared engine's cluster (`ray.shutdown()` then only disconnects)."""
+    import ray
+
+    address = next(o.split("=", 1)[1] for o in shared_engine if o.startswith("cluster.ray_address="))
+    ray.init(address=address, namespace="minirl", logging_level="error", log_to_driver=False)
+    return ray
+
+
+def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """`python -m minirl.train ARGS` in a subprocess, as a user would run it."""
+    full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "minirl.train", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT, env=full_env)
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
