@@ -208,3 +208,52 @@ def test_a_retried_group_is_restamped_and_nothing_is_dispatched_during_a_weight_
     assert by[1, 0].start_weight == 0  # dispatched and finished under weights 0
     assert [(e["step"], e["start_weight"]) for e in events if e["type"] == "dispatch"] == [(0, 0), (1, 0)]
     assert inflight_seen and inflight_seen[0].get(0, 0) >= 1 and all(v == 0 for v in inflight.values())
+
+
+def test_a_promotion_lets_the_short_step_train_before_its_spare_returns(stack, base_cfg):
+    """The real pump, buffer, in_order sampler and rollout manager over a real agent and model
+    server: step 0's group 1 hangs to its group deadline (a `timeout` fault) and drops while steps 1
+    and 2 have finished. A group of step 2 is promoted into step 0, which the waiting train pump
+    takes at once, while the spare that repays step 2 is still in flight (the re-stamp wakes it)."""
+    import asyncio
+    import copy
+
+    from minirl.async_rl.buffer import GroupBuffer
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.async_rl.samplers import make_sampler
+    from minirl.config import FaultSpec
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = copy.deepcopy(base_cfg)
+    cfg.async_rl.enabled, cfg.grpo.max_num_steps = True, 3
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt, cfg.policy.train_global_batch_size = 2, 2, 4
+    rf = cfg.async_rl.rollout_failure
+    rf.on_dropped_prompt, rf.max_infra_attempts_per_prompt, rf.max_consecutive_dropped_prompts = "replace", 1, 1
+    rf.nemo_gym.rollout_timeout_s = 10.0
+    cfg.faults.inject = [FaultSpec(kind="timeout", step=0, group=1, rollout=0)]
+    events = []
+
+    async def go():
+        async with stack(cfg) as s:
+            manager = RolloutManager(cfg, [s.agent_url], events.append, 512)
+            manager.open()
+
+            async def resolved(step, group):
+                pass
+
+            sampler = make_sampler("in_order", 2, 2)
+            pump = RolloutPump(cfg, manager, GroupBuffer(8), sampler, 0, 0, resolved)
+            pump.start()
+            _, chosen = await asyncio.wait_for(pump.buffer.take_when(lambda ready: ([], sampler.select(0, 0, ready, None))), 120)
+            spare_in_flight = [job for task, job in pump.tasks.items() if job[3] and not task.done()]
+            for t in [pump.main, pump.watchdog, pump.starved, *pump.tasks]:
+                t.cancel()
+            await asyncio.gather(pump.main, pump.watchdog, pump.starved, *pump.tasks, return_exceptions=True)
+            await manager.session.close()
+            return chosen, spare_in_flight
+
+    chosen, spare_in_flight = asyncio.run(go())
+    assert sorted((r.step, r.group, r.promoted) for r in chosen) == [(0, 0, False), (2, 0, True)]
+    assert spare_in_flight == [[0, 2, 2, True, 1]]  # spare batch 0's first prompt, now aimed at step 2
+    (ev,) = [e for e in events if e["type"] == "replace"]
+    assert (ev["decision"], ev["lender_step"]) == ("promoted", 2)

@@ -57,6 +57,11 @@ class GroupBuffer:
             self.ready.append(record)
             self.changed.notify_all()
 
+    async def touched(self) -> None:
+        """A ready record changed in place (a promotion re-stamped it): let the train pump look again."""
+        async with self.changed:
+            self.changed.notify_all()
+
     async def release(self) -> None:
         """Give back a reservation whose group will never arrive (its dispatch was cancelled)."""
         async with self.changed:

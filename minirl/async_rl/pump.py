@@ -230,6 +230,7 @@ class RolloutPump:
                 if outcome.status == "committed" or not self._substitute(job, outcome):
                     break
                 lost.append(outcome)
+                await self.buffer.touched()  # a promotion may have completed the short step: it trains now
                 await self.permitted.wait()  # a substitute is a fresh dispatch: it waits out a weight sync
                 self._dispatched(job)
         except asyncio.CancelledError:
