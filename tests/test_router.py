@@ -253,7 +253,7 @@ def test_a_client_that_stalls_mid_body_gets_408_and_is_closed_while_others_are_s
 
             stalled = loop.run_in_executor(None, stall)
             async with aiohttp.ClientSession() as http:
-                async with http.post(router.url + "/tokenize", json={}) as r:
+                async with http.post(router.url + "/tokenize", json={"prompt": "door 7 " * 500_000}) as r:  # 3.5 MB: many chunks
                     whole = r.status, await r.json()
             took, answer, rest = await stalled
             return took, answer, rest, whole

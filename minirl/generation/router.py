@@ -200,6 +200,8 @@ class GenerationRouter:
     async def _read_body(self, request: web.Request) -> bytes | None:
         """The request's body, or None when the client sends nothing for `connect_timeout_s` before
         the body is complete (a half-sent request is not held)."""
+        if request.content.is_eof():  # all of it has arrived (the usual case): no timer needed
+            return await request.read()
         body = bytearray()
         while True:
             try:
