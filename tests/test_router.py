@@ -294,3 +294,36 @@ print("stopped", flush=True)
     done = subprocess.run([sys.executable, "-W", "default", "-c", child], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 0 and "stopped" in done.stdout, done.stderr[-2000:]
     assert "Unclosed" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_client_that_stalls_mid_headers_is_closed():
+    """Half a request head, then nothing: the connection is closed within about 1.25 connect_timeout_s
+    (aiohttp alone would hold it for its keep-alive timeout, an hour); a whole request is still served."""
+    import time
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        a = Backend("a")
+        router = await loop.run_in_executor(None, GenerationRouter, router_cfg(connect_timeout_s=0.5), [await a.start()])
+        try:
+            port = int(router.url.rsplit(":", 1)[1])
+
+            def stall() -> tuple[float, bytes]:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    t0 = time.monotonic()
+                    sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Ty")
+                    got = sock.recv(65536)  # b"": closed by the router
+                    return time.monotonic() - t0, got
+
+            stalled = loop.run_in_executor(None, stall)
+            async with aiohttp.ClientSession() as http:
+                async with http.post(router.url + "/tokenize", json={}) as r:
+                    whole = r.status
+            return (*await stalled, whole)
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await a.runner.cleanup()
+
+    took, got, whole = asyncio.run(go())
+    assert got == b"" and 0.4 < took < 3.0, (took, got)
+    assert whole == 200

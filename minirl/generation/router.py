@@ -20,8 +20,9 @@ worker Ray restarted rejoins). Each transition is kept for `poll_health`, which 
 every `probe_interval_s` to log it and to end the run when fewer than `min_healthy_shards` workers
 are out of quarantine.
 
-A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is closed
-(the router holds no half-sent request). The client session to the workers lives exactly as long as
+A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is closed,
+and a connection that has not sent a whole request head within `connect_timeout_s` of opening is
+closed (the router holds no half-sent request). The client session to the workers lives exactly as long as
 the router's app: `stop` closes it, and so does a start that fails on a taken port.
 
 Invariant: a request is forwarded to at most one worker that accepted its connection, and gets
@@ -110,8 +111,30 @@ class GenerationRouter:
             timeout=aiohttp.ClientTimeout(total=self.cfg.backend_timeout_s, sock_connect=self.cfg.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=0),
         )
+        sweeper = asyncio.ensure_future(self._close_silent_connections())
         yield
+        sweeper.cancel()
+        await asyncio.gather(sweeper, return_exceptions=True)
         await self.session.close()
+
+    async def _close_silent_connections(self) -> None:
+        """Close every connection that has not delivered a whole request head within
+        `connect_timeout_s` of opening (half-sent headers: aiohttp would hold it for its keep-alive
+        timeout, an hour). A client opens a connection to send a request at once, so none is lost;
+        a connection that has served a request is left to aiohttp's keep-alive handling."""
+        timeout, opened = self.cfg.connect_timeout_s, {}
+        while True:
+            await asyncio.sleep(timeout / 4)
+            runner = getattr(getattr(self, "http", None), "runner", None)
+            server = runner.server if runner is not None else None
+            if server is None:
+                continue
+            now, live = time.monotonic(), {}
+            for conn in server.connections:
+                live[conn] = since = opened.get(conn, now)
+                if getattr(conn, "_request_count", 1) == 0 and now - since >= timeout:
+                    conn.force_close()
+            opened = live
 
     # -- fleet health ----------------------------------------------------------------------------
     def set_health(self, health: GenerationFleetHealthConfig) -> None:
