@@ -33,7 +33,6 @@ import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def p4(steps: int) -> dict:

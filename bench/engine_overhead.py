@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 

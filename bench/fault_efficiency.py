@@ -4,7 +4,7 @@
     python bench/fault_efficiency.py --quick        # the 5% rate only, 4 steps per cell
     python bench/fault_efficiency.py                # all four rates, 20 steps per cell (the README's figures)
 
-A thin preset of scripts/compare_drop_budgets.py (same cells, same engine reuse): the upstream
+A thin preset of the sweep, minirl.experiments (same cells, same engine reuse): the upstream
 preset, fix 1 alone (+shrink), fix 3 alone (+redispatch) and all fixes, drop budget 5, floor
 0.75 where fix 1 allows a floor below 1; and `python -m minirl.train` as shipped ("minirl
 defaults", its own budgets). 8 groups x 4 rollouts per step. "Generated" counts the
@@ -15,19 +15,12 @@ with mask 1. Targets at 5%: >= 0.99 with redispatch, >= 0.95 with shrink alone; 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def load_sweep():
-    spec = importlib.util.spec_from_file_location("compare_drop_budgets", REPO / "scripts" / "compare_drop_budgets.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from minirl.experiments.cells import run_sweep
+from minirl.experiments.grid import Grid
 
 
 def main(argv=None) -> int:
@@ -38,15 +31,14 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", help="comma-separated policies (overrides the preset)")
     ap.add_argument("--steps", type=int, help="steps per cell (overrides the preset)")
     args = ap.parse_args(argv)
-    sweep = load_sweep()
     rates = (0.05,) if args.quick else (0.0, 0.02, 0.05, 0.1)
     rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else rates
     policies = ("upstream", "+shrink", "+redispatch", "all fixes", "minirl defaults")
     policies = tuple(args.policies.split(",")) if args.policies else policies
-    grid = sweep.Grid(kinds=("agent_exception",), rates=rates, policies=policies, budgets=(5,), fractions=(0.75,),
-                      seeds=(0,), steps=args.steps or (4 if args.quick else 20), prompts=8, generations=4)
+    grid = Grid(kinds=("agent_exception",), rates=rates, policies=policies, budgets=(5,), fractions=(0.75,),
+                seeds=(0,), steps=args.steps or (4 if args.quick else 20), prompts=8, generations=4)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = sweep.run_sweep(grid, Path(args.out or tmp), fresh_engines=False)
+        rows = run_sweep(grid, Path(args.out or tmp), fresh_engines=False)
     print()
     print("| policy | " + " | ".join(f"{r:.0%}" for r in rates) + " |")
     print("|---|" + "---|" * len(rates))

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # gpu_check.sh may run it with a python where minirl is not installed
 
 
 def rollouts(model_dir: str, cfg, prompts: int, gens: int, use_vllm: bool):

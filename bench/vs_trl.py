@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 SMALL_MODEL = REPO / ".cache" / "models" / "small-doors-32k"
 
 

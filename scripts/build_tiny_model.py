@@ -25,7 +25,6 @@ import asyncio
 import json
 import random
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -33,12 +32,10 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from minirl.agents.agent import ModelReply, run_episode  # noqa: E402
-from minirl.agents.env import COLORS, OBJECTS, TOOLS, DoorsEnv  # noqa: E402
-from minirl.config import AgentConfig  # noqa: E402
-from minirl.generation.chat_format import (  # noqa: E402
+from minirl.agents.agent import ModelReply, run_episode
+from minirl.agents.env import COLORS, OBJECTS, TOOLS, DoorsEnv
+from minirl.config import AgentConfig
+from minirl.generation.chat_format import (
     ADDED_TOKENS,
     CHAT_TEMPLATE,
     EOS_TOKEN,

@@ -28,7 +28,6 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 STEPS = 2
 TRAIN_OVERRIDES = [
