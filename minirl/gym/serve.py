@@ -40,13 +40,15 @@ def check_rows(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--router", help="minirl's generation router URL")
-    ap.add_argument("--model", default="policy")
+    ap.add_argument("--model", help="the served model's name, minirl's policy.model_name (another is the server's 404, as in vLLM)")
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--uses-reasoning-parser", type=int, default=1)
     ap.add_argument("--check-rows")
     args = ap.parse_args()
     if args.check_rows:
         return check_rows(args.check_rows)
+    if not args.router or not args.model:
+        ap.error("--router and --model are required to serve")
 
     host = "127.0.0.1"
     ports = {name: free_port() for name in ("head", "policy_model", "doors", "simple_agent")}
