@@ -17,9 +17,10 @@ field, mapped by vLLM's `create_error_response`; a `model` other than the served
 on both routes; only a failure of the server itself is a 5xx.
 
 minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns' exact tokens (see
-`splice_prefix`; a prefix that is not the messages' earlier turns is a 400 naming it), and a request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is
-recorded in the call log (`CallLog`) that the controller's ledger drains after each step; a header
-that does not parse is a 400 naming it. The engine-side fault sites (`context_overflow`,
+`splice_prefix`; a prefix that is not the messages' earlier turns is a 400 naming it), and a
+request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is recorded in the call log
+(`CallLog`) that the controller's ledger drains after each step; a header that does not parse is
+a 400 naming it. The engine-side fault sites (`context_overflow`,
 `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`) fire here, keyed by that
 header.
 
@@ -33,8 +34,9 @@ chat template rendering and tokenization run in a worker thread for a body over
 `minirl.http_thread.INLINE_BYTES` (a small one is cheaper to parse than to hand over), and a
 prompt whose printed fields alone (`rendered_chars`: roles, contents, reasoning, tool calls, tool
 names and parameter names) have more characters than `max_model_len` tokens could hold is refused
-before it is rendered (vLLM's own bound, below), whichever field holds them. A client that disconnects mid-generation has its
-request aborted in the engine (the HTTP runner cancels the handler: see minirl.http_thread).
+before it is rendered (vLLM's own bound, below), whichever field holds them. A client that
+disconnects mid-generation has its request aborted in the engine (the HTTP runner cancels the
+handler: see minirl.http_thread).
 
 Invariants: every request with a parseable rollout header leaves exactly one call-log record,
 whatever its outcome (success, 4xx, 5xx, or 499 when its client left), with the token ids and
