@@ -74,6 +74,22 @@ class GroupOutcome:
         return self.group_attempts > 1 or self.row_retries > 0
 
 
+@dataclass
+class GroupRun:
+    """One prompt group's run under the failure policy: the outcome being built, each row's send
+    count (its next attempt id), the group's INFRA and DATA failure counts, the current group id."""
+
+    step: int
+    group: int
+    row: dict
+    out: GroupOutcome
+    row_attempt: list[int]
+    on_attempt: Callable[[], None] | None = None
+    infra: int = 0
+    data: int = 0
+    gid: str = ""
+
+
 async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording). The error body's
     typed `type` field travels on the failure as `error_type`."""
@@ -183,54 +199,69 @@ class RolloutManager:
     async def run_group(self, step: int, group: int, row: dict, on_attempt: Callable[[], None] | None = None) -> GroupOutcome:
         """One prompt group under the failure policy; `on_attempt` (the async pump's) is called as
         each group attempt starts, where upstream reserves the attempt under the current version."""
-        G = self.cfg.grpo.num_generations_per_prompt
-        out = GroupOutcome(group, "committed", step=step)
-        row_attempt = [0] * G
-        infra = data = 0
+        run = GroupRun(step, group, row, GroupOutcome(group, "committed", step=step),
+                       [0] * self.cfg.grpo.num_generations_per_prompt, on_attempt)
         while True:
-            if out.group_attempts and not self.rf.nemo_gym.keep_returned_rows:
-                out.rollouts = {}  # upstream: a group retry re-runs every row
-            gid = f"grp-{uuid.uuid4().hex[:12]}"
-            self.reservations[gid] = (step, group)
-            out.group_attempts += 1
-            if on_attempt is not None:
-                on_attempt()
-            try:
-                failures = await self._attempt(step, group, gid, row, out, row_attempt)
-            finally:
-                del self.reservations[gid]
+            failures = await self._group_attempt(run)
             if not failures:
-                break
-            coords, exc = failures[0]
-            kind = classify(exc)
-            if kind == INFRA:
-                infra += 1
-                if self.can_redispatch and infra < self.rf.max_infra_attempts_per_prompt:
-                    delay = self.backoff(infra)
-                    self._failed(failures, kind, "retried", backoff_s=delay, group_attempt=gid)
-                    out.backoff_s += delay
-                    await self.sleep(delay)
-                    continue
-                self._failed(failures, kind, "dropped", group_attempt=gid)
-                return self._drop(step, group, out, exc, self._exhausted_message(step, group, infra, exc))
-            data += 1
-            if self.can_redispatch and data < self.rf.max_data_attempts_per_prompt:
-                self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=gid)
-                continue
-            if self.skipped < self.rf.max_skipped_prompts:
-                self.skipped += 1
-                self._failed(failures, kind, "skipped", group_attempt=gid)
-                out.status, out.reason, out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
-                return out
-            self._failed(failures, kind, "raised", group_attempt=gid)
-            if self.rf.max_skipped_prompts == 0:
-                raise exc  # upstream: at a zero skip budget the original failure propagates unchanged
-            raise RolloutDataFailure(
-                f"skipped {self.skipped} prompts and this one also exhausted its data budget, exceeding "
-                f"max_skipped_prompts={self.rf.max_skipped_prompts}; the dataset or sequence-length configuration "
-                "is likely wrong"
-            ) from exc
+                return self._resolved(run)
+            kind = classify(failures[0][1])
+            ended = await (self._after_infra(run, failures) if kind == INFRA else self._after_data(run, failures))
+            if ended is not None:
+                return ended
 
+    async def _group_attempt(self, run: GroupRun) -> list[tuple[Coords, BaseException]]:
+        """One group attempt under a fresh group id, reserved while it runs: its rows' final failures."""
+        out = run.out
+        if out.group_attempts and not self.rf.nemo_gym.keep_returned_rows:
+            out.rollouts = {}  # upstream: a group retry re-runs every row
+        run.gid = f"grp-{uuid.uuid4().hex[:12]}"
+        self.reservations[run.gid] = (run.step, run.group)
+        out.group_attempts += 1
+        if run.on_attempt is not None:
+            run.on_attempt()
+        try:
+            return await self._attempt(run.step, run.group, run.gid, run.row, out, run.row_attempt)
+        finally:
+            del self.reservations[run.gid]
+
+    async def _after_infra(self, run: GroupRun, failures) -> GroupOutcome | None:
+        """An INFRA failure: back off and retry (None), or drop the group against the drop budget."""
+        exc = failures[0][1]
+        run.infra += 1
+        if self.can_redispatch and run.infra < self.rf.max_infra_attempts_per_prompt:
+            delay = self.backoff(run.infra)
+            self._failed(failures, INFRA, "retried", backoff_s=delay, group_attempt=run.gid)
+            run.out.backoff_s += delay
+            await self.sleep(delay)
+            return None
+        self._failed(failures, INFRA, "dropped", group_attempt=run.gid)
+        return self._drop(run.step, run.group, run.out, exc, self._exhausted_message(run.step, run.group, run.infra, exc))
+
+    async def _after_data(self, run: GroupRun, failures) -> GroupOutcome | None:
+        """A DATA failure: retry without backoff (None), skip within the skip budget, or raise."""
+        kind, exc = classify(failures[0][1]), failures[0][1]
+        run.data += 1
+        if self.can_redispatch and run.data < self.rf.max_data_attempts_per_prompt:
+            self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=run.gid)
+            return None
+        if self.skipped < self.rf.max_skipped_prompts:
+            self.skipped += 1
+            self._failed(failures, kind, "skipped", group_attempt=run.gid)
+            run.out.status, run.out.reason, run.out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
+            return run.out
+        self._failed(failures, kind, "raised", group_attempt=run.gid)
+        if self.rf.max_skipped_prompts == 0:
+            raise exc  # upstream: at a zero skip budget the original failure propagates unchanged
+        raise RolloutDataFailure(
+            f"skipped {self.skipped} prompts and this one also exhausted its data budget, exceeding "
+            f"max_skipped_prompts={self.rf.max_skipped_prompts}; the dataset or sequence-length configuration "
+            "is likely wrong"
+        ) from exc
+
+    def _resolved(self, run: GroupRun) -> GroupOutcome:
+        """Every row came back: commit the group, unless under CC it has no valid owner (a drop)."""
+        out, step, group = run.out, run.step, run.group
         if self.cfg.context_compaction.enabled and all(r.sample_mask == 0 for r in out.rollouts.values()):
             # upstream under CC: a group with no valid owner is dropped, against the same budget
             reasons = sorted({r.mask_reason for r in out.rollouts.values()})
