@@ -6,6 +6,12 @@ import re
 import numpy as np
 import pytest
 
+# imported here, at collection: pytest rewrites hypothesis (a plugin) on first import, and that
+# compile() mid-session can hit CPython 3.11's AST recursion-depth check (gh-106905, shared state
+# across threads) while an earlier test's server threads are alive
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from minirl.config import MinirlConfig, step_floor
 from minirl.controller import assemble, check_step
 from minirl.rollout.evidence import Call, Ledger, parse_rollout, split_traces
@@ -294,8 +300,6 @@ def test_each_malformed_shape_of_issue_29_is_a_data_failure_naming_the_field(cas
 
 
 def _json_values():
-    from hypothesis import strategies as st
-
     scalars = (st.none() | st.booleans() | st.integers(min_value=-(10**400), max_value=10**400)
                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
@@ -341,9 +345,6 @@ def _survives(res) -> None:
 def test_no_result_shape_escapes_the_parser_as_another_exception():
     """Property test: a good result with one field (at any depth) replaced by an arbitrary JSON
     value, and arbitrary JSON values as whole results."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
     @settings(max_examples=600, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(FIELDS), _json_values())
     def one_field(path, value):
