@@ -16,9 +16,9 @@ worker sends `GET /health` every `probe_interval_s` with `probe_timeout_s`. `unh
 failed probes in a row quarantine the worker: it is not eligible, and every request in flight on it
 is answered 503 at once (INFRA for minirl's agents, whose rollouts are then redispatched; one Gym
 retries, here, on a healthy worker). `healthy_threshold` passed probes in a row re-admit it (a
-worker Ray restarted rejoins). Each transition is kept for `poll_health`, which the controller calls
-every `probe_interval_s` to log it and to end the run when fewer than `min_healthy_shards` workers
-are out of quarantine.
+worker Ray restarted rejoins). Each transition is kept for `poll_health`, which `FleetWatch`
+(minirl/generation/fleet.py, composed by the controller) calls every `probe_interval_s` to log it
+and to end the run when fewer than `min_healthy_shards` workers are out of quarantine.
 
 A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is closed,
 and a connection that has not sent a whole request head within `connect_timeout_s` of opening is

@@ -29,7 +29,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 import aiohttp
 
@@ -72,6 +72,17 @@ class GroupOutcome:
     @property
     def redispatched(self) -> bool:
         return self.group_attempts > 1 or self.row_retries > 0
+
+
+class StepTake(NamedTuple):
+    """What a step source (the controller's sync dispatch, the async train pump's buffer) hands the
+    controller for one optimizer step."""
+
+    outcomes: list[GroupOutcome]
+    start_weights: list[int]  # the policy version each outcome's group attempt started under
+    calls: list[dict]  # the generation servers' call records of these groups (async: and orphans)
+    since: float  # perf_counter when the step's generation began (async: the previous hand-over)
+    counts: dict  # the source's own per-step counters (async: evictions, promotions, replacements)
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""The train pump's half of async GRPO: `BufferSource.take(step, version)` hands the controller one
+optimizer step's prompt groups from the buffer that the rollout pump (pump.py) fills.
+
+On the first `take` it opens the manager and starts the pump (from a resumed checkpoint's buffer if
+there is one). Each `take` evicts the committed groups the sampler can no longer select (an `evict`
+event each, written at once even if the wait goes on or ends the run), waits until the sampler
+selects the step's groups, and takes them with their servers' call records. Call records are moved
+from the generation workers as each group resolves (`resolved`) and kept by (step, group) until
+their group is taken; records of groups already taken or evicted (late records of retired
+attempts) are orphans, handed to the next step's ledger, which retires them.
+
+Invariant: every buffered group is taken by exactly one step or evicted once; every call record
+drained from the servers reaches exactly one step's ledger (with its group, or as an orphan); the
+checkpoint's buffer carries the call records of exactly the groups it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+from typing import Awaitable, Callable
+
+from minirl.async_rl.buffer import GroupBuffer, GroupRecord
+from minirl.async_rl.pump import RolloutPump
+from minirl.async_rl.samplers import make_sampler
+from minirl.config import MinirlConfig
+from minirl.rollout.manager import RolloutManager, StepTake
+
+ASYNC_COUNTS = ("stale_groups_evicted", "promoted_prompt_groups", "replaced_prompt_groups")
+"""The per-step counters of the train pump (zero in a sync run)."""
+
+
+def _keys(record: GroupRecord) -> list[tuple[int, int]]:
+    """The (step, group) of a buffer record's prompt and of the prompts its place gave up on."""
+    return [(record.step, record.group)] + [(o.step, o.group) for o in record.lost]
+
+
+class BufferSource:
+    def __init__(self, cfg: MinirlConfig, manager: RolloutManager, drain: Callable[[int | None], Awaitable[list[dict]]]):
+        self.cfg, self.manager, self.drain = cfg, manager, drain
+        self.window = cfg.async_rl.sampler.max_staleness_versions
+        self.pump: RolloutPump | None = None  # started by the first `take`
+        self.calls: dict[tuple[int, int], list[dict]] = {}  # drained server records by (step, group)
+        self.orphans: list[dict] = []  # records of groups evicted or already taken (retired attempts)
+        self.consumed: set[tuple[int, int]] = set()
+        self.restored: dict | None = None  # a resumed checkpoint's buffer, until the pump starts
+        self.handed_over = time.perf_counter()  # when the previous step's groups were taken
+
+    def snapshot(self) -> bytes | None:
+        """The buffer with the call records of its groups, pickled (taken between two awaits)."""
+        if self.pump is None:
+            return None
+        pump = self.pump.snapshot()
+        calls = {k: self.calls[k] for k in (k for r in pump["ready"] for k in _keys(r)) if k in self.calls}
+        return pickle.dumps({"pump": pump, "calls": calls})
+
+    def restore(self, buffer: bytes | None) -> None:
+        """Resume: the buffer that the pump restores when it starts."""
+        self.restored = pickle.loads(buffer) if buffer is not None else None
+
+    def published(self, version: int) -> None:
+        if self.pump is not None:
+            self.pump.set_version(version)
+
+    def syncing(self) -> None:
+        if self.pump is not None:
+            self.pump.pause()
+
+    def _start(self, step: int, version: int) -> None:
+        ar = self.cfg.async_rl
+        self.manager.open()
+        self.buffer = GroupBuffer(ar.max_buffered_rollouts)
+        self.sampler = make_sampler(ar.sampler.name, self.cfg.grpo.num_prompts_per_step, ar.sampler.max_staleness_versions)
+        restored, self.restored = self.restored, None
+        self.pump = RolloutPump(self.cfg, self.manager, self.buffer, self.sampler, step, version, self.resolved,
+                                restored and restored["pump"])
+        self.calls.update(restored["calls"] if restored else {})
+        self.pump.start()
+
+    async def take(self, step: int, version: int) -> StepTake:
+        """Evict stale groups, then wait until the sampler selects `step`'s groups; take them."""
+        if self.pump is None:
+            self._start(step, version)
+        self.pump.train_waiting = step  # the pump's watchdog: a wait with nothing in flight is a stall
+        try:
+            stale, chosen = await self.buffer.take_when(lambda ready: self._pick(step, version, ready))
+        finally:
+            self.pump.train_waiting = None
+        # upstream's counters: a place whose spare committed is replaced (counted in the step it filled),
+        # a group re-stamped into the step promoted; `dropped_prompt_groups` is the shortfall left
+        counts = dict(zip(ASYNC_COUNTS, (len(stale), sum(r.promoted for r in chosen),
+                                         sum(r.replacement and r.outcome.status == "committed" for r in chosen))))
+        self.consumed.update(key for r in stale + chosen for key in _keys(r))
+        calls, self.orphans = [c for r in chosen for key in _keys(r) for c in self.calls.pop(key, [])] + self.orphans, []
+        # the prompts a place gave up on (replaced): counted in the step's attempts and costs, never as groups
+        lost = [dataclasses.replace(o, status="replaced") for r in chosen for o in r.lost]
+        since, self.handed_over = self.handed_over, time.perf_counter()  # generation overlaps training
+        return StepTake([r.outcome for r in chosen] + lost, [r.start_weight for r in chosen] + [version] * len(lost),
+                        calls, since, counts)
+
+    def _pick(self, step: int, version: int, ready: list[GroupRecord]):
+        self.pump.check()
+        stale = self.sampler.stale(version, ready, self.pump.inflight)
+        for r in stale:  # evicted now, even if the wait goes on (or ends the run): its event now
+            self.manager.emit({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
+                               "train_version": version, "max_staleness_versions": self.sampler.s,
+                               "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight"})
+            for key in _keys(r):
+                self.orphans += self.calls.pop(key, [])
+        return stale, self.sampler.select(step, version, ready, self.pump.inflight)
+
+    async def resolved(self, step: int, group: int) -> None:
+        """A group resolved: move its step's call records from the servers into `calls` (those of
+        groups already taken or evicted, late records of retired attempts, into `orphans`)."""
+        for c in await self.drain(step):
+            key = (c["step"], c["group"])
+            (self.orphans if key in self.consumed else self.calls.setdefault(key, [])).append(c)

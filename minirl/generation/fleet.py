@@ -1,0 +1,63 @@
+"""Fleet watching (`async_rl.generation_fleet_health.enabled`): the consumer side of the generation
+router's health report. While a step collects, `FleetWatch.watched` polls the router (`poll_health`)
+every `probe_interval_s`, writes each quarantine and re-admission to the event log with the step,
+counts them in the step's metrics, and ends the step with GenerationFleetUnhealthy when fewer than
+`min_healthy_shards` workers are healthy, also when the outage made the step fail first (its
+failure is then the cause). Without a router (fleet health off) it just awaits the step.
+
+Invariant: every transition the router reports is written once, with the step being collected, and
+counted once in that step's `stats`; a step whose collection ends is polled once more, so no
+transition before its end is left for the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, TypeVar
+
+from minirl.wire import GenerationFleetUnhealthy
+
+FLEET_COUNTS = {"worker_quarantined": "workers_quarantined", "worker_readmitted": "workers_readmitted"}
+"""The router's transition events and the per-step metric that counts each."""
+
+T = TypeVar("T")
+
+
+class FleetWatch:
+    def __init__(self, router, probe_interval_s: float, write: Callable[[dict], None]):
+        self.router, self.interval, self.write = router, probe_interval_s, write
+        self.stats: dict = {}  # this step's quarantines, re-admissions, healthy workers (empty: not watched)
+
+    async def watched(self, step: int, body: Awaitable[T]) -> T:
+        """Await `body` while the fleet is watched (without a router, just await it)."""
+        if self.router is None:
+            return await body
+        self.stats = dict.fromkeys(FLEET_COUNTS.values(), 0)
+        task, watch = asyncio.ensure_future(body), asyncio.ensure_future(self._watch(step))
+        try:
+            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, watch):
+                t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+        if task.cancelled():  # the watcher ended the step
+            watch.result()
+        try:
+            await self._poll(step)  # the transitions since the watcher's last poll
+        except GenerationFleetUnhealthy as exc:
+            raise exc from task.exception()
+        return task.result()
+
+    async def _watch(self, step: int) -> None:
+        while True:
+            await self._poll(step)
+            await asyncio.sleep(self.interval)
+
+    async def _poll(self, step: int) -> None:
+        report = await self.router.poll_health.remote()
+        for event in report["events"]:
+            self.write({**event, "step": step})
+            self.stats[FLEET_COUNTS[event["type"]]] += 1
+        self.stats["healthy_generation_workers"] = report["healthy"]
+        if report["error"] is not None:
+            raise GenerationFleetUnhealthy(report["error"])
