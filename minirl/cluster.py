@@ -25,6 +25,7 @@ import random
 import socket
 import sys
 from pathlib import Path
+from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group
@@ -153,10 +154,10 @@ class Cluster:
             if problem is not None:
                 raise ConfigError(f"cluster.num_{res.lower()}s", problem)
 
-    def _start(self) -> None:
-        cfg, cl = self.cfg, self.cfg.cluster
-        host = node_host(cfg)
-        light = {"num_cpus": 0}
+    def _placement(self) -> Callable[[int], dict]:
+        """Reserve the workers' placement group (generation workers first, unless attached, then the
+        policy workers); returns bundle index -> the actor options that place an actor on it."""
+        cl = self.cfg.cluster
         attach = cl.attach_generation_workers
         gen_bundle = {"CPU": cl.cpus_per_generation_worker, "GPU": cl.gpus_per_generation_worker}
         pol_bundle = {"CPU": cl.cpus_per_policy_worker, "GPU": cl.gpus_per_policy_worker}
@@ -175,6 +176,27 @@ class Cluster:
         def on(bundle: int) -> dict:
             return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
 
+        return on
+
+    def _start_agents(self, model_urls: list[str], host: str) -> list[str]:
+        """The agent servers (none for an external agent), serving through `model_urls`: their URLs."""
+        cfg = self.cfg
+        if cfg.agent.external_url:
+            self.agents = []
+            return [cfg.agent.external_url.rstrip("/")]
+        self.agents = [
+            ray.remote(AgentServer).options(num_cpus=0, max_restarts=-1)
+            .remote(cfg, model_urls, host, free_port(host))
+            for _ in range(cfg.cluster.num_agent_servers)
+        ]
+        return ray.get([a.start.remote() for a in self.agents])
+
+    def _start(self) -> None:
+        cfg, cl = self.cfg, self.cfg.cluster
+        host = node_host(cfg)
+        light = {"num_cpus": 0}
+        attach = cl.attach_generation_workers
+        on = self._placement()
         self.store = ray.remote(WeightsStore).options(**light).remote()
         if attach:
             self.gen = [ray.get_actor(f"{attach}-{i}", namespace=NAMESPACE) for i in range(cl.num_generation_workers)]
@@ -195,16 +217,7 @@ class Cluster:
         # the router, agent and controller processes start while the policy workers load the model
         self.router, router = run_router(cfg, model_urls, host)
         health = cfg.async_rl.generation_fleet_health.enabled  # then the agents honour quarantine: via the router
-        if cfg.agent.external_url:
-            agent_urls = [cfg.agent.external_url.rstrip("/")]
-            self.agents = []
-        else:
-            self.agents = [
-                ray.remote(AgentServer).options(**light, max_restarts=-1)
-                .remote(cfg, [router] if health else model_urls, host, free_port(host))
-                for _ in range(cl.num_agent_servers)
-            ]
-            agent_urls = ray.get([a.start.remote() for a in self.agents])
+        agent_urls = self._start_agents([router] if health else model_urls, host)
         model_cfg = json.loads((Path(cfg.policy.model_name) / "config.json").read_text())
         pad_id = model_cfg.get("pad_token_id") or 0
         self.controller = (
