@@ -37,6 +37,65 @@ def check_rows(path: str) -> None:
     print(f"gym-rows ok: {len(rows)} rows validate against nemo-gym's SimpleAgentRunRequest")
 
 
+def gym_config(args: argparse.Namespace, host: str) -> dict:
+    """Gym's global config for the three servers on free ports of `host`, as `ng_run` would build it."""
+    ports = {name: free_port() for name in ("head", "policy_model", "doors", "simple_agent")}
+    common = lambda name: {"host": host, "port": ports[name], "entrypoint": "app.py"}  # noqa: E731
+    model_cfg = {**common("policy_model"), "base_url": args.router.rstrip("/") + "/v1", "api_key": "none", "model": args.model,
+                 "return_token_id_information": True, "uses_reasoning_parser": bool(args.uses_reasoning_parser)}
+    agent_cfg = {**common("simple_agent"), "max_steps": args.max_steps,
+                 "resources_server": {"type": "resources_servers", "name": "doors"},
+                 "model_server": {"type": "responses_api_models", "name": "policy_model"}}
+    return {
+        "head_server": {"host": host, "port": ports["head"]},
+        "policy_model": {"responses_api_models": {"vllm_model": model_cfg}},
+        "doors": {"resources_servers": {"doors": common("doors")}},
+        "simple_agent": {"responses_api_agents": {"simple_agent": agent_cfg}},
+    }
+
+
+def gym_servers(global_cfg: dict) -> list:
+    """Gym's own server objects (model, resources, agent) for `global_cfg`, sharing one `ServerClient`."""
+    from omegaconf import OmegaConf
+
+    from minirl.gym.doors_resources_server import DoorsResourcesServer
+    from nemo_gym.base_resources_server import BaseResourcesServerConfig
+    from nemo_gym.config_types import BaseServerConfig
+    from nemo_gym.server_utils import ServerClient
+    from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
+    from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
+
+    client = ServerClient(head_server_config=BaseServerConfig(**global_cfg["head_server"]),
+                          global_config_dict=OmegaConf.create(global_cfg))
+    model_cfg = global_cfg["policy_model"]["responses_api_models"]["vllm_model"]
+    doors_cfg = global_cfg["doors"]["resources_servers"]["doors"]
+    agent_cfg = global_cfg["simple_agent"]["responses_api_agents"]["simple_agent"]
+    return [
+        VLLMModel(config=VLLMModelConfig(name="policy_model", **model_cfg), server_client=client),
+        DoorsResourcesServer(config=BaseResourcesServerConfig(name="doors", **doors_cfg), server_client=client),
+        SimpleAgent(config=SimpleAgentConfig(name="simple_agent", **agent_cfg), server_client=client),
+    ]
+
+
+async def serve(servers: list, host: str) -> None:
+    """Serve every server's app with uvicorn on one loop; print the ready line once all have started."""
+    import uvicorn
+
+    uvicorns = []
+    for server in servers:
+        app = server.setup_webserver()
+        server.setup_liveness(app)
+        server.setup_exception_middleware(app)
+        uvicorns.append(uvicorn.Server(uvicorn.Config(app, host=host, port=server.config.port, log_level="warning",
+                                                      timeout_keep_alive=30)))
+    tasks = [asyncio.create_task(u.serve()) for u in uvicorns]
+    while not all(u.started for u in uvicorns):
+        await asyncio.sleep(0.05)
+    urls = {s.config.name: f"http://{host}:{s.config.port}" for s in servers}
+    print("gym-servers ready " + json.dumps(urls), flush=True)
+    await asyncio.gather(*tasks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--router", help="minirl's generation router URL")
@@ -49,57 +108,10 @@ def main() -> None:
         return check_rows(args.check_rows)
     if not args.router or not args.model:
         ap.error("--router and --model are required to serve")
-
     host = "127.0.0.1"
-    ports = {name: free_port() for name in ("head", "policy_model", "doors", "simple_agent")}
-    common = lambda name: {"host": host, "port": ports[name], "entrypoint": "app.py"}  # noqa: E731
-    model_cfg = {**common("policy_model"), "base_url": args.router.rstrip("/") + "/v1", "api_key": "none", "model": args.model,
-                 "return_token_id_information": True, "uses_reasoning_parser": bool(args.uses_reasoning_parser)}
-    agent_cfg = {**common("simple_agent"), "max_steps": args.max_steps,
-                 "resources_server": {"type": "resources_servers", "name": "doors"},
-                 "model_server": {"type": "responses_api_models", "name": "policy_model"}}
-    global_cfg = {
-        "head_server": {"host": host, "port": ports["head"]},
-        "policy_model": {"responses_api_models": {"vllm_model": model_cfg}},
-        "doors": {"resources_servers": {"doors": common("doors")}},
-        "simple_agent": {"responses_api_agents": {"simple_agent": agent_cfg}},
-    }
+    global_cfg = gym_config(args, host)
     os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(global_cfg)  # Gym's child-process route to its config
-
-    import uvicorn
-    from omegaconf import OmegaConf
-
-    from minirl.gym.doors_resources_server import DoorsResourcesServer
-    from nemo_gym.base_resources_server import BaseResourcesServerConfig
-    from nemo_gym.config_types import BaseServerConfig
-    from nemo_gym.server_utils import ServerClient
-    from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
-    from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
-
-    client = ServerClient(head_server_config=BaseServerConfig(host=host, port=ports["head"]),
-                          global_config_dict=OmegaConf.create(global_cfg))
-    servers = [
-        VLLMModel(config=VLLMModelConfig(name="policy_model", **model_cfg), server_client=client),
-        DoorsResourcesServer(config=BaseResourcesServerConfig(name="doors", **common("doors")), server_client=client),
-        SimpleAgent(config=SimpleAgentConfig(name="simple_agent", **agent_cfg), server_client=client),
-    ]
-    uvicorns = []
-    for server in servers:
-        app = server.setup_webserver()
-        server.setup_liveness(app)
-        server.setup_exception_middleware(app)
-        uvicorns.append(uvicorn.Server(uvicorn.Config(app, host=host, port=server.config.port, log_level="warning",
-                                                      timeout_keep_alive=30)))
-
-    async def serve():
-        tasks = [asyncio.create_task(u.serve()) for u in uvicorns]
-        while not all(u.started for u in uvicorns):
-            await asyncio.sleep(0.05)
-        urls = {s.config.name: f"http://{host}:{s.config.port}" for s in servers}
-        print("gym-servers ready " + json.dumps(urls), flush=True)
-        await asyncio.gather(*tasks)
-
-    asyncio.run(serve())
+    asyncio.run(serve(gym_servers(global_cfg), host))
 
 
 if __name__ == "__main__":
