@@ -116,7 +116,7 @@ def _p5_pass(groups: int, rollouts: int, trace_memory: bool) -> dict:
         tracemalloc.stop()
     assert stats["rollouts_trained"] == groups * rollouts and stats["traces_trained"] == groups * rollouts
     return {"groups": groups, "rollouts": groups * rollouts, "seconds": seconds, "peak_mib": peak / 2**20,
-            "batch_mib": sum(v.nbytes for v in batch.values() if hasattr(v, "nbytes")) / 2**20}
+            "batch_mib": sum(v.nbytes for v in vars(batch).values() if hasattr(v, "nbytes")) / 2**20}
 
 
 def main(argv=None) -> int:

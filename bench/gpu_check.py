@@ -67,17 +67,17 @@ def batch_of(seqs, plens, rewards, gens):
     import numpy as np
 
     from minirl.algo.grpo import group_advantages
+    from minirl.types import TrainBatch
 
-    T, W = len(seqs), max(len(s) for s in seqs)
-    b = {"input_ids": np.zeros((T, W), np.int64), "loss_mask": np.zeros((T, W), np.float32),
-         "gen_logprobs": np.zeros((T, W), np.float32), "lengths": np.array([len(s) for s in seqs]),
-         "sample_mask": np.ones(T, np.float32), "advantages": np.zeros(T, np.float32)}
+    b = TrainBatch.zeros(len(seqs), max(len(s) for s in seqs))
+    b.lengths[:] = [len(s) for s in seqs]
+    b.sample_mask[:] = 1
     for i, (s, p) in enumerate(zip(seqs, plens)):
-        b["input_ids"][i, : len(s)] = s
-        b["loss_mask"][i, p : len(s)] = 1
-    for g in range(0, T, gens):
-        b["advantages"][g : g + gens] = group_advantages(rewards[g : g + gens])
-    return b
+        b.input_ids[i, : len(s)] = s
+        b.loss_mask[i, p : len(s)] = 1
+    for g in range(0, len(seqs), gens):
+        b.advantages[g : g + gens] = group_advantages(rewards[g : g + gens])
+    return b.count_valid()
 
 
 def check(name: str, model_dir: str, steps: int, prompts: int, gens: int, use_vllm: bool) -> dict:
@@ -100,7 +100,7 @@ def check(name: str, model_dir: str, steps: int, prompts: int, gens: int, use_vl
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         gen_rates.append(gen_rate)
-        train_tokens.append(int(batch["lengths"].sum()))
+        train_tokens.append(int(batch.lengths.sum()))
         print(f"  [{name}] step {step}: update {times[-1]:.3f}s ({train_tokens[-1] / times[-1]:.0f} tok/s), "
               f"generation {gen_rate:.0f} tok/s, reward {sum(rewards) / len(rewards):.3f}, loss {stats['loss']:+.4f}", flush=True)
     return {"name": name, "update_s": statistics.median(times[1:]),

@@ -30,8 +30,9 @@ from minirl.async_rl.source import ASYNC_COUNTS, BufferSource
 from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_row
 from minirl.generation.fleet import FleetWatch
-from minirl.rollout.evidence import Ledger, Rollout
-from minirl.rollout.manager import GroupOutcome, RolloutManager, StepTake
+from minirl.rollout.evidence import Ledger
+from minirl.rollout.manager import RolloutManager, StepTake
+from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
 
 
 def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> None:
@@ -60,51 +61,46 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
         raise ValueError("CC optimizer step requires every rollout of every kept group")
 
 
-def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tuple[dict, dict]:
+def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tuple[TrainBatch, dict]:
     """Kept groups -> padded training arrays + the step's rollout statistics."""
     kept = [o for o in outcomes if o.status == "committed"]
-    g = cfg.grpo
-    rows: list[tuple[Rollout, object, float]] = []
-    rewards = []
-    for o in kept:
-        rollouts = [o.rollouts[r] for r in sorted(o.rollouts)]
-        adv = group_advantages([r.reward for r in rollouts], [r.sample_mask for r in rollouts],
-                               g.use_leave_one_out_baseline, g.normalize_rewards, g.baseline_excludes_masked)
-        if not np.isfinite(adv).all():  # parse_rollout bounds rewards, so this is a bug, never data to train on
-            raise RuntimeError(f"group {o.group}: non-finite advantages {adv.tolist()} from rewards "
-                               f"{[r.reward for r in rollouts]}")
-        rewards += [r.reward for r in rollouts]
-        for rollout, a in zip(rollouts, adv):
-            rows += [(rollout, trace, float(a)) for trace in rollout.traces]
-    width = max((len(t.tokens) for _, t, _ in rows), default=1)
-    T = len(rows)
-    batch = {
-        "input_ids": np.full((T, width), pad_id, dtype=np.int64),
-        "loss_mask": np.zeros((T, width), dtype=np.float32),
-        "gen_logprobs": np.zeros((T, width), dtype=np.float32),
-        "lengths": np.zeros(T, dtype=np.int64),
-        "advantages": np.zeros(T, dtype=np.float32),
-        "sample_mask": np.zeros(T, dtype=np.float32),
-        "group": np.zeros(T, dtype=np.int64),
-        "rollout": np.zeros(T, dtype=np.int64),
-    }
+    rows = [row for o in kept for row in _advantaged(cfg, o)]
+    batch = _pack(rows, pad_id)
+    return batch, _rollout_stats(cfg, outcomes, kept, batch)
+
+
+def _advantaged(cfg: MinirlConfig, o: GroupOutcome) -> list[tuple[Rollout, Trace, float]]:
+    """One kept group's traces, each with its rollout's advantage, rollouts in index order."""
+    g, rollouts = cfg.grpo, _in_order(o)
+    adv = group_advantages([r.reward for r in rollouts], [r.sample_mask for r in rollouts],
+                           g.use_leave_one_out_baseline, g.normalize_rewards, g.baseline_excludes_masked)
+    if not np.isfinite(adv).all():  # parse_rollout bounds rewards, so this is a bug, never data to train on
+        raise RuntimeError(f"group {o.group}: non-finite advantages {adv.tolist()} from rewards "
+                           f"{[r.reward for r in rollouts]}")
+    return [(rollout, trace, float(a)) for rollout, a in zip(rollouts, adv) for trace in rollout.traces]
+
+
+def _pack(rows: list[tuple[Rollout, Trace, float]], pad_id: int) -> TrainBatch:
+    """One padded batch row per trace, its valid-token totals counted."""
+    batch = TrainBatch.zeros(len(rows), max((len(t.tokens) for _, t, _ in rows), default=1), pad_id)
     for i, (rollout, trace, adv) in enumerate(rows):
         n = len(trace.tokens)
-        batch["input_ids"][i, :n] = trace.tokens
-        batch["loss_mask"][i, :n] = trace.loss_mask
-        batch["gen_logprobs"][i, :n] = trace.logprobs
-        batch["lengths"][i] = n
-        batch["advantages"][i] = adv
-        batch["sample_mask"][i] = rollout.sample_mask
-        batch["group"][i] = rollout.coords.group
-        batch["rollout"][i] = rollout.coords.rollout
-    valid = batch["loss_mask"] * batch["sample_mask"][:, None]
-    batch["global_valid_tokens"] = float(valid.sum())
-    batch["global_valid_samples"] = float((valid.sum(-1) > 0).sum())
+        batch.input_ids[i, :n] = trace.tokens
+        batch.loss_mask[i, :n] = trace.loss_mask
+        batch.gen_logprobs[i, :n] = trace.logprobs
+        batch.lengths[i] = n
+        batch.advantages[i] = adv
+        batch.sample_mask[i] = rollout.sample_mask
+        batch.group[i] = rollout.coords.group
+        batch.rollout[i] = rollout.coords.rollout
+    return batch.count_valid()
 
+
+def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[GroupOutcome], batch: TrainBatch) -> dict:
+    """The step's group and rollout counters, from its group outcomes."""
     all_rollouts = [r for o in kept for r in o.rollouts.values()]
     trained = [r for r in all_rollouts if r.sample_mask]
-    stats = {
+    return {
         "groups_target": cfg.grpo.num_prompts_per_step,
         "groups_trained": len(kept),
         "dropped_prompt_groups": sum(o.status == "dropped" for o in outcomes),
@@ -116,13 +112,17 @@ def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tu
         "rollouts_trained": len(trained),
         "rollouts_masked": len(all_rollouts) - len(trained),
         "traces_trained": sum(len(r.traces) for r in trained),
-        "tokens_trained": int(batch["global_valid_tokens"]),
+        "tokens_trained": int(batch.global_valid_tokens),
         "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
-        "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),  # every kept rollout, masked ones too
+        # every kept rollout, masked ones too
+        "reward_mean": float(np.mean([r.reward for o in kept for r in _in_order(o)])) if all_rollouts else float("nan"),
         "reward_mean_trained": float(np.mean([r.reward for r in trained])) if trained else float("nan"),
         "episode_calls_mean": float(np.mean([len(r.calls) for r in all_rollouts])) if all_rollouts else 0.0,
     }
-    return batch, stats
+
+
+def _in_order(o: GroupOutcome) -> list[Rollout]:
+    return [o.rollouts[r] for r in sorted(o.rollouts)]
 
 
 class SyncSource:

@@ -18,7 +18,7 @@ from minirl.controller import assemble
 from minirl.data import prompt_row
 from minirl.wire import Coords
 from minirl.rollout.evidence import parse_rollout
-from minirl.rollout.manager import GroupOutcome
+from minirl.types import GroupOutcome
 
 pytestmark = pytest.mark.slow
 # max |w_2workers - w_1worker| after two AdamW steps at lr 1e-3 (float32). Measured: 4.8e-6. Adam
@@ -129,7 +129,7 @@ def test_two_gloo_workers_on_two_nodes_match_one_worker(two_nodes):
             one = ray.get(single.train.remote(batch))
             assert two[0]["loss"] == two[1]["loss"], "both ranks report the global loss"
             assert two[0]["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
-            assert two[0]["train_tokens"] == one["train_tokens"] == batch["global_valid_tokens"]
+            assert two[0]["train_tokens"] == one["train_tokens"] == batch.global_valid_tokens
         w2 = dict(ray.get(pair[0].get_weights.remote()))
         w1 = dict(ray.get(single.get_weights.remote()))
         w2b = dict(ray.get(pair[1].get_weights.remote()))

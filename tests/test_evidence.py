@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from minirl.config import MinirlConfig, step_floor
 from minirl.controller import assemble, check_step
-from minirl.rollout.evidence import Call, Ledger, parse_rollout, split_traces
+from minirl.rollout.evidence import Ledger, parse_rollout, split_traces
+from minirl.types import Call, GroupOutcome
 from minirl.wire import Coords, RolloutDataFailure
-from minirl.rollout.manager import GroupOutcome
 
 C = Coords(0, 0, 0, 0)
 
@@ -67,9 +67,9 @@ def test_all_traces_of_a_rollout_share_its_advantage():
     mean = sum(others) / 2
     std = math.sqrt(sum((x - mean) ** 2 for x in others) / 1)
     want = (1.0 - mean) / (std + 1e-6)
-    rows0 = batch["rollout"] == 0
+    rows0 = batch.rollout == 0
     assert rows0.sum() == 2
-    np.testing.assert_allclose(batch["advantages"][rows0], [want, want], rtol=1e-6)
+    np.testing.assert_allclose(batch.advantages[rows0], [want, want], rtol=1e-6)
     assert stats["traces_trained"] == 4 and stats["rollouts_trained"] == 3
 
 
@@ -254,7 +254,7 @@ def test_the_reward_bound_keeps_a_worst_case_step_finite_in_float32():
                                  max_len=1024, overlong_filtering=False) for r, x in enumerate(rewards)}
     batch, _ = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
     assert cfg.grpo.normalize_rewards and cfg.grpo.use_leave_one_out_baseline
-    assert np.isfinite(batch["advantages"]).all() and np.abs(batch["advantages"]).max() > 0.9 * bound / ADVANTAGE_EPS
+    assert np.isfinite(batch.advantages).all() and np.abs(batch.advantages).max() > 0.9 * bound / ADVANTAGE_EPS
     out = PolicyWorker(cfg).train(batch)
     assert math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]), out
 
@@ -338,7 +338,7 @@ def _survives(res) -> None:
     json.dumps(events)
     sibling = parse(_good())
     batch, stats = assemble(cfg, [GroupOutcome(0, "committed", {0: r, 1: sibling})], pad_id=0)
-    assert np.isfinite(batch["advantages"]).all() and np.isfinite(batch["gen_logprobs"]).all()
+    assert np.isfinite(batch.advantages).all() and np.isfinite(batch.gen_logprobs).all()
     assert all(e["type"] in ("compaction", "guard") and e["rollout"] == 0 for e in events)
 
 

@@ -213,8 +213,8 @@ def test_without_cc_an_all_masked_group_trains_with_zero_loss(stack, base_cfg):
     run = run_step(stack, cfg)
     assert run.error is None and [o.status for o in run.outcomes] == ["committed", "committed"]
     batch, stats = assemble(cfg, run.outcomes, pad_id=0)
-    g0 = batch["group"] == 0
-    assert (batch["sample_mask"][g0] == 0).all() and (batch["advantages"][g0] == 0).all()
+    g0 = batch.group == 0
+    assert (batch.sample_mask[g0] == 0).all() and (batch.advantages[g0] == 0).all()
     assert stats["groups_trained"] == 2 and stats["rollouts_masked"] == 2
 
 

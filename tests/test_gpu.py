@@ -10,6 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_bf16_policy_update_on_cuda():
     from minirl.config import load_config
     from minirl.trainer.policy_worker import PolicyWorker
+    from minirl.types import TrainBatch
 
     cfg = load_config(None, ["policy.precision=bfloat16", "cluster.gpus_per_policy_worker=1"])
     worker = PolicyWorker(cfg)
@@ -18,9 +19,9 @@ def test_bf16_policy_update_on_cuda():
     ids = rng.integers(3, 400, size=(8, 40))
     mask = np.zeros((8, 40), np.float32)
     mask[:, 20:] = 1
-    batch = {"input_ids": ids, "loss_mask": mask, "gen_logprobs": np.zeros((8, 40), np.float32),
-             "lengths": np.full(8, 40), "sample_mask": np.ones(8, np.float32),
-             "advantages": np.array([1, -1] * 4, np.float32)}
+    batch = TrainBatch(input_ids=ids, loss_mask=mask, gen_logprobs=np.zeros((8, 40), np.float32),
+                       lengths=np.full(8, 40), sample_mask=np.ones(8, np.float32),
+                       advantages=np.array([1, -1] * 4, np.float32))
     before = {k: v.copy() for k, v in worker.get_weights()}
     stats = worker.train(batch)
     after = dict(worker.get_weights())

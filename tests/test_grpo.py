@@ -329,7 +329,7 @@ def lane_a_step(cfg, rewards):
     results; group 1 rollout 0's second model call overflowed (an empty reply without tokens), so
     that rollout is masked (capture_failed) and the rest of its group trains."""
     from minirl.rollout.evidence import parse_rollout
-    from minirl.rollout.manager import GroupOutcome
+    from minirl.types import GroupOutcome
     from minirl.wire import Coords
 
     def item(prompt, gen):
@@ -362,8 +362,8 @@ def test_lane_a_survivor_trains_with_r1_minus_r0_in_upstream_mode(upstream):
     rewards = [[1.0, 0.0], [0.25, 1.0], [0.5, 0.5], [0.0, 0.75]]
     batch, stats = assemble(cfg, lane_a_step(cfg, rewards), pad_id=0)
     assert (stats["groups_trained"], stats["rollouts_masked"]) == (4, 1)
-    adv = {(int(g), int(r)): float(a) for g, r, a in zip(batch["group"], batch["rollout"], batch["advantages"])}
-    mask = {(int(g), int(r)): float(m) for g, r, m in zip(batch["group"], batch["rollout"], batch["sample_mask"])}
+    adv = {(int(g), int(r)): float(a) for g, r, a in zip(batch.group, batch.rollout, batch.advantages)}
+    mask = {(int(g), int(r)): float(m) for g, r, m in zip(batch.group, batch.rollout, batch.sample_mask)}
     assert mask[(1, 0)] == 0.0 and mask[(1, 1)] == 1.0
     r0, r1 = rewards[1]
     assert adv[(1, 1)] == pytest.approx(r1 - r0 if upstream else 0.0, abs=1e-7)
@@ -383,8 +383,8 @@ def test_sequence_level_normaliser_counts_trained_rows():
     cfg = load_config(None, ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
                              "context_compaction.enabled=false", "agent.name=simple_agent", "loss_fn.token_level_loss=false"])
     batch, stats = assemble(cfg, lane_a_step(cfg, [[1.0, 0.0]] * 4), pad_id=0)
-    assert len(batch["sample_mask"]) == 8 and stats["rollouts_trained"] == 7
-    assert batch["global_valid_samples"] == float(batch["sample_mask"].sum()) == 7.0
+    assert len(batch.sample_mask) == 8 and stats["rollouts_trained"] == 7
+    assert batch.global_valid_samples == float(batch.sample_mask.sum()) == 7.0
 
 
 def reference_seq_mask_tis(curr, prev, gen, adv, mask, hi, lo):

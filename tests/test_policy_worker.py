@@ -6,24 +6,25 @@ import pytest
 
 from minirl.config import load_config
 from minirl.trainer.policy_worker import PolicyWorker
+from minirl.types import TrainBatch
 
 
 def batch(rows=4, width=30, masked=()):
     rng = np.random.default_rng(0)
-    b = {"input_ids": rng.integers(3, 400, size=(rows, width)), "loss_mask": np.zeros((rows, width), np.float32),
-         "gen_logprobs": np.zeros((rows, width), np.float32), "lengths": np.full(rows, width),
-         "sample_mask": np.ones(rows, np.float32), "advantages": np.linspace(-1, 1, rows).astype(np.float32)}
-    b["loss_mask"][:, 15:] = 1
+    b = TrainBatch(input_ids=rng.integers(3, 400, size=(rows, width)), loss_mask=np.zeros((rows, width), np.float32),
+                   gen_logprobs=np.zeros((rows, width), np.float32), lengths=np.full(rows, width),
+                   sample_mask=np.ones(rows, np.float32), advantages=np.linspace(-1, 1, rows).astype(np.float32))
+    b.loss_mask[:, 15:] = 1
     for r in masked:
-        b["sample_mask"][r] = 0
+        b.sample_mask[r] = 0
     return b
 
 
 def test_a_masked_trace_changes_nothing():
     cfg = load_config(None, ["policy.train_micro_batch_size=2"])
     with_masked = batch(rows=5, masked=(4,))
-    with_masked["advantages"][4] = 50.0  # would dominate the update if it were trained
-    without = {k: (v[:4] if isinstance(v, np.ndarray) else v) for k, v in with_masked.items()}
+    with_masked.advantages[4] = 50.0  # would dominate the update if it were trained
+    without = TrainBatch(**{k: (v[:4] if isinstance(v, np.ndarray) else v) for k, v in vars(with_masked).items()})
     a, b = PolicyWorker(cfg), PolicyWorker(cfg)
     sa, sb = a.train(with_masked), b.train(without)
     assert sa["train_tokens"] == sb["train_tokens"] == 4 * 15
@@ -51,7 +52,7 @@ def test_a_non_finite_loss_skips_the_step_and_keeps_the_weights():
     worker = PolicyWorker(cfg)
     before = dict(worker.get_weights())
     bad = batch()
-    bad["advantages"][1] = np.float32(np.inf)  # what a reward of 1e39 became as float32
+    bad.advantages[1] = np.float32(np.inf)  # what a reward of 1e39 became as float32
     with pytest.raises(NonFiniteUpdate, match="the step was skipped and no weights were published"):
         worker.train(bad)
     after = dict(worker.get_weights())
@@ -105,7 +106,7 @@ def test_top_p_logprobs_match_a_float64_reference():
     cfg = load_config(None, [])
     worker = PolicyWorker(cfg)
     g = torch.Generator().manual_seed(0)
-    ids = torch.as_tensor(batch(rows=6, width=24)["input_ids"])
+    ids = torch.as_tensor(batch(rows=6, width=24).input_ids)
     with torch.no_grad():  # tokens 8.. sampled from the model itself (most inside a nucleus, some not)
         for t in range(8, ids.shape[1]):
             probs = worker.model(input_ids=ids[:, :t]).logits[:, -1].float().softmax(-1)
@@ -146,11 +147,11 @@ def test_top_p_training_step_and_kl_on_unfiltered_logprobs():
     worker = PolicyWorker(cfg)
     b = batch()
     with torch.no_grad():  # the trained tokens sampled from the model itself, as the engine would
-        ids = torch.as_tensor(b["input_ids"])
+        ids = torch.as_tensor(b.input_ids)
         for t in range(15, ids.shape[1]):
             ids[:, t] = torch.multinomial(worker.model(input_ids=ids[:, :t]).logits[:, -1].float().softmax(-1), 1,
                                           generator=torch.Generator().manual_seed(t))[:, 0]
-    b["input_ids"] = ids.numpy()
+    b.input_ids = ids.numpy()
     lp = worker.logprobs(b)[:, 15:]
     assert (lp <= 0).all() and (lp == 0).any() and (lp < 0).any()  # some sampled tokens fall outside a 0.5 nucleus
     first = worker.train(b)
@@ -166,8 +167,8 @@ def test_sequence_level_loss_is_normalised_by_the_valid_rows():
     cfg = load_config(None, ["policy.train_micro_batch_size=2", "context_compaction.enabled=false",
                              "agent.name=simple_agent", "loss_fn.token_level_loss=false"])
     b = batch(rows=5, masked=(1,))
-    b["advantages"] = np.array([0.5, 9.0, -0.25, 1.0, 0.75], np.float32)
-    b["loss_mask"][3, :25] = 0  # rows of different lengths: each still counts once
+    b.advantages = np.array([0.5, 9.0, -0.25, 1.0, 0.75], np.float32)
+    b.loss_mask[3, :25] = 0  # rows of different lengths: each still counts once
     stats = PolicyWorker(cfg).train(b)
     valid = [0, 2, 3, 4]
-    assert stats["loss"] == pytest.approx(-float(b["advantages"][valid].sum()) / len(valid), rel=1e-6)
+    assert stats["loss"] == pytest.approx(-float(b.advantages[valid].sum()) / len(valid), rel=1e-6)

@@ -156,16 +156,33 @@ def clipped_pg_loss(
         per_token = per_token * w
     kl = torch.zeros_like(per_token)
     if reference_logprobs is not None and kl_penalty > 0:
-        curr_kl = curr_logprobs if curr_logprobs_unfiltered is None else curr_logprobs_unfiltered
-        w_kl = torch.exp(curr_kl - curr_kl.detach())
-        w_kl = torch.where(torch.isfinite(w_kl), w_kl, torch.zeros_like(w_kl))
-        kl = k3_kl(curr_kl, reference_logprobs, weights=w_kl)
+        kl = _weighted_kl(curr_logprobs if curr_logprobs_unfiltered is None else curr_logprobs_unfiltered, reference_logprobs)
         per_token = per_token + kl_penalty * kl
+    return _reduce(per_token, mask, normalizer, token_level), _loss_metrics(ratio, clipped, kl, oob, mask)
+
+
+def _weighted_kl(curr: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Upstream's per-token KL: k3 weighted by w = exp(curr - curr.detach()) (value 1, non-finite -> 0)."""
+    import torch
+
+    w = torch.exp(curr - curr.detach())
+    return k3_kl(curr, reference, weights=torch.where(torch.isfinite(w), w, torch.zeros_like(w)))
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, normalizer: float, token_level: bool) -> torch.Tensor:
+    """Masked per-token losses -> this micro-batch's share of the step's loss: summed over tokens, or
+    each sequence's token mean summed over sequences; divided by the step's global `normalizer`."""
     if token_level:
-        loss = (per_token * mask).sum() / normalizer
-    else:
-        per_sample = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        loss = (per_sample * (mask.sum(-1) > 0)).sum() / normalizer
+        return (per_token * mask).sum() / normalizer
+    per_sample = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return (per_sample * (mask.sum(-1) > 0)).sum() / normalizer
+
+
+def _loss_metrics(ratio, clipped, kl, oob, mask) -> dict:
+    """Clip fraction and KL per valid token; importance-sampling bounds hit, with the units they
+    count (tokens, or sequences for `seq-mask-tis`), so micro-batches and ranks add up."""
+    import torch
+
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         if oob.dim() == 1:  # seq-mask-tis: counted in sequences, as upstream (over global_valid_seqs)
@@ -173,11 +190,10 @@ def clipped_pg_loss(
             is_oob, is_units = float((oob & valid_seqs).sum()), float(valid_seqs.sum())
         else:
             is_oob, is_units = float((oob.float() * mask).sum()), float(mask.sum())
-        metrics = {
+        return {
             "clip_fraction": float(((ratio != clipped).float() * mask).sum() / n),
             "kl": float((kl * mask).sum() / n),
             "is_oob_ratio": is_oob / max(is_units, 1.0),
             "is_oob": is_oob,  # tokens (or sequences) outside the bounds, and the valid ones they are out of,
             "is_units": is_units,  # so micro-batches and ranks add up to the global ratio
         }
-    return loss, metrics

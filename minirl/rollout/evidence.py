@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from minirl.types import Call, Rollout, Trace
 from minirl.wire import Coords, RolloutDataFailure
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -29,39 +29,6 @@ ADVANTAGE_EPS = 1e-6
 GRAD_HEADROOM = 1e4
 """What the reward bound leaves between |advantage| and sqrt(float32 max) for the per-token weight
 and the score gradient's norm (the default model's is about 1; see `reward_bound`)."""
-
-
-@dataclass
-class Call:
-    prompt: list[int]
-    gen: list[int]
-    logprobs: list[float]
-
-
-@dataclass
-class Trace:
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]  # the generator's logprob per token (0 where loss_mask is 0)
-    calls: int = 1
-
-
-@dataclass
-class Rollout:
-    """One committed rollout attempt: what the trainer needs, plus what the metrics report."""
-
-    coords: Coords
-    reward: float
-    calls: list[Call]
-    traces: list[Trace]
-    capture_failed: bool
-    truncated: bool
-    evidence: dict = field(default_factory=dict)
-    mask_reason: str | None = None
-
-    @property
-    def sample_mask(self) -> int:
-        return 0 if self.mask_reason else 1
 
 
 def split_traces(calls: list[Call], allow_rewrites: bool = True) -> list[Trace]:

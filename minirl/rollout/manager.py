@@ -28,7 +28,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable, NamedTuple
 
 import aiohttp
@@ -37,7 +37,8 @@ from minirl.config import FAULT_KINDS, MinirlConfig
 from minirl.data import sampling_seed
 from minirl.faults import FaultPlan
 from minirl.gym.rows import with_extra_body
-from minirl.rollout.evidence import Rollout, parse_rollout, reward_bound
+from minirl.rollout.evidence import parse_rollout, reward_bound
+from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
     Coords,
     INFRA,
@@ -54,24 +55,6 @@ from minirl.wire import (
 )
 
 Emit = Callable[[dict], None]
-
-
-@dataclass
-class GroupOutcome:
-    group: int
-    status: str  # committed | dropped | skipped
-    rollouts: dict[int, Rollout] = field(default_factory=dict)
-    reason: str | None = None
-    group_attempts: int = 0
-    row_sends: int = 0  # /run requests (rollout attempts)
-    rows_returned: int = 0  # /run results that came back valid (rollouts generated), kept or not
-    row_retries: int = 0
-    backoff_s: float = 0.0
-    step: int = 0
-
-    @property
-    def redispatched(self) -> bool:
-        return self.group_attempts > 1 or self.row_retries > 0
 
 
 class StepTake(NamedTuple):

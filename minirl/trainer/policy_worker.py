@@ -30,9 +30,14 @@ import numpy as np
 
 from minirl.algo.grpo import clipped_pg_loss
 from minirl.config import MinirlConfig
+from minirl.types import TrainBatch
 
 if TYPE_CHECKING:
     import torch
+
+
+TOTALS = ("loss", "clip_fraction", "kl", "is_oob", "is_units", "abs_err", "mult_err", "tokens")
+"""What `train` sums over micro-batches (and ranks) before it reports the step."""
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -114,80 +119,99 @@ class PolicyWorker:
         dist.all_reduce(t)
         return float(t.item())
 
-    def train(self, batch: dict) -> dict:
-        import torch
-
-        cfg = self.cfg
-        valid = batch["loss_mask"] * batch["sample_mask"][:, None]
+    def train(self, batch: TrainBatch) -> dict:
+        """One optimizer step over the batch: this rank's micro-batches -> loss -> summed totals."""
+        valid = batch.valid_mask()
         rows = np.flatnonzero(valid.sum(-1) > 0)
         mine = rows[self.rank :: self.world_size]
-        local_tokens = float(valid[mine].sum())
-        token_level = cfg.loss_fn.token_level_loss
-        normalizer = self._global(local_tokens if token_level else float(len(mine)))
-        per_rank = math.ceil(len(rows) / self.world_size)
-        micro = cfg.policy.train_micro_batch_size
-        n_micro = max(1, math.ceil(per_rank / micro))  # the same on every rank (DDP needs it)
+        token_level = self.cfg.loss_fn.token_level_loss
+        normalizer = max(self._global(float(valid[mine].sum()) if token_level else float(len(mine))), 1.0)
+        micro = self.cfg.policy.train_micro_batch_size
+        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world_size) / micro))  # the same on every rank (DDP needs it)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        temperature, top_p = cfg.policy.generation.temperature, cfg.policy.generation.top_p
-        lf = cfg.loss_fn
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "is_oob": 0.0, "is_units": 0.0, "abs_err": 0.0, "mult_err": 0.0, "tokens": 0.0}
+        totals = dict.fromkeys(TOTALS, 0.0)
         for k in range(n_micro):
             idx = mine[k * micro : (k + 1) * micro]
-            last = k == n_micro - 1
-            ctx = self.net.no_sync() if (self.world_size > 1 and not last) else nullcontext()
-            with ctx:
-                if len(idx) == 0:  # keep DDP's collective count equal across ranks
-                    out = self.net(input_ids=torch.zeros((1, 2), dtype=torch.long, device=self.device)).logits
-                    (out.sum() * 0.0).backward()
-                    continue
-                width = int(batch["lengths"][idx].max())
-                ids = torch.as_tensor(batch["input_ids"][idx, :width], device=self.device)
-                attn = (torch.arange(width)[None, :] < torch.as_tensor(batch["lengths"][idx])[:, None]).long().to(self.device)
-                mask = torch.as_tensor(valid[idx, :width], device=self.device)
-                gen_lp = torch.as_tensor(batch["gen_logprobs"][idx, :width], device=self.device)
-                adv = torch.as_tensor(batch["advantages"][idx], device=self.device)
-                curr, curr_unfiltered = token_logprobs(self.net, ids, attn, temperature, top_p, also_unfiltered=True)
-                prev = curr.detach()  # one optimizer step per batch: the pre-update policy is this one
-                ref = None
-                if self.reference is not None:  # unfiltered, as upstream's reference logprobs
-                    with torch.no_grad():
-                        ref = token_logprobs(self.reference, ids, attn, temperature)
-                loss, m = clipped_pg_loss(
-                    curr, prev, adv, mask, max(normalizer, 1.0), lf.ratio_clip_min, lf.ratio_clip_max,
-                    ref, lf.reference_policy_kl_penalty, token_level,
-                    gen_lp if lf.use_importance_sampling_correction else None, lf.truncated_importance_sampling_type,
-                    lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min,
-                    curr_unfiltered if top_p < 1.0 else None,
-                )
-                (loss * self.world_size).backward()  # DDP averages gradients over ranks
-                with torch.no_grad():
-                    n = float(mask.sum())
-                    diff = (prev - gen_lp) * mask
-                    totals["loss"] += float(loss)
-                    totals["clip_fraction"] += m["clip_fraction"] * n
-                    totals["kl"] += m["kl"] * n
-                    totals["is_oob"] += m["is_oob"]
-                    totals["is_units"] += m["is_units"]
-                    totals["abs_err"] += float(diff.abs().sum())
-                    totals["mult_err"] += float((torch.exp(diff.abs()) * mask).sum())
-                    totals["tokens"] += n
-        clip = cfg.policy.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+            with self.net.no_sync() if (self.world_size > 1 and k < n_micro - 1) else nullcontext():
+                self._micro_step(batch, valid, idx, normalizer, totals)
+        loss, grad_norm = self._optimizer_step(totals)
+        self._check_update(batch, rows)
+        self.steps_done += 1
+        return self._report(totals, loss, grad_norm)
+
+    def _micro_step(self, batch: TrainBatch, valid: np.ndarray, idx: np.ndarray, normalizer: float, totals: dict) -> None:
+        """Forward and backward over one micro-batch's rows, adding its sums to `totals`. An empty
+        one still runs a zero backward: DDP needs the same collective count on every rank."""
+        import torch
+
+        if len(idx) == 0:
+            out = self.net(input_ids=torch.zeros((1, 2), dtype=torch.long, device=self.device)).logits
+            (out.sum() * 0.0).backward()
+            return
+        width = int(batch.lengths[idx].max())
+        ids = torch.as_tensor(batch.input_ids[idx, :width], device=self.device)
+        attn = (torch.arange(width)[None, :] < torch.as_tensor(batch.lengths[idx])[:, None]).long().to(self.device)
+        mask = torch.as_tensor(valid[idx, :width], device=self.device)
+        gen_lp = torch.as_tensor(batch.gen_logprobs[idx, :width], device=self.device)
+        adv = torch.as_tensor(batch.advantages[idx], device=self.device)
+        loss, m, prev = self._loss(ids, attn, adv, mask, gen_lp, normalizer)
+        (loss * self.world_size).backward()  # DDP averages gradients over ranks
+        with torch.no_grad():
+            n = float(mask.sum())
+            diff = (prev - gen_lp) * mask
+            totals["loss"] += float(loss)
+            totals["clip_fraction"] += m["clip_fraction"] * n
+            totals["kl"] += m["kl"] * n
+            totals["is_oob"] += m["is_oob"]
+            totals["is_units"] += m["is_units"]
+            totals["abs_err"] += float(diff.abs().sum())
+            totals["mult_err"] += float((torch.exp(diff.abs()) * mask).sum())
+            totals["tokens"] += n
+
+    def _loss(self, ids, attn, adv, mask, gen_lp, normalizer: float):
+        """The micro-batch's clipped policy-gradient loss, its metrics and the pre-update logprobs."""
+        import torch
+
+        temperature, top_p = self.cfg.policy.generation.temperature, self.cfg.policy.generation.top_p
+        lf = self.cfg.loss_fn
+        curr, curr_unfiltered = token_logprobs(self.net, ids, attn, temperature, top_p, also_unfiltered=True)
+        prev = curr.detach()  # one optimizer step per batch: the pre-update policy is this one
+        ref = None
+        if self.reference is not None:  # unfiltered, as upstream's reference logprobs
+            with torch.no_grad():
+                ref = token_logprobs(self.reference, ids, attn, temperature)
+        loss, m = clipped_pg_loss(
+            curr, prev, adv, mask, normalizer, lf.ratio_clip_min, lf.ratio_clip_max,
+            ref, lf.reference_policy_kl_penalty, lf.token_level_loss,
+            gen_lp if lf.use_importance_sampling_correction else None, lf.truncated_importance_sampling_type,
+            lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min,
+            curr_unfiltered if top_p < 1.0 else None,
+        )
+        return loss, m, prev
+
+    def _optimizer_step(self, totals: dict) -> tuple[float, float]:
+        """Clip, then step, unless the global loss or the gradient norm is not finite (NonFiniteUpdate)."""
+        import torch
+
+        clip = self.cfg.policy.max_grad_norm
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf")))
         loss = self._global(totals["loss"])
-        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteUpdate(
-                f"loss={loss} grad_norm={float(grad_norm)} at optimizer step {self.steps_done}: the step was skipped "
+                f"loss={loss} grad_norm={grad_norm} at optimizer step {self.steps_done}: the step was skipped "
                 "and no weights were published"
             )
         self.optimizer.step()
-        self._check_update(batch, rows)
-        self.steps_done += 1
+        return loss, grad_norm
+
+    def _report(self, totals: dict, loss: float, grad_norm: float) -> dict:
+        """The step's metrics: the global totals, per trained token where they are sums over tokens."""
         tokens = self._global(totals["tokens"])
         return {
             "loss": loss,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "clip_fraction": self._global(totals["clip_fraction"]) / max(tokens, 1),
             "kl": self._global(totals["kl"]) / max(tokens, 1),
             "is_oob_ratio": self._global(totals["is_oob"]) / max(self._global(totals["is_units"]), 1),
@@ -196,7 +220,7 @@ class PolicyWorker:
             "train_tokens": tokens,
         }
 
-    def _check_update(self, batch: dict, rows: np.ndarray) -> None:
+    def _check_update(self, batch: TrainBatch, rows: np.ndarray) -> None:
         """The weights the step left are finite, and so are the logits of a forward pass on one of the
         step's sequences; else NonFiniteUpdate naming the step, the lr and what is not finite."""
         import torch
@@ -205,8 +229,8 @@ class PolicyWorker:
             params = list(self.model.named_parameters())
             what = next((f"parameter {name}" for name, p in params if not torch.isfinite(p).all()), None)
             if what is None:
-                n = int(batch["lengths"][rows[0]]) if len(rows) else 2
-                ids = batch["input_ids"][rows[:1], :n] if len(rows) else np.zeros((1, 2), dtype=np.int64)
+                n = int(batch.lengths[rows[0]]) if len(rows) else 2
+                ids = batch.input_ids[rows[:1], :n] if len(rows) else np.zeros((1, 2), dtype=np.int64)
                 self.model.eval()
                 logits = self.model(input_ids=torch.as_tensor(ids, device=self.device)).logits
                 self.model.train()
@@ -226,15 +250,15 @@ class PolicyWorker:
 
         return [(k, v.detach().to("cpu", torch.float32).numpy()) for k, v in self.model.state_dict().items()]
 
-    def logprobs(self, batch: dict) -> np.ndarray:
+    def logprobs(self, batch: TrainBatch) -> np.ndarray:
         """Re-score a batch's tokens (for tests and the engine-contract check)."""
         import torch
 
         self.model.eval()
         with torch.no_grad():
-            width = int(batch["lengths"].max())
-            ids = torch.as_tensor(batch["input_ids"][:, :width], device=self.device)
-            attn = (torch.arange(width)[None, :] < torch.as_tensor(batch["lengths"])[:, None]).long().to(self.device)
+            width = int(batch.lengths.max())
+            ids = torch.as_tensor(batch.input_ids[:, :width], device=self.device)
+            attn = (torch.arange(width)[None, :] < torch.as_tensor(batch.lengths)[:, None]).long().to(self.device)
             gen = self.cfg.policy.generation
             return token_logprobs(self.model, ids, attn, gen.temperature, gen.top_p).float().cpu().numpy()
 

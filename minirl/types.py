@@ -1,0 +1,121 @@
+"""What an optimizer step is made of, in one ground-floor module (prime-rl's `orchestrator/types.py`
+and slime's `Sample.Status` are the models): a model `Call`, the physical `Trace`s it builds, a
+validated `Rollout`, a prompt group's `GroupOutcome`, and the `TrainBatch` the controller hands the
+policy workers.
+
+Invariant: these are plain carriers; they check nothing and import nothing of minirl's but
+`wire.Coords`. A `GroupOutcome.status` is one of `GroupStatus`; a `TrainBatch` holds numpy arrays
+only (cheap to pickle through Ray), one row per trace, and its `global_valid_*` totals are those of
+`valid_mask()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from minirl.wire import Coords
+
+GroupStatus = Literal["committed", "dropped", "skipped"]
+"""committed: trained (its masked rollouts too); dropped: an INFRA budget ran out, the step goes on
+without it; skipped: a DATA failure under `on_rollout_data_error=skip`."""
+
+
+@dataclass
+class Call:
+    """One model call of a rollout: its prompt, generated tokens and their logprobs."""
+
+    prompt: list[int]
+    gen: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Trace:
+    """One training sequence: calls that extend each other, loss mask on generated tokens only."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]  # the generator's logprob per token (0 where loss_mask is 0)
+    calls: int = 1
+
+
+@dataclass
+class Rollout:
+    """One committed rollout attempt: what the trainer needs, plus what the metrics report."""
+
+    coords: Coords
+    reward: float
+    calls: list[Call]
+    traces: list[Trace]
+    capture_failed: bool
+    truncated: bool
+    evidence: dict = field(default_factory=dict)
+    mask_reason: str | None = None
+
+    @property
+    def sample_mask(self) -> int:
+        return 0 if self.mask_reason else 1
+
+
+@dataclass
+class GroupOutcome:
+    """What became of one prompt group in one step, with its failure-policy counters."""
+
+    group: int
+    status: GroupStatus
+    rollouts: dict[int, Rollout] = field(default_factory=dict)
+    reason: str | None = None
+    group_attempts: int = 0
+    row_sends: int = 0  # /run requests (rollout attempts)
+    rows_returned: int = 0  # /run results that came back valid (rollouts generated), kept or not
+    row_retries: int = 0
+    backoff_s: float = 0.0
+    step: int = 0
+
+    @property
+    def redispatched(self) -> bool:
+        return self.group_attempts > 1 or self.row_retries > 0
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's padded training arrays, one row per trace ([T, width] or [T])."""
+
+    input_ids: np.ndarray  # int64 [T, W], padded with the tokenizer's pad id
+    loss_mask: np.ndarray  # float32 [T, W], 1 on generated tokens
+    gen_logprobs: np.ndarray  # float32 [T, W], the generator's logprobs (0 off the loss mask)
+    lengths: np.ndarray  # int64 [T]
+    advantages: np.ndarray  # float32 [T], the trace's rollout's advantage
+    sample_mask: np.ndarray  # float32 [T], 0 for a masked rollout's traces
+    group: np.ndarray | None = None  # int64 [T], the rollout's group (for tests and metrics)
+    rollout: np.ndarray | None = None  # int64 [T], the rollout's index in its group
+    global_valid_tokens: float = 0.0
+    global_valid_samples: float = 0.0
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, pad_id: int = 0) -> "TrainBatch":
+        """An empty batch of `rows` x `width` (every row masked out until filled in)."""
+        return cls(
+            input_ids=np.full((rows, width), pad_id, dtype=np.int64),
+            loss_mask=np.zeros((rows, width), dtype=np.float32),
+            gen_logprobs=np.zeros((rows, width), dtype=np.float32),
+            lengths=np.zeros(rows, dtype=np.int64),
+            advantages=np.zeros(rows, dtype=np.float32),
+            sample_mask=np.zeros(rows, dtype=np.float32),
+            group=np.zeros(rows, dtype=np.int64),
+            rollout=np.zeros(rows, dtype=np.int64),
+        )
+
+    def valid_mask(self) -> np.ndarray:
+        """[T, W] 1 where a token is trained: on the loss mask of an unmasked rollout."""
+        return self.loss_mask * self.sample_mask[:, None]
+
+    def count_valid(self) -> "TrainBatch":
+        """Fill in `global_valid_tokens` / `global_valid_samples` from `valid_mask()`; returns self."""
+        valid = self.valid_mask()
+        self.global_valid_tokens = float(valid.sum())
+        self.global_valid_samples = float((valid.sum(-1) > 0).sum())
+        return self
