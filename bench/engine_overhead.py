@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from minirl.cluster import ACTOR_ENV, free_port, start_generation_workers
     from minirl.config import load_config
     from minirl.data import prompt_row
-    from minirl.gym.rows import with_extra_body
+    from minirl.wire import with_extra_body
     from minirl.agents.server import AgentServer
 
     cfg = load_config(None, ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides])

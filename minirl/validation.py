@@ -43,10 +43,9 @@ import aiohttp
 
 from minirl.config import MinirlConfig
 from minirl.data import _seed, task_row, task_seed
-from minirl.gym.rows import with_extra_body
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
-from minirl.wire import INFRA, RolloutFailure, RolloutTimeout, classify
+from minirl.wire import INFRA, RolloutFailure, RolloutTimeout, classify, with_extra_body
 
 
 class ValidationFailed(RuntimeError):

@@ -1,6 +1,7 @@
 """What crosses a process boundary, in one ground-floor module: rollout coordinates and the HTTP
 header that carries them, the failure taxonomy (as NeMo-RL's `nemo_rl/experience/failures.py`
-draws it), and the typed error body of a failed `/run`.
+draws it), the typed error body of a failed `/run`, and where a `/run` row carries its
+per-request sampling extras.
 
 Every layer (the generation server, the agents, the rollout manager, the controller) imports
 these from here and from nowhere else; this module imports nothing of minirl's.
@@ -16,6 +17,13 @@ deliberately not RolloutFailures, so no per-attempt retry loop ever catches them
 Invariants: `classify` is total (every exception gets INFRA or DATA), looks at most 8 links down
 the `__cause__` chain and stops at a cycle; anything it does not recognise is DATA. A header or
 `_minirl` value that does not parse raises `BadCoordinates` (a ValueError), never anything else.
+
+Row extras: Gym's `responses_create_params` is the Responses API's create-params, which has no
+`seed`; Gym's `vllm_model` merges `metadata.extra_body`, a JSON object written as a string
+(metadata values are strings), into each chat-completions request it sends. So a row's seed travels
+there, and minirl's own agent reads it from the same place. `with_extra_body` never drops an extra
+or a metadata key that was already there, and `extra_body` returns exactly what `with_extra_body`
+wrote; a malformed `extra_body` raises ValueError naming `responses_create_params.metadata.extra_body`.
 """
 
 from __future__ import annotations
@@ -225,3 +233,31 @@ def parse_error_body(raw: bytes) -> tuple[str, str | None]:
         if error is not None:
             return str(error)[:ERROR_BODY_LIMIT], kind if isinstance(kind, str) else None
     return text, None
+
+
+EXTRA_BODY = "responses_create_params.metadata.extra_body"
+"""Where a `/run` row carries its per-request sampling extras (the seed)."""
+
+
+def extra_body(params: dict) -> dict:
+    """The per-request extras of a row's `responses_create_params` ({} when there are none)."""
+    metadata = params.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"responses_create_params.metadata must be an object, got {type(metadata).__name__}")
+    raw = (metadata or {}).get("extra_body")
+    if raw is None:
+        return {}
+    try:
+        extras = json.loads(raw) if isinstance(raw, str) else None
+    except (ValueError, RecursionError):
+        extras = None
+    if not isinstance(extras, dict):
+        raise ValueError(f"{EXTRA_BODY} must be a JSON object written as a string, got {raw!r}")
+    return extras
+
+
+def with_extra_body(params: dict, **extras) -> dict:
+    """A copy of `params` whose `metadata.extra_body` also holds `extras` (later keys win)."""
+    metadata = dict(params.get("metadata") or {})
+    metadata["extra_body"] = json.dumps({**extra_body(params), **extras}, sort_keys=True)
+    return {**params, "metadata": metadata}

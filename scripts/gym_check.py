@@ -63,7 +63,7 @@ def main() -> int:
     from minirl.config import load_config
     from minirl.data import prompt_row, sampling_seed
     from minirl.generation.router import start_router
-    from minirl.gym.rows import with_extra_body
+    from minirl.wire import with_extra_body
 
     cfg = load_config(None, TRAIN_OVERRIDES)
     gym = None

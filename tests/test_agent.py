@@ -15,7 +15,7 @@ from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import FaultSpec
 from minirl.data import prompt_row
-from minirl.gym.rows import with_extra_body
+from minirl.wire import with_extra_body
 
 
 def row(cfg, group=0, rollout=0, attempt=0):

@@ -10,7 +10,7 @@ import numpy as np
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
 from minirl.data import prompt_row
-from minirl.gym.rows import with_extra_body
+from minirl.wire import with_extra_body
 
 CHAT_TOOLS = chat_tools(TOOLS)
 

@@ -13,9 +13,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from minirl.data import prompt_row
-from minirl.gym.rows import extra_body, with_extra_body
 from minirl.gym.shapes import RunRequest
 from minirl.rollout.manager import RolloutManager
+from minirl.wire import extra_body, with_extra_body
 
 
 def test_shape_rejects_what_gym_rejects(base_cfg):

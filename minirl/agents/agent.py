@@ -25,8 +25,7 @@ from minirl.agents.env import DoorsEnv, verify
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import AgentConfig
 from minirl.faults import FaultPlan
-from minirl.gym.rows import extra_body
-from minirl.wire import ContextGuardRejected, Coords
+from minirl.wire import ContextGuardRejected, Coords, extra_body
 
 
 class InjectedAgentFault(RuntimeError):

@@ -41,8 +41,7 @@ from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan
-from minirl.gym.rows import WHERE as EXTRA_BODY, extra_body
-from minirl.wire import BadCoordinates, Coords, run_error_body, run_error_status
+from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_body, run_error_status
 from minirl.http_thread import HttpThread, off_loop
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")

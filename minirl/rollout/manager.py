@@ -36,7 +36,6 @@ import aiohttp
 from minirl.config import FAULT_KINDS, MinirlConfig
 from minirl.data import sampling_seed
 from minirl.faults import FaultPlan
-from minirl.gym.rows import with_extra_body
 from minirl.rollout.evidence import parse_rollout, reward_bound
 from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
@@ -52,6 +51,7 @@ from minirl.wire import (
     classify,
     http_class,
     parse_error_body,
+    with_extra_body,
 )
 
 Emit = Callable[[dict], None]
