@@ -75,10 +75,6 @@ def image_part(text: str) -> dict:
     return {"type": "input_image", "image_url": "data:text/plain," + text, "detail": "auto"}
 
 
-def image_text(part: dict) -> str:
-    return part["image_url"].split(",", 1)[1]
-
-
 @dataclass
 class DoorsEnv:
     """Live state of one episode; `step` answers one tool call with the observation parts."""
