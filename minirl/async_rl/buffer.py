@@ -26,7 +26,7 @@ class GroupRecord:
     start_weight: int
     end_weight: int
     outcome: GroupOutcome
-    target_step: int  # the optimizer step this group is stamped for (in_order); the prompt step otherwise
+    target_step: int  # the optimizer step it is stamped for (a sampler that stamps_target_steps); else the prompt step
     replacement: bool = False  # a spare prompt that stood in for a lost one (on_dropped_prompt=replace)
     promoted: bool = False  # re-stamped from a later step into a short one
     lost: list = field(default_factory=list)  # outcomes of the prompts its place gave up on before this one (replace)
