@@ -5,22 +5,32 @@ and Gym's `context_history` where the concept exists there. minirl's own switche
 fixes default to the fix. Layering: dataclass defaults, then `configs/default.yaml` (the default
 run: the tiny task and minirl's budgets), then the `--config` YAML, then `key=value` overrides.
 
+Each rule sits on what it checks: a choice is a `Literal` field type, a range is the field's
+`bounded(...)` metadata, a rule between fields of one section is that section's `check()`, and a
+rule across sections is `MinirlConfig.check()`. `validate` walks every field (choices, finite
+floats, bounds), then calls each section's `check()`, innermost first. This module imports
+nothing of minirl's but the fault table (minirl.faults), so checking a config loads no runtime code.
+
 Invariant: `load_config` returns a config that passed every check here, or raises `ConfigError`
 whose message starts with the offending dotted key; nothing downstream re-validates.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import operator
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Literal, Optional, Union, get_args, get_origin, get_type_hints
 from urllib.parse import urlparse
 
 import yaml
 from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from minirl.faults import AGENT_SIDE_KINDS, FAULT_KINDS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"
@@ -35,18 +45,35 @@ class ConfigError(ValueError):
     """A bad config key or value; the message is one line and starts with the dotted key."""
 
     def __init__(self, key: str, problem: str):
-        super().__init__(f"{key}: {' '.join(str(problem).split())}")
-        self.key = key
+        self.key, self.problem = key, " ".join(str(problem).split())
+        super().__init__(f"{key}: {self.problem}")
+
+
+def _require(ok: bool, key: str, problem: str) -> None:
+    """In a section's `check()`, `key` is the field's name there; `validate` prefixes the section's key."""
+    if not ok:
+        raise ConfigError(key, problem)
+
+
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None) -> Any:
+    """A numeric field with its range (None passes where the field is Optional), checked by `validate`."""
+    bounds = {name: v for name, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return field(default=default, metadata=bounds)
+
+
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
 
 
 # --------------------------------------------------------------------------------------------- grpo
 @dataclass
 class GRPOConfig:
-    num_prompts_per_step: int = 8
+    num_prompts_per_step: int = bounded(8, ge=1)
     """Prompt groups per optimizer step (the step's target before any drop)."""
-    num_generations_per_prompt: int = 4
+    num_generations_per_prompt: int = bounded(4, ge=1)
     """Rollouts per prompt group."""
-    max_num_steps: int = 40
+    max_num_steps: int = bounded(40, ge=1)
     """Optimizer steps to run (a resumed run counts the steps already done)."""
     normalize_rewards: bool = True
     """Divide advantages by the group's leave-one-out std (where it is > 0)."""
@@ -59,42 +86,46 @@ class GRPOConfig:
     overlong_filtering: bool = False
     """Mask (sample_mask=0) every rollout truncated at policy.max_total_sequence_length (a trace
     that reached it), as upstream marks truncation; a reply cut by the per-call cap is not."""
-    seed: int = 42
+    seed: int = bounded(42, ge=0)
     """Seeds prompts, sampling and the policy's initial RNG."""
-    val_period: int = 0
+    val_period: int = bounded(0, ge=0)
     """Validate on the held-out prompts after every N-th optimizer step (0: never; NeMo-RL's name)."""
     val_at_start: bool = False
     """Validate the initial (or resumed) weights before the first step."""
-    val_num_prompts: int = 8
+    val_num_prompts: int = bounded(8, ge=1)
     """Held-out prompts per validation (minirl.validation: never a prompt of the run's training steps)."""
-    val_num_generations: int = 1
+    val_num_generations: int = bounded(1, ge=1)
     """Rollouts per held-out prompt."""
 
 
 # ------------------------------------------------------------------------------------------- policy
 @dataclass
 class OptimizerConfig:
-    lr: float = 2.0e-4
+    lr: float = bounded(2.0e-4, ge=0)
     """AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
-    eps: float = 1.0e-8
+    eps: float = bounded(1.0e-8, gt=0)
     """AdamW epsilon."""
+
+    def check(self) -> None:
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
+                 f"must be two values in [0, 1), got {self.betas}")
 
 
 @dataclass
 class VllmConfig:
-    max_model_len: int = 1024
+    max_model_len: int = bounded(1024, ge=1)
     """Context window of the engine; a longer prompt gets vLLM's HTTP 400 "maximum context length"."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, ge=1)
     """vLLM tensor parallelism per generation worker (GPU only)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = bounded(0.5, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (GPU only)."""
-    kv_cache_space_gb: int = 1
+    kv_cache_space_gb: int = bounded(1, ge=1)
     """VLLM_CPU_KVCACHE_SPACE on CPU, in GiB."""
-    omp_threads: int = 2
+    omp_threads: int = bounded(2, ge=1)
     """Torch threads of the engine on CPU."""
     enforce_eager: bool = True
     """Skip graph capture/compilation (start-up matters more than peak speed at this size)."""
@@ -102,22 +133,27 @@ class VllmConfig:
     """An engine step that has not returned after this many seconds is a dead engine: the generation
     worker ends and Ray restarts it (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300, which vLLM
     applies only with tensor parallelism). 0: no limit."""
-    max_request_bytes: int = 16_000_000
+    max_request_bytes: int = bounded(16_000_000, ge=1)
     """Largest request body the generation server accepts (aiohttp's client_max_size); a larger one gets 413."""
 
 
 @dataclass
 class GenerationConfig:
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     """Sampling temperature for rollouts."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling for rollouts."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = bounded(48, ge=1)
     """Cap on each model call's reply (also capped by the room left in `max_model_len`)."""
-    reasoning_parser: Optional[str] = "think"
+    reasoning_parser: Optional[Literal["think"]] = "think"
     """As `vllm serve --reasoning-parser`: `think` splits a leading `<think>…</think>` off a reply into
     `reasoning`; null leaves it in `content` (for a Gym `vllm_model` with `uses_reasoning_parser: false`)."""
     vllm_cfg: VllmConfig = field(default_factory=VllmConfig)
+
+    def check(self) -> None:
+        _require(self.temperature >= GREEDY_TEMPERATURE, "temperature",
+                 f"must be >= {GREEDY_TEMPERATURE} (below it vLLM samples greedily, and a group's identical rollouts "
+                 f"train nothing), got {self.temperature}")
 
 
 @dataclass
@@ -127,15 +163,15 @@ class PolicyConfig:
     path that does not exist from the working directory is taken from the repository root."""
     train_global_batch_size: int = II("mul:${grpo.num_prompts_per_step},${grpo.num_generations_per_prompt}")
     """Logical rollouts per optimizer step; must equal prompts x generations (one step per RL step)."""
-    train_micro_batch_size: int = 16
+    train_micro_batch_size: int = bounded(16, ge=1)
     """Traces per forward/backward pass (gradient accumulation inside the step)."""
-    max_total_sequence_length: int = 1024
+    max_total_sequence_length: int = bounded(1024, ge=1)
     """Longest trace the trainer accepts; a longer one is a data failure."""
-    precision: str = "float32"
+    precision: Literal["float32", "bfloat16"] = "float32"
     """Trainer dtype: float32 or bfloat16 (bf16 is meant for GPUs)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0, ge=0)
     """Gradient clipping norm (0 disables)."""
-    train_threads: int = 2
+    train_threads: int = bounded(2, ge=1)
     """torch threads of the policy worker on CPU (Ray sets OMP threads to num_cpus otherwise)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -143,11 +179,11 @@ class PolicyConfig:
 
 @dataclass
 class LossConfig:
-    ratio_clip_min: float = 0.2
+    ratio_clip_min: float = bounded(0.2, ge=0)
     """Lower PPO clip: ratio >= 1 - ratio_clip_min."""
-    ratio_clip_max: float = 0.2
+    ratio_clip_max: float = bounded(0.2, ge=0)
     """Upper PPO clip: ratio <= 1 + ratio_clip_max."""
-    reference_policy_kl_penalty: float = 0.01
+    reference_policy_kl_penalty: float = bounded(0.01, ge=0)
     """Weight of the k3 KL to the initial policy (0 disables the reference model). Upstream's
     default (ClippedPGLossConfig, grpo_math_1B.yaml); configs/default.yaml sets 0."""
     token_level_loss: bool = True
@@ -155,7 +191,7 @@ class LossConfig:
     use_importance_sampling_correction: bool = False
     """Weight each token's clipped loss by exp(prev - generation): the trainer's logprob at the
     step's start over the engine's, detached (non-finite -> 0). For rollouts from older weights."""
-    truncated_importance_sampling_type: Optional[str] = None
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
     """Truncation of those weights: null, `tis` (clamp to [ratio_min or 0, ratio]), `icepop` (zero
     the tokens outside [ratio_min, ratio]) or `seq-mask-tis` (zero every token of a sequence whose
     geometric-mean weight falls outside [ratio_min, ratio]; the others keep theirs untruncated)."""
@@ -164,15 +200,29 @@ class LossConfig:
     truncated_importance_sampling_ratio_min: Optional[float] = None
     """Lower bound of the truncated weights (required for `icepop` and `seq-mask-tis`)."""
 
+    def check(self) -> None:
+        _require(self.ratio_clip_min < 1, "ratio_clip_min",
+                 f"must be < 1 (the lower clip is 1 - ratio_clip_min), got {self.ratio_clip_min}")
+        kind, ratio, lo = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
+                           self.truncated_importance_sampling_ratio_min)
+        if kind is None:
+            return
+        _require(self.use_importance_sampling_correction, "truncated_importance_sampling_type",
+                 "needs loss_fn.use_importance_sampling_correction=true")
+        _require(ratio is not None and ratio > 0, "truncated_importance_sampling_ratio", f"must be > 0, got {ratio}")
+        _require(lo is not None or kind == "tis", "truncated_importance_sampling_ratio_min", "is required for icepop and seq-mask-tis")
+        _require(lo is None or 0 <= lo <= ratio, "truncated_importance_sampling_ratio_min",
+                 f"must be in [0, truncated_importance_sampling_ratio], got {lo}")
+
 
 # ---------------------------------------------------------------------------------------- async_rl
 @dataclass
 class NemoGymConfig:
-    rollout_timeout_s: Optional[float] = None
+    rollout_timeout_s: Optional[float] = bounded(None, gt=0)
     """One deadline around a whole prompt group attempt (all its rows' `/run` requests, row re-sends
     included); past it the attempt fails with RolloutTimeout("NeMo-Gym prompt group exceeded {s}s"),
     INFRA. None: no deadline."""
-    max_row_attempts: int = 3
+    max_row_attempts: int = bounded(3, ge=1)
     """Attempts per row within one group attempt before the group attempt fails (row redispatch)."""
     keep_returned_rows: bool = True
     """A group retry re-sends only the rows that did not come back; their siblings keep their
@@ -182,21 +232,21 @@ class NemoGymConfig:
 
 @dataclass
 class RolloutFailureConfig:
-    max_infra_attempts_per_prompt: int = 5
+    max_infra_attempts_per_prompt: int = bounded(5, ge=1)
     """INFRA attempts per prompt group before it is dropped."""
-    max_data_attempts_per_prompt: int = 2
+    max_data_attempts_per_prompt: int = bounded(2, ge=1)
     """DATA attempts per prompt group (no backoff) before it is skipped or the error re-raised."""
-    backoff_base_s: float = 1.0
+    backoff_base_s: float = bounded(1.0, ge=0)
     """Backoff before INFRA retry k: min(backoff_base_s * 2**(k-1), max_backoff_s)."""
     max_backoff_s: float = 30.0
     """Backoff ceiling; must be >= backoff_base_s."""
-    max_skipped_prompts: int = 0
+    max_skipped_prompts: int = bounded(0, ge=0)
     """Run-wide budget of prompts skipped after DATA failures (0: re-raise the DATA error)."""
-    max_consecutive_dropped_prompts: int = 0
+    max_consecutive_dropped_prompts: int = bounded(0, ge=0)
     """Drops allowed with no committed group in between (0: the first drop raises)."""
-    min_step_batch_fraction: float = 0.9
+    min_step_batch_fraction: float = bounded(0.9, gt=0, le=1)
     """Floor: a step needs ceil(fraction x num_prompts_per_step) groups, in (0, 1]."""
-    on_dropped_prompt: str = "shrink"
+    on_dropped_prompt: Literal["shrink", "replace"] = "shrink"
     """What a lost prompt (an INFRA drop or a DATA skip) does to its step: `shrink` trains the step on
     the groups it has; `replace` (async, a sampler that stamps target steps: in_order) gives its
     place a spare prompt: the furthest later step's finished group is promoted into the step and the
@@ -206,19 +256,26 @@ class RolloutFailureConfig:
     replacement_reserve_prompts: int = 1
     """`replace`: low-water mark of the spare-prompt pool: below it, a whole batch of spare prompts
     (num_prompts_per_step) is added at the next batch boundary. An empty pool means shrink."""
-    replacement_prompt_source: str = "spare_groups"
+    replacement_prompt_source: Literal["spare_groups", "stream"] = "spare_groups"
     """`replace`: where a refill's batch comes from. `spare_groups`: batch b is the groups N..2N-1 of
     prompt step b, prompts no step trains, so a step's prompts never depend on drops. `stream`
     (upstream): the next batch of the training stream is diverted, and every later step trains the
     batch after the one it would have (which batch depends on when the pool ran low)."""
     nemo_gym: NemoGymConfig = field(default_factory=NemoGymConfig)
 
+    def check(self) -> None:
+        _require(self.max_backoff_s >= self.backoff_base_s, "max_backoff_s",
+                 f"must be >= backoff_base_s ({self.backoff_base_s}), got {self.max_backoff_s}")
+        for key in ("max_replacement_attempts", "replacement_reserve_prompts"):
+            value = getattr(self, key)
+            _require(self.on_dropped_prompt != "replace" or value >= 1, key, f"must be >= 1 with replace, got {value}")
+
 
 @dataclass
 class StallWatchdogConfig:
-    stall_timeout_s: Optional[float] = 600.0
+    stall_timeout_s: Optional[float] = bounded(600.0, gt=0)
     """Seconds without any completed rollout before the watchdog acts (None disables)."""
-    action: str = "raise"
+    action: Literal["raise", "warn"] = "raise"
     """`raise` RolloutStall with what is in flight, or `warn` and keep waiting."""
 
 
@@ -230,16 +287,24 @@ GYM_RETRIED_STATUSES = (429, 500, 502, 503, 504, 520)
 class GenerationRouterConfig:
     enabled: bool = True
     """Put a router at a fixed port in front of the generation workers (its URL goes to endpoints.json)."""
-    port_range_low: int = 6000
+    port_range_low: int = bounded(6000, ge=1, le=65535)
     """The router binds the first free port from here..."""
     port_range_high: int = 6099
     """...to here (inclusive)."""
-    backend_timeout_s: float = 600.0
+    backend_timeout_s: float = bounded(600.0, gt=0)
     """A forwarded request that takes longer gets HTTP 504."""
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = bounded(5.0, gt=0)
     """A worker that does not accept the connection within this is skipped, and ineligible this long."""
     no_healthy_backend_status: int = 409
     """The status answered when no worker is eligible; never one Gym retries (429, 500, 502, 503, 504, 520)."""
+
+    def check(self) -> None:
+        _require(self.port_range_low <= self.port_range_high <= 65535, "port_range_high",
+                 f"must be a port >= port_range_low ({self.port_range_low})")
+        status = self.no_healthy_backend_status
+        _require(400 <= status <= 599 and status not in GYM_RETRIED_STATUSES, "no_healthy_backend_status",
+                 f"must be an HTTP error status that Gym does not retry (not {', '.join(map(str, GYM_RETRIED_STATUSES))}), "
+                 f"got {status}")
 
 
 @dataclass
@@ -250,33 +315,70 @@ class GenerationFleetHealthConfig:
     cannot route around anything but only end the run (a worker Ray restarts after `worker_kill` is
     down for its engine start-up, 15 s or more: three failed probes), and the agents keep their rollout-sticky routing (prefix
     cache), so the default run's rewards stay as they were. Turn it on with two or more workers."""
-    probe_interval_s: float = 5.0
+    probe_interval_s: float = bounded(5.0, gt=0)
     """Seconds between two probes (`GET /health`) of one worker."""
-    probe_timeout_s: float = 2.0
+    probe_timeout_s: float = bounded(2.0, gt=0)
     """A probe not answered 200 within this fails; must be less than probe_interval_s."""
-    unhealthy_threshold: int = 3
+    unhealthy_threshold: int = bounded(3, ge=1)
     """Consecutive failed probes that quarantine a worker: it gets no new request, and the requests in
     flight on it fail at once with HTTP 503 (INFRA: their rollouts are redispatched)."""
-    healthy_threshold: int = 2
+    healthy_threshold: int = bounded(2, ge=1)
     """Consecutive passed probes that re-admit a quarantined worker (e.g. one Ray restarted)."""
-    min_healthy_shards: int = 1
+    min_healthy_shards: int = bounded(1, ge=1)
     """Fewer workers out of quarantine than this end the run (GenerationFleetUnhealthy, naming the
     quarantined workers and their failed probes); at most cluster.num_generation_workers."""
+
+    def check(self) -> None:
+        _require(self.probe_timeout_s < self.probe_interval_s, "probe_timeout_s",
+                 f"must be less than probe_interval_s ({self.probe_interval_s}), got {self.probe_timeout_s}")
+
+
+@dataclass(frozen=True)
+class SamplerTraits:
+    """What the config asks of a staleness sampler (minirl/async_rl/samplers.py declares the same per class)."""
+
+    gated: bool = False
+    """Dispatches prompt batch k only while k <= version + S."""
+    stamps_target_steps: bool = False
+    """Stamps a batch's groups for one optimizer step, so a lost group is credited to it (drop budgets, replace)."""
+    needs_is_correction: bool = False
+    """Selects groups of any age: requires loss_fn.use_importance_sampling_correction."""
+
+    def capacity(self, num_prompts_per_step: int, s: int) -> int:
+        """Buffer places the sampler needs: the live batch plus one per lookahead version if gated."""
+        return num_prompts_per_step * (s + 1) if self.gated else num_prompts_per_step
+
+
+SAMPLER_TRAITS = {
+    "in_order": SamplerTraits(gated=True, stamps_target_steps=True),
+    "windowed": SamplerTraits(),
+    "weight_fifo": SamplerTraits(gated=True),
+    "ready_first": SamplerTraits(gated=True, needs_is_correction=True),
+}
+"""Every sampler by name; tests/test_config.py checks it against minirl.async_rl.samplers.SAMPLERS."""
+SamplerName = Literal["in_order", "windowed", "weight_fifo", "ready_first"]
 
 
 @dataclass
 class SamplerConfig:
-    name: str = "in_order"
+    name: SamplerName = "in_order"
     """`in_order` (each step trains its own prompt groups), `windowed` (any ready group in the
     window), `weight_fifo` (one weight's groups per step, oldest first) or `ready_first` (the first
     ready groups, of any age); see minirl/async_rl/samplers.py."""
-    max_staleness_versions: int = 1
+    max_staleness_versions: int = bounded(1, ge=0)
     """S: a group dispatched under weights v may train at versions v..v+S, older ones are evicted;
     the gated samplers (in_order, weight_fifo, ready_first) dispatch prompt batch k only while
     k <= version + S."""
-    max_lookahead_versions: Optional[int] = None
+    max_lookahead_versions: Optional[int] = bounded(None, ge=0)
     """Upstream's name of in_order's gate: when set (in_order only), it is S, and max_staleness_versions
     takes its value (one resolved value, in config.yaml too)."""
+
+    def check(self) -> None:
+        """Also resolves the gate's two names into max_staleness_versions, before the rules that read it."""
+        if self.max_lookahead_versions is not None:
+            _require(self.name == "in_order", "max_lookahead_versions",
+                     f"is in_order's gate; {self.name} reads async_rl.sampler.max_staleness_versions")
+            self.max_staleness_versions = self.max_lookahead_versions
 
 
 @dataclass
@@ -285,9 +387,9 @@ class AsyncRLConfig:
     """Overlap generation and training (NeMo-RL's Single-Controller path): a rollout pump runs ahead
     of the optimizer under the staleness sampler. False: generate a step, train it, sync, repeat."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    max_inflight_prompts: int = 32
+    max_inflight_prompts: int = bounded(32, ge=1)
     """Prompt groups the rollout pump keeps in flight at most."""
-    max_buffered_rollouts: int = 64
+    max_buffered_rollouts: int = bounded(64, ge=1)
     """Unconsumed prompt groups the buffer holds (finished or reserved by one in flight); must hold
     the sampler's window, or the pumps would deadlock."""
     in_flight_weight_updates: bool = False
@@ -298,6 +400,12 @@ class AsyncRLConfig:
     stall_watchdog: StallWatchdogConfig = field(default_factory=StallWatchdogConfig)
     generation_router: GenerationRouterConfig = field(default_factory=GenerationRouterConfig)
     generation_fleet_health: GenerationFleetHealthConfig = field(default_factory=GenerationFleetHealthConfig)
+
+    def check(self) -> None:
+        _require(self.rollout_failure.on_dropped_prompt != "replace" or self.enabled, "rollout_failure.on_dropped_prompt",
+                 "replace needs async_rl.enabled=true with a sampler that stamps target steps (async_rl.sampler.name=in_order)")
+        _require(self.generation_router.enabled or not self.generation_fleet_health.enabled, "generation_fleet_health.enabled",
+                 "needs async_rl.generation_router.enabled=true: the router probes the workers and routes around the sick")
 
 
 # ------------------------------------------------------------------------------- context compaction
@@ -317,7 +425,7 @@ class ImagesPolicyConfig:
     """Drop old pictures."""
     protect_initial_context: bool = True
     """Never drop pictures of the episode's initial input."""
-    keep_last_groups: int = 3
+    keep_last_groups: int = bounded(3, ge=0)
     """Keep the pictures of the last N items that carry any."""
     omission_marker: str = "[Earlier image omitted]"
     """Text that replaces a dropped picture."""
@@ -329,7 +437,7 @@ class ReasoningPolicyConfig:
     """Drop old reasoning blocks."""
     keep_first_block: bool = False
     """Always keep the first reasoning block."""
-    keep_last_blocks: int = 3
+    keep_last_blocks: int = bounded(3, ge=0)
     """Keep the last N reasoning blocks."""
 
 
@@ -341,26 +449,29 @@ class CompactionPolicyOptions:
 
 @dataclass
 class CompactionPolicyConfig:
-    type: str = "recency"
+    type: Literal["identity", "recency"] = "recency"
     """`recency` (drop old media and reasoning) or `identity` (never rewrite)."""
     config: CompactionPolicyOptions = field(default_factory=CompactionPolicyOptions)
 
 
 @dataclass
 class ScheduleConfig:
-    type: str = "rolling_recency"
+    type: Literal["rolling_recency", "turn_chunked_recency"] = "rolling_recency"
     """`rolling_recency` compacts before every call; `turn_chunked_recency` every N actions."""
-    actions_per_chunk: int = 1
+    actions_per_chunk: int = bounded(1, ge=1)
     """Actions per chunk for `turn_chunked_recency`; must be 1 for `rolling_recency`."""
+
+    def check(self) -> None:
+        _require(self.type != "rolling_recency" or self.actions_per_chunk == 1, "actions_per_chunk", "must be 1 for rolling_recency")
 
 
 @dataclass
 class GuardsConfig:
-    max_total_tokens: Optional[int] = None
+    max_total_tokens: Optional[int] = bounded(None, gt=0)
     """Context guard: refuse a call whose prompt + reserved tokens exceed this (None: no guard)."""
-    reserved_generation_tokens: int = 0
+    reserved_generation_tokens: int = bounded(0, ge=0)
     """Tokens the guard reserves for the reply."""
-    on_reject: str = "end_episode"
+    on_reject: Literal["raise", "end_episode"] = "end_episode"
     """Fix 2 `end_episode`: stop, verify, return (rollout masked). `raise` reproduces upstream (HTTP 500)."""
 
 
@@ -375,33 +486,39 @@ class ContextHistoryConfig:
 
 @dataclass
 class AgentConfig:
-    name: str = "compaction_agent"
+    name: Literal["simple_agent", "compaction_agent"] = "compaction_agent"
     """`compaction_agent` or `simple_agent`; sent as the row's `agent_ref.name`."""
-    max_steps: int = 4
+    max_steps: int = bounded(4, ge=1)
     """Model calls per episode at most."""
     external_url: Optional[str] = None
     """Base URL of an external Gym-style agent server; minirl then starts no agent pool."""
-    max_request_bytes: int = 8_000_000
+    max_request_bytes: int = bounded(8_000_000, ge=1)
     """Largest `/run` request body the agent server accepts."""
     context_history: ContextHistoryConfig = field(default_factory=ContextHistoryConfig)
 
 
 @dataclass
 class EnvConfig:
-    num_rooms: int = 2
+    num_rooms: int = bounded(2, ge=1)
     """Rooms per episode; each needs at least one model call."""
-    tool_latency_s: float = 0.0
+    tool_latency_s: float = bounded(0.0, ge=0)
     """Seconds each tool call of the doors environment sleeps (a stand-in for real tools and
     sandboxes, which spend seconds outside the model)."""
     num_rooms_choices: Optional[list[int]] = None
     """A task mix: each prompt's room count is drawn from this list by the prompt's own seed (None:
     every prompt has `num_rooms`). More rooms make a longer, harder episode."""
-    max_num_rooms: int = 16
+    max_num_rooms: int = bounded(16, ge=1)
     """Largest `num_rooms` a `/run` row may ask for; the agent server refuses larger."""
-    data_seed: int = 1234
+    data_seed: int = bounded(1234, ge=0)
     """Seeds the prompt stream: the prompt of (step, group) depends on this and nothing else."""
-    max_num_rooms: int = 16
-    """Largest num_rooms a /run row may ask for; the agent server refuses larger."""
+
+    def check(self) -> None:
+        _require(self.num_rooms <= self.max_num_rooms, "num_rooms",
+                 f"must be <= env.max_num_rooms ({self.max_num_rooms}), got {self.num_rooms}")
+        for i, n in enumerate(self.num_rooms_choices or []):
+            _require(1 <= n <= self.max_num_rooms, f"num_rooms_choices[{i}]",
+                     f"must be in [1, env.max_num_rooms={self.max_num_rooms}], got {n}")
+        _require(self.num_rooms_choices != [], "num_rooms_choices", "must be null or a non-empty list")
 
 
 # -------------------------------------------------------------------------------------- placement
@@ -409,27 +526,27 @@ class EnvConfig:
 class ClusterConfig:
     ray_address: Optional[str] = None
     """Connect to this Ray cluster (`auto` for a running one); None starts a local one."""
-    num_cpus: Optional[int] = None
+    num_cpus: Optional[int] = bounded(None, ge=1)
     """CPUs a locally started Ray advertises (None: all)."""
-    num_gpus: Optional[int] = None
+    num_gpus: Optional[int] = bounded(None, ge=0)
     """GPUs a locally started Ray advertises (None: detect; >0 on a CPU box fakes them for tests)."""
-    num_generation_workers: int = 1
+    num_generation_workers: int = bounded(1, ge=1)
     """vLLM engines, each behind its own HTTP endpoint."""
     attach_generation_workers: Optional[str] = None
     """Reuse running detached generation workers named `<this>-<rank>` (namespace `minirl`): they
     are reset to this run's faults and initial weights. For sweeps of short runs, which then skip
     engine start-up (see scripts/compare_drop_budgets.py). None starts new ones."""
-    num_policy_workers: int = 1
+    num_policy_workers: int = bounded(1, ge=1)
     """Data-parallel torch policy workers (one torch.distributed group)."""
-    num_agent_servers: int = 1
+    num_agent_servers: int = bounded(1, ge=1)
     """Agent-pool HTTP servers."""
-    gpus_per_generation_worker: float = 0.0
+    gpus_per_generation_worker: float = bounded(0.0, ge=0)
     """GPUs per generation worker (0: CPU)."""
-    gpus_per_policy_worker: float = 0.0
+    gpus_per_policy_worker: float = bounded(0.0, ge=0)
     """GPUs per policy worker (0: CPU)."""
-    cpus_per_generation_worker: float = 1.0
+    cpus_per_generation_worker: float = bounded(1.0, ge=0)
     """CPUs Ray reserves per generation worker."""
-    cpus_per_policy_worker: float = 1.0
+    cpus_per_policy_worker: float = bounded(1.0, ge=0)
     """CPUs Ray reserves per policy worker."""
     host: str = "127.0.0.1"
     """Address HTTP servers bind; `auto` picks the node's IP when the cluster has several nodes."""
@@ -439,9 +556,9 @@ class ClusterConfig:
 class CheckpointConfig:
     enabled: bool = True
     """Write checkpoints at all."""
-    save_period: int = 10
+    save_period: int = bounded(10, ge=1)
     """Save every N steps, and at the end."""
-    keep_last_k: int = 2
+    keep_last_k: int = bounded(2, ge=0)
     """Keep this many newest checkpoints (0 keeps all)."""
     resume: str = "none"
     """`none`, `auto` (newest complete checkpoint in run_dir) or a checkpoint directory."""
@@ -456,43 +573,29 @@ class LoggerConfig:
 
 
 # ------------------------------------------------------------------------------------------- faults
-FAULT_KINDS = (
-    "context_overflow",
-    "model_error",
-    "guard_reject",
-    "agent_exception",
-    "timeout",
-    "transport",
-    "bad_output",
-    "worker_kill",
-    "worker_hang",
-    "engine_hang",
-    "engine_crash",
-    "agent_kill",
-)
-AGENT_SIDE_KINDS = ("guard_reject", "agent_exception", "timeout", "transport", "bad_output", "agent_kill")
-"""Kinds that fire in the agent pool, where the row (and so its task's room count) is known."""
-
-
 @dataclass
 class FaultSpec:
     kind: str = MISSING
-    """One of FAULT_KINDS."""
-    step: Optional[int] = None
+    """One of minirl.faults.FAULT_KINDS (a `str` checked here: OmegaConf would name a bad kind in a
+    list without its index)."""
+    step: Optional[int] = bounded(None, ge=0)
     """Step (from 0); None matches every step."""
-    group: Optional[int] = None
+    group: Optional[int] = bounded(None, ge=0)
     """Group in dispatch order (from 0); None matches every group."""
-    rollout: Optional[int] = None
+    rollout: Optional[int] = bounded(None, ge=0)
     """Rollout within the group (from 0); None matches every rollout."""
-    attempt: Optional[int] = None
+    attempt: Optional[int] = bounded(None, ge=0)
     """Attempt of that rollout (from 0); None matches every attempt."""
     call: int = 0
     """Model call of the episode at which per-call kinds fire."""
 
+    def check(self) -> None:
+        _require(self.kind in FAULT_KINDS, "kind", f"must be one of {', '.join(FAULT_KINDS)}")
+
 
 @dataclass
 class FaultsConfig:
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     """Seeds the per-rollout draws of `rate`: the same seed gives the same fault stream under every policy."""
     inject: list[FaultSpec] = field(default_factory=list)
     """Exact faults at given coordinates."""
@@ -501,8 +604,21 @@ class FaultsConfig:
     rate_per_room: dict[str, float] = field(default_factory=dict)
     """Correlated with difficulty: per-room hazard q of each agent-side kind; a rollout attempt of an
     n-room episode fails with p = 1 - (1 - q)**n (see minirl/faults.py)."""
-    hang_s: float = 3600.0
+    hang_s: float = bounded(3600.0, ge=0)
     """How long a `timeout` fault keeps `/run` from answering."""
+
+    def check(self) -> None:
+        for kind, p in self.rate.items():
+            _require(kind in FAULT_KINDS, f"rate.{kind}", f"unknown fault kind; one of {', '.join(FAULT_KINDS)}")
+            _require(0 <= p <= 1, f"rate.{kind}", f"must be a probability in [0, 1], got {p}")
+        for kind, q in self.rate_per_room.items():
+            _require(kind in AGENT_SIDE_KINDS, f"rate_per_room.{kind}",
+                     f"needs the row's room count, which only agent-side kinds see; one of {', '.join(AGENT_SIDE_KINDS)}")
+            _require(0 <= q <= 1, f"rate_per_room.{kind}", f"must be a probability in [0, 1], got {q}")
+
+    def uses(self, kind: str) -> bool:
+        """Whether any fault of `kind` may fire (an injected one, or a rate above 0)."""
+        return any(s.kind == kind for s in self.inject) or any(r.get(kind, 0) > 0 for r in (self.rate, self.rate_per_room))
 
 
 # ------------------------------------------------------------------------------------------- root
@@ -521,6 +637,62 @@ class MinirlConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def check(self) -> None:
+        """The rules across sections (full dotted keys); each section's own ran before."""
+        g, rf, cc = self.grpo, self.async_rl.rollout_failure, self.context_compaction
+        self._check_resources()
+        want = g.num_prompts_per_step * g.num_generations_per_prompt
+        _require(self.policy.train_global_batch_size == want, "policy.train_global_batch_size",
+                 f"must equal grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {want} "
+                 f"(one optimizer step per RL step), got {self.policy.train_global_batch_size}")
+        rewrites = self.agent.name == "compaction_agent" and self.agent.context_history.enabled
+        _require(cc.enabled or self.agent.external_url is not None or not rewrites, "context_compaction.enabled",
+                 "is false, but agent.name=compaction_agent with agent.context_history.enabled=true rewrites its history; "
+                 "without compaction every call must extend the previous one (use agent.name=simple_agent, see configs/plain.yaml)")
+        if cc.enabled:  # upstream: validate_cc_objective
+            _require(self.loss_fn.token_level_loss, "loss_fn.token_level_loss", "context compaction requires token_level_loss=true")
+            _require(cc.allow_step_shrink or rf.min_step_batch_fraction == 1, "async_rl.rollout_failure.min_step_batch_fraction",
+                     "context compaction requires min_step_batch_fraction=1")
+        _require(not self.faults.uses("timeout") or rf.nemo_gym.rollout_timeout_s is not None,
+                 "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "a `timeout` fault needs a rollout timeout, or /run would hang")
+        if self.async_rl.enabled:
+            self._check_sampler()
+        fh, workers = self.async_rl.generation_fleet_health, self.cluster.num_generation_workers
+        _require(fh.min_healthy_shards <= workers, "async_rl.generation_fleet_health.min_healthy_shards",
+                 f"must be at most cluster.num_generation_workers ({workers}), got {fh.min_healthy_shards}")
+
+    def _check_sampler(self) -> None:
+        """What the async sampler needs of the buffer, the loss and the drop policy."""
+        ar, rf, lf = self.async_rl, self.async_rl.rollout_failure, self.loss_fn
+        name, s = ar.sampler.name, ar.sampler.max_staleness_versions
+        traits = SAMPLER_TRAITS[name]
+        window = traits.capacity(self.grpo.num_prompts_per_step, s)
+        _require(ar.max_buffered_rollouts >= window, "async_rl.max_buffered_rollouts",
+                 f"must hold the sampler's window of {window} prompt groups, got {ar.max_buffered_rollouts}")
+        _require(s == 0 or lf.use_importance_sampling_correction, "loss_fn.use_importance_sampling_correction",
+                 "must be true when async_rl.sampler.max_staleness_versions > 0: rollouts come from older weights")
+        _require(not traits.needs_is_correction or lf.use_importance_sampling_correction, "loss_fn.use_importance_sampling_correction",
+                 f"must be true with async_rl.sampler.name={name}: it trains groups of any age")
+        budgets = f"max_skipped_prompts={rf.max_skipped_prompts}, max_consecutive_dropped_prompts={rf.max_consecutive_dropped_prompts}"
+        _require(traits.stamps_target_steps or not (rf.max_skipped_prompts or rf.max_consecutive_dropped_prompts),
+                 "async_rl.sampler.name",
+                 f"{name!r} stamps no target step, so the drop budget ({budgets}) cannot be honoured: a prompt that is "
+                 "given up on is never subtracted from the step waiting for it. Set async_rl.sampler.name=in_order to get the "
+                 "tolerance these budgets promise, or set both budgets to 0 to end the run on the first dropped prompt instead")
+        _require(traits.stamps_target_steps or rf.on_dropped_prompt == "shrink", "async_rl.rollout_failure.on_dropped_prompt",
+                 f"replace needs a sampler that stamps target steps (in_order); {name} stamps none")
+
+    def _check_resources(self) -> None:
+        """A locally started Ray advertises cluster.num_cpus / num_gpus: the workers' bundles must fit, or
+        the placement group would wait forever (Ray's GetTimeoutError after 120 s, naming nothing). Where
+        they are unset (Ray detects the machine's) or a cluster is joined by address, `Cluster` checks
+        against what Ray offers once it is up, before anything is placed."""
+        for res, key in (("CPU", "cpus"), ("GPU", "gpus")):
+            have = getattr(self.cluster, f"num_{key}")
+            if self.cluster.ray_address is None and have is not None:
+                problem = resource_shortfall(self, res, have, f"cluster.num_{key}={have}")
+                _require(problem is None, f"cluster.num_{key}", problem or "")
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -597,22 +769,17 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: Path |
         try:
             merged = OmegaConf.merge(merged, data)
         except OmegaConfBaseException as exc:
-            raise ConfigError(getattr(exc, "full_key", None) or key or "config", str(exc).splitlines()[0]) from None
+            raise _merge_error(exc, key) from None
     try:
         OmegaConf.resolve(merged)
         cfg: MinirlConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        raise ConfigError(getattr(exc, "full_key", None) or "config", str(exc).splitlines()[0]) from None
+        raise _merge_error(exc, "") from None
     model = Path(cfg.policy.model_name)
     if not model.is_absolute():  # actors run elsewhere: always hand them an absolute path
         cfg.policy.model_name = str(model.resolve() if model.exists() else REPO_ROOT / model)
     validate(cfg)
     return cfg
-
-
-def _require(ok: bool, key: str, problem: str) -> None:
-    if not ok:
-        raise ConfigError(key, problem)
 
 
 def step_floor(cfg: MinirlConfig) -> int:
@@ -623,80 +790,88 @@ def step_floor(cfg: MinirlConfig) -> int:
     return math.ceil(cfg.grpo.num_prompts_per_step * rf.min_step_batch_fraction)
 
 
-# Range checks by dotted key (None passes where the field is Optional); the rules below are the rest.
-AT_LEAST_1 = (
-    "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "grpo.max_num_steps",
-    "policy.train_micro_batch_size", "policy.max_total_sequence_length", "policy.train_threads",
-    "policy.generation.max_new_tokens", "policy.generation.vllm_cfg.max_model_len",
-    "policy.generation.vllm_cfg.tensor_parallel_size", "policy.generation.vllm_cfg.kv_cache_space_gb",
-    "policy.generation.vllm_cfg.omp_threads",
-    "async_rl.rollout_failure.max_infra_attempts_per_prompt", "async_rl.rollout_failure.max_data_attempts_per_prompt",
-    "async_rl.rollout_failure.nemo_gym.max_row_attempts", "async_rl.max_inflight_prompts", "async_rl.max_buffered_rollouts",
-    "agent.max_steps", "agent.max_request_bytes", "agent.context_history.schedule.actions_per_chunk",
-    "env.num_rooms", "env.max_num_rooms", "grpo.val_num_prompts", "grpo.val_num_generations",
-    "cluster.num_cpus", "cluster.num_generation_workers", "cluster.num_policy_workers", "cluster.num_agent_servers",
-    "checkpoint.save_period", "async_rl.generation_fleet_health.unhealthy_threshold",
-    "async_rl.generation_fleet_health.healthy_threshold", "async_rl.generation_fleet_health.min_healthy_shards",
-)
-AT_LEAST_0 = (
-    "grpo.seed", "grpo.val_period", "env.data_seed", "faults.seed", "faults.hang_s",
-    "policy.max_grad_norm", "policy.optimizer.lr", "policy.optimizer.weight_decay",
-    "loss_fn.ratio_clip_min", "loss_fn.ratio_clip_max", "loss_fn.reference_policy_kl_penalty",
-    "async_rl.rollout_failure.max_skipped_prompts", "async_rl.rollout_failure.max_consecutive_dropped_prompts",
-    "async_rl.rollout_failure.backoff_base_s", "async_rl.sampler.max_staleness_versions",
-    "async_rl.sampler.max_lookahead_versions", "env.tool_latency_s",
-    "agent.context_history.guards.reserved_generation_tokens",
-    "agent.context_history.policy.config.images.keep_last_groups",
-    "agent.context_history.policy.config.reasoning.keep_last_blocks",
-    "cluster.num_gpus", "cluster.gpus_per_generation_worker", "cluster.gpus_per_policy_worker",
-    "cluster.cpus_per_generation_worker", "cluster.cpus_per_policy_worker",
-    "checkpoint.keep_last_k",
-)
-ABOVE_0 = (
-    "policy.generation.temperature", "policy.optimizer.eps",
-    "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "async_rl.stall_watchdog.stall_timeout_s",
-    "agent.context_history.guards.max_total_tokens", "async_rl.generation_fleet_health.probe_interval_s",
-    "async_rl.generation_fleet_health.probe_timeout_s",
-)
-UNIT_INTERVAL = (  # (0, 1]
-    "policy.generation.top_p", "policy.generation.vllm_cfg.gpu_memory_utilization",
-    "async_rl.rollout_failure.min_step_batch_fraction",
-)
+def validate(cfg: MinirlConfig) -> None:
+    """Every field's type, finiteness and bounds, then each section's `check()` (innermost first,
+    the root's cross-section rules last), then what the config points at; each failure names its key."""
+    _check_fields(cfg, "", Any, {})
+    for key, section in _sections(cfg, ""):
+        try:
+            section.check()
+        except ConfigError as err:
+            raise ConfigError(f"{key}.{err.key}" if key else err.key, err.problem) from None
+    _check_outside(cfg)
 
 
-def _get(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+def _sections(node: Any, key: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, section) for every dataclass with a `check()` in the config, children before parents."""
+    children = ([(f"{key}.{f.name}" if key else f.name, getattr(node, f.name)) for f in fields(node)] if is_dataclass(node)
+                else [(f"{key}[{i}]", v) for i, v in enumerate(node)] if isinstance(node, list) else [])
+    for child_key, child in children:
+        yield from _sections(child, child_key)
+    if is_dataclass(node) and hasattr(node, "check"):
+        yield key, node
 
 
-def _check_finite(node: Any, key: str) -> None:
-    """Every float anywhere in the config is a finite number (NaN passes no range check unnoticed)."""
+def _check_fields(node: Any, key: str, hint: Any, meta: Any) -> None:
+    """One walk over every value: a Literal field holds one of its choices, a float is finite, a
+    `bounded` field lies within its bounds (None passes where the field is Optional)."""
     if is_dataclass(node):
+        hints = _hints(type(node))
         for f in fields(node):
-            _check_finite(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+            _check_fields(getattr(node, f.name), f"{key}.{f.name}" if key else f.name, hints[f.name], f.metadata)
     elif isinstance(node, (list, dict)):
         for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
-            _check_finite(v, f"{key}.{k}" if isinstance(node, dict) else f"{key}[{k}]")
-    elif isinstance(node, float):
-        _require(math.isfinite(node), key, f"must be a finite number, got {node}")
+            _check_fields(v, f"{key}.{k}" if isinstance(node, dict) else f"{key}[{k}]", Any, {})
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(key, f"must be a finite number, got {node}")
+    elif (choices := _choices(hint)) is not None and node not in choices:
+        raise ConfigError(key, _choice_problem(choices, node))
+    elif node is not None and not all(_BOUNDS[op][0](node, b) for op, b in meta.items() if op in _BOUNDS):
+        raise ConfigError(key, _bounds_problem(meta, node))
 
 
-GREEDY_TEMPERATURE = 1e-5
-"""vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A section's field types, resolved (this module postpones annotations)."""
+    return get_type_hints(cls)
 
 
-def _check_resources(cfg: MinirlConfig) -> None:
-    """A locally started Ray advertises cluster.num_cpus / num_gpus: the workers' bundles must fit, or
-    the placement group would wait forever (Ray's GetTimeoutError after 120 s, naming nothing). Where
-    they are unset (Ray detects the machine's) or a cluster is joined by address, `Cluster` checks
-    against what Ray offers once it is up, before anything is placed."""
-    cl = cfg.cluster
-    for res, key in (("CPU", "cpus"), ("GPU", "gpus")):
-        have = getattr(cl, f"num_{key}")
-        if cl.ray_address is None and have is not None:
-            problem = resource_shortfall(cfg, res, have, f"cluster.num_{key}={have}")
-            _require(problem is None, f"cluster.num_{key}", problem or "")
+def _choices(hint: Any) -> tuple | None:
+    """The values a `Literal[...]` (or `Optional[Literal[...]]`) field allows, None first; None for other types."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    if get_origin(hint) is Union:
+        literal = [get_args(a) for a in get_args(hint) if get_origin(a) is Literal]
+        return (None, *literal[0]) if literal and type(None) in get_args(hint) else None
+    return None
+
+
+def _choice_problem(choices: tuple, value: Any) -> str:
+    *rest, last = ["null" if c is None else str(c) for c in choices]
+    return f"must be {', '.join(rest) + ' or ' if rest else ''}{last}, got {value!r}"
+
+
+_BOUNDS = {"ge": (operator.ge, ">=", "["), "gt": (operator.gt, ">", "("), "le": (operator.le, "<=", "]"), "lt": (operator.lt, "<", ")")}
+
+
+def _bounds_problem(meta: Any, value: Any) -> str:
+    """`must be >= 1, got 0` for one bound, `must be in (0, 1], got 0` for two."""
+    bounds = [(op, b) for op, b in meta.items() if op in _BOUNDS]
+    if len(bounds) == 1:
+        (op, b), = bounds
+        return f"must be {_BOUNDS[op][1]} {b}, got {value}"
+    (lo_op, lo), (hi_op, hi) = sorted(bounds, key=lambda ob: ob[0] in ("le", "lt"))
+    return f"must be in {_BOUNDS[lo_op][2]}{lo}, {hi}{_BOUNDS[hi_op][2]}, got {value}"
+
+
+def _merge_error(exc: OmegaConfBaseException, key: str) -> ConfigError:
+    """OmegaConf's error as one line naming the key; a value outside a Literal's choices reads as `validate` words it."""
+    where = getattr(exc, "full_key", None) or key or "config"
+    owner, name = getattr(exc, "object_type", None), getattr(exc, "key", None)
+    choices = _choices(_hints(owner).get(name)) if isinstance(owner, type) and is_dataclass(owner) else None
+    if isinstance(exc, ValidationError) and choices is not None:
+        return ConfigError(where, _choice_problem(choices, getattr(exc, "value", None)))
+    return ConfigError(where, str(exc).splitlines()[0])
 
 
 def resource_shortfall(cfg: MinirlConfig, res: str, have: float | None, where: str) -> str | None:
@@ -710,180 +885,6 @@ def resource_shortfall(cfg: MinirlConfig, res: str, have: float | None, where: s
     return (f"the workers need {need:g} {res}s (cluster.num_generation_workers={gen} x cluster.{key}_per_generation_worker="
             f"{per_gen:g} + cluster.num_policy_workers={cl.num_policy_workers} x cluster.{key}_per_policy_worker={per_pol:g}), "
             f"more than Ray offers ({where})")
-
-
-def validate(cfg: MinirlConfig) -> None:
-    """Every range and cross-field rule, then the paths and the URL; each failure names its key."""
-    g, rf, cc, ch = cfg.grpo, cfg.async_rl.rollout_failure, cfg.context_compaction, cfg.agent.context_history
-    _check_finite(cfg, "")
-    for keys, ok, problem in (
-        (AT_LEAST_1, lambda v: v >= 1, "must be >= 1"),
-        (AT_LEAST_0, lambda v: v >= 0, "must be >= 0"),
-        (ABOVE_0, lambda v: v > 0, "must be > 0"),
-        (UNIT_INTERVAL, lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    ):
-        for key in keys:
-            value = _get(cfg, key)
-            _require(value is None or ok(value), key, f"{problem}, got {value}")
-    temp = cfg.policy.generation.temperature
-    _require(temp >= GREEDY_TEMPERATURE, "policy.generation.temperature",
-             f"must be >= {GREEDY_TEMPERATURE} (below it vLLM samples greedily, and a group's identical rollouts "
-             f"train nothing), got {temp}")
-    _check_resources(cfg)
-    clip = cfg.loss_fn.ratio_clip_min
-    _require(clip < 1, "loss_fn.ratio_clip_min", f"must be < 1 (the lower clip is 1 - ratio_clip_min), got {clip}")
-    betas = cfg.policy.optimizer.betas
-    _require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "policy.optimizer.betas",
-             f"must be two values in [0, 1), got {betas}")
-    _require(
-        cfg.env.num_rooms <= cfg.env.max_num_rooms,
-        "env.num_rooms",
-        f"must be <= env.max_num_rooms ({cfg.env.max_num_rooms}), got {cfg.env.num_rooms}",
-    )
-    for i, n in enumerate(cfg.env.num_rooms_choices or []):
-        _require(1 <= n <= cfg.env.max_num_rooms, f"env.num_rooms_choices[{i}]",
-                 f"must be in [1, env.max_num_rooms={cfg.env.max_num_rooms}], got {n}")
-    _require(cfg.env.num_rooms_choices != [], "env.num_rooms_choices", "must be null or a non-empty list")
-    want = g.num_prompts_per_step * g.num_generations_per_prompt
-    _require(
-        cfg.policy.train_global_batch_size == want,
-        "policy.train_global_batch_size",
-        f"must equal grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {want} "
-        f"(one optimizer step per RL step), got {cfg.policy.train_global_batch_size}",
-    )
-    _require(
-        rf.max_backoff_s >= rf.backoff_base_s,
-        "async_rl.rollout_failure.max_backoff_s",
-        f"must be >= backoff_base_s ({rf.backoff_base_s}), got {rf.max_backoff_s}",
-    )
-    _require(rf.on_dropped_prompt in ("shrink", "replace"), "async_rl.rollout_failure.on_dropped_prompt",
-             f"must be shrink or replace, got {rf.on_dropped_prompt!r}")
-    if rf.on_dropped_prompt == "replace":
-        _require(cfg.async_rl.enabled, "async_rl.rollout_failure.on_dropped_prompt",
-                 "replace needs async_rl.enabled=true with a sampler that stamps target steps (async_rl.sampler.name=in_order)")
-        for key in ("max_replacement_attempts", "replacement_reserve_prompts"):
-            _require(getattr(rf, key) >= 1, f"async_rl.rollout_failure.{key}", f"must be >= 1 with replace, got {getattr(rf, key)}")
-    _require(rf.replacement_prompt_source in ("spare_groups", "stream"), "async_rl.rollout_failure.replacement_prompt_source",
-             f"must be spare_groups or stream, got {rf.replacement_prompt_source!r}")
-    timeout = rf.nemo_gym.rollout_timeout_s
-    wd = cfg.async_rl.stall_watchdog
-    _require(wd.action in ("raise", "warn"), "async_rl.stall_watchdog.action", f"must be raise or warn, got {wd.action!r}")
-    _require(cfg.policy.precision in ("float32", "bfloat16"), "policy.precision", "must be float32 or bfloat16")
-    _require(
-        cfg.agent.name in ("simple_agent", "compaction_agent"),
-        "agent.name",
-        f"must be simple_agent or compaction_agent, got {cfg.agent.name!r}",
-    )
-    _require(ch.policy.type in ("identity", "recency"), "agent.context_history.policy.type", "must be identity or recency")
-    _require(
-        ch.schedule.type in ("rolling_recency", "turn_chunked_recency"),
-        "agent.context_history.schedule.type",
-        "must be rolling_recency or turn_chunked_recency",
-    )
-    _require(
-        ch.schedule.type != "rolling_recency" or ch.schedule.actions_per_chunk == 1,
-        "agent.context_history.schedule.actions_per_chunk",
-        "must be 1 for rolling_recency",
-    )
-    _require(ch.guards.on_reject in ("raise", "end_episode"), "agent.context_history.guards.on_reject", "must be raise or end_episode")
-    _require(
-        cc.enabled or cfg.agent.external_url is not None or not (cfg.agent.name == "compaction_agent" and ch.enabled),
-        "context_compaction.enabled",
-        "is false, but agent.name=compaction_agent with agent.context_history.enabled=true rewrites its history; "
-        "without compaction every call must extend the previous one (use agent.name=simple_agent, see configs/plain.yaml)",
-    )
-    if cc.enabled:
-        # upstream: validate_cc_objective
-        _require(cfg.loss_fn.token_level_loss, "loss_fn.token_level_loss", "context compaction requires token_level_loss=true")
-        if not cc.allow_step_shrink:
-            _require(
-                rf.min_step_batch_fraction == 1,
-                "async_rl.rollout_failure.min_step_batch_fraction",
-                "context compaction requires min_step_batch_fraction=1",
-            )
-    lf = cfg.loss_fn
-    _require(lf.truncated_importance_sampling_type in (None, "tis", "icepop", "seq-mask-tis"),
-             "loss_fn.truncated_importance_sampling_type",
-             f"must be null, tis, icepop or seq-mask-tis, got {lf.truncated_importance_sampling_type!r}")
-    if lf.truncated_importance_sampling_type is not None:
-        _require(lf.use_importance_sampling_correction, "loss_fn.truncated_importance_sampling_type",
-                 "needs loss_fn.use_importance_sampling_correction=true")
-        ratio, lo = lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min
-        _require(ratio is not None and ratio > 0, "loss_fn.truncated_importance_sampling_ratio", f"must be > 0, got {ratio}")
-        _require(lo is not None or lf.truncated_importance_sampling_type == "tis",
-                 "loss_fn.truncated_importance_sampling_ratio_min", "is required for icepop and seq-mask-tis")
-        _require(lo is None or 0 <= lo <= ratio, "loss_fn.truncated_importance_sampling_ratio_min",
-                 f"must be in [0, truncated_importance_sampling_ratio], got {lo}")
-    for i, spec in enumerate(cfg.faults.inject):
-        _require(spec.kind in FAULT_KINDS, f"faults.inject[{i}].kind", f"must be one of {', '.join(FAULT_KINDS)}")
-        for name in ("step", "group", "rollout", "attempt", "call"):
-            value = getattr(spec, name)
-            _require(value is None or value >= 0, f"faults.inject[{i}].{name}", f"must be >= 0, got {value}")
-    for kind, p in cfg.faults.rate.items():
-        _require(kind in FAULT_KINDS, f"faults.rate.{kind}", f"unknown fault kind; one of {', '.join(FAULT_KINDS)}")
-        _require(0 <= p <= 1, f"faults.rate.{kind}", f"must be a probability in [0, 1], got {p}")
-    for kind, q in cfg.faults.rate_per_room.items():
-        _require(kind in AGENT_SIDE_KINDS, f"faults.rate_per_room.{kind}",
-                 f"needs the row's room count, which only agent-side kinds see; one of {', '.join(AGENT_SIDE_KINDS)}")
-        _require(0 <= q <= 1, f"faults.rate_per_room.{kind}", f"must be a probability in [0, 1], got {q}")
-    uses_timeout = any(s.kind == "timeout" for s in cfg.faults.inject) or any(
-        rates.get("timeout", 0) > 0 for rates in (cfg.faults.rate, cfg.faults.rate_per_room))
-    _require(
-        not uses_timeout or timeout is not None,
-        "async_rl.rollout_failure.nemo_gym.rollout_timeout_s",
-        "a `timeout` fault needs a rollout timeout, or /run would hang",
-    )
-    ar = cfg.async_rl
-    from minirl.async_rl.samplers import SAMPLERS  # checked with async off too: a typo must not wait for the day it is on
-
-    _require(ar.sampler.name in SAMPLERS, "async_rl.sampler.name", f"must be one of {', '.join(SAMPLERS)}, got {ar.sampler.name!r}")
-    look = ar.sampler.max_lookahead_versions
-    if look is not None:  # upstream's name of in_order's gate: one resolved value
-        _require(ar.sampler.name == "in_order", "async_rl.sampler.max_lookahead_versions",
-                 f"is in_order's gate; {ar.sampler.name} reads async_rl.sampler.max_staleness_versions")
-        ar.sampler.max_staleness_versions = look
-    if ar.enabled:
-        sampler = SAMPLERS[ar.sampler.name]
-        window = sampler.capacity(g.num_prompts_per_step, ar.sampler.max_staleness_versions)
-        _require(ar.max_buffered_rollouts >= window, "async_rl.max_buffered_rollouts",
-                 f"must hold the sampler's window of {window} prompt groups, got {ar.max_buffered_rollouts}")
-        _require(ar.sampler.max_staleness_versions == 0 or cfg.loss_fn.use_importance_sampling_correction,
-                 "loss_fn.use_importance_sampling_correction",
-                 "must be true when async_rl.sampler.max_staleness_versions > 0: rollouts come from older weights")
-        _require(not sampler.needs_is_correction or cfg.loss_fn.use_importance_sampling_correction,
-                 "loss_fn.use_importance_sampling_correction",
-                 f"must be true with async_rl.sampler.name={ar.sampler.name}: it trains groups of any age")
-        _require(sampler.stamps_target_steps or not (rf.max_skipped_prompts or rf.max_consecutive_dropped_prompts),
-                 "async_rl.sampler.name",
-                 f"{ar.sampler.name!r} stamps no target step, so the drop budget (max_skipped_prompts={rf.max_skipped_prompts}, "
-                 f"max_consecutive_dropped_prompts={rf.max_consecutive_dropped_prompts}) cannot be honoured: a prompt that is "
-                 "given up on is never subtracted from the step waiting for it. Set async_rl.sampler.name=in_order to get the "
-                 "tolerance these budgets promise, or set both budgets to 0 to end the run on the first dropped prompt instead")
-        _require(sampler.stamps_target_steps or rf.on_dropped_prompt == "shrink", "async_rl.rollout_failure.on_dropped_prompt",
-                 f"replace needs a sampler that stamps target steps (in_order); {ar.sampler.name} stamps none")
-    # serving for external (Gym) servers
-    _require(cfg.policy.generation.reasoning_parser in (None, "think"), "policy.generation.reasoning_parser", "must be think or null")
-    gr = cfg.async_rl.generation_router
-    _require(1 <= gr.port_range_low <= 65535, "async_rl.generation_router.port_range_low", "must be a port (1-65535)")
-    _require(gr.port_range_low <= gr.port_range_high <= 65535, "async_rl.generation_router.port_range_high",
-             f"must be a port >= port_range_low ({gr.port_range_low})")
-    for key in ("backend_timeout_s", "connect_timeout_s"):
-        _require(getattr(gr, key) > 0, f"async_rl.generation_router.{key}", "must be > 0")
-    _require(400 <= gr.no_healthy_backend_status <= 599 and gr.no_healthy_backend_status not in GYM_RETRIED_STATUSES,
-             "async_rl.generation_router.no_healthy_backend_status",
-             f"must be an HTTP error status that Gym does not retry (not {', '.join(map(str, GYM_RETRIED_STATUSES))}), "
-             f"got {gr.no_healthy_backend_status}")
-    fh = cfg.async_rl.generation_fleet_health
-    _require(fh.probe_timeout_s < fh.probe_interval_s, "async_rl.generation_fleet_health.probe_timeout_s",
-             f"must be less than probe_interval_s ({fh.probe_interval_s}), got {fh.probe_timeout_s}")
-    _require(fh.min_healthy_shards <= cfg.cluster.num_generation_workers, "async_rl.generation_fleet_health.min_healthy_shards",
-             f"must be at most cluster.num_generation_workers ({cfg.cluster.num_generation_workers}), got {fh.min_healthy_shards}")
-    _require(gr.enabled or not fh.enabled, "async_rl.generation_fleet_health.enabled",
-             "needs async_rl.generation_router.enabled=true: the router probes the workers and routes around the sick")
-    # the servers' own limits on what a request may cost them
-    vllm = cfg.policy.generation.vllm_cfg
-    _require(vllm.max_request_bytes >= 1, "policy.generation.vllm_cfg.max_request_bytes", f"must be >= 1, got {vllm.max_request_bytes}")
-    _check_outside(cfg)
 
 
 def _check_outside(cfg: MinirlConfig) -> None:

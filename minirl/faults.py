@@ -1,9 +1,11 @@
-"""Seeded fault injection: which fault fires at which rollout coordinates.
+"""Seeded fault injection: the fault kinds, the site that fires each, and which fault fires at which
+rollout coordinates.
 
-Faults fire only at named sites in the real components (the generation server's engine boundary,
-the agent's guard and loop, the agent server's HTTP layer); this module only decides *whether*
-and *where*. A rate draw is a pure function of (faults.seed, kind, step, group, rollout, attempt),
-never of how many draws came before.
+Faults fire only at named sites in the real components (`SITES`: the generation server's engine
+boundary, the generation worker's process, the agent's guard and loop, the agent server's HTTP
+layer); this module only decides *whether* and *where*. Each site asks through `fault_site`, one
+predicate per rollout attempt. A rate draw is a pure function of (faults.seed, kind, step, group,
+rollout, attempt), never of how many draws came before.
 
 Two kinds of rate:
 - `faults.rate.{kind}` = p: a coin per rollout attempt, independent of the episode;
@@ -11,10 +13,13 @@ Two kinds of rate:
   an independent hazard q, so a rollout attempt of an n-room episode fails with
   p_n = 1 - (1 - q)**n: a 4-room episode fails about four times as often as a 1-room one while q
   is small, and p_n stays a probability however many rooms there are. n is the row's
-  `task.num_rooms`, so only the agent-side kinds (config.AGENT_SIDE_KINDS), whose sites see the row,
+  `task.num_rooms`, so only the agent-side kinds (AGENT_SIDE_KINDS), whose sites see the row,
   take a per-room rate. With both rates set, the attempt fails with 1 - (1 - p)(1 - q)**n.
 Either way one uniform draw per (kind, attempt) decides, so a fault that fires at rate r also fires
 at every higher rate.
+
+A new fault kind is a row of `SITES` and its `if fires(...)` at that site. This module imports
+nothing of minirl's at run time (minirl.config reads the table to check `faults.*`).
 
 Invariant: the same FaultsConfig gives the same fault stream under every training policy, because
 coordinates (dispatch order, counted from 0) and a prompt's room count (a function of its seed) do
@@ -25,9 +30,38 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import TYPE_CHECKING, Any, Callable
 
-from minirl.config import FaultsConfig
-from minirl.wire import Coords
+if TYPE_CHECKING:
+    from minirl.wire import Coords
+
+ENGINE = "engine boundary (generation/server.py)"
+"""The generation server, just before the request reaches the engine."""
+WORKER = "generation worker process (generation/server.py)"
+"""The generation worker's own process: killed, or its front end hung."""
+AGENT = "agent episode (agents/agent.py)"
+"""The agent's context guard and loop, per model call."""
+AGENT_HTTP = "agent server's HTTP layer (agents/server.py)"
+"""The agent server's `/run` handler, around the whole episode."""
+
+SITES: dict[str, str] = {
+    "context_overflow": ENGINE,
+    "model_error": ENGINE,
+    "guard_reject": AGENT,
+    "agent_exception": AGENT,
+    "timeout": AGENT_HTTP,
+    "transport": AGENT_HTTP,
+    "bad_output": AGENT_HTTP,
+    "worker_kill": WORKER,
+    "worker_hang": WORKER,
+    "engine_hang": ENGINE,
+    "engine_crash": ENGINE,
+    "agent_kill": AGENT_HTTP,
+}
+"""Every fault kind and the site that fires it (the order is the kinds' order in messages and events)."""
+FAULT_KINDS = tuple(SITES)
+AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items() if site in (AGENT, AGENT_HTTP))
+"""Kinds that fire in the agent pool, where the row (and so its task's room count) is known."""
 
 
 def _uniform(seed: int, kind: str, c: Coords) -> float:
@@ -38,7 +72,8 @@ def _uniform(seed: int, kind: str, c: Coords) -> float:
 class FaultPlan:
     """Answers `call_of(kind, coords)`: the model-call index at which `kind` fires, or None."""
 
-    def __init__(self, cfg: FaultsConfig):
+    def __init__(self, cfg: Any):
+        """`cfg`: the run's `faults` section (minirl.config.FaultsConfig, which imports this module's table)."""
         self.cfg = cfg
 
     def call_of(self, kind: str, c: Coords, num_rooms: int | None = None) -> int | None:
@@ -64,5 +99,18 @@ class FaultPlan:
             return 0
         return None
 
-    def fires(self, kind: str, c: Coords, call: int, num_rooms: int | None = None) -> bool:
-        return self.call_of(kind, c, num_rooms) == call
+
+def fault_site(plan: FaultPlan | None, coords: Coords | None, num_rooms: int | None = None,
+               call: int | None = None) -> Callable[..., bool]:
+    """A fault site's predicate for one rollout attempt: `fires(kind)` (or `fires(kind, call)`) is
+    True when `kind` is planned for this attempt at that model call (the site's `call` by default;
+    at any call when there is none, for the kinds that fire once per attempt). Never without a plan
+    or coordinates (a request from outside a run)."""
+
+    def fires(kind: str, at: int | None = call) -> bool:
+        if plan is None or coords is None:
+            return False
+        planned = plan.call_of(kind, coords, num_rooms)
+        return planned is not None and (at is None or planned == at)
+
+    return fires

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from minirl.config import REPO_ROOT, ConfigError, load_config
+from minirl.config import REPO_ROOT, ConfigError, FaultSpec, load_config
 
 CONFIGS = REPO_ROOT / "configs"
 
@@ -156,3 +156,91 @@ def test_cli_bad_value_exits_2_with_one_line_before_ray_starts(override, line):
     assert [x for x in proc.stderr.splitlines() if x.strip()] == [line]
     assert proc.stdout == "", "nothing ran: no run directory was made, Ray never started"
     assert elapsed < 5, f"took {elapsed:.1f}s: the check must come before Ray starts"
+
+
+def test_validate_walks_choices_bounds_and_sections_of_a_config_built_in_python():
+    """The rules live on the fields: a Literal's choices, a `bounded` range and a section's check()
+    are found by walking the dataclasses, at any depth (a list's items too), and named by dotted key."""
+    from minirl.config import FaultSpec, validate
+
+    for path, value, problem in (
+        ("agent.name", "other_agent", "agent.name: must be simple_agent or compaction_agent, got 'other_agent'"),
+        ("loss_fn.truncated_importance_sampling_type", "tls", "must be null, tis, icepop or seq-mask-tis, got 'tls'"),
+        ("async_rl.generation_router.port_range_low", 0, "async_rl.generation_router.port_range_low: must be in [1, 65535], got 0"),
+        ("async_rl.max_inflight_prompts", 0, "async_rl.max_inflight_prompts: must be >= 1, got 0"),
+        ("async_rl.rollout_failure.min_step_batch_fraction", 1.5, "must be in (0, 1], got 1.5"),
+        ("policy.optimizer.eps", float("nan"), "policy.optimizer.eps: must be a finite number, got nan"),
+        ("env.num_rooms", 17, "env.num_rooms: must be <= env.max_num_rooms (16), got 17"),
+        ("faults.inject", [FaultSpec(kind="guard_reject"), FaultSpec(kind="guard_reject", rollout=-1)],
+         "faults.inject[1].rollout: must be >= 0, got -1"),
+        ("faults.inject", [FaultSpec(kind="meteor")], "faults.inject[0].kind: must be one of context_overflow,"),
+    ):
+        cfg = load_config()
+        *parents, name = path.split(".")
+        node = cfg
+        for part in parents:
+            node = getattr(node, part)
+        setattr(node, name, value)
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        assert problem in str(err.value) and str(err.value).startswith(path), (path, str(err.value))
+    validate(load_config())  # and the default passes
+
+
+def test_the_sampler_table_the_config_reads_is_what_the_samplers_declare():
+    from minirl.async_rl.samplers import SAMPLERS
+    from minirl.config import SAMPLER_TRAITS, SamplerConfig, SamplerName, _choices
+
+    assert list(SAMPLER_TRAITS) == list(SAMPLERS) == list(_choices(SamplerName))
+    for name, cls in SAMPLERS.items():
+        traits = SAMPLER_TRAITS[name]
+        assert (traits.gated, traits.stamps_target_steps, traits.needs_is_correction) == (
+            cls.gated, cls.stamps_target_steps, cls.needs_is_correction), name
+        assert all(traits.capacity(n, s) == cls.capacity(n, s) for n in (1, 4, 8) for s in (0, 1, 3)), name
+    assert SamplerConfig().name in SAMPLER_TRAITS
+
+
+def test_loading_a_config_loads_no_runtime_code():
+    """The config reads the fault table from minirl.faults and nothing else of minirl's: no aiohttp,
+    Ray, torch or vLLM on the driver to check a config."""
+    import subprocess
+    import sys
+
+    code = ("import sys, minirl.config; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('minirl', 'aiohttp', 'ray', 'torch', 'vllm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['minirl', 'minirl.config', 'minirl.faults']"
+
+
+def test_every_fault_kind_fires_at_the_site_its_table_names():
+    """minirl.faults.SITES is the catalogue: each kind's site file asks `fires("kind")` (or `fault`) for it,
+    and no site asks for a kind the table does not list."""
+    import re
+
+    from minirl.faults import AGENT_SIDE_KINDS, FAULT_KINDS, SITES
+
+    asked: dict[str, set] = {}
+    for site in set(SITES.values()):
+        path = REPO_ROOT / "minirl" / re.search(r"\((\S+\.py)\)", site).group(1)
+        asked[site] = set(re.findall(r"\b(?:fires|fault)\(\"(\w+)\"", path.read_text()))
+    for kind, site in SITES.items():
+        assert kind in asked[site], (kind, site)
+    assert set().union(*asked.values()) == set(FAULT_KINDS)
+    assert AGENT_SIDE_KINDS == ("guard_reject", "agent_exception", "timeout", "transport", "bad_output", "agent_kill")
+
+
+def test_one_fault_site_predicate_per_attempt():
+    """fault_site: a per-call kind fires at its planned call only, a per-attempt kind at any call; nothing
+    fires without a plan or without coordinates (a request from outside a run)."""
+    from minirl.config import FaultsConfig
+    from minirl.faults import FaultPlan, fault_site
+    from minirl.wire import Coords
+
+    plan = FaultPlan(FaultsConfig(inject=[FaultSpec(kind="model_error", step=0, group=1, call=2)]))
+    hit, miss = Coords(0, 1, 0, 0), Coords(0, 2, 0, 0)
+    assert [fault_site(plan, hit, call=c)("model_error") for c in range(4)] == [False, False, True, False]
+    assert [fault_site(plan, hit)("model_error", c) for c in range(4)] == [False, False, True, False]
+    assert fault_site(plan, hit)("model_error") and not fault_site(plan, hit)("timeout")
+    assert not fault_site(plan, miss)("model_error") and not fault_site(plan, None, call=2)("model_error")
+    assert not fault_site(None, hit, call=2)("model_error")

@@ -14,7 +14,8 @@ import pytest
 
 from helpers import run_cli
 from minirl.agents.env import make_rooms
-from minirl.config import FAULT_KINDS, REPO_ROOT, load_config
+from minirl.config import REPO_ROOT, load_config
+from minirl.faults import FAULT_KINDS
 from minirl.data import prompt_row
 from minirl.validation import ValidationFailed, held_out_rows, held_out_seeds, training_seeds, validate
 

@@ -24,7 +24,7 @@ from minirl.agents import compaction
 from minirl.agents.env import DoorsEnv, verify
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import AgentConfig
-from minirl.faults import FaultPlan
+from minirl.faults import FaultPlan, fault_site
 from minirl.wire import ContextGuardRejected, Coords, extra_body
 
 
@@ -97,8 +97,7 @@ async def run_episode(
     ev = Evidence()
     prefix: list[int] | None = None  # prompt + reply tokens of the last call, while history is unrewritten
 
-    def fault(kind: str, call: int) -> bool:
-        return plan is not None and coords is not None and plan.fires(kind, coords, call, task["num_rooms"])
+    fault = fault_site(plan, coords, task["num_rooms"])
 
     for call in range(cfg.max_steps):
         if compacting and compaction.scheduled(ch, call):

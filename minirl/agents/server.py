@@ -40,7 +40,7 @@ from minirl.agents.agent import run_episode
 from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
-from minirl.faults import FaultPlan
+from minirl.faults import FaultPlan, fault_site
 from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_body, run_error_status
 from minirl.http_thread import HttpThread, off_loop
 
@@ -170,7 +170,7 @@ class AgentServer:
             return web.json_response({"error": error, "type": "UnknownAgent"}, status=404)
 
         rooms = row["task"].get("num_rooms")
-        fires = (lambda kind: coords is not None and self.plan.call_of(kind, coords, rooms) is not None)
+        fires = fault_site(self.plan, coords, rooms)
         self.in_flight += 1
         try:
             if fires("agent_kill"):

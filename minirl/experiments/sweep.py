@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     unknown = set(grid.policies) - set(POLICIES)
     if unknown:
         ap.error(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
-    from minirl.config import AGENT_SIDE_KINDS, FAULT_KINDS
+    from minirl.faults import AGENT_SIDE_KINDS, FAULT_KINDS
 
     for kind in grid.kinds:
         if not (kind == "overflow" or kind in FAULT_KINDS or kind.endswith("@room") and kind[:-5] in AGENT_SIDE_KINDS):

@@ -74,7 +74,7 @@ from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, Tokeni
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
 from minirl.config import VllmConfig
-from minirl.faults import FaultPlan
+from minirl.faults import FaultPlan, fault_site
 from minirl.generation.chat_format import PrefixMismatch, normalize_content, parse_reply, rendered_chars, splice_prefix
 from minirl.http_thread import off_loop
 from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
@@ -404,7 +404,7 @@ class ModelServer:
     async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> ChatCompletionResponse:
         body, req, prompt = await off_loop(self._prepare_chat, await request.read())
         key = record["key"]
-        fires = (lambda kind: self.plan is not None and coords is not None and self.plan.fires(kind, coords, call))
+        fires = fault_site(self.plan, coords, call=call)
         if fires("worker_kill"):
             os.kill(os.getpid(), signal.SIGKILL)  # a real process death, mid-request (a worker's engine process follows its front end)
         if fires("worker_hang"):

@@ -33,9 +33,9 @@ from typing import Awaitable, Callable, NamedTuple
 
 import aiohttp
 
-from minirl.config import FAULT_KINDS, MinirlConfig
+from minirl.config import MinirlConfig
 from minirl.data import sampling_seed
-from minirl.faults import FaultPlan
+from minirl.faults import FAULT_KINDS, FaultPlan
 from minirl.rollout.evidence import parse_rollout, reward_bound
 from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
