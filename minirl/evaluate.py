@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 from minirl.config import ConfigError, load_config
-from minirl.train import _cause
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    from minirl.cluster import Cluster
+    from minirl.cluster import Cluster, describe
 
     try:
         with Cluster(cfg, eval_dir) as cluster:
@@ -58,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print("KeyboardInterrupt: interrupted", file=sys.stderr)
         return 1
     except Exception as exc:  # report the root cause, last, after Ray is down
-        failure = _cause(exc)
-        print(f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+        print(describe(exc), file=sys.stderr, flush=True)
         return 1
     out = Path(args.out) if args.out else eval_dir / "metrics.json"
     out.write_text(json.dumps({"checkpoint": str(ckpt), **metrics}, indent=2) + "\n")
