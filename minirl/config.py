@@ -335,7 +335,7 @@ class GenerationFleetHealthConfig:
 
 @dataclass(frozen=True)
 class SamplerTraits:
-    """What the config asks of a staleness sampler (minirl/async_rl/samplers.py declares the same per class)."""
+    """What the config asks of a staleness sampler; minirl/async_rl/samplers.py copies each row onto its class."""
 
     gated: bool = False
     """Dispatches prompt batch k only while k <= version + S."""

@@ -4,7 +4,8 @@ groups the next optimizer step takes, as NeMo-RL's Single-Controller samplers de
 A sampler is built with S (`async_rl.sampler.max_staleness_versions`; for `in_order` its gate,
 upstream's `max_lookahead_versions`). A *gated* sampler dispatches the groups of prompt batch k
 only while k <= w + S (w: the policy version the generation workers serve); an ungated one only as
-the buffer and `max_inflight_prompts` allow. Each sampler declares `gated`, `stamps_target_steps`
+the buffer and `max_inflight_prompts` allow. Each sampler's row of `config.SAMPLER_TRAITS` (one
+place, read by the config's checks and copied onto the class here) says `gated`, `stamps_target_steps`
 (a batch's groups are stamped for one optimizer step, so a lost group can be credited to it, which
 drop budgets and `on_dropped_prompt=replace` need) and `needs_is_correction`; `capacity` is the
 buffer the sampler needs, or the pumps deadlock.
@@ -33,24 +34,29 @@ from __future__ import annotations
 from collections import Counter
 
 from minirl.async_rl.buffer import GroupRecord
+from minirl.config import SAMPLER_TRAITS
 
 
 class Sampler:
+    """A sampler's traits (`gated`, `stamps_target_steps`, `needs_is_correction`, `capacity`) are its
+    row of `config.SAMPLER_TRAITS`, copied onto the class when it is defined: the config, which
+    imports no runtime code, checks the same facts that the pump and the source read here."""
+
     name = "base"
-    gated = False
-    """Dispatch batch k only while k <= version + S."""
-    stamps_target_steps = False
-    """Admission stamps a batch's groups for one optimizer step (upstream: `admit` returns a target step)."""
-    needs_is_correction = False
-    """Selects groups of any age: the config requires loss_fn.use_importance_sampling_correction."""
+    gated = stamps_target_steps = needs_is_correction = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        traits = SAMPLER_TRAITS[cls.name]
+        cls.gated, cls.stamps_target_steps = traits.gated, traits.stamps_target_steps
+        cls.needs_is_correction = traits.needs_is_correction
 
     def __init__(self, num_prompts_per_step: int, max_staleness_versions: int):
         self.n, self.s = num_prompts_per_step, max_staleness_versions
 
     @classmethod
     def capacity(cls, num_prompts_per_step: int, s: int) -> int:
-        """Buffer places the sampler needs: the live batch plus one per lookahead version if gated."""
-        return num_prompts_per_step * (s + 1) if cls.gated else num_prompts_per_step
+        return SAMPLER_TRAITS[cls.name].capacity(num_prompts_per_step, s)
 
     def in_window(self, r: GroupRecord, version: int) -> bool:
         return version - self.s <= r.start_weight <= version
@@ -67,8 +73,6 @@ class Sampler:
 
 class InOrder(Sampler):
     name = "in_order"
-    gated = True
-    stamps_target_steps = True
 
     def select(self, step, version, ready, inflight):
         mine = [r for r in ready if r.target_step == step]
@@ -91,7 +95,6 @@ class Windowed(Sampler):
 
 class WeightFifo(Sampler):
     name = "weight_fifo"
-    gated = True
 
     def _oldest(self, version, ready, inflight) -> int | None:
         weights = [r.start_weight for r in ready if self.in_window(r, version)]
@@ -117,8 +120,6 @@ class WeightFifo(Sampler):
 
 class ReadyFirst(Sampler):
     name = "ready_first"
-    gated = True
-    needs_is_correction = True
 
     def stale(self, version, ready, inflight=None):
         return []  # every admitted group stays selectable
