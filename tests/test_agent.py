@@ -9,8 +9,10 @@ import copy
 import aiohttp
 import pytest
 
-from minirl.agents.agent import Evidence, _guard
+from minirl.agents.agent import _guard
+from minirl.agents.compaction import policy_for
 from minirl.agents.env import TOOLS, DoorsEnv, image_part
+from minirl.agents.episode import Episode
 from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import FaultSpec
@@ -144,9 +146,9 @@ def test_guard_admit_admit_after_compaction_and_reject(stack, base_cfg, schedule
             if limit is None:
                 return n_full, n_small
             ch.guards.max_total_tokens = limit
-            hist, ev = list(full), Evidence()
-            decision = await _guard(hist, tools, ch, True, client, False, 2, ev)
-            return decision, ev.guard[-1], len(hist) < len(full)
+            ep = Episode(history=list(full), tools=tools, initial_len=2)
+            decision = await _guard(ep, ch, policy_for(ch), client, False)
+            return decision, ep.ev.guard[-1], len(ep.history) < len(full)
 
     n_full, n_small = asyncio.run(decide(None))
     assert n_small < n_full

@@ -102,3 +102,29 @@ def test_schedules(schedule, chunk, expect):
     assert [scheduled(c, done) for done in range(5)] == expect
     c.enabled = False
     assert not any(scheduled(c, done) for done in range(5))
+
+
+def test_policies_registered_by_name_apply_through_the_episode():
+    """`policy_for` picks the class registered under `policy.type`; `compact_episode` installs a changed
+    history, counts the compaction and the policy's own counters, and drops the token prefix; an
+    unchanged result leaves the episode as it was."""
+    import asyncio
+
+    from minirl.agents.compaction import POLICIES, compact_episode, policy_for
+    from minirl.agents.episode import Episode
+
+    assert {"identity", "recency"} <= set(POLICIES)
+    c = cfg(keep_groups=1)
+    ep = Episode(history=history(), tools=[], initial_len=2, prefix=[1, 2, 3])
+    result = asyncio.run(compact_episode(policy_for(c), ep, None))
+    expect = compact(history(), c, 2)
+    assert result.changed and result.outcome == "completed" and result.model_calls == 0
+    assert ep.history == expect.items and ep.prefix is None
+    assert (ep.ev.compactions, ep.ev.images_dropped, ep.ev.reasoning_dropped) == (1, 2, 2)
+    again = asyncio.run(compact_episode(policy_for(c), ep, None))  # idempotent: nothing left to drop
+    assert not again.changed and ep.ev.compactions == 1 and ep.history == expect.items
+
+    c.policy.type = "identity"
+    ep = Episode(history=history(), tools=[], initial_len=2, prefix=[1, 2, 3])
+    assert not asyncio.run(compact_episode(policy_for(c), ep, None)).changed
+    assert ep.history == history() and ep.prefix == [1, 2, 3] and ep.ev.compactions == 0

@@ -1,7 +1,11 @@
 """Context compaction: the history rewrite that Gym's `simple_agent_with_compaction` applies before
-model calls, and the schedule that decides when.
+model calls, the schedule that decides when, and the interface every compaction policy implements.
 
-The rewrite is plain data surgery and never calls the model:
+A policy is a class registered by name (`agent.context_history.policy.type`) whose async
+`compact(episode, client)` returns a `CompactionResult` carrying its own counters, as Gym's
+`ContextCompactionObservation` does; it may call the model through `client`. `compact_episode` is the
+one place a result reaches the episode. The two policies here (`identity`, `recency`) are plain data
+surgery by `compact` and never call the model:
 - images: keep the pictures of the last `keep_last_groups` items that carry any; older pictures
   become an `omission_marker` text part. Items of the initial context are exempt when
   `protect_initial_context` is set.
@@ -10,18 +14,91 @@ The rewrite is plain data surgery and never calls the model:
 
 Invariant: `compact` never reorders, adds or alters anything but the dropped parts and items, and
 compacting an already compacted history with the same settings changes nothing (it is idempotent).
+A result whose `changed` is false leaves the episode untouched.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Protocol
 
+from minirl.agents.episode import Episode, ModelClient
 from minirl.config import ContextHistoryConfig
 
 
 @dataclass
 class CompactionResult:
+    """One compaction of an episode's history (Gym's `ContextCompactionObservation`)."""
+
+    items: list[dict]
+    """The history after compaction."""
+    changed: bool = False
+    """Whether `items` differs from the history; only then is it installed and counted."""
+    outcome: Literal["completed", "failed", "aborted", "unknown"] = "completed"
+    tokens_before: int | None = None
+    """Prompt tokens before and after (None: the policy did not count them)."""
+    tokens_after: int | None = None
+    model_calls: int = 0
+    """Model calls the compaction itself made (0 for the rewriting policies)."""
+    counters: dict[str, int] = field(default_factory=dict)
+    """Added by name to the episode's evidence when `changed` (recency: images_dropped, reasoning_dropped)."""
+
+
+class CompactionPolicy(Protocol):
+    def __init__(self, cfg: ContextHistoryConfig) -> None: ...
+
+    async def compact(self, episode: Episode, client: ModelClient) -> CompactionResult: ...
+
+
+POLICIES: dict[str, type[CompactionPolicy]] = {}
+
+
+def register(*names: str) -> Callable[[type], type]:
+    """Register a policy class under the `agent.context_history.policy.type` values that select it."""
+
+    def add(cls: type) -> type:
+        for name in names:
+            POLICIES[name] = cls
+        return cls
+
+    return add
+
+
+def policy_for(cfg: ContextHistoryConfig) -> CompactionPolicy:
+    return POLICIES[cfg.policy.type](cfg)
+
+
+async def compact_episode(policy: CompactionPolicy, episode: Episode, client: ModelClient) -> CompactionResult:
+    """Run `policy` on the episode; if it changed the history, install it, count the compaction and
+    its counters in the evidence, and drop the token prefix (the history was rewritten)."""
+    result = await policy.compact(episode, client)
+    if result.changed:
+        episode.history[:] = result.items
+        episode.ev.compactions += 1
+        for name, n in result.counters.items():
+            setattr(episode.ev, name, getattr(episode.ev, name, 0) + n)
+        episode.prefix = None
+    return result
+
+
+@register("identity", "recency")
+class RewritePolicy:
+    """`recency` (drop old pictures and reasoning by `compact`) and `identity` (never rewrite)."""
+
+    def __init__(self, cfg: ContextHistoryConfig) -> None:
+        self.cfg = cfg
+
+    async def compact(self, episode: Episode, client: ModelClient) -> CompactionResult:
+        rewrite = compact(episode.history, self.cfg, episode.initial_len)
+        counters = {"images_dropped": rewrite.images_dropped, "reasoning_dropped": rewrite.reasoning_dropped}
+        return CompactionResult(rewrite.items, changed=rewrite.changed, counters=counters)
+
+
+@dataclass
+class Rewrite:
+    """What `compact` returns: the rewritten items and what it dropped."""
+
     items: list[dict]
     images_dropped: int = 0
     reasoning_dropped: int = 0
@@ -38,12 +115,12 @@ def _image_parts(item: dict) -> list[dict]:
     return [p for p in content if p.get("type") == "input_image"]
 
 
-def compact(items: list[dict], cfg: ContextHistoryConfig, initial_len: int) -> CompactionResult:
+def compact(items: list[dict], cfg: ContextHistoryConfig, initial_len: int) -> Rewrite:
     """Rewrite `items` under `cfg.policy`; `items[:initial_len]` is the episode's initial context."""
     if cfg.policy.type == "identity":
-        return CompactionResult(list(items))
+        return Rewrite(list(items))
     items = copy.deepcopy(items)
-    result = CompactionResult(items)
+    result = Rewrite(items)
 
     images = cfg.policy.config.images
     if images.enabled:

@@ -17,7 +17,7 @@ import zlib
 
 import aiohttp
 
-from minirl.agents.agent import ModelReply
+from minirl.agents.episode import ModelReply
 from minirl.wire import ROLLOUT_HEADER, GenerationUnavailable, ModelCallFailed
 
 LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")

@@ -1,0 +1,71 @@
+"""One episode's state, shared by the agent's loop (agents/agent.py) and the compaction policies
+(agents/compaction.py): the history the model sees, the output the response returns, the evidence
+(calls, counters, the guard's decisions) and the token prefix of the last call. Also the model client's
+interface, so that a policy can call the model.
+
+Invariant: `history[:initial_len]` is the episode's initial context; `output` only grows; `prefix` is
+the last call's prompt + reply tokens while the history since that call has only been appended to,
+and None once a compaction rewrote it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from minirl.agents.env import DoorsEnv
+from minirl.wire import Coords
+
+
+@dataclass
+class ModelReply:
+    """One model call's outcome. `evidence` is None when the call produced no tokens (lane A)."""
+
+    message: dict
+    finish_reason: str
+    evidence: dict | None
+    error: str | None = None
+
+
+class ModelClient(Protocol):
+    async def chat(
+        self, messages: list[dict], tools: list[dict], params: dict, key: str, required_prefix: list[int] | None
+    ) -> ModelReply: ...
+
+    async def count_tokens(self, messages: list[dict], tools: list[dict]) -> int: ...
+
+
+@dataclass
+class Evidence:
+    """What the agent saw and decided, returned beside the output for the controller's ledger. A
+    compaction policy's counters (`CompactionResult.counters`) are added here by name."""
+
+    calls: int = 0
+    compactions: int = 0
+    images_dropped: int = 0
+    reasoning_dropped: int = 0
+    guard: list[dict] = field(default_factory=list)
+    capture_failed: bool = False
+    end_reason: str = "max_steps"
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Episode:
+    """One `/run` episode in progress."""
+
+    history: list[dict]
+    """Items the next model call sees (compaction rewrites it)."""
+    tools: list[dict]
+    """Chat-completions tools sent with every call."""
+    initial_len: int
+    """`history[:initial_len]` is the row's input."""
+    sampling: dict = field(default_factory=dict)
+    """The row's sampling parameters (`seed` is advanced per call)."""
+    coords: Coords | None = None
+    env: DoorsEnv | None = None
+    output: list[dict] = field(default_factory=list)
+    """Every item the episode produced, in order: the response's output."""
+    ev: Evidence = field(default_factory=Evidence)
+    prefix: list[int] | None = None
+    """Prompt + reply tokens of the last call, while the history is unrewritten."""
