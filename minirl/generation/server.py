@@ -402,9 +402,16 @@ class ModelServer:
         ])
 
     async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> ChatCompletionResponse:
+        """Parse and validate, render and tokenize (off the loop), the injected faults and the length
+        check, vLLM's sampling parameters, the engine call, then the OpenAI response."""
         body, req, prompt = await off_loop(self._prepare_chat, await request.read())
-        key = record["key"]
-        fires = fault_site(self.plan, coords, call=call)
+        await self._before_engine(fault_site(self.plan, coords, call=call), prompt, record["key"])
+        params = self._sampling_params(req, prompt)
+        result = await self._generate(prompt, params, record)
+        return self._response(body, req, prompt, result)
+
+    async def _before_engine(self, fires, prompt: list[int], key: str | None) -> None:
+        """The faults injected at this call (in this order) and the context-length check."""
         if fires("worker_kill"):
             os.kill(os.getpid(), signal.SIGKILL)  # a real process death, mid-request (a worker's engine process follows its front end)
         if fires("worker_hang"):
@@ -422,6 +429,8 @@ class ModelServer:
         if fires("model_error"):
             raise HTTPError(create_error_response(f"injected model_error at {key}", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR))
 
+    def _sampling_params(self, req: ChatCompletionRequest, prompt: list[int]):
+        """The request's sampling parameters as vLLM builds them; the sampled token's logprob always asked."""
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = getattr(req, field)
         if asked is not None and asked < 1:  # vLLM's own check would name max_tokens for either field
@@ -432,6 +441,10 @@ class ModelServer:
             raise HTTPError.of(exc) from None
         if params.logprobs is None and not params.logprob_token_ids:  # the sampled token's logprob, always: it is
             params.logprobs = 0  # the evidence (with `logprob_token_ids`, vLLM returns it first among those)
+        return params
+
+    async def _generate(self, prompt: list[int], params, record: dict):
+        """Submit to the engine (aborted if the client leaves); the call's token evidence goes into `record`."""
         rid = uuid.uuid4().hex
         try:
             result = await asyncio.wrap_future(self.engine.generate(prompt, params, rid))
@@ -449,7 +462,10 @@ class ModelServer:
             version_start=result.version_start,
             version_end=result.version_end,
         )
+        return result
 
+    def _response(self, body: dict, req: ChatCompletionRequest, prompt: list[int], result) -> ChatCompletionResponse:
+        """The OpenAI chat completion: the parsed reply (content, reasoning, tool calls), logprobs, usage."""
         tools = body.get("tools")
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
         parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none", reasoning_parser=self.reasoning_parser)
