@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# GPU route (not runnable on the CPU machines): the `vllm` package brings its own CUDA torch.
+# GPU route (not runnable on the CPU machines): the `vllm` package, pinned in the `gpu` extra to the
+# release the CPU route tests (vllm==0.32.0), brings its own CUDA torch (2.13.0).
 setup-gpu:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
