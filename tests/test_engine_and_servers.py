@@ -10,6 +10,7 @@ import numpy as np
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
 from minirl.data import prompt_row
+from minirl.types import TrainBatch
 from minirl.wire import with_extra_body
 
 CHAT_TOOLS = chat_tools(TOOLS)
@@ -69,7 +70,8 @@ def test_http_logprobs_match_the_trainer_rescoring_the_same_tokens(stack, base_c
         prompt, gen = b["prompt_token_ids"], b["choices"][0]["token_ids"]
         http_lp = np.array([c["logprob"] for c in b["choices"][0]["logprobs"]["content"]])
         ids = np.array([prompt + gen])
-        batch = {"input_ids": ids, "lengths": np.array([ids.shape[1]])}
+        batch = TrainBatch.zeros(1, ids.shape[1])
+        batch.input_ids[:], batch.lengths[:] = ids, ids.shape[1]
         mine = worker.logprobs(batch)[0, len(prompt):]
         worst = max(worst, float(np.abs(mine - http_lp).max()))
     assert worst < LOGPROB_TOLERANCE, worst
