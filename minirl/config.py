@@ -511,8 +511,16 @@ class EnvConfig:
     """Largest `num_rooms` a `/run` row may ask for; the agent server refuses larger."""
     data_seed: int = bounded(1234, ge=0)
     """Seeds the prompt stream: the prompt of (step, group) depends on this and nothing else."""
+    task: Literal["doors", "doors_memory"] = "doors"
+    """`doors`, or `doors_memory`: the last room hides its door, whose code a note in the second
+    room's picture (a tool reply) showed, so recency compaction can drop what the end needs
+    (agents/env.py). Needs every room count >= 3."""
 
     def check(self) -> None:
+        if self.task == "doors_memory":
+            counts = [(f"num_rooms_choices[{i}]", n) for i, n in enumerate(self.num_rooms_choices or [])]
+            for key, n in counts or [("num_rooms", self.num_rooms)]:
+                _require(n >= 3, key, f"must be >= 3 for env.task=doors_memory, got {n}")
         _require(self.num_rooms <= self.max_num_rooms, "num_rooms",
                  f"must be <= env.max_num_rooms ({self.max_num_rooms}), got {self.num_rooms}")
         for i, n in enumerate(self.num_rooms_choices or []):

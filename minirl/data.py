@@ -38,7 +38,7 @@ def prompt_row(cfg: MinirlConfig, step: int, group: int) -> dict:
 
 def task_row(cfg: MinirlConfig, seed: int) -> dict:
     """The `/run` row of the task with `seed`, sampled with the run's generation config."""
-    env = DoorsEnv(seed=seed, num_rooms=num_rooms(cfg, seed))
+    env = DoorsEnv(seed=seed, num_rooms=num_rooms(cfg, seed), task=cfg.env.task)
     gen = cfg.policy.generation
     return {
         "responses_create_params": {
@@ -49,7 +49,7 @@ def task_row(cfg: MinirlConfig, seed: int) -> dict:
             "max_output_tokens": gen.max_new_tokens,
         },
         "agent_ref": {"name": cfg.agent.name},
-        "task": {"env": "doors", "seed": env.seed, "num_rooms": env.num_rooms},
+        "task": {"env": env.task, "seed": env.seed, "num_rooms": env.num_rooms},
     }
 
 

@@ -76,7 +76,7 @@ def start_episode(row: dict) -> Episode:
     params = row["responses_create_params"]
     task = row["task"]
     coords = Coords.from_row(row)
-    env = DoorsEnv(task["seed"], task["num_rooms"])
+    env = DoorsEnv(task["seed"], task["num_rooms"], task.get("env", "doors"))
     tools = chat_tools(params.get("tools", []))
     sampling = {k: params[k] for k in ("temperature", "top_p", "max_output_tokens") if k in params}
     sampling.update({k: v for k, v in extra_body(params).items() if k == "seed"})

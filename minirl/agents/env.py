@@ -6,9 +6,17 @@ image) listing objects with numbers; the agent reads the number next to the door
 room again. So the context grows with every call, and old pictures and old `<think>` blocks pile up:
 exactly what context compaction drops.
 
-Invariant: an episode is a pure function of its task spec (`{"env": "doors", "seed", "num_rooms"}`)
-and the agent's calls, and `verify` recomputes the reward from the transcript alone, never from the
-live environment's state.
+The `doors_memory` variant (`env.task`) makes memory matter: the last room's picture hides its
+door (`door?`), and its code is shown once, early, as a `note<code>` label in the first picture that
+comes back from a tool call (the second room's). Recency compaction drops that picture once
+`keep_last_groups` later pictures follow it (with `num_rooms >= keep_last_groups + 2`), and
+`protect_initial_context` does not keep it (it is not in the initial input). The rooms, their
+codes and `verify` are the same as `doors`'s for the same seed; only the pictures differ.
+`DoorsEnv.memory_facts()` names the facts a later room needs, for a summary's recall.
+
+Invariant: an episode is a pure function of its task spec (`{"env": "doors" | "doors_memory",
+"seed", "num_rooms"}`) and the agent's calls, and `verify` recomputes the reward from the transcript
+alone, never from the live environment's state.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ from dataclasses import dataclass, field
 OBJECTS = ("lamp", "rug", "box", "desk", "vase", "bell", "coat", "sofa", "clock", "plant")
 COLORS = ("red", "blue", "gray", "green", "white", "black", "brown", "gold")
 TOOL_NAME = "open_door"
+TASKS = ("doors", "doors_memory")
+"""The `task.env` values an episode may have (`env.task`)."""
+NOTE_ROOM = 1
+"""`doors_memory`: index of the room whose picture carries the note (the first shown by a tool reply)."""
 
 SYSTEM_PROMPT = "Each picture lists objects with numbers. Call open_door with the door's number."
 TOOLS = [
@@ -45,7 +57,7 @@ class Room:
     objects: tuple[tuple[str, int], ...]
     pixels: tuple[str, ...]
 
-    def picture(self) -> str:
+    def picture(self, note: int | None = None, hide_door: bool = False) -> str:
         """Pixels, then one label per line, the door's last (`red blue …\nlamp3\nrug5\ndoor7`).
 
         Built for a tiny model to read: a name tokenizes the same here as in the agent's reasoning
@@ -53,8 +65,12 @@ class Room:
         digit sits at a fixed distance before the reply, so reading the door is a fixed-offset copy
         (learned within a few hundred SFT steps) while reading another object needs a content
         lookup the 2-layer warm start barely learns. GRPO then has one clear thing to learn.
+
+        `doors_memory` only: `note` adds a `note<digit>` label first; `hide_door` shows `door?`.
         """
-        labels = [f"{name}{num}" for name, num in self.objects if name != "door"] + [f"door{self.code}"]
+        labels = [f"note{note}"] if note is not None else []
+        labels += [f"{name}{num}" for name, num in self.objects if name != "door"]
+        labels.append("door?" if hide_door else f"door{self.code}")
         return " ".join(self.pixels) + "\n" + "\n".join(labels)
 
 
@@ -81,11 +97,34 @@ class DoorsEnv:
 
     seed: int
     num_rooms: int = 2
+    task: str = "doors"
+    """`doors`, or `doors_memory` (needs `num_rooms >= 3`: the note's room lies between the first and the last)."""
     rooms: list[Room] = field(init=False)
     room: int = 0
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.task == "doors_memory" and self.num_rooms < NOTE_ROOM + 2:
+            raise ValueError(f"doors_memory needs num_rooms >= {NOTE_ROOM + 2}, got {self.num_rooms}")
         self.rooms = make_rooms(self.seed, self.num_rooms)
+
+    def memory_facts(self) -> list[dict]:
+        """The facts a later room needs that an earlier observation showed once: for `doors_memory`
+        `[{"text": "note<code>", "shown_in_room": 1, "needed_in_room": num_rooms - 1}]` (0-based
+        rooms; `text` is what the picture shows, so a summary that keeps it verbatim recalls it);
+        `[]` for `doors`."""
+        if self.task != "doors_memory":
+            return []
+        last = self.num_rooms - 1
+        return [{"text": f"note{self.rooms[last].code}", "shown_in_room": NOTE_ROOM, "needed_in_room": last}]
+
+    def picture(self, room: int) -> str:
+        """The picture of room `room` as this task shows it."""
+        if self.task != "doors_memory":
+            return self.rooms[room].picture()
+        note = self.rooms[-1].code if room == NOTE_ROOM else None
+        return self.rooms[room].picture(note=note, hide_door=room == self.num_rooms - 1)
 
     @property
     def done(self) -> bool:
@@ -99,7 +138,7 @@ class DoorsEnv:
         ]
 
     def _room_parts(self, text: str) -> list[dict]:
-        return [{"type": "input_text", "text": text}, image_part(self.rooms[self.room].picture())]
+        return [{"type": "input_text", "text": text}, image_part(self.picture(self.room))]
 
     def step(self, name: str, arguments: str) -> list[dict]:
         code = parse_code(name, arguments)

@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from minirl.agents.agent import run_episode
+from minirl.agents.env import TASKS
 from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
@@ -83,6 +84,8 @@ def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
             raise BadRow(f"task.{key} must be an integer, got {_short(task.get(key))}")
     if not 1 <= task["num_rooms"] <= cfg.env.max_num_rooms:
         raise BadRow(f"task.num_rooms must be in [1, {cfg.env.max_num_rooms}] (env.max_num_rooms), got {task['num_rooms']}")
+    if task.get("env", "doors") not in TASKS or (task.get("env") == "doors_memory" and task["num_rooms"] < 3):
+        raise BadRow(f"task.env must be one of {list(TASKS)} (doors_memory with num_rooms >= 3), got {_short(task.get('env'))}")
     params = row.get("responses_create_params")
     if not isinstance(params, dict):
         raise BadRow(f"responses_create_params must be an object, got {_short(params)}")

@@ -54,7 +54,7 @@ class DoorsResourcesServer(SimpleResourcesServer):
         return app
 
     async def seed_session(self, request: Request, body: DoorsSeedSessionRequest) -> BaseSeedSessionResponse:
-        self.episodes[request.session[SESSION_ID_KEY]] = DoorsEnv(body.task["seed"], body.task["num_rooms"])
+        self.episodes[request.session[SESSION_ID_KEY]] = DoorsEnv(body.task["seed"], body.task["num_rooms"], body.task.get("env", "doors"))
         return BaseSeedSessionResponse()
 
     async def open_door(self, request: Request) -> PlainTextResponse:
