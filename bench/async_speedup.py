@@ -52,7 +52,9 @@ def run(mode: str, staleness: int, seed: int, steps: int, latency: float, out: P
             "step_time_median_s": statistics.median(r["step_time_s"] for r in rows)}
 
 
-def main(argv=None) -> int:
+def main(argv=None, attach: list[str] | None = None) -> int:
+    """`attach`: overrides that attach every run to generation workers already running (the suite's
+    shared engine, tests/test_benches.py), plus any more for every run; None starts the bench's own."""
     import ray
 
     from minirl.cluster import start_shared_generation
@@ -84,7 +86,9 @@ def main(argv=None) -> int:
     truncation = ["loss_fn.truncated_importance_sampling_type=tis",
                   f"loss_fn.truncated_importance_sampling_ratio={args.tis}"] if args.tis > 0 else []
     try:
-        attach = start_shared_generation(load_config(None, threads), "async-bench-gen") + threads
+        if attach is None:
+            attach = start_shared_generation(load_config(None, threads), "async-bench-gen")
+        attach = attach + threads
         for seed in seeds:
             base = run("sync", 0, seed, steps, args.tool_latency, out, attach, truncation)
             results.append({**base, "ratio": 1.0})

@@ -11,7 +11,11 @@ P5: one step of G groups x 16 rollouts through the rollout manager, the ledger a
 assembly, in this process, with the *instant /run backend*: a benchmark-only stand-in for the
 agent pool that answers each `/run` at once with a canned, well-formed two-call episode (token
 evidence included), so everything the controller does (dispatch, validation, trace splitting,
-advantages, padding) is measured and nothing else. Not used by any test of the real path.
+the ledger's check, advantages, padding) is measured and nothing else. Its two model calls are
+recorded as the generation server records a call carrying the `X-Minirl-Rollout` header (the
+same record fields, keyed by `parse_call_key`, in the server's own `CallLog`), and the step's
+records are drained with `take_calls(step)` as the controller drains each generation worker's,
+so the ledger checks them exactly as in a run. Not used by any test of the real path.
 Reported for 64, 256 and 1024 groups (1x, 4x, 16x): seconds (an untraced pass) and peak
 memory (tracemalloc, in a second pass of the same step).
 Target at 1024 x 16: < 10 s and < 2 GiB.
@@ -35,11 +39,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def p4(steps: int) -> dict:
+def p4(steps: int, extra: tuple[str, ...] = ()) -> dict:
+    """`extra`: more overrides for the run (tests/test_benches.py attaches it to the suite's shared engine)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "minirl.train", f"grpo.max_num_steps={steps}", f"run_dir={tmp}",
-             "checkpoint.enabled=false", "logger.tensorboard=false"],
+             "checkpoint.enabled=false", "logger.tensorboard=false", *extra],
             cwd=REPO, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
         )
         if proc.returncode != 0:
@@ -58,20 +63,45 @@ def p4(steps: int) -> dict:
 
 
 class InstantRunBackend:
-    """Benchmark-only: answers `/run` at once with a canned two-call episode (see module doc)."""
+    """Benchmark-only: answers `/run` at once with a canned two-call episode (see module doc), and
+    records each call as ModelServer.chat_completions records a call with the rollout header."""
 
-    def __init__(self, vocab: int = 512, prompt_len: int = 150, gen_len: int = 24):
+    def __init__(self, vocab: int = 512, prompt_len: int = 150, gen_len: int = 24, version: int = 0):
+        from minirl.generation.server import CallLog
+
         rng = random.Random(0)
         self.prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         self.gen = [rng.randrange(3, vocab) for _ in range(gen_len - 1)] + [2]
         self.lps = [-0.5] * gen_len
+        self.version = version  # the weights the "engine" serves: each record's version_start/end
+        self.calls = CallLog()
+
+    def _record(self, key: str, prompt: list[int]) -> None:
+        """The server's record of a successful call (chat_completions + _generate's fields)."""
+        from minirl.wire import parse_call_key
+
+        coords, call = parse_call_key(key)
+        t = time.time()
+        record = {"key": key, "t_start": t, "prompt_token_ids": prompt, "generation_token_ids": self.gen,
+                  "generation_log_probs": self.lps, "finish_reason": "stop", "version_start": self.version,
+                  "version_end": self.version, "status": 200, **coords.as_dict(), "call": call, "t_end": t}
+        self.calls.add(coords.step, record)
+
+    def take_calls(self, step: int) -> list[dict]:
+        """As ModelServer.take_calls: the records of `step`, handed over once."""
+        return self.calls.take(step)
 
     async def __call__(self, session, url, row):
+        from minirl.wire import Coords
+
         m = row["_minirl"]
+        key = Coords.from_row(row).key
         first = {"type": "function_call", "call_id": "c0", "name": "open_door", "arguments": '{"code": 1}',
                  "prompt_token_ids": self.prompt, "generation_token_ids": self.gen, "generation_log_probs": self.lps}
         second_prompt = self.prompt + self.gen + self.prompt[:20]  # extends the trace
         second = {**first, "call_id": "c1", "prompt_token_ids": second_prompt}
+        self._record(f"{key}.c0", self.prompt)
+        self._record(f"{key}.c1", second_prompt)
         reward = ((m["group"] * 31 + m["rollout"] * 7) % 5) / 4
         return {**row, "response": {"output": [first, second]}, "reward": reward, "evidence": {"calls": 2}}
 
@@ -93,7 +123,8 @@ def _p5_pass(groups: int, rollouts: int, trace_memory: bool) -> dict:
 
     cfg = load_config(None, [f"grpo.num_prompts_per_step={groups}", f"grpo.num_generations_per_prompt={rollouts}"])
     events = []
-    manager = RolloutManager(cfg, ["http://instant"], events.append, vocab_size=512, post=InstantRunBackend())
+    backend = InstantRunBackend()
+    manager = RolloutManager(cfg, ["http://instant"], events.append, vocab_size=512, post=backend)
     rows = [prompt_row(cfg, 0, g) for g in range(groups)]
 
     async def step():
@@ -107,14 +138,19 @@ def _p5_pass(groups: int, rollouts: int, trace_memory: bool) -> dict:
     outcomes = asyncio.run(step())
     check_step(cfg, 0, outcomes)
     kept = [r for o in outcomes for r in o.rollouts.values()]
-    Ledger(None).close_step(0, [], kept, version=0)
+    ledger = Ledger(None).close_step(0, backend.take_calls(0), kept, version=0)
     batch, stats = assemble(cfg, outcomes, pad_id=0)
     seconds = time.perf_counter() - t0
     peak = 0
     if trace_memory:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert stats["rollouts_trained"] == groups * rollouts and stats["traces_trained"] == groups * rollouts
+    n = groups * rollouts
+    if ledger.get("calls_unrecorded") or ledger.get("calls_trained") != 2 * n:
+        raise SystemExit(f"P5: the ledger did not find every call in the record: {dict(ledger)}")
+    if stats["rollouts_trained"] != n or stats["traces_trained"] != n:
+        raise SystemExit(f"P5: {stats['rollouts_trained']} of {n} rollouts trained ({stats['traces_trained']} traces); "
+                         f"ledger {dict(ledger)}")
     return {"groups": groups, "rollouts": groups * rollouts, "seconds": seconds, "peak_mib": peak / 2**20,
             "batch_mib": sum(v.nbytes for v in vars(batch).values() if hasattr(v, "nbytes")) / 2**20}
 

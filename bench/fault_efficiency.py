@@ -23,7 +23,9 @@ from minirl.experiments.cells import run_sweep
 from minirl.experiments.grid import Grid
 
 
-def main(argv=None) -> int:
+def main(argv=None, attach: list[str] | None = None) -> int:
+    """`attach`: overrides that attach the cells to generation workers already running (the suite's
+    shared engine, tests/test_benches.py); None: the sweep starts its own, once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="keep the cells here (default: a temporary directory)")
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     grid = Grid(kinds=("agent_exception",), rates=rates, policies=policies, budgets=(5,), fractions=(0.75,),
                 seeds=(0,), steps=args.steps or (4 if args.quick else 20), prompts=8, generations=4)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run_sweep(grid, Path(args.out or tmp), fresh_engines=False)
+        rows = run_sweep(grid, Path(args.out or tmp), fresh_engines=False, attach=attach)
     print()
     print("| policy | " + " | ".join(f"{r:.0%}" for r in rates) + " |")
     print("|---|" + "---|" * len(rates))

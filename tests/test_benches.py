@@ -1,0 +1,149 @@
+"""Every bench in bench/ runs (issue 35 item 6): each bench's core at its smallest size, so a bench
+cannot rot unseen (controller_overhead.py failed before printing anything once the ledger began
+masking rollouts whose calls no server recorded).
+
+Fully run here, through the bench's own functions: controller_overhead (P5 on 2 groups, traced and
+untraced; P4 on a 2-step run), async_speedup (sync and async s=1, one step each, at 4 x 2) and
+fault_efficiency (one cell, one step), all runs attached to the session's shared engine.
+Smoke only (each needs an engine of its own, or a package or a device the suite lacks): engine_overhead
+and hop_floor (their `--help`), vs_trl (the minirl side of its command line
+is a valid config; TRL's side skipped without trl), gpu_check (its pure batch building; the run
+skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """Imports a bench script as a module (bench/ is not a package)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module
+
+
+def test_every_bench_is_covered_here():
+    covered = {"controller_overhead", "async_speedup", "fault_efficiency", "engine_overhead", "hop_floor", "vs_trl", "gpu_check"}
+    assert {p.stem for p in BENCH.glob("*.py")} == covered
+
+
+# ---------------------------------------------------------------------------------- P5: no Ray, no engine
+def test_p5_trains_every_rollout_with_its_calls_in_the_servers_record(bench):
+    co = bench("controller_overhead")
+    for traced in (False, True):
+        r = co._p5_pass(2, 16, trace_memory=traced)
+        assert r["rollouts"] == 32 and r["batch_mib"] > 0
+        assert (r["peak_mib"] > 0) == traced
+
+
+def test_p5_instant_backend_records_what_the_ledger_checks(bench):
+    """The instant backend's record is the ledger's evidence: a lost record masks its rollout, as a
+    restarted server's would, and a record of other tokens is a ledger mismatch."""
+    import asyncio
+
+    from minirl.config import load_config
+    from minirl.data import prompt_row
+    from minirl.rollout.evidence import Ledger
+    from minirl.rollout.manager import RolloutManager
+
+    co = bench("controller_overhead")
+    cfg = load_config(None, ["grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=2"])
+    backend = co.InstantRunBackend()
+    manager = RolloutManager(cfg, ["http://instant"], lambda e: None, vocab_size=512, post=backend)
+
+    async def step():
+        try:
+            return await manager.run_step(0, [prompt_row(cfg, 0, 0)])
+        finally:
+            await manager.session.close()
+
+    (outcome,) = asyncio.run(step())
+    rollouts = list(outcome.rollouts.values())
+    records = backend.take_calls(0)
+    assert sorted(r["key"] for r in records) == ["s0.g0.r0.a0.c0", "s0.g0.r0.a0.c1", "s0.g0.r1.a0.c0", "s0.g0.r1.a0.c1"]
+    assert backend.take_calls(0) == []  # handed over once, as the server's call log
+    counts = Ledger(None).close_step(0, records[1:], rollouts, version=0)  # s0.g0.r0.a0.c0 lost
+    assert counts["calls_unrecorded"] == 1 and [r.mask_reason for r in rollouts] == ["unrecorded_calls", None]
+    forged = [{**records[0], "generation_token_ids": [5]}, *records[1:]]
+    with pytest.raises(RuntimeError, match="ledger mismatch"):
+        Ledger(None).close_step(0, forged, rollouts[:1], version=0)  # both of r0's calls recorded, one with other tokens
+
+
+# ------------------------------------------------------------- runs attached to the shared engine
+@pytest.mark.slow
+def test_p4_reads_its_figures_from_a_real_run(bench, shared_engine):
+    co = bench("controller_overhead")
+    four = co.p4(2, (*SMALL, *shared_engine))
+    (step,) = four["steps"]
+    assert step["step"] == 1 and 0 < step["engine_s"] < step["step_s"] and step["train_s"] > 0
+    assert four["fraction"] == step["fraction"] < 1
+
+
+@pytest.mark.slow
+def test_async_speedup_runs_sync_and_async(bench, shared_engine, tmp_path, capsys):
+    import json
+
+    au = bench("async_speedup")
+    assert au.main(["--quick", "--steps", "1", "--staleness", "1", "--tool-latency", "0", "--out", str(tmp_path)],
+                   attach=[*shared_engine, *SMALL]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["mode"] for r in results] == ["sync", "async s=1"]
+    assert all(r["samples"] == 8 and r["samples_per_s"] > 0 for r in results)
+    assert "async s=1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_fault_efficiency_runs_a_cell(bench, shared_engine, tmp_path, capsys):
+    fe = bench("fault_efficiency")
+    assert fe.main(["--rates", "0.05", "--policies", "all fixes", "--steps", "1", "--out", str(tmp_path)], attach=shared_engine) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| all fixes |"))
+    assert float(row.split("|")[2].split()[0]) > 0
+
+
+# ------------------------------------------------------------------------------------- smoke only
+@pytest.mark.parametrize("name", ["engine_overhead", "hop_floor"])
+def test_engine_benches_parse_their_arguments(name):
+    """Each starts a vLLM engine of its own (raw `LLM.generate` beside minirl's), which the suite
+    does not afford: their command lines and imports only."""
+    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--quick" in proc.stdout and "--small" in proc.stdout
+
+
+def test_vs_trl_minirl_side_is_a_valid_config(bench):
+    from minirl.config import load_config
+
+    vt = bench("vs_trl")
+    args = vt.common(str(REPO / "models" / "tiny-doors"), 2, 4, 2, 5e-4)
+    assert args[0] == "--config"
+    cfg = load_config(args[1], args[2:])
+    assert cfg.grpo.num_prompts_per_step == 4 and cfg.grpo.num_generations_per_prompt == 2
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("trl not installed (pip install -e '.[bench]'): TRL's side of vs_trl not run")
+
+
+def test_gpu_check_builds_its_batch(bench):
+    gc = bench("gpu_check")
+    seqs, plens = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3], [1, 2, 3, 6, 7]], [2, 2, 2, 2]
+    b = gc.batch_of(seqs, plens, [1.0, 0.0, 0.0, 0.0], gens=2)
+    assert b.loss_mask.sum(axis=1).tolist() == [2, 1, 1, 3] and b.lengths.tolist() == [4, 3, 3, 5]
+    assert b.advantages[0].max() > 0 > b.advantages[1].min() and not b.advantages[2:].any()
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: gpu_check's training run not run (bench/gpu_check.sh exits 0 without one)")
+    r = gc.check("tiny", str(REPO / "models" / "tiny-doors"), 2, 2, 2, use_vllm=False)
+    assert r["update_s"] > 0 and r["gen_tok_s"] > 0
