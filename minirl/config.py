@@ -543,7 +543,7 @@ class ClusterConfig:
     attach_generation_workers: Optional[str] = None
     """Reuse running detached generation workers named `<this>-<rank>` (namespace `minirl`): they
     are reset to this run's faults and initial weights. For sweeps of short runs, which then skip
-    engine start-up (see scripts/compare_drop_budgets.py). None starts new ones."""
+    engine start-up (see minirl/experiments/sweep.py). None starts new ones."""
     num_policy_workers: int = bounded(1, ge=1)
     """Data-parallel torch policy workers (one torch.distributed group)."""
     num_agent_servers: int = bounded(1, ge=1)
