@@ -16,6 +16,20 @@ defaults to 1); the fleet-health test attaches to both. Half a CPU each, so that
 worker still fits in the 2 CPUs Ray advertises."""
 
 
+async def serve_run(handler, **app_kwargs):
+    """A stand-in agent's `POST /run` handler served on 127.0.0.1 (a real aiohttp server on the running
+    loop) -> (runner, url); the caller ends it with `await runner.cleanup()`."""
+    from aiohttp import web
+
+    app = web.Application(**app_kwargs)
+    app.router.add_post("/run", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 def connect(shared_engine: list[str]):
     """Connect this process to the shared engine's cluster (`ray.shutdown()` then only disconnects)."""
     import ray

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from helpers import serve_run
 from minirl.config import FaultSpec
 from minirl.data import prompt_row
 from minirl.rollout.evidence import Ledger
@@ -326,13 +327,7 @@ def test_bad_input_from_an_external_agent_is_data_named_and_never_trained(base_c
     events = []
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/run", run_handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await serve_run(run_handler)
         m = RolloutManager(cfg, [url], events.append, VOCAB)
         try:
             return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(5)])
@@ -426,13 +421,7 @@ def test_each_malformed_result_of_issue_29_costs_its_group_one_data_failure(base
         run.sleeps.append(s)
 
     async def go():
-        app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_post("/run", run_handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await serve_run(run_handler, client_max_size=64 * 2**20)
         m = run.manager = RolloutManager(cfg, [url], run.events.append, VOCAB, sleep=sleep)
         try:
             return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(n)])
@@ -543,13 +532,7 @@ def test_an_external_agents_forged_logprobs_and_stale_call_mask_their_rollouts(s
                     items[-1]["generation_log_probs"] = [-40.0] * len(items[-1]["generation_log_probs"])
                 return web.json_response({**row, "response": {"output": items}, "reward": float(c["rollout"])})
 
-            app = web.Application()
-            app.router.add_post("/run", run_handler)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            runner, url = await serve_run(run_handler)
             m = RolloutManager(cfg, [url], [].append, VOCAB)
             ledger = Ledger(None)
             v0 = engine.version
