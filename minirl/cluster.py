@@ -146,8 +146,8 @@ class Cluster:
         log.write({"type": "run_failed", "step": None, "error": error})
         log.f.close()
 
-    def _check_resources(self, bundles: list[dict]) -> None:
-        """What the bundles need against what Ray offers (ConfigError naming the keys and numbers)."""
+    def _check_resources(self) -> None:
+        """What the workers need against what Ray offers (ConfigError naming the keys and numbers)."""
         total = ray.cluster_resources()
         for res in ("CPU", "GPU"):
             problem = resource_shortfall(self.cfg, res, total.get(res, 0.0), f"ray.cluster_resources() {total.get(res, 0.0):g}")
@@ -163,7 +163,7 @@ class Cluster:
         pol_bundle = {"CPU": cl.cpus_per_policy_worker, "GPU": cl.gpus_per_policy_worker}
         bundles = ([] if attach else [gen_bundle] * cl.num_generation_workers) + [pol_bundle] * cl.num_policy_workers
         bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.001} for b in bundles]
-        self._check_resources(bundles)
+        self._check_resources()
         strategy = "STRICT_PACK" if len(ray.nodes()) == 1 else "PACK"
         self.pg = placement_group(bundles, strategy=strategy)
         try:
