@@ -1,0 +1,34 @@
+"""The summarizing compaction's text protocol, in one place: the request the agent appends when the
+context fills, the marked block the model's reply must carry, and the handoff message the episode
+continues from. The summarizing policy (agents/compaction.py), the tiny model's warm start
+(scripts/build_tiny_model.py) and the metrics' recall all read these, so they cannot drift apart.
+
+Invariant: `summary_text(reply)` returns the text of exactly one closed block, or None; a handoff
+built by `handoff_text(s)` parses back to `s` with `summary_text`.
+"""
+
+from __future__ import annotations
+
+SUMMARY_OPEN = "<summary>"
+SUMMARY_CLOSE = "</summary>"
+SUMMARY_REQUEST = f"Context full. Write what you must remember inside {SUMMARY_OPEN}{SUMMARY_CLOSE}, no tool call."
+"""The user message appended to the history for the summary call (text only; the call sends no tools)."""
+HANDOFF_PREFIX = "Summary of earlier rooms: "
+"""The user message that replaces the compacted turns: this prefix, then the marked block."""
+
+
+def summary_text(reply: str) -> str | None:
+    """The text inside the reply's one closed summary block, stripped; None when the block is
+    missing, unclosed or repeated. An empty block returns "" (the policy rejects it)."""
+    if reply.count(SUMMARY_OPEN) != 1 or reply.count(SUMMARY_CLOSE) != 1:
+        return None
+    start = reply.index(SUMMARY_OPEN) + len(SUMMARY_OPEN)
+    end = reply.index(SUMMARY_CLOSE)
+    if end < start:
+        return None
+    return reply[start:end].strip()
+
+
+def handoff_text(summary: str) -> str:
+    """The handoff message's text for an accepted summary."""
+    return f"{HANDOFF_PREFIX}{SUMMARY_OPEN}{summary}{SUMMARY_CLOSE}"
