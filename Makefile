@@ -41,8 +41,8 @@ GYM_VENV  := .venv-gym
 GYM_STAMP := $(GYM_VENV)/.nemo-gym-installed
 PY312     ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) $(shell pyenv which python3.12 2>/dev/null))
 
-gym-check: $(STAMP) $(GYM_STAMP)
-	$(BIN)/python scripts/gym_check.py --gym-python $(GYM_VENV)/bin/python
+gym-check: $(STAMP) $(GYM_STAMP) $(GYM07_STAMP)
+	$(BIN)/python scripts/gym_check.py --gym-python $(GYM_VENV)/bin/python --gym07-python $(GYM07_VENV)/bin/python
 
 $(GYM_STAMP):
 	test -n "$(PY312)" || { echo "gym-check needs Python 3.12 (set PY312=/path/to/python3.12)"; exit 2; }
@@ -51,5 +51,18 @@ $(GYM_STAMP):
 	$(GYM_VENV)/bin/python -m pip install --quiet nemo-gym==0.4.0
 	touch $(GYM_STAMP)
 
+# nemo-gym 0.7.0 (NeMo RL v0.8.0's Gym) requires Python >= 3.13.14; pyenv here has 3.13.0, so pip
+# installs it with --ignore-requires-python (about 3 minutes) into its own side venv .venv-gym07.
+GYM07_VENV  := .venv-gym07
+GYM07_STAMP := $(GYM07_VENV)/.nemo-gym-installed
+PY313       ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3) $(shell pyenv which python3.13 2>/dev/null))
+
+$(GYM07_STAMP):
+	test -n "$(PY313)" || { echo "gym-check needs Python 3.13 (set PY313=/path/to/python3.13)"; exit 2; }
+	test -x $(GYM07_VENV)/bin/python || $(PY313) -m venv $(GYM07_VENV)
+	$(GYM07_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GYM07_VENV)/bin/python -m pip install --quiet --ignore-requires-python nemo-gym==0.7.0
+	touch $(GYM07_STAMP)
+
 clean:
-	rm -rf $(VENV) $(GYM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(GYM_VENV) $(GYM07_VENV) runs .pytest_cache
