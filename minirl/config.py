@@ -372,6 +372,15 @@ class SamplerConfig:
     max_lookahead_versions: Optional[int] = bounded(None, ge=0)
     """Upstream's name of in_order's gate: when set (in_order only), it is S, and max_staleness_versions
     takes its value (one resolved value, in config.yaml too)."""
+    admission: Literal["eager", "paced"] = "eager"
+    """`eager` (upstream): dispatch whatever the sampler's gate admits. `paced` (minirl): also hold a
+    prompt group whose expected duration (observed by prompt class) would end after the window
+    closes, S step periods after the current version's publish, so it is not generated to be
+    evicted; see minirl/async_rl/pacing.py. Not with ready_first, which evicts nothing."""
+    pacing_bound_s: Optional[float] = bounded(None, gt=0)
+    """`paced`: the duration assumed for a prompt class not observed yet (None: admit it, and learn)."""
+    pacing_quantile: float = bounded(0.9, gt=0, le=1)
+    """`paced`: a class's expected duration is this quantile of its last observed group durations."""
 
     def check(self) -> None:
         """Also resolves the gate's two names into max_staleness_versions, before the rules that read it."""
@@ -379,6 +388,8 @@ class SamplerConfig:
             _require(self.name == "in_order", "max_lookahead_versions",
                      f"is in_order's gate; {self.name} reads async_rl.sampler.max_staleness_versions")
             self.max_staleness_versions = self.max_lookahead_versions
+        _require(self.admission == "eager" or self.name != "ready_first", "admission",
+                 "paced holds groups that would be evicted; ready_first evicts nothing (use eager)")
 
 
 @dataclass
@@ -504,6 +515,9 @@ class EnvConfig:
     tool_latency_s: float = bounded(0.0, ge=0)
     """Seconds each tool call of the doors environment sleeps (a stand-in for real tools and
     sandboxes, which spend seconds outside the model)."""
+    tool_latency_per_room_s: float = bounded(0.0, ge=0)
+    """More seconds each tool call sleeps per room of its episode: tool time that grows with the
+    task, so many-room episodes form a long tail (the async pacing experiment, docs/async.md)."""
     num_rooms_choices: Optional[list[int]] = None
     """A task mix: each prompt's room count is drawn from this list by the prompt's own seed (None:
     every prompt has `num_rooms`). More rooms make a longer, harder episode."""

@@ -181,7 +181,8 @@ class AgentServer:
             if fires("timeout"):
                 await asyncio.sleep(self.cfg.faults.hang_s)
             try:
-                result = await run_episode(row, self.agents[name], self.client, self.plan, self.cfg.env.tool_latency_s)
+                result = await run_episode(row, self.agents[name], self.client, self.plan,
+                                           self.cfg.env.tool_latency_s + self.cfg.env.tool_latency_per_room_s * (rooms or 0))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Gym's error middleware: an agent exception is a 500 (data's: 400)

@@ -30,6 +30,11 @@ re-dispatches the places that were in flight (under the resumed version: the pro
 fault stream are functions of the coordinates) and goes on from the cursor: only what is missing
 is generated again.
 
+Pacing (`async_rl.sampler.admission=paced`, pacing.py): the next group is also held while its
+expected duration (by prompt class) would end after its window closes, unless the train pump is
+starving; a `pace` event records each hold and the admission that ends it. Each committed group's
+dispatch-to-commit time is observed by its class, and each publish's time.
+
 Watchdogs: the manager's (no rollout completed for `stall_timeout_s` with some in flight), and the
 pump's own for a train pump that has waited `stall_timeout_s` with none in flight, which no
 arriving group can end: both raise RolloutStall (or warn), naming what they waited for.
@@ -44,11 +49,13 @@ never swallowed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from typing import Awaitable, Callable
 
 from minirl.async_rl.buffer import GroupBuffer, GroupRecord
+from minirl.async_rl.pacing import Pacer, prompt_class
 from minirl.async_rl.samplers import Sampler
 from minirl.config import MinirlConfig
 from minirl.data import prompt_row
@@ -77,6 +84,9 @@ class RolloutPump:
         self.stamped = False  # a stamped batch was admitted: the pool may be filled (as upstream)
         self.relaunch: list[list] = []  # places in flight at the checkpoint resumed from
         self.train_waiting: int | None = None  # the step the train pump waits for (set by the controller)
+        sc = cfg.async_rl.sampler
+        self.pacer = Pacer(sampler.s, sc.pacing_quantile, sc.pacing_bound_s, time.monotonic()) if sc.admission == "paced" else None
+        self.held: list | None = None  # paced: [step, group, since] of the group held at the head
         if restored is not None:
             self._restore(restored, first_step)
 
@@ -144,6 +154,8 @@ class RolloutPump:
     def set_version(self, version: int) -> None:
         """The generation workers serve `version`: attempts that start now are stamped with it; dispatch resumes."""
         self.version = version
+        if self.pacer is not None:
+            self.pacer.published(time.monotonic())
         self.permitted.set()
         self.wake.set()
 
@@ -170,14 +182,36 @@ class RolloutPump:
                 self._refill()
             if stamps and step >= self.cfg.grpo.max_num_steps:
                 return  # every step's prompts are out (the other samplers draw prompts past the end)
-            while not (self.permitted.is_set() and self.sampler.admit(step, self.version) and len(self.tasks) < limit):
+            while not (self.permitted.is_set() and self.sampler.admit(step, self.version) and len(self.tasks) < limit
+                       and self._paced(step + self._diverted(), group)):
                 self.wake.clear()
-                await self.wake.wait()
+                with contextlib.suppress(asyncio.TimeoutError):  # paced: the clock and the train pump's wait move too
+                    await asyncio.wait_for(self.wake.wait(), None if self.held is None else 0.2)
             await self.buffer.reserve()
             await self.permitted.wait()  # a sync may have begun while the place was reserved
             self._launch([step + self._diverted(), group, step, False, 0])
             self.stamped |= stamps
             self.next = (step + (group + 1) // n, (group + 1) % n)
+
+    def _paced(self, step: int, group: int) -> bool:
+        """`admission=paced`: may prompt (step, group) start now (pacing.py)? A hold and the admission
+        that ends it are `pace` events."""
+        if self.pacer is None:
+            return True
+        n = self.cfg.grpo.num_prompts_per_step
+        ready = sum(self.sampler.in_window(r, self.version) for r in self.buffer.ready if r.outcome.status == "committed")
+        starving = self.train_waiting is not None and (not self.tasks or len(self.tasks) + ready < n)
+        cls = prompt_class(prompt_row(self.cfg, step, group))
+        d = self.pacer.decide(cls, time.monotonic(), starving)
+        event = {"type": "pace", "step": step, "group": group, "prompt_class": cls, "version": self.version,
+                 "expected_s": d.expected_s, "window_left_s": d.window_left_s}
+        if not d.admit and self.held is None:
+            self.held = [step, group, time.monotonic()]
+            self.manager.emit({**event, "decision": "hold"})
+        elif d.admit and self.held is not None:
+            self.manager.emit({**event, "decision": f"admit_{d.reason}", "held_s": time.monotonic() - self.held[2]})
+            self.held = None
+        return d.admit
 
     def _diverted(self) -> int:
         """Training batches diverted into the pool so far (`replacement_prompt_source=stream`): step s
@@ -214,7 +248,7 @@ class RolloutPump:
     async def _place(self, job: list) -> None:
         """One place of a step: its prompt's group, and under `replace` the spares that stand in for
         it, until a record commits (or the run ends)."""
-        lost, start = [], []
+        lost, start, dispatched = [], [], time.monotonic()
 
         def attempt() -> None:  # a group attempt starts: stamp it with the version served now
             if start:
@@ -244,6 +278,8 @@ class RolloutPump:
             if start:
                 self.inflight[start[0]] -= 1
         step, group, target, replacement, _ = job
+        if self.pacer is not None and outcome.status == "committed":
+            self.pacer.observed(prompt_class(prompt_row(self.cfg, step, group)), time.monotonic() - dispatched)
         record = GroupRecord(step, group, start[0], self.version, outcome, target_step=target, replacement=replacement,
                              lost=lost)
         await self.buffer.commit(record)

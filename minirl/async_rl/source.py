@@ -103,11 +103,12 @@ class BufferSource:
         self.pump.check()
         stale = self.sampler.stale(version, ready, self.pump.inflight)
         for r in stale:  # evicted now, even if the wait goes on (or ends the run): its event now
+            calls = [c for key in _keys(r) for c in self.calls.pop(key, [])]
+            self.orphans += calls
             self.manager.emit({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
                                "train_version": version, "max_staleness_versions": self.sampler.s,
-                               "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight"})
-            for key in _keys(r):
-                self.orphans += self.calls.pop(key, [])
+                               "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight",
+                               "gen_tokens": sum(len(c.get("generation_token_ids") or []) for c in calls)})
         return stale, self.sampler.select(step, version, ready, self.pump.inflight)
 
     async def resolved(self, step: int, group: int) -> None:
