@@ -119,3 +119,36 @@ def rooms_mix(rooms_of, steps: int, groups: int, generations: int, events: list[
             if (s, g) not in gone:
                 trained[k] += generations - masked[(s, g)]
     return dispatched, trained
+
+
+FATES = ("trained", "evicted", "dropped", "unresolved")
+
+
+def group_fates(rooms_of, dispatched: list[tuple[int, int]], trained: list[tuple[int, int]], generations: int,
+                events: list[dict]) -> dict[str, Counter]:
+    """Per room count, the fate of every dispatched prompt group of a run, sync or async.
+
+    `dispatched`: the (step, group) coordinates dispatched (async: the run's `dispatch` events; sync:
+    every group of the completed steps); `trained`: those some step took (async: the steps'
+    `prompt_seeds` mapped back to coordinates). A group is `evicted` (an `evict` event: it fell out of
+    the staleness window), else `dropped` (a `drop` or skipped `failure` event), else `trained`, else
+    `unresolved` (in flight or buffered when the run ended: neither trained nor thrown away). Returns
+    Counters by room count of groups `dispatched` and of each fate, and of rollouts `resolved` (G per
+    group that met a fate) and `rollouts_trained` (G less the masked, per trained group): the mixes
+    that `difficulty_skew` compares, so a group still in flight at the end counts in neither."""
+    evicted = {(e["step"], e["group"]) for e in events if e.get("type") == "evict"}
+    dropped = {(e["step"], e["group"]) for e in events if (e.get("type") == "drop" and e.get("decision") == "dropped")
+               or (e.get("type") == "failure" and e.get("decision") == "skipped")}
+    masked = Counter((e["step"], e["group"]) for e in events if e.get("type") == "mask")
+    took = set(trained)
+    out = {k: Counter() for k in ("dispatched", *FATES, "resolved", "rollouts_trained")}
+    for c in dict.fromkeys(dispatched):
+        k = rooms_of(*c)
+        fate = "evicted" if c in evicted else "dropped" if c in dropped else "trained" if c in took else "unresolved"
+        out["dispatched"][k] += 1
+        out[fate][k] += 1
+        if fate != "unresolved":
+            out["resolved"][k] += generations
+        if fate == "trained":
+            out["rollouts_trained"][k] += generations - masked[c]
+    return out

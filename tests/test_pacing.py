@@ -94,6 +94,22 @@ def test_paced_admission_is_a_typed_sampler_option_refused_with_ready_first():
         load_config(None, ["env.tool_latency_per_room_s=-1"])
 
 
+def test_group_fates_counts_each_dispatched_group_once_by_room_count():
+    """The async skew measure: an evicted group, a dropped one, a trained one with a masked rollout
+    and one in flight at the end; the resolved mix excludes the last, the trained mix counts rollouts."""
+    from minirl.stats import difficulty_skew, group_fates
+
+    rooms = {(0, 0): 1, (0, 1): 8, (0, 2): 8, (1, 0): 1, (1, 1): 8}
+    events = [{"type": "evict", "step": 0, "group": 1}, {"type": "drop", "decision": "dropped", "step": 0, "group": 2},
+              {"type": "mask", "step": 0, "group": 0, "rollout": 1}, {"type": "dispatch", "step": 1, "group": 1}]
+    out = group_fates(lambda s, g: rooms[(s, g)], list(rooms) + [(0, 0)], [(0, 0), (1, 0)], 2, events)
+    assert out["dispatched"] == {1: 2, 8: 3} and out["evicted"] == {8: 1} and out["dropped"] == {8: 1}
+    assert out["trained"] == {1: 2} and out["unresolved"] == {8: 1}
+    assert out["resolved"] == {1: 4, 8: 4} and out["rollouts_trained"] == {1: 3}
+    skew = difficulty_skew(out["resolved"], out["rollouts_trained"])
+    assert skew["rooms_shift"] == pytest.approx(1 - 4.5) and skew["skew_tv"] == pytest.approx(0.5)
+
+
 @pytest.mark.slow
 def test_paced_windowed_run_evicts_nothing_where_eager_evicts_most(tmp_path, shared_engine):
     """windowed at staleness 0 with room for 16 groups in flight: eager admission dispatches 16
