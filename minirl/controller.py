@@ -30,6 +30,7 @@ from minirl.async_rl.source import ASYNC_COUNTS, BufferSource
 from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_row
 from minirl.generation.fleet import FleetWatch
+from minirl.gym_failures import KindCounts, mask_facts
 from minirl.rollout.evidence import Ledger
 from minirl.rollout.manager import RolloutManager, StepTake
 from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
@@ -166,7 +167,8 @@ class Controller:
         self.cfg, self.gen_workers, self.pad_id = cfg, gen_workers, pad_id
         self.events = EventLog(Path(run_dir) / "events.jsonl")
         self.ledger = Ledger(Path(run_dir) / "ledger")
-        self.manager = RolloutManager(cfg, agent_urls, self.events.write, vocab_size)
+        self.kinds = KindCounts(self.events.write)  # failures and masks by Gym's failure_kind, per step
+        self.manager = RolloutManager(cfg, agent_urls, self.kinds.emit, vocab_size)
         self.source = (BufferSource if cfg.async_rl.enabled else SyncSource)(cfg, self.manager, self._drain)
         # `fleet`: the generation router's actor when fleet health is on, else None (then nothing is watched)
         self.fleet = FleetWatch(fleet, cfg.async_rl.generation_fleet_health.probe_interval_s, self.events.write)
@@ -242,8 +244,9 @@ class Controller:
         for r in kept:
             if r.mask_reason:
                 self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
-                                   "errors": r.evidence.get("errors", [])})
+                                   **mask_facts(r.mask_reason, r.evidence), "errors": r.evidence.get("errors", [])})
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, engine_busy_s))
+        stats.update(self.kinds.take(kept))
         return batch, stats
 
     async def _check_ledger(self, step: int, version: int, take: StepTake, kept: list[Rollout]) -> tuple[dict, int]:

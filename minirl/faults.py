@@ -43,6 +43,9 @@ AGENT = "agent episode (agents/agent.py)"
 """The agent's context guard and loop, per model call."""
 AGENT_HTTP = "agent server's HTTP layer (agents/server.py)"
 """The agent server's `/run` handler, around the whole episode."""
+VERIFY = "the verifier, after the episode (agents/server.py)"
+"""Where a finished episode is scored (also the Gym 0.7 doors server's `/verify`, minirl/gym/v07.py):
+`session_lost` makes it report `mask_sample: true`, Gym 0.7's "the reward is not a measurement"."""
 
 SITES: dict[str, str] = {
     "context_overflow": ENGINE,
@@ -57,6 +60,7 @@ SITES: dict[str, str] = {
     "engine_hang": ENGINE,
     "engine_crash": ENGINE,
     "agent_kill": AGENT_HTTP,
+    "session_lost": VERIFY,
 }
 """Every fault kind and the site that fires it (the order is the kinds' order in messages and events)."""
 FAULT_KINDS = tuple(SITES)

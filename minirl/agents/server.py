@@ -15,7 +15,10 @@ serialized off the loop too, so a large row does not hold up other requests or `
 
 As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`, in a
 typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
-4xx) answers 400 instead, so it stays DATA. An
+4xx) answers 400 instead, so it stays DATA. Every failure body also carries Gym 0.7's facts
+(`failure_kind`, `stage`, `terminal`: a 4xx is terminal, a 500 is not) and every 200 its verify
+fields (`mask_sample`, `failure_kind`, `failure_reason`), as minirl.gym_failures writes them; the
+`session_lost` fault makes the verifier report its session lost (`mask_sample: true`). An
 unknown `agent_ref.name` is a 404 and a body over `agent.max_request_bytes` a 413, never a 500.
 The HTTP-layer fault sites fire here: `timeout` (the answer never comes in time), `transport`
 (the connection drops mid-response), `bad_output` (a malformed 200) and `agent_kill` (the server's
@@ -42,7 +45,8 @@ from minirl.agents.items import items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan, fault_site
-from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_body, run_error_status
+from minirl.gym_failures import LOST_SESSION, run_error_body, verified
+from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_status
 from minirl.http_thread import HttpThread, off_loop
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")
@@ -167,10 +171,11 @@ class AgentServer:
         try:
             row, name, coords = await off_loop(parse_row, await request.read(), self.cfg)
         except (BadRow, BadCoordinates) as exc:
-            return web.json_response(run_error_body(exc), status=400)
+            return web.json_response(run_error_body(exc, 400, stage="admission"), status=400)
         if name not in self.agents:
             error = f"unknown agent_ref name {name[:80]!r}; known: {list(self.agents)}"
-            return web.json_response({"error": error, "type": "UnknownAgent"}, status=404)
+            return web.json_response({"error": error, "type": "UnknownAgent", "failure_kind": "minirl:unknown_agent",
+                                      "stage": "admission", "terminal": True}, status=404)
 
         rooms = row["task"].get("num_rooms")
         fires = fault_site(self.plan, coords, rooms)
@@ -187,6 +192,7 @@ class AgentServer:
                 raise
             except Exception as exc:  # Gym's error middleware: an agent exception is a 500 (data's: 400)
                 return web.json_response(run_error_body(exc), status=run_error_status(exc))
+            result = verified(result, LOST_SESSION if fires("session_lost") else None)  # Gym 0.7's verify fields
             body = await asyncio.to_thread(lambda: json.dumps(result).encode())
             if fires("bad_output"):
                 return web.Response(body=body[: len(body) // 2], status=200, content_type="application/json")

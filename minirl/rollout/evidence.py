@@ -20,6 +20,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from minirl.gym_failures import MASK_SAMPLE, episode_failure, sample_mask
 from minirl.types import Call, Rollout, Trace
 from minirl.wire import Coords, RolloutDataFailure
 
@@ -174,18 +175,24 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
                   allow_rewrites: bool = True, max_abs_reward: float | None = None) -> Rollout:
     """Validate a `/run` result and turn it into a Rollout: the one parser of a result, total over
     JSON shapes. Any malformed shape raises RolloutDataFailure naming the field, before any
-    arithmetic; nothing else escapes (tests/test_evidence.py's table and property test).
+    arithmetic; nothing else escapes (tests/test_evidence.py's table and property test), but for a
+    result that reports Gym's EpisodeFailure (its lane's exception, minirl.gym_failures). A result
+    whose verifier set `mask_sample` is masked (`mask_sample`, its kind and reason in the evidence).
 
     `max_abs_reward` defaults to `reward_bound(normalize_rewards=True)`, the tighter one.
     The rollout is truncated (and masked under `overlong_filtering`) when one of its traces
     reaches `max_len` tokens, as upstream marks it; a reply cut by the per-call cap is not."""
     if not isinstance(result, dict):
         raise RolloutDataFailure("malformed /run result: not a JSON object")
+    failed = episode_failure(result)  # Gym's EpisodeFailure / _ng_failure_* stamps: its lane (gym_failures)
+    if failed is not None:
+        raise failed
     response = result.get("response")
     if not isinstance(response, dict) or not isinstance(response.get("output"), list):
         raise RolloutDataFailure("malformed /run result: missing response.output")
     reward = _reward(result.get("reward"), reward_bound(True) if max_abs_reward is None else max_abs_reward)
     evidence = _evidence(result.get("evidence"))
+    gym_mask = sample_mask(result)  # the verifier's mask_sample: the reward is not a measurement
 
     calls: list[Call] = []
     capture_failed = evidence.get("capture_failed", False)
@@ -202,7 +209,7 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
         lps = _logprobs(item.get("generation_log_probs"), len(gen), where)
         if gen:
             calls.append(Call(prompt, gen, lps))
-    if not calls and not capture_failed:
+    if not calls and not capture_failed and gym_mask is None:
         raise RolloutDataFailure("empty episode: the /run result has no trainable model call")
     traces = split_traces(calls, allow_rewrites)
     for t in traces:
@@ -212,6 +219,9 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
             )
     truncated = any(len(t.tokens) >= max_len for t in traces)
     mask_reason = "capture_failed" if capture_failed else ("overlong" if truncated and overlong_filtering else None)
+    if gym_mask is not None:
+        mask_reason = MASK_SAMPLE
+        evidence.update(gym_mask)
     return Rollout(coords, reward, calls, traces, capture_failed, truncated, evidence, mask_reason)
 
 

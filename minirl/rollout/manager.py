@@ -36,6 +36,7 @@ import aiohttp
 from minirl.config import MinirlConfig
 from minirl.data import sampling_seed
 from minirl.faults import FAULT_KINDS, FaultPlan
+from minirl.gym_failures import error_failure, failure_facts
 from minirl.rollout.evidence import parse_rollout, reward_bound
 from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
@@ -49,7 +50,6 @@ from minirl.wire import (
     RolloutStall,
     RolloutTimeout,
     classify,
-    http_class,
     parse_error_body,
     with_extra_body,
 )
@@ -97,8 +97,7 @@ async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     if status != 200:
         error, error_type = parse_error_body(body)
         message = f"NeMo-Gym /run failed with HTTP {status}: {error}"
-        cls = GymTransportError if http_class(status) == INFRA else RolloutDataFailure
-        raise cls(message, error_type)
+        raise error_failure(status, body, message, error_type)  # the body's `terminal`, else the status
     try:
         return json.loads(body)
     except ValueError as exc:
@@ -236,7 +235,8 @@ class RolloutManager:
         """A DATA failure: retry without backoff (None), skip within the skip budget, or raise."""
         kind, exc = classify(failures[0][1]), failures[0][1]
         run.data += 1
-        if self.can_redispatch and run.data < self.rf.max_data_attempts_per_prompt:
+        retry = getattr(exc, "terminal", None) is not True  # Gym's terminal failure: never retried
+        if retry and self.can_redispatch and run.data < self.rf.max_data_attempts_per_prompt:
             self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=run.gid)
             return None
         if self.skipped < self.rf.max_skipped_prompts:
@@ -300,7 +300,8 @@ class RolloutManager:
         error_type = getattr(exc, "error_type", None)
         self.guard_rejections += error_type == "ContextGuardRejected"
         self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
-                   "error_type": error_type, "error": str(exc)[:ERROR_BODY_LIMIT], "decision": decision, **extra})
+                   "error_type": error_type, "error": str(exc)[:ERROR_BODY_LIMIT], "decision": decision,
+                   **failure_facts(exc), **extra})
 
     async def _attempt(self, step, group, gid, row, out: GroupOutcome, row_attempt) -> list[tuple[Coords, BaseException]]:
         """Send every row the group still lacks, under the group deadline; return the rows' final

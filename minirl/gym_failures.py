@@ -1,0 +1,231 @@
+"""Gym's failure facts -> minirl's lanes, in one place (docs/gym.md, "Gym's failure facts", holds the table).
+
+NeMo Gym 0.7.0 reports facts about failures (read from the package: `nemo_gym/failure_kinds.py`,
+`BaseVerifyResponse`, `episode_types.EpisodeFailure`, `rollout_collection`'s `_ng_failure_*` stamps):
+- a verify response (a `/run` result) with `mask_sample: true`: the reward is not a valid measurement
+  (a lost session, an unavailable judge); `failure_kind` and `failure_reason` say why. Gym's
+  `judge_failsafe` also writes it under `instance_config.mask_sample` for older consumers;
+- an `EpisodeFailure{failure_reason, terminal, failure_kind?, stage?}` (an Environment Server's
+  `failure`), or a row stamped `_ng_failure_terminal` / `_ng_failure_class`: the episode failed;
+  Gym's collector never retries a terminal one and retries the others;
+- `failure_kind`: a low-cardinality name from Gym's vocabulary (`FAILURE_KINDS`) or `<server>:<kind>`.
+
+minirl reads them so:
+
+| fact | lane |
+|---|---|
+| `mask_sample: true` | rollout kept, masked (`mask_reason` `mask_sample`), kind and reason on its `mask` event |
+| `terminal: true`, `_ng_failure_terminal: true` | DATA, never retried (skipped or raised at once) |
+| `terminal: false`, `_ng_failure_class` without the stamp | INFRA (row redispatch, then group retry) |
+| an error body (`/run` 4xx/5xx) with `terminal` | as above; without it, by HTTP status (`wire.http_class`) |
+
+Every failure gets a kind (`failure_facts`): its own when it carries one, else one named from its
+minirl class (`transport_*`, `agent_*`, or `minirl:<kind>` where Gym has no name). minirl's agent
+pool answers its `/run` failures in the same shape (`run_error_body`), so one classifier reads both.
+
+Invariant: a ground-floor module (imports `minirl.wire` only); every reader here is total over JSON
+shapes: a result without facts gives None, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from minirl.wire import (
+    DATA,
+    ERROR_BODY_LIMIT,
+    INFRA,
+    GenerationUnavailable,
+    GymTransportError,
+    RolloutDataFailure,
+    RolloutInfraFailure,
+    RolloutTimeout,
+    classify,
+    http_class,
+    run_error_body as _typed_body,
+    run_error_status,
+)
+
+FAILURE_KINDS = frozenset({
+    "transport_unreachable", "transport_peer_drop", "transport_timeout", "transport_local_resource",
+    "agent_run_error", "agent_request_failed", "agent_timeout", "agent_command_not_allowed",
+    "judge_failed", "judge_unparseable", "verifier_error",
+    "provider_unavailable", "provider_quota_exhausted", "provider_oom_killed",
+    "session_lost", "session_expired", "session_release_failed",
+    "cancelled", "kill_shaped", "shutdown", "persistence_failed", "cohort_incomplete",
+})
+"""Gym 0.7.0's shared vocabulary (`nemo_gym.failure_kinds.FAILURE_KINDS`), name for name."""
+STAGES = ("admission", "seed", "agent", "verification", "cleanup")
+"""Gym's `FailureStage`: where an episode failed."""
+NG_TERMINAL = "_ng_failure_terminal"
+NG_CLASS = "_ng_failure_class"
+MASK_SAMPLE = "mask_sample"
+"""The mask reason of a rollout whose verifier said its reward is not a measurement."""
+_NAMESPACED = re.compile(r"[a-z][a-z0-9_]*:[a-z][a-z0-9_]*")
+_SERVER_DID_NOT_RUN = (429, 502, 503, 504)  # Gym's collector: something in front of the agent answered
+
+
+def known_kind(name) -> bool:
+    """Whether `name` is in Gym's vocabulary or namespaced `<server>:<kind>` (Gym warns on others)."""
+    return isinstance(name, str) and (name in FAILURE_KINDS or bool(_NAMESPACED.fullmatch(name)))
+
+
+def _kind(value, default: str) -> str:
+    return value if isinstance(value, str) and value else default
+
+
+class _Facts:
+    """Gym's facts about one failure, carried on the exception."""
+
+    def __init__(self, message: str, failure_kind: str, stage: str | None, terminal: bool, error_type: str | None):
+        super().__init__(message, error_type)
+        self.failure_kind, self.stage, self.terminal = failure_kind, stage, terminal
+
+
+class EpisodeFailed(_Facts, GymTransportError):
+    """A non-terminal episode failure reported by the environment: INFRA, retried."""
+
+
+class EpisodeFailedTerminal(_Facts, RolloutDataFailure):
+    """A terminal episode failure reported by the environment: DATA, never retried."""
+
+
+def _failure(message: str, kind: str, stage, terminal: bool, error_type: str | None) -> RolloutInfraFailure | RolloutDataFailure:
+    cls = EpisodeFailedTerminal if terminal else EpisodeFailed
+    return cls(message, kind, stage if stage in STAGES else None, terminal, error_type)
+
+
+def episode_failure(result, what: str = "/run") -> RolloutInfraFailure | RolloutDataFailure | None:
+    """The failure a 200 `/run` result reports (an EpisodeFailure body, or a row stamped by Gym's
+    collector), as the lane's exception; None for any other result."""
+    if not isinstance(result, dict):
+        return None
+    failure = result.get("failure")
+    if isinstance(failure, dict) and isinstance(failure.get("terminal"), bool):
+        reason = str(failure.get("failure_reason"))[:2000]
+        return _failure(f"{what} reported an EpisodeFailure (terminal={failure['terminal']}): {reason}",
+                        _kind(failure.get("failure_kind"), "agent_run_error"), failure.get("stage"), failure["terminal"],
+                        "EpisodeFailure")
+    if NG_TERMINAL in result or NG_CLASS in result:
+        terminal = result.get(NG_TERMINAL) is True
+        reason = str(result.get("_ng_failure_message") or result.get(NG_CLASS))[:2000]
+        return _failure(f"{what} reported {NG_CLASS}={result.get(NG_CLASS)!r} ({NG_TERMINAL}={terminal}): {reason}",
+                        _kind(result.get("failure_kind"), _kind(result.get(NG_CLASS), "agent_run_error")),
+                        result.get("_ng_failure_stage"), terminal, result.get(NG_CLASS) if isinstance(result.get(NG_CLASS), str) else None)
+    return None
+
+
+def sample_mask(result) -> dict | None:
+    """`{failure_kind, failure_reason}` when a `/run` result's verifier set `mask_sample` (top level,
+    or Gym's legacy `instance_config.mask_sample`); None when the reward is a measurement."""
+    if not isinstance(result, dict):
+        return None
+    legacy = result.get("instance_config")
+    if result.get("mask_sample") is not True and not (isinstance(legacy, dict) and legacy.get("mask_sample") is True):
+        return None
+    reason = result.get("failure_reason")
+    return {"failure_kind": _kind(result.get("failure_kind"), "verifier_error"),
+            "failure_reason": str(reason)[:2000] if reason is not None else None}
+
+
+def error_failure(status: int, raw: bytes, message: str, error_type: str | None) -> RolloutInfraFailure | RolloutDataFailure:
+    """A non-200 `/run` as the lane's exception: by the body's `terminal` where it has one (minirl's
+    agent pool, a Gym server that sends facts), else by status as before; the body's kind and stage ride on it."""
+    try:
+        facts = json.loads(raw[:ERROR_BODY_LIMIT * 4])
+    except (ValueError, RecursionError):
+        facts = None
+    facts = facts if isinstance(facts, dict) else {}
+    terminal = facts.get("terminal") if isinstance(facts.get("terminal"), bool) else None
+    default = "agent_request_failed" if status in _SERVER_DID_NOT_RUN else "agent_run_error"
+    data = terminal if terminal is not None else http_class(status) == DATA
+    exc = (RolloutDataFailure if data else GymTransportError)(message, error_type)
+    exc.failure_kind, exc.stage, exc.terminal = _kind(facts.get("failure_kind"), default), facts.get("stage"), terminal
+    exc.http_status = status
+    return exc
+
+
+def failure_facts(exc: BaseException) -> dict:
+    """`{failure_kind, stage, terminal}` for any failure: what it carries, else named from its class."""
+    kind = getattr(exc, "failure_kind", None)
+    if not isinstance(kind, str):
+        kind = _kind_of(exc)
+    terminal = getattr(exc, "terminal", None)
+    stage = getattr(exc, "stage", None)
+    return {"failure_kind": kind, "stage": stage if stage in STAGES else None,
+            "terminal": terminal if isinstance(terminal, bool) else classify(exc) == DATA}
+
+
+def _kind_of(exc: BaseException) -> str:
+    """A kind for a failure that carries none, from its minirl class."""
+    if isinstance(exc, RolloutTimeout):
+        return "agent_timeout"
+    if isinstance(exc, GenerationUnavailable):
+        return "transport_unreachable"
+    link = exc.__cause__ if isinstance(exc, GymTransportError) and exc.__cause__ is not None else exc
+    if isinstance(link, TimeoutError):
+        return "transport_timeout"
+    if isinstance(link, ConnectionRefusedError) or "Connector" in type(link).__name__:
+        return "transport_unreachable"
+    if link is not exc or isinstance(link, ConnectionError):
+        return "transport_peer_drop"  # failed in transport after connecting
+    if isinstance(exc, RolloutDataFailure):
+        return "minirl:bad_result"
+    if classify(exc) == INFRA:
+        return "agent_run_error"
+    return "minirl:" + re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()
+
+
+def mask_facts(reason: str, evidence: dict) -> dict:
+    """The kind (and reason) of a masked rollout: the verifier's under `mask_sample`, else `minirl:<reason>`."""
+    if reason == MASK_SAMPLE:
+        return {"failure_kind": evidence.get("failure_kind", "verifier_error"), "failure_reason": evidence.get("failure_reason")}
+    return {"failure_kind": f"minirl:{reason}"}
+
+
+# ------------------------------------------------------------------ minirl's agent pool, in Gym's shapes
+def run_error_body(exc: BaseException, status: int | None = None, stage: str = "agent") -> dict:
+    """The body of a failed `/run` from minirl's agent pool: `{error, type}` (wire) plus Gym's
+    `failure_kind`, `stage` and `terminal` (a 4xx is terminal: it answers the same way again)."""
+    status = run_error_status(exc) if status is None else status
+    kind = getattr(exc, "failure_kind", None)
+    if not isinstance(kind, str):
+        kind = "agent_run_error" if status >= 500 else "minirl:" + ("bad_row" if stage == "admission" else "bad_request")
+    return {**_typed_body(exc), "failure_kind": kind, "stage": stage, "terminal": http_class(status) == DATA}
+
+
+LOST_SESSION = {"failure_kind": "session_lost", "failure_reason": "the resources session was lost before verification "
+                "(injected session_lost fault): the reward is not a measurement"}
+"""What a verifier reports for a session the seeded fault plan loses (`faults.*` kind `session_lost`)."""
+
+
+def verified(result: dict, mask: dict | None = None) -> dict:
+    """A `/run` result with Gym 0.7's verify-response fields: `mask_sample` and, when masked, why."""
+    if mask is None:
+        return {**result, "mask_sample": False, "failure_kind": None, "failure_reason": None}
+    return {**result, "mask_sample": True, "failure_kind": mask["failure_kind"], "failure_reason": mask.get("failure_reason")}
+
+
+class KindCounts:
+    """The step's counters by `failure_kind`: every `failure` event passed through `emit` (then
+    written by `write`), and the step's masked rollouts; `take` hands them over and starts afresh."""
+
+    def __init__(self, write):
+        self.write, self.failures = write, {}
+
+    def emit(self, event: dict) -> None:
+        if event.get("type") == "failure":
+            kind = event.get("failure_kind") or "unknown"
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+        self.write(event)
+
+    def take(self, kept) -> dict:
+        """`failures_by_kind` (failure events since the last take) and `masked_by_kind` (of `kept` rollouts)."""
+        masked: dict[str, int] = {}
+        for r in kept:
+            if r.mask_reason:
+                kind = mask_facts(r.mask_reason, r.evidence)["failure_kind"]
+                masked[kind] = masked.get(kind, 0) + 1
+        out, self.failures = {"failures_by_kind": dict(sorted(self.failures.items())), "masked_by_kind": dict(sorted(masked.items()))}, {}
+        return out
