@@ -83,6 +83,11 @@ class GRPOConfig:
     """Baseline and std of a group run over its valid (unmasked) rollouts only, and a group with at
     most one valid rollout gets advantage 0 (minirl; RL #4061). False reproduces upstream, where a
     masked rollout's reward still counts in its siblings' baseline and std."""
+    segment_validity: Literal["all", "any"] = "all"
+    """A rollout whose segments (physical traces) are not all valid: `all` (NeMo-RL #4124's amin,
+    minirl's default) masks the whole rollout, out of training and out of the baseline; `any` (the
+    segment-rows branch's amax) keeps it valid while any segment is, trains its valid segments with
+    its advantage and masks only the masked ones. A rollout-level mask masks every segment in both."""
     overlong_filtering: bool = False
     """Mask (sample_mask=0) every rollout truncated at policy.max_total_sequence_length (a trace
     that reached it), as upstream marks truncation; a reply cut by the per-call cap is not."""
@@ -188,6 +193,11 @@ class LossConfig:
     default (ClippedPGLossConfig, grpo_math_1B.yaml); configs/default.yaml sets 0."""
     token_level_loss: bool = True
     """Sum over all valid tokens of the global batch, divided by their count (required under CC)."""
+    segment_weighting: Literal["token_mean", "rollout_equal", "length_ratio"] = "token_mean"
+    """Weight of a rollout's segments (physical traces) in the loss: `token_mean` (upstream: every
+    valid token counts once), `rollout_equal` (verl #7580: a rollout's N trained segments share one
+    rollout's weight, 1/N each) or `length_ratio` (a segment's trained tokens over its rollout's
+    mean). Weights are scaled to mean 1 over the step's trained segments and multiply every term."""
     use_importance_sampling_correction: bool = False
     """Weight each token's clipped loss by exp(prev - generation): the trainer's logprob at the
     step's start over the engine's, detached (non-finite -> 0). For rollouts from older weights."""

@@ -11,7 +11,10 @@ and the step's statistics:
 - context compaction: every kept group must hold all its rollouts (masked ones with mask 0); with
   `allow_step_shrink=false` (upstream) the step must hold the full logical sample count;
 - advantages per group (over the valid rollouts only with `grpo.baseline_excludes_masked`, the
-  default; over all of them as upstream otherwise), shared by all the physical traces of a rollout.
+  default; over all of them as upstream otherwise), shared by all the physical traces of a rollout;
+- segments: a masked trace masks its rollout (`grpo.segment_validity=all`) or only itself (`any`,
+  while another segment is valid), and `loss_fn.segment_weighting` gives each trained trace its
+  loss weight (none under `token_mean`, the default arithmetic).
 
 Invariant: a batch holds every rollout of every kept group and nothing else, each from the one
 attempt that succeeded, all generated under the step's policy version (async: within the
@@ -25,7 +28,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from minirl.algo.grpo import group_advantages
+from minirl.algo.grpo import group_advantages, rollout_votes, segment_weights
 from minirl.async_rl.source import ASYNC_COUNTS, BufferSource
 from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_row
@@ -65,9 +68,30 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
 def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tuple[TrainBatch, dict]:
     """Kept groups -> padded training arrays + the step's rollout statistics."""
     kept = [o for o in outcomes if o.status == "committed"]
+    for r in (r for o in kept for r in o.rollouts.values()):
+        settle_segments(r, cfg.grpo.segment_validity)
     rows = [row for o in kept for row in _advantaged(cfg, o)]
     batch = _pack(rows, pad_id)
+    if cfg.loss_fn.segment_weighting != "token_mean":
+        _weigh(batch, cfg.loss_fn.segment_weighting)
     return batch, _rollout_stats(cfg, outcomes, kept, batch)
+
+
+def settle_segments(r: Rollout, validity: str) -> None:
+    """A rollout with masked segments takes the first one's reason as its own when `rollout_votes`
+    says it no longer counts (any masked one under `all`, every one under `any`); then its mask
+    event, counters and ledger status follow. Idempotent."""
+    if r.mask_reason is None and not rollout_votes([t.mask_reason is None for t in r.traces], validity):
+        r.mask_reason = next(t.mask_reason for t in r.traces if t.mask_reason)
+
+
+def _weigh(batch: TrainBatch, weighting: str) -> None:
+    """Each trained row's `segment_weights` (1 on the rows that train nothing)."""
+    tokens = batch.valid_mask().sum(-1)
+    trained = np.flatnonzero(tokens > 0)
+    batch.loss_weight = np.ones(len(tokens), dtype=np.float32)
+    batch.loss_weight[trained] = segment_weights(batch.group[trained] * (1 << 32) + batch.rollout[trained],
+                                                 tokens[trained], weighting)
 
 
 def _advantaged(cfg: MinirlConfig, o: GroupOutcome) -> list[tuple[Rollout, Trace, float]]:
@@ -91,7 +115,7 @@ def _pack(rows: list[tuple[Rollout, Trace, float]], pad_id: int) -> TrainBatch:
         batch.gen_logprobs[i, :n] = trace.logprobs
         batch.lengths[i] = n
         batch.advantages[i] = adv
-        batch.sample_mask[i] = rollout.sample_mask
+        batch.sample_mask[i] = rollout.sample_mask if trace.mask_reason is None else 0
         batch.group[i] = rollout.coords.group
         batch.rollout[i] = rollout.coords.rollout
     return batch.count_valid()
@@ -112,7 +136,8 @@ def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[G
         "backoff_s": sum(o.backoff_s for o in outcomes),
         "rollouts_trained": len(trained),
         "rollouts_masked": len(all_rollouts) - len(trained),
-        "traces_trained": sum(len(r.traces) for r in trained),
+        "traces_trained": sum(t.mask_reason is None for r in trained for t in r.traces),
+        "segments_masked": sum(t.mask_reason is not None for r in all_rollouts for t in r.traces),
         "tokens_trained": int(batch.global_valid_tokens),
         "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
         # every kept rollout, masked ones too
@@ -245,6 +270,9 @@ class Controller:
             if r.mask_reason:
                 self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
                                    **mask_facts(r.mask_reason, r.evidence), "errors": r.evidence.get("errors", [])})
+            for k, t in enumerate(r.traces):  # a masked segment: alone (segment_validity=any) or with its rollout
+                if t.mask_reason:
+                    self.events.write({"type": "mask", **r.coords.as_dict(), "trace": k, "kind": t.kind, "reason": t.mask_reason})
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, engine_busy_s))
         stats.update(self.kinds.take(kept))
         return batch, stats

@@ -40,6 +40,12 @@ class Trace:
     loss_mask: list[int]
     logprobs: list[float]  # the generator's logprob per token (0 where loss_mask is 0)
     calls: int = 1
+    kind: str = "turns"
+    """What made the trace: "turns" (the ordinary chain of calls) or "compaction_summary" (the
+    summary call of a summarizing compaction, as upstream's segment branch names it)."""
+    mask_reason: str | None = None
+    """Why this one segment may not be trained (None: it may). Whether it also takes its rollout
+    out of the baseline is `grpo.segment_validity`'s choice (controller.assemble)."""
 
 
 @dataclass
@@ -89,9 +95,12 @@ class TrainBatch:
     gen_logprobs: np.ndarray  # float32 [T, W], the generator's logprobs (0 off the loss mask)
     lengths: np.ndarray  # int64 [T]
     advantages: np.ndarray  # float32 [T], the trace's rollout's advantage
-    sample_mask: np.ndarray  # float32 [T], 0 for a masked rollout's traces
+    sample_mask: np.ndarray  # float32 [T], 0 for a masked rollout's traces and for a masked segment
     group: np.ndarray | None = None  # int64 [T], the rollout's group (for tests and metrics)
     rollout: np.ndarray | None = None  # int64 [T], the rollout's index in its group
+    loss_weight: np.ndarray | None = None
+    """float32 [T], each row's segment weight (`loss_fn.segment_weighting`, mean 1 over the trained
+    rows); None: every trained token counts once (token_mean, the default arithmetic)."""
     global_valid_tokens: float = 0.0
     global_valid_samples: float = 0.0
 

@@ -10,6 +10,12 @@ weighted by exp(curr - curr.detach()) inside upstream's `calculate_kl`, before i
 optional truncated importance sampling against the generator's logprobs, token-level
 normalisation by the global valid-token count).
 
+Segments (the physical traces of one rollout, e.g. under compaction) follow two switches where
+upstream's branches disagree: `rollout_votes` (`grpo.segment_validity`: NeMo-RL #4124 takes the
+amin of a rollout's segment masks, the segment-rows branch the amax) and `segment_weights`
+(`loss_fn.segment_weighting`: every token once, verl #7580's 1/N per rollout, or a segment's
+length over its rollout's mean), applied to every term of the per-token loss.
+
 Invariant: nothing here depends on how many groups or rollouts a step holds: the advantage is per
 group and the token-level loss is divided by the tokens actually trained, so a shrunk step (fix 1)
 is exactly the same objective over fewer samples.
@@ -63,6 +69,34 @@ def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize:
             std = np.sqrt(((others - others.mean()) ** 2).sum() / (len(others) - 1))
             adv[i] /= std + eps
     return adv
+
+
+def rollout_votes(segment_valid, validity: str = "all") -> bool:
+    """Whether a rollout with a valid reward counts as valid (trained, and a member of its group's
+    baseline where masked ones are excluded), from its segments' validity: `all` is NeMo-RL #4124's
+    amin (one masked segment invalidates the rollout), `any` the segment-rows branch's amax (it
+    votes while any segment is valid; its masked segments are still not trained). A rollout with
+    no segments is left to its own mask."""
+    v = np.asarray(segment_valid, dtype=bool)
+    if v.size == 0:
+        return True
+    return bool(v.all() if validity == "all" else v.any())
+
+
+def segment_weights(rollout_ids, tokens, weighting: str = "token_mean") -> np.ndarray:
+    """Loss weight of each trained row (segment): `rollout_ids[i]` names row i's rollout and
+    `tokens[i]` its trained-token count (> 0). `token_mean` gives 1 (every token counts once);
+    `rollout_equal` 1/N_r, N_r the rollout's trained segments (verl #7580's session-equal weight);
+    `length_ratio` T_i over the mean T of its rollout's segments (#7580's partition-preserving
+    weight). Then scaled to mean 1 over the rows, once for the global batch, as #7580's
+    normalize_loss_weight_global, so only the ratios move the objective."""
+    t = np.asarray(tokens, dtype=np.float64)
+    if len(t) == 0 or weighting == "token_mean":
+        return np.ones(len(t))
+    _, inv = np.unique(np.asarray(rollout_ids), return_inverse=True)
+    n = np.bincount(inv).astype(np.float64)
+    w = 1.0 / n[inv] if weighting == "rollout_equal" else t / (np.bincount(inv, weights=t) / n)[inv]
+    return w / w.mean()
 
 
 def k3_kl(curr_logprobs: torch.Tensor, reference_logprobs: torch.Tensor, input_clamp: float | None = 20.0,
@@ -131,6 +165,7 @@ def clipped_pg_loss(
     is_ratio: float | None = None,
     is_ratio_min: float | None = None,
     curr_logprobs_unfiltered: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a (micro)batch: [B, T] logprobs, [B] or [B, T] advantages, [B, T] mask
     (token_mask * sample_mask). `normalizer` is the global count of valid tokens (token-level)
@@ -142,7 +177,9 @@ def clipped_pg_loss(
     `curr_logprobs_unfiltered`, as upstream's does: the reference's logprobs are unfiltered. With
     `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is
     weighted by `importance_weights`; `is_oob_ratio` counts tokens, or sequences for
-    `seq-mask-tis`."""
+    `seq-mask-tis`. `weights` ([B], `segment_weights`) scale each row's per-token loss, the
+    policy-gradient and the KL term alike, as verl #7580 weights every loss term; the normaliser
+    stays the unweighted count."""
     import torch
 
     if advantages.dim() == 1:
@@ -158,6 +195,8 @@ def clipped_pg_loss(
     if reference_logprobs is not None and kl_penalty > 0:
         kl = _weighted_kl(curr_logprobs if curr_logprobs_unfiltered is None else curr_logprobs_unfiltered, reference_logprobs)
         per_token = per_token + kl_penalty * kl
+    if weights is not None:
+        per_token = per_token * weights[:, None]
     return _reduce(per_token, mask, normalizer, token_level), _loss_metrics(ratio, clipped, kl, oob, mask)
 
 

@@ -155,7 +155,8 @@ class PolicyWorker:
         mask = torch.as_tensor(valid[idx, :width], device=self.device)
         gen_lp = torch.as_tensor(batch.gen_logprobs[idx, :width], device=self.device)
         adv = torch.as_tensor(batch.advantages[idx], device=self.device)
-        loss, m, prev = self._loss(ids, attn, adv, mask, gen_lp, normalizer)
+        weights = None if batch.loss_weight is None else torch.as_tensor(batch.loss_weight[idx], device=self.device)
+        loss, m, prev = self._loss(ids, attn, adv, mask, gen_lp, normalizer, weights)
         (loss * self.world_size).backward()  # DDP averages gradients over ranks
         with torch.no_grad():
             n = float(mask.sum())
@@ -169,8 +170,9 @@ class PolicyWorker:
             totals["mult_err"] += float((torch.exp(diff.abs()) * mask).sum())
             totals["tokens"] += n
 
-    def _loss(self, ids, attn, adv, mask, gen_lp, normalizer: float):
-        """The micro-batch's clipped policy-gradient loss, its metrics and the pre-update logprobs."""
+    def _loss(self, ids, attn, adv, mask, gen_lp, normalizer: float, weights=None):
+        """The micro-batch's clipped policy-gradient loss, its metrics and the pre-update logprobs;
+        `weights`: the rows' segment weights (None: every token counts once)."""
         import torch
 
         temperature, top_p = self.cfg.policy.generation.temperature, self.cfg.policy.generation.top_p
@@ -186,7 +188,7 @@ class PolicyWorker:
             ref, lf.reference_policy_kl_penalty, lf.token_level_loss,
             gen_lp if lf.use_importance_sampling_correction else None, lf.truncated_importance_sampling_type,
             lf.truncated_importance_sampling_ratio, lf.truncated_importance_sampling_ratio_min,
-            curr_unfiltered if top_p < 1.0 else None,
+            curr_unfiltered if top_p < 1.0 else None, weights,
         )
         return loss, m, prev
 
