@@ -52,6 +52,7 @@ def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gym-python", required=True)
+    ap.add_argument("--gym07-python", help="the nemo-gym 0.7.0 venv's python: also run scripts/gym07_check.py's half")
     args = ap.parse_args()
     args.gym_python = str(Path(args.gym_python).absolute())  # the Gym servers run from a scratch directory
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RAY_AUTH_MODE": "disabled"}
@@ -142,6 +143,10 @@ def main() -> int:
                 f"{[s['reward_mean'] for s in steps]}, tokens {[s['tokens_trained'] for s in steps]}")
             ok or failures.append("prompts")
             say(f"endpoints.json: {(run_dir / 'endpoints.json').read_text().strip()}")
+        if args.gym07_python:  # nemo-gym 0.7.0 on the same generation side (issue 32)
+            import gym07_check
+
+            failures += gym07_check.run(str(Path(args.gym07_python).absolute()), cfg, router, attach, TRAIN_OVERRIDES, rows, work, env)
     except Exception as exc:  # report, then stop everything below
         say(f"FAIL {type(exc).__name__}: {exc}")
         failures.append(type(exc).__name__)

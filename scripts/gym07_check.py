@@ -1,0 +1,129 @@
+"""`make gym-check`'s nemo-gym 0.7.0 half (issue 32), called by scripts/gym_check.py with the
+generation side it started (router, attached worker): everything the 0.4.0 half proves, against
+0.7.0's servers, plus Gym 0.7's failure facts driving minirl's lanes.
+
+1. rows, and the failure shapes minirl's mapping reads, against Gym 0.7's own models
+   (`minirl.gym.serve_v07 --check-shapes`);
+2. Gym 0.7's `vllm_model` (0.7's inline token ids: `request_prompt_and_generation_token_ids`),
+   `simple_agent` and minirl's doors server on 0.7's classes (minirl/gym/doors_v07.py), with the
+   run's fault plan: `session_lost` at step 1, group 0, rollout 0;
+3. one `/run` through `simple_agent` returns token ids; a too-long prompt comes back as Gym's lane A;
+4. 2 training steps: rollouts trained, logprob_abs_error < 1e-3, every trained call matched in the
+   ledger (calls_unrecorded = 0); at step 1 the verifier's mask_sample masks exactly that rollout
+   (mask event with reason mask_sample and failure_kind session_lost, masked_by_kind counts it, the
+   rest of its group trains).
+
+Returns the names of the checks that failed; prints one `gym-check 0.7.0:` line per check.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VERSION = "0.7.0"
+LOST = {"kind": "session_lost", "step": 1, "group": 0, "rollout": 0}
+"""The session the seeded fault plan loses: its verifier answers mask_sample (Gym's session_lost)."""
+
+
+def say(msg: str) -> None:
+    print(f"gym-check {VERSION}: {msg}", flush=True)
+
+
+def _check(ok: bool, what: str, failures: list, name: str) -> None:
+    say(("PASS " if ok else "FAIL ") + what)
+    ok or failures.append(f"{VERSION} {name}")
+
+
+def start_gym(python: str, cfg, router: str, work: Path, env: dict) -> tuple[subprocess.Popen, dict]:
+    """Gym 0.7's servers in one process of the 0.7 venv; its output goes to a file (never a full pipe)."""
+    path = work / "gym07-servers.log"
+    faults = {"seed": cfg.faults.seed, "inject": [LOST]}
+    gym = subprocess.Popen([python, "-m", "minirl.gym.serve_v07", "--router", router, "--model", cfg.policy.model_name,
+                            "--max-steps", str(cfg.agent.max_steps), "--faults", json.dumps(faults)],
+                           cwd=work, env=env, stdout=open(path, "w"), stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and gym.poll() is None:
+        ready = [x for x in path.read_text().splitlines() if x.startswith("gym-servers ready ")]
+        if ready:
+            return gym, json.loads(ready[0].split(" ", 2)[2])
+        time.sleep(0.5)
+    gym.kill()
+    raise RuntimeError(f"Gym {VERSION} servers did not start:\n{path.read_text()[-3000:]}")
+
+
+def check_serving(python: str, urls: dict, rows: Path, cfg, work: Path, env: dict, failures: list) -> None:
+    from gym_check import post
+
+    shapes = subprocess.run([python, "-m", "minirl.gym.serve_v07", "--check-shapes", str(rows)], cwd=work, env=env,
+                            capture_output=True, text=True)
+    _check(shapes.returncode == 0, shapes.stdout.strip() or shapes.stderr.strip()[-2000:], failures, "shapes")
+    status, result = post(urls["simple_agent"] + "/run", json.loads(rows.read_text().splitlines()[0]))
+    (work / "run_result_07.json").write_text(json.dumps(result, indent=1))
+    calls = [it for it in (result.get("response") or {}).get("output", []) if it.get("generation_token_ids")]
+    _check(status == 200 and bool(calls), f"one /run through simple_agent -> HTTP {status}, reward {result.get('reward')}, "
+           f"mask_sample {result.get('mask_sample')}, {len(calls)} model call(s) with token ids (inline)", failures, "/run")
+    long_input = [{"role": "user", "content": "door " * (cfg.policy.generation.vllm_cfg.max_model_len * 2)}]
+    status, reply = post(urls["policy_model"] + "/v1/responses", {"input": long_input})
+    out = reply.get("output") or []
+    lane_a = (status == 200 and reply.get("incomplete_details") == {"reason": "max_output_tokens"} and len(out) == 1
+              and not any(p.get("text") for p in out[0].get("content", [])) and "generation_token_ids" not in out[0])
+    _check(lane_a, f"too-long prompt through vllm_model -> HTTP {status}, incomplete_details={reply.get('incomplete_details')}, "
+           f"output={json.dumps(out)[:160]}", failures, "lane A")
+
+
+def check_training(urls: dict, attach: list, overrides: list, work: Path, env: dict, failures: list) -> None:
+    run_dir = work / "run07"
+    lost = "faults.inject=[{" + ", ".join(f"{k}: {v}" for k, v in LOST.items()) + "}]"  # the manager logs the planned fault
+    t0 = time.time()
+    train = subprocess.run([sys.executable, "-m", "minirl.train", f"run_dir={run_dir}", f"agent.external_url={urls['simple_agent']}",
+                            *attach, *overrides, lost], cwd=Path(__file__).resolve().parent.parent, env=env,
+                           capture_output=True, text=True, timeout=900)
+    say(f"train exit {train.returncode} in {time.time() - t0:.0f}s; stdout tail:\n" + "\n".join(train.stdout.splitlines()[-6:]))
+    if train.returncode != 0:
+        say("stderr tail:\n" + "\n".join(train.stderr.splitlines()[-15:]))
+        failures.append(f"{VERSION} train")
+        return
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    err = [s.get("logprob_abs_error") for s in steps]
+    _check(len(steps) == 2 and all(s["rollouts_trained"] > 0 for s in steps),
+           f"rollouts_trained per step {[s['rollouts_trained'] for s in steps]} (> 0)", failures, "rollouts_trained")
+    _check(all(e is not None and e < 1e-3 for e in err), f"logprob_abs_error per step {err} (< 1e-3)", failures, "logprob")
+    matched, unrecorded = [s.get("calls_matched") for s in steps], [s.get("calls_unrecorded") for s in steps]
+    _check(all(m and m > 0 for m in matched) and all(u == 0 for u in unrecorded),
+           f"ledger: calls_matched per step {matched} (> 0), calls_unrecorded {unrecorded} (= 0)", failures, "ledger")
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    masks = [e for e in events if e["type"] == "mask"]
+    want = {k: LOST[k] for k in ("step", "group", "rollout")}
+    ok = (len(masks) == 1 and {k: masks[0].get(k) for k in want} == want and masks[0]["reason"] == "mask_sample"
+          and masks[0].get("failure_kind") == "session_lost" and steps[1].get("masked_by_kind") == {"session_lost": 1}
+          and steps[1]["rollouts_masked"] == 1 and steps[1]["rollouts_trained"] == steps[0]["rollouts_trained"] - 1)
+    _check(ok, f"the verifier's mask_sample masked {want} only: mask events {masks}; step 1 masked_by_kind "
+           f"{steps[1].get('masked_by_kind')}, rollouts_masked {steps[1]['rollouts_masked']}, rollouts_trained per step "
+           f"{[s['rollouts_trained'] for s in steps]} (its group's other rollout trains; it is out of the baseline: "
+           "grpo.baseline_excludes_masked)", failures, "mask_sample")
+
+
+def run(python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
+    """The 0.7.0 half; returns the failed checks' names. Stops its Gym process whatever happens."""
+    failures: list[str] = []
+    gym = None
+    try:
+        gym, urls = start_gym(python, cfg, router, work, env)
+        say(f"Gym servers up: {urls}")
+        check_serving(python, urls, rows, cfg, work, env, failures)
+        check_training(urls, attach, overrides, work, env, failures)
+    except Exception as exc:  # report, then stop the Gym process
+        say(f"FAIL {type(exc).__name__}: {exc}")
+        failures.append(f"{VERSION} {type(exc).__name__}")
+    finally:
+        if gym is not None:
+            gym.terminate()
+            try:
+                gym.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                gym.kill()
+    return failures
