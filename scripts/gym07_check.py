@@ -55,9 +55,7 @@ def start_gym(python: str, cfg, router: str, work: Path, env: dict) -> tuple[sub
     raise RuntimeError(f"Gym {VERSION} servers did not start:\n{path.read_text()[-3000:]}")
 
 
-def check_serving(python: str, urls: dict, rows: Path, cfg, work: Path, env: dict, failures: list) -> None:
-    from gym_check import post
-
+def check_serving(post, python: str, urls: dict, rows: Path, cfg, work: Path, env: dict, failures: list) -> None:
     shapes = subprocess.run([python, "-m", "minirl.gym.serve_v07", "--check-shapes", str(rows)], cwd=work, env=env,
                             capture_output=True, text=True)
     _check(shapes.returncode == 0, shapes.stdout.strip() or shapes.stderr.strip()[-2000:], failures, "shapes")
@@ -107,14 +105,15 @@ def check_training(urls: dict, attach: list, overrides: list, work: Path, env: d
            "grpo.baseline_excludes_masked)", failures, "mask_sample")
 
 
-def run(python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
-    """The 0.7.0 half; returns the failed checks' names. Stops its Gym process whatever happens."""
+def run(post, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
+    """The 0.7.0 half (`post`: gym_check's JSON POST); returns the failed checks' names. Stops its Gym
+    process whatever happens."""
     failures: list[str] = []
     gym = None
     try:
         gym, urls = start_gym(python, cfg, router, work, env)
         say(f"Gym servers up: {urls}")
-        check_serving(python, urls, rows, cfg, work, env, failures)
+        check_serving(post, python, urls, rows, cfg, work, env, failures)
         check_training(urls, attach, overrides, work, env, failures)
     except Exception as exc:  # report, then stop the Gym process
         say(f"FAIL {type(exc).__name__}: {exc}")

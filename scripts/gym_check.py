@@ -146,7 +146,8 @@ def main() -> int:
         if args.gym07_python:  # nemo-gym 0.7.0 on the same generation side (issue 32)
             import gym07_check
 
-            failures += gym07_check.run(str(Path(args.gym07_python).absolute()), cfg, router, attach, TRAIN_OVERRIDES, rows, work, env)
+            failures += gym07_check.run(post, str(Path(args.gym07_python).absolute()), cfg, router, attach, TRAIN_OVERRIDES,
+                                        rows, work, env)
     except Exception as exc:  # report, then stop everything below
         say(f"FAIL {type(exc).__name__}: {exc}")
         failures.append(type(exc).__name__)
