@@ -138,6 +138,7 @@ def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[G
         "rollouts_masked": len(all_rollouts) - len(trained),
         "traces_trained": sum(t.mask_reason is None for r in trained for t in r.traces),
         "segments_masked": sum(t.mask_reason is not None for r in all_rollouts for t in r.traces),
+        "loss_mass_by_group": _loss_mass(cfg, batch),
         "tokens_trained": int(batch.global_valid_tokens),
         "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
         # every kept rollout, masked ones too
@@ -145,6 +146,15 @@ def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[G
         "reward_mean_trained": float(np.mean([r.reward for r in trained])) if trained else float("nan"),
         "episode_calls_mean": float(np.mean([len(r.calls) for r in all_rollouts])) if all_rollouts else 0.0,
     }
+
+
+def _loss_mass(cfg: MinirlConfig, batch: TrainBatch) -> list[float]:
+    """Each prompt group's share of the step's loss mass (its trained tokens x their segment weight),
+    indexed by group: what `loss_fn.segment_weighting` moves between easy and hard prompts."""
+    mass = batch.valid_mask().sum(-1) * (1.0 if batch.loss_weight is None else batch.loss_weight)
+    total = float(mass.sum())
+    by_group = np.bincount(batch.group, weights=mass, minlength=cfg.grpo.num_prompts_per_step)
+    return [round(float(m) / total, 6) if total else 0.0 for m in by_group]
 
 
 def _in_order(o: GroupOutcome) -> list[Rollout]:

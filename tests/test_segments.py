@@ -177,6 +177,9 @@ def test_masks_baseline_and_weights_match_the_reference(validity, exclude, weigh
                                                for r in o.rollouts.values() for t in r.traces)
         assert stats["traces_trained"] == int(want_mask.sum())
         assert batch.global_valid_tokens == sum(batch.loss_mask[i].sum() for i in np.flatnonzero(want_mask))
+        mass = [sum(want_w[i] * batch.loss_mask[i].sum() * want_mask[i] for i in np.flatnonzero(batch.group == g))
+                for g in range(len(outcomes))]
+        np.testing.assert_allclose(stats["loss_mass_by_group"], np.array(mass) / sum(mass), atol=2e-6)
 
 
 def test_one_masked_segment_under_each_validity():
