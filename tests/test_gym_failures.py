@@ -88,7 +88,8 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
     """A Gym-0.7-shaped agent server on loopback: group 0's rollout 0 comes back with its verifier's
     `mask_sample` (masked, out of the baseline, counted by kind, rollout 1 trains); group 1 answers
     a terminal EpisodeFailure (one send, never retried, skipped); group 2's rollout 0 answers a
-    non-terminal one once (re-sent alone, INFRA, then committed)."""
+    non-terminal one once (re-sent alone, INFRA, then committed); group 3 answers non-terminal ones
+    on every send (retried within the INFRA budget, then dropped)."""
     sends: dict[tuple, int] = {}
 
     async def run_handler(request):
@@ -102,16 +103,17 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
         if g == 1:
             return web.json_response({"episode_id": {"id": "e"}, "task_id": {"id": "t"},
                                       "failure": {"failure_reason": "task has no answer key", "terminal": True}})
-        if g == 2 and r == 0 and sends[g, r] == 1:
+        if (g == 2 and r == 0 and sends[g, r] == 1) or g == 3:
             return web.json_response({"episode_id": {"id": "e"}, "task_id": {"id": "t"},
                                       "failure": {"failure_reason": "sandbox OOM", "terminal": False,
                                                   "failure_kind": "provider_oom_killed", "stage": "agent"}})
         return web.json_response(ok)
 
     cfg = copy.deepcopy(base_cfg)
-    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 3, 2
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 4, 2
     rf = cfg.async_rl.rollout_failure
     rf.max_data_attempts_per_prompt, rf.max_skipped_prompts, rf.nemo_gym.max_row_attempts = 3, 1, 2
+    rf.max_infra_attempts_per_prompt, rf.max_consecutive_dropped_prompts = 2, 1
     events: list[dict] = []
     kinds = KindCounts(events.append)
 
@@ -119,21 +121,23 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
         runner, url = await serve_run(run_handler)
         m = RolloutManager(cfg, [url], kinds.emit, VOCAB, sleep=lambda s: asyncio.sleep(0))
         try:
-            return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(3)])
+            return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(4)])
         finally:
             await m.session.close()
             await runner.cleanup()
 
     outcomes = asyncio.run(go())
-    assert [o.status for o in outcomes] == ["committed", "skipped", "committed"]
+    assert [o.status for o in outcomes] == ["committed", "skipped", "committed", "dropped"]
     masked = outcomes[0].rollouts[0]
     assert masked.mask_reason == "mask_sample" and masked.evidence["failure_kind"] == "session_lost"
     assert masked.evidence["failure_reason"] == "session expired before verify"
     assert sends[1, 0] == 1 and sends[1, 1] == 1, "a terminal EpisodeFailure is never retried"
     assert sends[2, 0] == 2 and sends[2, 1] == 1, "a non-terminal one is re-sent alone"
+    assert sends[3, 0] == sends[3, 1] == 4, "2 group attempts (max_infra_attempts_per_prompt) x 2 sends (max_row_attempts)"
     failures = [e for e in events if e["type"] == "failure"]
     assert {(e["group"], e["class"], e["decision"], e["failure_kind"], e["terminal"]) for e in failures} == {
-        (1, "data", "skipped", "agent_run_error", True), (2, "infra", "retried", "provider_oom_killed", False)}
+        (1, "data", "skipped", "agent_run_error", True), (2, "infra", "retried", "provider_oom_killed", False),
+        (3, "infra", "retried", "provider_oom_killed", False), (3, "infra", "dropped", "provider_oom_killed", False)}
     assert all(e["reason"] == "EpisodeFailedTerminal" for e in failures if e["group"] == 1)
 
     batch, stats = assemble(cfg, outcomes, pad_id=0)
@@ -143,7 +147,7 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
     assert np.allclose(batch.advantages[g0], 0.0)
     assert stats["rollouts_masked"] == 1 and stats["rollouts_trained"] == 3
     kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
-    assert kinds.take(kept) == {"failures_by_kind": {"agent_run_error": 2, "provider_oom_killed": 1},
+    assert kinds.take(kept) == {"failures_by_kind": {"agent_run_error": 2, "provider_oom_killed": 1 + 8},
                                 "masked_by_kind": {"session_lost": 1}}
     assert kinds.take([]) == {"failures_by_kind": {}, "masked_by_kind": {}}
 
