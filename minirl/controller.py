@@ -280,9 +280,10 @@ class Controller:
             if r.mask_reason:
                 self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
                                    **mask_facts(r.mask_reason, r.evidence), "errors": r.evidence.get("errors", [])})
-            for k, t in enumerate(r.traces):  # a masked segment: alone (segment_validity=any) or with its rollout
-                if t.mask_reason:
-                    self.events.write({"type": "mask", **r.coords.as_dict(), "trace": k, "kind": t.kind, "reason": t.mask_reason})
+            for k, t in enumerate(r.traces):  # a masked segment, alone (segment_validity=any) or with its rollout's
+                if t.mask_reason:  # own `mask` line (a `mask` line is one rollout: stats.rooms_mix counts them)
+                    self.events.write({"type": "segment_mask", **r.coords.as_dict(), "trace": k, "kind": t.kind,
+                                       "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, engine_busy_s))
         stats.update(self.kinds.take(kept))
         return batch, stats
