@@ -553,6 +553,29 @@ class EnvConfig:
         _require(self.num_rooms_choices != [], "num_rooms_choices", "must be null or a non-empty list")
 
 
+@dataclass
+class DataConfig:
+    """Where the prompts come from (minirl/data.py): the doors task built from `env.*` (the default),
+    or JSONL files of NeMo Gym rows."""
+
+    train_jsonl: Optional[str] = None
+    """A JSONL file of Gym `/run` rows, one a line, as Gym's rollout collection takes them
+    (`responses_create_params`, `agent_ref`, any environment fields), to train on instead of the doors
+    task (`env.*` then only serves minirl's own agent). Prompt group (step, group) is row
+    step * grpo.num_prompts_per_step + group of the epoch's order, cycling over the file."""
+    validation_jsonl: Optional[str] = None
+    """A JSONL file of held-out Gym rows: a validation runs its first `grpo.val_num_prompts` rows. None:
+    the doors task's held-out seeds (so a run with `data.train_jsonl` that validates must set it)."""
+    shuffle: bool = True
+    """Visit `train_jsonl`'s rows in a fresh order each epoch, a permutation drawn from `env.data_seed`
+    and the epoch alone (false: file order)."""
+
+    def check(self) -> None:
+        for key in ("train_jsonl", "validation_jsonl"):
+            path = getattr(self, key)
+            _require(path is None or Path(path).is_file(), key, f"no such file: {path}")
+
+
 # -------------------------------------------------------------------------------------- placement
 @dataclass
 class ClusterConfig:
@@ -665,6 +688,7 @@ class MinirlConfig:
     context_compaction: ContextCompactionConfig = field(default_factory=ContextCompactionConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

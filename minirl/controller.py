@@ -31,7 +31,7 @@ import numpy as np
 from minirl.algo.grpo import group_advantages, rollout_votes, segment_weights
 from minirl.async_rl.source import ASYNC_COUNTS, BufferSource
 from minirl.config import MinirlConfig, step_floor
-from minirl.data import prompt_row
+from minirl.data import prompt_key, prompt_row
 from minirl.generation.fleet import FleetWatch
 from minirl.gym_failures import KindCounts, mask_facts
 from minirl.rollout.evidence import Ledger
@@ -328,7 +328,7 @@ class Controller:
             staleness_max=int(max(staleness)),
             **take.counts,
             **self.fleet.stats,
-            prompt_seeds=[prompt_row(self.cfg, o.step, o.group)["task"]["seed"] for o in outcomes],
+            prompt_seeds=[prompt_key(self.cfg, o.step, o.group) for o in outcomes],
         )
 
     def _step_counters(self) -> tuple[int, int, int]:

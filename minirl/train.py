@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from minirl import data
 from minirl.config import REPO_ROOT, ConfigError, MinirlConfig, load_config, to_yaml
 from minirl.trainer import checkpoint
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        data.prepare(cfg)  # the dataset rows, checked before anything starts
         checkpoint.check_resume(cfg)  # the checkpoint's step shape and staleness window, before anything is written
         run_dir = prepare_run_dir(cfg)
     except ConfigError as exc:  # before Ray starts: one line naming the key

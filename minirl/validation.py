@@ -7,6 +7,8 @@ and a candidate whose seed is the seed of any training prompt of the run (every 
 seed and room count, and the rooms of a task are drawn from its seed alone, so no held-out episode
 shares a room sequence with a trained one. Room counts follow the training mix
 (`env.num_rooms_choices`), so the held-out set has the training distribution of difficulty.
+With `data.validation_jsonl` the held-out prompts are instead its first `val_num_prompts` rows
+(Gym rows, kept apart from `data.train_jsonl`'s by whoever wrote the two files).
 
 Sampling: the training generation config (temperature, top_p, reply cap), as NeMo-RL validates with
 its generation config: the reward at the sampling temperature is what GRPO optimises, while greedy
@@ -42,7 +44,7 @@ from pathlib import Path
 import aiohttp
 
 from minirl.config import MinirlConfig
-from minirl.data import _seed, task_row, task_seed
+from minirl.data import _seed, dataset_rows, describe, difficulty, task_row, task_seed
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
 from minirl.wire import INFRA, RolloutFailure, RolloutTimeout, classify, with_extra_body
@@ -69,11 +71,18 @@ def held_out_seeds(cfg: MinirlConfig) -> list[int]:
     return out
 
 
+def held_out_prompts(cfg: MinirlConfig) -> list[dict]:
+    """The held-out prompts: the first `val_num_prompts` rows of `data.validation_jsonl`, or the
+    doors task's held-out seeds."""
+    if cfg.data.validation_jsonl is not None:
+        return dataset_rows(cfg, "validation_jsonl")[: cfg.grpo.val_num_prompts]
+    return [task_row(cfg, seed) for seed in held_out_seeds(cfg)]
+
+
 def held_out_rows(cfg: MinirlConfig) -> list[dict]:
     """The `/run` rows of one validation: no `_minirl` block, a fixed sampling seed per rollout."""
     rows = []
-    for i, seed in enumerate(held_out_seeds(cfg)):
-        row = task_row(cfg, seed)
+    for i, row in enumerate(held_out_prompts(cfg)):
         for r in range(cfg.grpo.val_num_generations):
             params = with_extra_body(row["responses_create_params"], seed=_seed(cfg.grpo.seed, "val", i, r) % 2**31)
             rows.append({**row, "responses_create_params": params, "_rowidx": len(rows)})
@@ -96,8 +105,7 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
                 return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": "guard_reject"}}
             exc = e
         if classify(exc) != INFRA or send >= ng.max_row_attempts:
-            task = row["task"]
-            raise ValidationFailed(f"held-out row {row['_rowidx']} (seed {task['seed']}, {task['num_rooms']} rooms) "
+            raise ValidationFailed(f"held-out row {row['_rowidx']}{describe(row)} "
                                    f"failed after {send} send(s): {type(exc).__name__}: {exc}") from exc
 
 
@@ -107,7 +115,8 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
     rewards = [0.0 if ended else float(res["reward"]) for res, ended in zip(results, guard_ended)]
     by_rooms: dict[int, list[float]] = defaultdict(list)
     for row, reward in zip(rows, rewards):
-        by_rooms[row["task"]["num_rooms"]].append(reward)
+        if difficulty(row) is not None:
+            by_rooms[difficulty(row)].append(reward)
     out = {
         "val_reward_mean": sum(rewards) / len(rewards),
         "val_success_rate": sum(r == 1.0 for r in rewards) / len(rewards),

@@ -1,17 +1,22 @@
 """Rows that Gym's `/run` accepts: checked against the request shape written down from
 nemo-gym 0.4.0's models (minirl/gym/shapes.py; `make gym-check` checks the real models), and
-minirl's own agent reading the seed from `metadata.extra_body` as Gym's `vllm_model` does."""
+minirl's own agent reading the seed from `metadata.extra_body` as Gym's `vllm_model` does; the
+doors resources server's reply after the last door; a JSONL of doors rows through the real stack."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 
 import aiohttp
 import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
+from minirl import data
+from minirl.agents.env import ALL_OPEN, TOOL_NAME, DoorsEnv, verify
+from minirl.agents.items import parts_text
 from minirl.data import prompt_row
 from minirl.gym.shapes import RunRequest
 from minirl.rollout.manager import RolloutManager
@@ -101,3 +106,43 @@ def test_agent_reads_the_seed_from_extra_body(stack, base_cfg):
 
     a, b, c = asyncio.run(go())
     assert a == b and a != c
+
+
+def test_doors_server_answers_a_call_after_the_last_door_as_the_environment():
+    """minirl/gym/doors_resources_server answers `/open_door` with `parts_text(env.step(...))`: after the
+    last door it is the environment's own last word, never an exception's text (it was IndexError)."""
+    env = DoorsEnv(seed=7, num_rooms=1)
+    code = env.rooms[0].code
+    calls = [(TOOL_NAME, json.dumps({"code": code})), (TOOL_NAME, json.dumps({"code": code})),
+             (TOOL_NAME, '{"code": 999}'), (TOOL_NAME, "not json"), ("other_tool", "{}")]
+    assert [parts_text(env.step(name, args)) for name, args in calls] == [ALL_OPEN] * len(calls)
+    output = [{"type": "function_call", "name": name, "arguments": args} for name, args in calls]
+    assert verify({"seed": 7, "num_rooms": 1}, output) == 1.0  # the calls after it change nothing
+
+
+def test_a_jsonl_of_doors_rows_runs_as_the_doors_dataset(stack, base_cfg, tmp_path):
+    """Through the real agent and engine: the doors rows written to a JSONL (`data.train_jsonl`) give
+    the rollouts the doors dataset gives (same tokens, same rewards)."""
+    cfg = copy.deepcopy(base_cfg)
+    cfg.agent.max_steps, cfg.grpo.num_generations_per_prompt = 2, 2
+    from_file = copy.deepcopy(cfg)
+    from_file.data.train_jsonl = str(tmp_path / "doors.jsonl")
+    (tmp_path / "doors.jsonl").write_text("".join(json.dumps(prompt_row(cfg, 0, g)) + "\n" for g in range(2)))
+    from_file.data.shuffle = False
+    data.prepare(from_file)
+
+    async def go():
+        async with stack(cfg) as s:
+            out = []
+            for c in (cfg, from_file):
+                manager = RolloutManager(c, [s.agent_url], lambda event: None, 512)
+                try:
+                    outcomes = await manager.run_step(0, [prompt_row(c, 0, g) for g in range(2)])
+                finally:
+                    await manager.session.close()
+                out.append([(r.reward, [call.gen for call in r.calls])
+                            for o in outcomes for _, r in sorted(o.rollouts.items())])
+            return out
+
+    doors, jsonl = asyncio.run(go())
+    assert len(doors) == 4 and all(calls for _, calls in doors) and doors == jsonl

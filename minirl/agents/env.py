@@ -30,6 +30,8 @@ COLORS = ("red", "blue", "gray", "green", "white", "black", "brown", "gold")
 TOOL_NAME = "open_door"
 TASKS = ("doors", "doors_memory")
 """The `task.env` values an episode may have (`env.task`)."""
+ALL_OPEN = "All doors are open."
+"""The environment's reply to the call that opens the last door, and to any call after it."""
 NOTE_ROOM = 1
 """`doors_memory`: index of the room whose picture carries the note (the first shown by a tool reply)."""
 
@@ -141,6 +143,8 @@ class DoorsEnv:
         return [{"type": "input_text", "text": text}, image_part(self.picture(self.room))]
 
     def step(self, name: str, arguments: str) -> list[dict]:
+        if self.done:  # a call after the last door (a Gym agent may make one): the episode's last word, again
+            return [{"type": "input_text", "text": ALL_OPEN}]
         code = parse_code(name, arguments)
         if code is None:
             return [{"type": "input_text", "text": "Error: call open_door with an integer code."}]
@@ -148,7 +152,7 @@ class DoorsEnv:
             return self._room_parts("Wrong code.")
         self.room += 1
         if self.done:
-            return [{"type": "input_text", "text": "All doors are open."}]
+            return [{"type": "input_text", "text": ALL_OPEN}]
         return self._room_parts(f"Opened. Room {self.room + 1}.")
 
 

@@ -34,7 +34,7 @@ from typing import Awaitable, Callable, NamedTuple
 import aiohttp
 
 from minirl.config import MinirlConfig
-from minirl.data import sampling_seed
+from minirl.data import difficulty, sampling_seed
 from minirl.faults import FAULT_KINDS, FaultPlan
 from minirl.gym_failures import error_failure, failure_facts
 from minirl.rollout.evidence import parse_rollout, reward_bound
@@ -337,7 +337,7 @@ class RolloutManager:
             sends += 1
             out.row_sends += 1
             self.sends += 1
-            self._planned_faults(coords, row["task"]["num_rooms"])
+            self._planned_faults(coords, difficulty(row))
             body = {**row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": gid}}
             body["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=sampling_seed(self.cfg, step, group, r, coords.attempt))
             url = self.agent_urls[(group * self.cfg.grpo.num_generations_per_prompt + r) % len(self.agent_urls)]
@@ -367,7 +367,7 @@ class RolloutManager:
             out.rollouts[r] = rollout
             return rollout
 
-    def _planned_faults(self, c: Coords, num_rooms: int) -> None:
+    def _planned_faults(self, c: Coords, num_rooms: int | None) -> None:
         for kind in FAULT_KINDS:
             call = self.plan.call_of(kind, c, num_rooms)
             if call is not None:
