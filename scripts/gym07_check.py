@@ -11,7 +11,10 @@ generation side it started (router, attached worker): everything the 0.4.0 half 
 4. 2 training steps: rollouts trained, logprob_abs_error < 1e-3, every trained call matched in the
    ledger (calls_unrecorded = 0); at step 1 the verifier's mask_sample masks exactly that rollout
    (mask event with reason mask_sample and failure_kind session_lost, masked_by_kind counts it, the
-   rest of its group trains).
+   rest of its group trains);
+5. Gym 0.7's own Environment Server failures (`BaseEnvironmentServer.run_request` answering an
+   `EpisodeFailure`, minirl/gym/episodes_v07.py) through minirl's rollout manager: terminal ones
+   are never retried, non-terminal ones are, within the INFRA budget.
 
 Returns the names of the checks that failed; prints one `gym-check 0.7.0:` line per check.
 """
@@ -105,6 +108,36 @@ def check_training(urls: dict, attach: list, overrides: list, work: Path, env: d
            "grpo.baseline_excludes_masked)", failures, "mask_sample")
 
 
+def check_episode_failures(url: str, cfg, failures: list) -> None:
+    """minirl's rollout manager against Gym 0.7's Environment Server (minirl/gym/episodes_v07.py):
+    group 0's terminal EpisodeFailure is sent once per row and skipped; group 1's non-terminal one is
+    retried within the INFRA budget (row re-sends x group attempts), then dropped."""
+    import asyncio
+
+    from minirl.data import prompt_row
+    from minirl.rollout.manager import RolloutManager
+
+    events: list[dict] = []
+
+    async def go():
+        m = RolloutManager(cfg, [url], events.append, vocab_size=10**6)  # the real backoff between group attempts
+        try:
+            return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(2)])
+        finally:
+            await m.session.close()
+
+    outcomes = asyncio.run(go())
+    rf, G = cfg.async_rl.rollout_failure, cfg.grpo.num_generations_per_prompt
+    budget = rf.max_infra_attempts_per_prompt * rf.nemo_gym.max_row_attempts * G
+    kinds = sorted({(e["group"], e["class"], e["failure_kind"], e["terminal"]) for e in events if e["type"] == "failure"})
+    ok = ([(o.status, o.row_sends) for o in outcomes] == [("skipped", G), ("dropped", budget)]
+          and kinds == [(0, "data", "provider_quota_exhausted", True), (1, "infra", "provider_unavailable", False)])
+    _check(ok, f"Gym's EpisodeFailure through the rollout manager: (status, /run sends) per group "
+           f"{[(o.status, o.row_sends) for o in outcomes]} (terminal: skipped after {G}, one per row, never retried; "
+           f"non-terminal: dropped after {budget} = max_infra_attempts_per_prompt x max_row_attempts x G); "
+           f"failure events (group, class, kind, terminal) {kinds}", failures, "EpisodeFailure")
+
+
 def run(post, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
     """The 0.7.0 half (`post`: gym_check's JSON POST); returns the failed checks' names. Stops its Gym
     process whatever happens."""
@@ -114,6 +147,7 @@ def run(post, python: str, cfg, router: str, attach: list, overrides: list, rows
         gym, urls = start_gym(python, cfg, router, work, env)
         say(f"Gym servers up: {urls}")
         check_serving(post, python, urls, rows, cfg, work, env, failures)
+        check_episode_failures(urls["failing_episodes"], cfg, failures)
         check_training(urls, attach, overrides, work, env, failures)
     except Exception as exc:  # report, then stop the Gym process
         say(f"FAIL {type(exc).__name__}: {exc}")

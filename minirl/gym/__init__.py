@@ -1,9 +1,10 @@
 """minirl's side of NeMo Gym: the request shape written down from Gym's models (`shapes`; a row's
 sampling extras are `minirl.wire.extra_body`), a check of rows against the real models (`serve`),
 and a Gym resources server for the `doors` task
-(`doors_resources_server`; on nemo-gym 0.7.0's classes, `doors_v07`: these import `nemo_gym` and
-run in a Gym venv; `serve_v07` launches 0.7's servers).
+(`doors_resources_server`; on nemo-gym 0.7.0's classes, `doors_v07`, and `episodes_v07`, an
+Environment Server whose episodes fail: these import `nemo_gym` and run in a Gym venv; `serve_v07`
+launches 0.7's servers).
 
-Invariant: importing `minirl.gym` or any module here other than `doors_resources_server` and
-`doors_v07` needs no `nemo_gym` install.
+Invariant: importing `minirl.gym` or any module here other than `doors_resources_server`,
+`doors_v07` and `episodes_v07` needs no `nemo_gym` install.
 """

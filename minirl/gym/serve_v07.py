@@ -2,7 +2,8 @@
 `vllm_model` (with `request_prompt_and_generation_token_ids: true`, 0.7's inline token ids: the
 chat request asks for `return_token_ids`, so no `/tokenize` call), Gym's `simple_agent`, and
 `DoorsResourcesServer07` (minirl/gym/doors_v07.py) with the run's fault plan, launched as
-`minirl.gym.serve` launches 0.4's (same config builder, same ready line).
+`minirl.gym.serve` launches 0.4's (same config builder, same ready line); and `failing_episodes`,
+a Gym 0.7 Environment Server whose episodes fail (minirl/gym/episodes_v07.py).
 
 `--check-shapes` instead validates, against Gym 0.7's own models, the rows and the failure shapes
 minirl's mapping reads (minirl/gym_failures.py, tests/test_gym_failures.py): an `EpisodeFailure`
@@ -19,7 +20,7 @@ import json
 import os
 import sys
 
-from minirl.gym.serve import gym_config, gym_servers, serve
+from minirl.gym.serve import free_port, gym_config, gym_servers, serve
 
 
 def check_shapes(rows_path: str) -> None:
@@ -55,11 +56,17 @@ def gym07_servers(global_cfg: dict, faults: dict) -> list:
     from minirl.gym.doors_resources_server import DoorsResourcesServer
     from minirl.gym.doors_v07 import DoorsResourcesServer07
 
+    from minirl.gym.episodes_v07 import FailingEpisodes
+    from nemo_gym.base_environment_server import BaseEnvironmentServerConfig
+
     servers = gym_servers(global_cfg)
     for i, server in enumerate(servers):
         if type(server) is DoorsResourcesServer:
             servers[i] = DoorsResourcesServer07(config=server.config, server_client=server.server_client, faults=faults)
-    return servers
+    host = servers[0].config.host
+    episodes = BaseEnvironmentServerConfig(name="failing_episodes", host=host, port=free_port(), entrypoint="app.py",
+                                           cleanup_timeout_seconds=5)
+    return [*servers, FailingEpisodes(config=episodes, server_client=servers[0].server_client)]
 
 
 def main() -> None:
