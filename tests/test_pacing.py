@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from minirl.async_rl.pacing import Pacer, prompt_class, quantile
+from minirl.async_rl.pacing import Pacer, prompt_class, protects, quantile
 from minirl.config import ConfigError, load_config
 
 
@@ -36,38 +36,59 @@ def test_a_group_that_ends_after_the_window_is_held_and_one_that_fits_is_admitte
     for d in (11.0, 12.0):
         p.observed(4, d)
     assert p.period() == 10.0 and p.window_left(21.0) == pytest.approx(9.0)
-    assert (p.decide(1, 21.0, False).admit, p.decide(1, 21.0, False).reason) == (True, "fits")
-    assert p.decide(1, 21.0, False).expected_s == 4.0  # the 0.9 quantile of 3, 3.5, 4
-    assert p.decide(1, 26.5, False).admit is False  # 3.5 s left, 4 s expected
-    held = p.decide(4, 21.0, False)
+    assert (p.decide([1], 21.0, False).admit, p.decide([1], 21.0, False).reason) == (True, "fits")
+    assert p.decide([1], 21.0, False).expected_s == 4.0  # the 0.9 quantile of 3, 3.5, 4
+    assert p.decide([1], 26.5, False).admit is False  # 3.5 s left, 4 s expected
+    held = p.decide([4], 21.0, False)
     assert (held.admit, held.reason, held.expected_s) == (False, "hold", 12.0)
-    assert p.decide(4, 21.0, True).admit and p.decide(4, 21.0, True).reason == "starving"
+    assert p.decide([4], 21.0, True).admit and p.decide([4], 21.0, True).reason == "starving"
 
 
 def test_a_wider_window_admits_what_one_period_holds():
     p = Pacer(2, started_at=0.0)
     p.published(10.0)
     p.observed(4, 12.0)
-    assert p.decide(4, 10.0, False).admit  # 2 periods = 20 s left
-    assert not p.decide(4, 19.0, False).admit  # 11 s left
+    assert p.decide([4], 10.0, False).admit  # 2 periods = 20 s left
+    assert not p.decide([4], 19.0, False).admit  # 11 s left
 
 
 def test_an_unseen_class_is_admitted_to_learn_unless_a_bound_says_it_will_not_fit():
     p = Pacer(1, started_at=0.0)
     p.published(10.0)
-    assert p.decide("new", 10.0, False).reason == "unknown"
+    assert p.decide(["new"], 10.0, False).reason == "unknown"
     bounded = Pacer(1, bound_s=30.0, started_at=0.0)
     bounded.published(10.0)
-    assert not bounded.decide("new", 10.0, False).admit
+    assert not bounded.decide(["new"], 10.0, False).admit
     bounded.observed("new", 2.0)  # an observation replaces the bound
-    assert bounded.decide("new", 10.0, False).admit
+    assert bounded.decide(["new"], 10.0, False).admit
+
+
+def test_an_unseen_class_is_expected_as_slow_as_the_slowest_seen_and_a_batch_as_its_slowest_class():
+    p = Pacer(1, started_at=0.0)
+    p.published(10.0)
+    p.observed(1, 2.0)
+    p.observed(8, 9.0)
+    assert p.expected(4) == 9.0
+    assert not p.decide([1, 1, 8], 12.0, False).admit and p.decide([1, 1], 12.0, False).admit  # 8 s left
+
+
+def test_protects_keeps_a_place_for_the_oldest_live_group_in_flight():
+    """S = 1, N = 4, version 5. A group started under 5 while step 5 has not selected yet can be
+    taken by steps 5 and 6: 8 places, so with the new group at most 7 others besides it."""
+    assert protects({5: 1}, 5, 5, 1, 4, pending=True) and protects({5: 4}, 3, 5, 1, 4, pending=True)
+    assert not protects({5: 4}, 4, 5, 1, 4, pending=True)
+    # step 5 took its groups: only step 6 is left for it, 4 places: 3 others at most with the new one
+    assert protects({5: 1}, 2, 5, 1, 4, pending=False) and not protects({5: 2}, 2, 5, 1, 4, pending=False)
+    # a group under 4 after step 5 selected is no longer selectable (it will be evicted): the next oldest counts
+    assert protects({4: 3, 5: 1}, 2, 5, 1, 4, pending=False) and not protects({4: 1, 5: 2}, 2, 5, 1, 4, pending=False)
+    assert protects({}, 9, 5, 1, 4, pending=True)  # nothing in flight: nothing to protect
 
 
 def test_before_the_first_publish_only_a_starving_step_is_fed():
     """No step period is known: admit only what the first step needs."""
     p = Pacer(1, started_at=0.0)
     assert p.window_left(1.0) is None
-    assert not p.decide(1, 1.0, False).admit and p.decide(1, 1.0, True).admit
+    assert not p.decide([1], 1.0, False).admit and p.decide([1], 1.0, True).admit
 
 
 def test_the_period_is_the_median_of_recent_publish_intervals():
@@ -132,6 +153,6 @@ def test_paced_windowed_run_evicts_nothing_where_eager_evicts_most(tmp_path, sha
     pace = [e for e in evs if e["type"] == "pace"]
     holds = [e for e in pace if e["decision"] == "hold"]
     assert holds and all(e["decision"] == "admit_starving" for e in pace if e["decision"] != "hold")
-    assert all(e["prompt_class"] == 2 for e in pace)  # the default task: 2 rooms
+    assert all(e["prompt_classes"] == [2] for e in pace)  # the default task: 2 rooms
     dispatched = [e for e in evs if e["type"] == "dispatch"]
     assert len(dispatched) <= 4 * 2 + 4  # each step's 4, and at most one batch drawn past the last step

@@ -8,17 +8,23 @@ v was. With P the median of the recent intervals between publishes and t_v the t
 published, a group's window closes at t_v + S * P (a conservative bound: that step may also wait
 for groups and select later). A group's expected duration is the `pacing_quantile` of the recent
 dispatch-to-commit durations of its *prompt class* (`prompt_class`: the row's difficulty; for doors
-the room count), or `pacing_bound_s` for a class not seen yet. The pump holds the group at the
-head of the stream while now + expected > t_v + S * P, and admits it:
+the room count); for a class not seen yet, `pacing_bound_s`, else the slowest class seen. The pump
+holds the group at the head of the stream while now + expected > t_v + S * P, and admits it:
 - when it fits (a publish opens a fresh window, or the estimates shrink);
-- when its class has no observed duration and no bound: the pacer learns from what it admits
+- when nothing has been observed yet and no bound is set: the pacer learns from what it admits
   (but before the first publish, with no step period known, only what the first step needs starts);
 - when the train pump is starving (waiting for a step with fewer groups in flight or ready in the
   window than a step takes): holding then would stall the version, and with it the window, for ever.
+A gated sampler (weight_fifo, in_order) trains batches of one start weight: it is paced a batch at a
+time, at the batch's first group, by the slowest class in the batch (a batch split across versions
+would be evicted as a short weight). An ungated sampler (windowed) takes any ready groups of the
+window, so a slow group admitted (it fit, or the step starved) would still lose its place to fast
+groups started after it: there the pump also holds while one more group could push the oldest live
+group in flight out of its window (`protects`, a bound by counts that needs no estimate).
 
-Invariant: `Pacer.decide` is a pure function of what was observed and its arguments (the clock is
-passed in); holding never loses a prompt (the stream order is kept), and the pump is never held
-while the train pump starves.
+Invariant: `Pacer.decide` and `protects` are pure functions of what was observed and their arguments
+(the clock is passed in); holding never loses or reorders a prompt, and the pump is never held by
+the duration rule while the train pump starves.
 """
 
 from __future__ import annotations
@@ -36,6 +42,22 @@ def prompt_class(row: dict) -> Hashable:
         return row["difficulty"]
     task = row.get("task")
     return task.get("num_rooms") if isinstance(task, dict) else None
+
+
+def protects(inflight: dict[int, int], ready_in_window: int, version: int, s: int, n: int, pending: bool) -> bool:
+    """An ungated sampler (windowed) fills a step with any N ready groups of the window, the oldest
+    start weight first, so a slow group loses its place to fast groups started after it. May one
+    more group start? Only if the oldest *live* group in flight (start weight v, still selectable by
+    some step) keeps a place even if every other group in flight or ready finishes before it: the
+    steps that can still take it select (v + S - version + pending) * N groups, and the others and
+    the new group must leave it one. `inflight`: start weight -> groups in flight; `pending`: the
+    step at `version` has not selected yet."""
+    chances = {v: v + s - version + int(pending) for v, k in inflight.items() if k > 0}
+    live = {v: c for v, c in chances.items() if c >= 1}
+    if not live:
+        return True
+    others = ready_in_window + sum(inflight[v] for v in live) - 1
+    return others + 2 <= chances[min(live)] * n
 
 
 @dataclass(frozen=True)
@@ -72,8 +94,14 @@ class Pacer:
         self.durations.setdefault(cls, deque(maxlen=self.history)).append(seconds)
 
     def expected(self, cls: Hashable) -> float | None:
+        """The class's quantile; for a class not seen yet `pacing_bound_s`, else the slowest class
+        seen (conservative), else None (nothing seen: admit and learn)."""
         seen = self.durations.get(cls)
-        return quantile(list(seen), self.q) if seen else self.bound_s
+        if seen:
+            return quantile(list(seen), self.q)
+        if self.bound_s is not None:
+            return self.bound_s
+        return max((quantile(list(d), self.q) for d in self.durations.values()), default=None)
 
     def period(self) -> float | None:
         """The median interval between publishes (None before the first publish)."""
@@ -86,8 +114,10 @@ class Pacer:
         period = self.period()
         return None if period is None else self.publishes[-1] + self.s * period - now
 
-    def decide(self, cls: Hashable, now: float, starving: bool) -> Decision:
-        expected, left = self.expected(cls), self.window_left(now)
+    def decide(self, classes: list, now: float, starving: bool) -> Decision:
+        """May groups of these classes (one group, or a gated sampler's whole batch) start at `now`?"""
+        known = [e for e in map(self.expected, classes) if e is not None]
+        expected, left = (max(known) if known else None), self.window_left(now)
         if expected is None and left is not None:
             return Decision(True, "unknown", expected, left)
         if left is not None and expected <= left:

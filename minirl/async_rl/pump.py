@@ -30,10 +30,12 @@ re-dispatches the places that were in flight (under the resumed version: the pro
 fault stream are functions of the coordinates) and goes on from the cursor: only what is missing
 is generated again.
 
-Pacing (`async_rl.sampler.admission=paced`, pacing.py): the next group is also held while its
-expected duration (by prompt class) would end after its window closes, unless the train pump is
-starving; a `pace` event records each hold and the admission that ends it. Each committed group's
-dispatch-to-commit time is observed by its class, and each publish's time.
+Pacing (`async_rl.sampler.admission=paced`, pacing.py): the next group (a gated sampler's next
+batch) is also held while its expected duration (by prompt class) would end after its window
+closes, unless the train pump is starving, and under an ungated sampler while one more group could
+push the oldest live group in flight out of its window; a `pace` event records each hold and the
+admission that ends it. Each committed group's dispatch-to-commit time is observed by its class,
+and each publish's time.
 
 Watchdogs: the manager's (no rollout completed for `stall_timeout_s` with some in flight), and the
 pump's own for a train pump that has waited `stall_timeout_s` with none in flight, which no
@@ -55,7 +57,7 @@ from collections import Counter
 from typing import Awaitable, Callable
 
 from minirl.async_rl.buffer import GroupBuffer, GroupRecord
-from minirl.async_rl.pacing import Pacer, prompt_class
+from minirl.async_rl.pacing import Decision, Pacer, prompt_class, protects
 from minirl.async_rl.samplers import Sampler
 from minirl.config import MinirlConfig
 from minirl.data import prompt_row
@@ -87,6 +89,7 @@ class RolloutPump:
         sc = cfg.async_rl.sampler
         self.pacer = Pacer(sampler.s, sc.pacing_quantile, sc.pacing_bound_s, time.monotonic()) if sc.admission == "paced" else None
         self.held: list | None = None  # paced: [step, group, since] of the group held at the head
+        self.selected = -1  # the last version whose step took its groups (set by the train pump's source)
         if restored is not None:
             self._restore(restored, first_step)
 
@@ -186,7 +189,7 @@ class RolloutPump:
                        and self._paced(step + self._diverted(), group)):
                 self.wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):  # paced: the clock and the train pump's wait move too
-                    await asyncio.wait_for(self.wake.wait(), None if self.held is None else 0.2)
+                    await asyncio.wait_for(self.wake.wait(), None if self.pacer is None else 0.2)
             await self.buffer.reserve()
             await self.permitted.wait()  # a sync may have begun while the place was reserved
             self._launch([step + self._diverted(), group, step, False, 0])
@@ -194,24 +197,31 @@ class RolloutPump:
             self.next = (step + (group + 1) // n, (group + 1) % n)
 
     def _paced(self, step: int, group: int) -> bool:
-        """`admission=paced`: may prompt (step, group) start now (pacing.py)? A hold and the admission
-        that ends it are `pace` events."""
-        if self.pacer is None:
+        """`admission=paced`: may prompt (step, group) start now (pacing.py)? A gated sampler's batch
+        is paced whole at its first group; an ungated sampler's group also waits for `protects`."""
+        if self.pacer is None or (self.sampler.gated and group > 0):
             return True
-        n = self.cfg.grpo.num_prompts_per_step
+        n, gated = self.cfg.grpo.num_prompts_per_step, self.sampler.gated
+        classes = [prompt_class(prompt_row(self.cfg, step, g)) for g in (range(n) if gated else [group])]
         ready = sum(self.sampler.in_window(r, self.version) for r in self.buffer.ready if r.outcome.status == "committed")
         starving = self.train_waiting is not None and (not self.tasks or len(self.tasks) + ready < n)
-        cls = prompt_class(prompt_row(self.cfg, step, group))
-        d = self.pacer.decide(cls, time.monotonic(), starving)
-        event = {"type": "pace", "step": step, "group": group, "prompt_class": cls, "version": self.version,
-                 "expected_s": d.expected_s, "window_left_s": d.window_left_s}
+        d = self.pacer.decide(classes, time.monotonic(), starving)
+        if d.admit and not gated and not protects(self.inflight, ready, self.version, self.sampler.s, n,
+                                                  self.selected != self.version):
+            d = Decision(False, "protect", d.expected_s, d.window_left_s)
+        self._pace_event(step, group, classes, d)
+        return d.admit
+
+    def _pace_event(self, step: int, group: int, classes: list, d: Decision) -> None:
+        """A hold's first decision and the admission that ends it, as `pace` events."""
+        event = {"type": "pace", "step": step, "group": group, "prompt_classes": classes, "version": self.version,
+                 "expected_s": d.expected_s, "window_left_s": d.window_left_s, "reason": d.reason}
         if not d.admit and self.held is None:
             self.held = [step, group, time.monotonic()]
             self.manager.emit({**event, "decision": "hold"})
         elif d.admit and self.held is not None:
             self.manager.emit({**event, "decision": f"admit_{d.reason}", "held_s": time.monotonic() - self.held[2]})
             self.held = None
-        return d.admit
 
     def _diverted(self) -> int:
         """Training batches diverted into the pool so far (`replacement_prompt_source=stream`): step s

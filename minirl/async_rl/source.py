@@ -87,6 +87,7 @@ class BufferSource:
             stale, chosen = await self.buffer.take_when(lambda ready: self._pick(step, version, ready))
         finally:
             self.pump.train_waiting = None
+        self.pump.selected = version  # the step at `version` has its groups (pacing counts on it)
         # upstream's counters: a place whose spare committed is replaced (counted in the step it filled),
         # a group re-stamped into the step promoted; `dropped_prompt_groups` is the shortfall left
         counts = dict(zip(ASYNC_COUNTS, (len(stale), sum(r.promoted for r in chosen),
