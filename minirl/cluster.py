@@ -183,7 +183,7 @@ class Cluster:
         cfg = self.cfg
         if cfg.agent.external_url:
             self.agents = []
-            return [cfg.agent.external_url.rstrip("/")]
+            return cfg.agent.external_urls()
         self.agents = [
             ray.remote(AgentServer).options(num_cpus=0, max_restarts=-1)
             .remote(cfg, model_urls, host, free_port(host))

@@ -250,6 +250,16 @@ class RolloutFailureConfig:
     """Backoff before INFRA retry k: min(backoff_base_s * 2**(k-1), max_backoff_s)."""
     max_backoff_s: float = 30.0
     """Backoff ceiling; must be >= backoff_base_s."""
+    agent_restart_window_s: float = bounded(60.0, ge=0)
+    """A group whose `/run` cannot reach any agent server (connection refused or reset: a server down or
+    restarting) keeps retrying with the backoff above, past `max_infra_attempts_per_prompt`, until its
+    backoff adds up to this many seconds (minirl; 0: upstream, the attempts alone, ~7.5 s with
+    configs/default.yaml's backoff)."""
+    max_identical_failures: int = bounded(3, ge=0)
+    """A row whose `/run` is answered with the same 5xx status and the same error text on this many
+    sends in a row has a deterministic failure (minirl): it is not retried again, and its group is
+    skipped as DATA within `max_skipped_prompts`, or ends the run naming the failure. 502, 503, 504
+    and an unreachable model server never count. 0: never (upstream: retried to the INFRA budget)."""
     max_skipped_prompts: int = bounded(0, ge=0)
     """Run-wide budget of prompts skipped after DATA failures (0: re-raise the DATA error)."""
     max_consecutive_dropped_prompts: int = bounded(0, ge=0)
@@ -511,11 +521,26 @@ class AgentConfig:
     """`compaction_agent` or `simple_agent`; sent as the row's `agent_ref.name`."""
     max_steps: int = bounded(4, ge=1)
     """Model calls per episode at most."""
-    external_url: Optional[str] = None
-    """Base URL of an external Gym-style agent server; minirl then starts no agent pool."""
+    external_url: Optional[Union[str, list[str]]] = None
+    """Base URL of an external Gym-style agent server, or a list of them (several agent servers of one
+    Gym deployment); minirl then starts no agent pool. See `selection`."""
+    selection: Literal["least_busy", "round_robin"] = "least_busy"
+    """Which agent server (external, or `cluster.num_agent_servers` of minirl's pool) a `/run` goes
+    to: `least_busy` (fewest of this run's `/run` requests in flight, ties in turn) or `round_robin`.
+    One that refused or reset a connection is passed over while others answer, and the row is
+    re-sent at once on another (rollout/agent_pool.py)."""
+    uses_reasoning_parser: bool = True
+    """Gym's `vllm_model` flag of the same name, for minirl's own agent: `false` expects replies with
+    the reasoning left in the content (a model server without a reasoning parser), and fails the call
+    with Gym's AssertionError when one carries a separate `reasoning` field, as Gym's server does."""
     max_request_bytes: int = bounded(8_000_000, ge=1)
     """Largest `/run` request body the agent server accepts."""
     context_history: ContextHistoryConfig = field(default_factory=ContextHistoryConfig)
+
+    def external_urls(self) -> list[str]:
+        """`external_url` as a list of base URLs (none: minirl's own pool serves)."""
+        url = self.external_url
+        return [u.rstrip("/") for u in ([url] if isinstance(url, str) else url or [])]
 
 
 @dataclass
@@ -961,14 +986,18 @@ def _check_outside(cfg: MinirlConfig) -> None:
     _require(resume in ("none", "auto") or Path(resume).is_dir(), "checkpoint.resume",
              f"must be none, auto or an existing checkpoint directory; {resume!r} is not a directory")
     url = cfg.agent.external_url
-    if url is not None:
+    urls = [url] if isinstance(url, str) else list(url or [])
+    _require(url is None or bool(urls), "agent.external_url", "must be a URL or a non-empty list of URLs, got []")
+    for i, one in enumerate(urls):
+        key = "agent.external_url" if isinstance(url, str) else f"agent.external_url[{i}]"
         try:
-            parts = urlparse(url)
+            parts = urlparse(one)
             parts.port  # raises ValueError on a bad port
         except ValueError as exc:
-            raise ConfigError("agent.external_url", f"{url!r} is not a URL: {exc}") from None
-        _require(parts.scheme in ("http", "https") and bool(parts.hostname), "agent.external_url",
-                 f"must be an http(s) URL with a host, got {url!r}")
+            raise ConfigError(key, f"{one!r} is not a URL: {exc}") from None
+        _require(parts.scheme in ("http", "https") and bool(parts.hostname), key,
+                 f"must be an http(s) URL with a host, got {one!r}")
+    _require(len(set(urls)) == len(urls), "agent.external_url", f"lists a URL twice: {urls}")
 
 
 def to_yaml(cfg: MinirlConfig) -> str:

@@ -35,7 +35,7 @@ from minirl.data import prompt_key, prompt_row
 from minirl.generation.fleet import FleetWatch
 from minirl.gym_failures import KindCounts, mask_facts
 from minirl.rollout.evidence import Ledger
-from minirl.rollout.manager import RolloutManager, StepTake
+from minirl.rollout.manager import RolloutManager, StepTake, dominant_failure
 from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
 
 
@@ -52,7 +52,8 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
             f"training step {step} lost {lost} of {n} prompt group(s), leaving {len(kept)}, below the floor of "
             f"{floor} set by async_rl.rollout_failure.min_step_batch_fraction={fraction}. Either the generation "
             "fleet is failing a whole step's worth of prompts, or the drop budgets are set too high to catch it: "
-            "they are run-scoped and cannot bound how short a single step gets."
+            "they are run-scoped and cannot bound how short a single step gets. "
+            + dominant_failure([o.reason or o.status for o in outcomes if o.status != "committed"])
         )
     cc = cfg.context_compaction
     if not cc.enabled:
@@ -209,6 +210,7 @@ class Controller:
         self.fleet = FleetWatch(fleet, cfg.async_rl.generation_fleet_health.probe_interval_s, self.events.write)
         self.pool: list[dict] = []  # external agents: headerless records not matched yet
         self.counters = (0, 0, 0)  # the manager's run totals (sends, returned, guard rejections) at the last step
+        self.deterministic_seen = 0  # the manager's run total of deterministic failures at the last step
         self.step: int | None = None  # the step last collected (a later failure is that step's)
         self.failed = False  # the run's run_failed event is written
 
@@ -310,6 +312,7 @@ class Controller:
         staleness = [version - w for o, w in zip(outcomes, take.start_weights) if o.status == "committed"] or [0]
         _, _, guard_failed = self._step_counters()
         self.counters = (self.manager.sends, self.manager.returned, self.manager.guard_rejections)
+        deterministic, self.deterministic_seen = self.manager.deterministic - self.deterministic_seen, self.manager.deterministic
         return dict(
             rollout_attempts=sum(o.row_sends for o in outcomes),
             rollouts_generated=sum(o.rows_returned for o in outcomes),
@@ -319,6 +322,7 @@ class Controller:
             calls_stale=ledger.get("calls_stale", 0),  # external agents: masked, see Ledger.match_external
             calls_logprob_mismatch=ledger.get("calls_logprob_mismatch", 0),
             calls_matched=ledger.get("calls_matched", 0),
+            deterministic_failures=deterministic,  # rows found to fail the same way every time (skipped as DATA)
             gen_time_s=gen_s,
             engine_busy_s=engine_busy_s,
             gen_tokens=generated,

@@ -123,12 +123,23 @@ class GymTransportError(RolloutInfraFailure):
         self.error_type = error_type
 
 
+class AgentUnreachable(GymTransportError):
+    """`/run` could not reach the agent server: the connection was refused or reset (the server is
+    down, or restarting at its port). Re-sent on another agent server at once; a group that reaches
+    none keeps retrying for `rollout_failure.agent_restart_window_s` of backoff."""
+
+
 class RolloutDataFailure(RolloutFailure):
     """The rollout's result is unusable: retry without backoff, then skip or raise."""
 
     def __init__(self, message: str, error_type: str | None = None):
         super().__init__(message)
         self.error_type = error_type
+
+
+class DeterministicFailure(RolloutDataFailure):
+    """A row's `/run` answered the same 5xx and error text on `max_identical_failures` sends in a row:
+    it will not pass, so its group is never retried again (skipped as DATA, or the run ends naming it)."""
 
 
 class RolloutRedispatchExhausted(RuntimeError):

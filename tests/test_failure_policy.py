@@ -188,9 +188,11 @@ def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base
     both = {"kind": "bad_output", "step": 0, "rollout": 0}  # groups 0 and 1: the second exceeds the budget
     run = run_step(stack, policy_cfg(base_cfg, [both], max_data_attempts_per_prompt=1, max_skipped_prompts=1))
     assert isinstance(run.error, RolloutDataFailure)
-    assert str(run.error) == ("skipped 1 prompts and this one also exhausted its data budget, exceeding "
-                              "max_skipped_prompts=1; the dataset or sequence-length configuration is likely wrong")
+    assert str(run.error).startswith("skipped 1 prompts and this one also exhausted its data budget, exceeding "
+                                     "max_skipped_prompts=1; the dataset or sequence-length configuration is likely wrong. ")
     assert "invalid JSON" in str(run.error.__cause__)
+    assert "Dominant failure (all 2 lost group(s)): RolloutDataFailure: malformed /run result: NeMo-Gym /run for s0.g1.r0.a0" \
+           in str(run.error), "the cause, named"
 
 
 def test_a_group_with_every_rollout_masked_has_no_owner_and_drops_under_cc(stack, base_cfg):

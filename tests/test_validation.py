@@ -63,7 +63,7 @@ def test_a_fleet_that_cannot_answer_fails_the_validation_by_name_after_its_resen
     from minirl.cluster import free_port
 
     with pytest.raises(ValidationFailed, match=r"held-out row \d \(seed \d+, 2 rooms\) failed after 2 send\(s\): "
-                                               r"GymTransportError"):
+                                               r"AgentUnreachable"):
         asyncio.run(validate(cfg, [f"http://127.0.0.1:{free_port('127.0.0.1')}"], version=0))
 
 

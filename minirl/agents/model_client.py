@@ -21,6 +21,13 @@ from minirl.agents.episode import ModelReply
 from minirl.wire import ROLLOUT_HEADER, GenerationUnavailable, ModelCallFailed
 
 LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
+GYM_NO_REASONING_PARSER = (
+    "NeMo Gym server `{name}` config has explicitly been set to not use a reasoning parser i.e. "
+    "`uses_reasoning_parser: false`. Please do not use a reasoning parser in your vLLM endpoint, or fix the "
+    "`{name}` server config!"
+)
+"""Gym's `vllm_model` (nemo-gym 0.4.0, responses_api_models/vllm_model/app.py) asserts this when a reply
+carries `reasoning_content` / `reasoning` under `uses_reasoning_parser: false`; Gym's middleware makes it a 500."""
 
 
 def chat_body(model: str, messages: list[dict], tools: list[dict] | None, params: dict, required_prefix: list[int] | None = None) -> dict:
@@ -54,8 +61,9 @@ class HttpModelClient:
     """`urls`: the generation workers (a rollout's calls stick to one, for its prefix cache), or with
     `async_rl.generation_fleet_health` the router alone, which routes around quarantined workers."""
 
-    def __init__(self, urls: list[str], model: str, session: aiohttp.ClientSession):
+    def __init__(self, urls: list[str], model: str, session: aiohttp.ClientSession, uses_reasoning_parser: bool = True):
         self.urls, self.model, self.session = urls, model, session
+        self.uses_reasoning_parser = uses_reasoning_parser  # agent.uses_reasoning_parser (Gym's vllm_model flag)
 
     def _url(self, key: str) -> str:
         # sticky per rollout (prefix cache), spread across workers
@@ -94,6 +102,9 @@ class HttpModelClient:
                 return ModelReply({"content": ""}, "length", None, f"context_length: {error}")
             raise error
         choice = data["choices"][0]
+        message = choice["message"]
+        if not self.uses_reasoning_parser and (message.get("reasoning_content") or message.get("reasoning")):
+            raise AssertionError(GYM_NO_REASONING_PARSER.format(name="policy_model"))  # as Gym's vllm_model asserts it
         evidence = {
             "prompt_token_ids": data["prompt_token_ids"],
             "generation_token_ids": choice["token_ids"],

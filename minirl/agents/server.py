@@ -161,7 +161,8 @@ class AgentServer:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             connector=aiohttp.TCPConnector(limit=0),
         )
-        self.client = HttpModelClient(self.model_urls, self.cfg.policy.model_name, self.session)
+        self.client = HttpModelClient(self.model_urls, self.cfg.policy.model_name, self.session,
+                                      self.cfg.agent.uses_reasoning_parser)
         return self.app()
 
     async def health(self, request: web.Request) -> web.Response:

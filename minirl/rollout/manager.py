@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, NamedTuple
 
 import aiohttp
@@ -37,11 +39,14 @@ from minirl.config import MinirlConfig
 from minirl.data import difficulty, sampling_seed
 from minirl.faults import FAULT_KINDS, FaultPlan
 from minirl.gym_failures import error_failure, failure_facts
+from minirl.rollout.agent_pool import AgentPool
 from minirl.rollout.evidence import parse_rollout, reward_bound
 from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
     Coords,
     INFRA,
+    AgentUnreachable,
+    DeterministicFailure,
     GymTransportError,
     ERROR_BODY_LIMIT,
     RolloutDataFailure,
@@ -82,6 +87,7 @@ class GroupRun:
     infra: int = 0
     data: int = 0
     gid: str = ""
+    streaks: dict = field(default_factory=dict)  # row -> (its last failure's answer, sends in a row that gave it)
 
 
 async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
@@ -92,18 +98,59 @@ async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     try:
         async with session.post(url + "/run", json=row) as resp:
             status, body = resp.status, await resp.read()
-    except (aiohttp.ClientError, ConnectionError) as exc:
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError) as exc:
+        raise AgentUnreachable(f"{what} failed in transport: {exc!r}") from exc  # refused or reset: down or restarting
+    except aiohttp.ClientError as exc:
         raise GymTransportError(f"{what} failed in transport: {exc!r}") from exc
     if status != 200:
         error, error_type = parse_error_body(body)
         message = f"NeMo-Gym /run failed with HTTP {status}: {error}"
-        raise error_failure(status, body, message, error_type)  # the body's `terminal`, else the status
+        failure = error_failure(status, body, message, error_type)  # the body's `terminal`, else the status
+        failure.status = status  # what the agent server answered (classify reads the class first)
+        raise failure
     try:
         return json.loads(body)
     except ValueError as exc:
         raise RolloutDataFailure(f"malformed /run result: {what} returned invalid JSON ({exc})") from exc
     except RecursionError:  # json's C parser refuses a body nested past the interpreter's limit
         raise RolloutDataFailure(f"malformed /run result: {what} returned JSON nested deeper than it parses") from None
+
+
+def identical_answer(exc: BaseException) -> tuple[int, str] | None:
+    """What makes two failed sends the same answer: the agent server's 5xx status and its error text.
+    None for a failure that may pass on its own: no answer at all, a 4xx (DATA already), a gateway's
+    502-504, an unreachable model server (a restarting worker), a context guard's rejection."""
+    status = getattr(exc, "status", None)
+    if not isinstance(exc, GymTransportError) or not isinstance(status, int) or status < 500 or status in (502, 503, 504):
+        return None
+    if exc.error_type in ("GenerationUnavailable", "ContextGuardRejected"):
+        return None
+    return status, str(exc)
+
+
+_DIGITS = re.compile(r"\d+")
+CAUSE_HINTS = (
+    ("uses_reasoning_parser", "the model server's reasoning parser and the agent's uses_reasoning_parser disagree: "
+                              "set policy.generation.reasoning_parser to match"),
+    ("context_length", "prompts exceed max_model_len (policy.generation.vllm_cfg.max_model_len)"),
+    ("maximum context length", "prompts exceed max_model_len (policy.generation.vllm_cfg.max_model_len)"),
+    ("AgentUnreachable", "no agent server accepted a connection: down, or not back within "
+                         "async_rl.rollout_failure.agent_restart_window_s"),
+)
+
+
+def dominant_failure(reasons: list[str]) -> str:
+    """The most common failure among lost groups' reasons (`Class: message`, numbers set aside),
+    as one sentence for a run-ending error, with the likely cause where the text names a known one."""
+    if not reasons:
+        return "No lost group recorded a failure."
+    shape = [_DIGITS.sub("#", r) for r in reasons]  # coordinates, ports and positions set aside
+    (key, k), = Counter(shape).most_common(1)
+    reason = reasons[len(shape) - 1 - shape[::-1].index(key)]  # the latest of them, as written
+    share = f"all {k} lost group(s)" if k == len(reasons) else f"{k} of {len(reasons)} lost groups"
+    hint = next((h for marker, h in CAUSE_HINTS if marker in reason), None)
+    text = reason if len(reason) <= 800 else reason[:800] + "..."
+    return f"Dominant failure ({share}): {text}" + (f" [likely cause: {hint}]" if hint else "")
 
 
 class RolloutManager:
@@ -117,6 +164,9 @@ class RolloutManager:
         post: Callable[..., Awaitable[dict]] = post_run,
     ):
         self.cfg, self.agent_urls, self.emit, self.vocab_size = cfg, agent_urls, emit, vocab_size
+        self.pool = AgentPool(agent_urls, cfg.agent.selection)
+        self.lost: deque[str] = deque(maxlen=64)  # the reasons of the groups lost since the last commit
+        self.deterministic = 0  # run total of rows whose failure was found deterministic
         self.sleep, self.post = sleep, post
         self.rf = cfg.async_rl.rollout_failure
         cc = cfg.context_compaction
@@ -198,6 +248,7 @@ class RolloutManager:
             failures = await self._group_attempt(run)
             if not failures:
                 return self._resolved(run)
+            failures.sort(key=lambda f: not isinstance(f[1], DeterministicFailure))  # one that will not pass decides
             kind = classify(failures[0][1])
             ended = await (self._after_infra(run, failures) if kind == INFRA else self._after_data(run, failures))
             if ended is not None:
@@ -214,7 +265,7 @@ class RolloutManager:
         if run.on_attempt is not None:
             run.on_attempt()
         try:
-            return await self._attempt(run.step, run.group, run.gid, run.row, out, run.row_attempt)
+            return await self._attempt(run)
         finally:
             del self.reservations[run.gid]
 
@@ -222,9 +273,12 @@ class RolloutManager:
         """An INFRA failure: back off and retry (None), or drop the group against the drop budget."""
         exc = failures[0][1]
         run.infra += 1
-        if self.can_redispatch and run.infra < self.rf.max_infra_attempts_per_prompt:
+        # no agent server reached: one may be restarting, so the group waits out the restart window
+        restarting = all(isinstance(e, AgentUnreachable) for _, e in failures) and run.out.backoff_s < self.rf.agent_restart_window_s
+        if self.can_redispatch and (run.infra < self.rf.max_infra_attempts_per_prompt or restarting):
             delay = self.backoff(run.infra)
-            self._failed(failures, INFRA, "retried", backoff_s=delay, group_attempt=run.gid)
+            window = {"restart_window_s": self.rf.agent_restart_window_s} if run.infra >= self.rf.max_infra_attempts_per_prompt else {}
+            self._failed(failures, INFRA, "retried", backoff_s=delay, group_attempt=run.gid, **window)
             run.out.backoff_s += delay
             await self.sleep(delay)
             return None
@@ -235,7 +289,8 @@ class RolloutManager:
         """A DATA failure: retry without backoff (None), skip within the skip budget, or raise."""
         kind, exc = classify(failures[0][1]), failures[0][1]
         run.data += 1
-        retry = getattr(exc, "terminal", None) is not True  # Gym's terminal failure: never retried
+        retry = not isinstance(exc, DeterministicFailure)  # the same answer again would cost attempts and nothing else
+        retry = retry and getattr(exc, "terminal", None) is not True  # Gym's terminal failure: never retried
         if retry and self.can_redispatch and run.data < self.rf.max_data_attempts_per_prompt:
             self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=run.gid)
             return None
@@ -243,6 +298,7 @@ class RolloutManager:
             self.skipped += 1
             self._failed(failures, kind, "skipped", group_attempt=run.gid)
             run.out.status, run.out.reason, run.out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
+            self.lost.append(run.out.reason)
             return run.out
         self._failed(failures, kind, "raised", group_attempt=run.gid)
         if self.rf.max_skipped_prompts == 0:
@@ -250,7 +306,7 @@ class RolloutManager:
         raise RolloutDataFailure(
             f"skipped {self.skipped} prompts and this one also exhausted its data budget, exceeding "
             f"max_skipped_prompts={self.rf.max_skipped_prompts}; the dataset or sequence-length configuration "
-            "is likely wrong"
+            f"is likely wrong. {dominant_failure([*self.lost, f'{type(exc).__name__}: {exc}'])}"
         ) from exc
 
     def _resolved(self, run: GroupRun) -> GroupOutcome:
@@ -265,6 +321,7 @@ class RolloutManager:
                        f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}")
             return self._drop(step, group, out, exc, message)
         self.consecutive_drops = 0
+        self.lost.clear()
         return out
 
     def prompt_idx(self, step: int, group: int) -> int:
@@ -287,8 +344,9 @@ class RolloutManager:
         over = self.consecutive_drops > self.rf.max_consecutive_dropped_prompts
         self.emit({"type": "drop", "step": step, "group": group, "reason": f"{type(exc).__name__}: {exc}",
                    "consecutive_drops": self.consecutive_drops, "decision": "raised" if over else "dropped"})
+        self.lost.append(f"{type(exc).__name__}: {exc}")
         if over:
-            raise RolloutRedispatchExhausted(exhausted) from exc
+            raise RolloutRedispatchExhausted(f"{exhausted}. {dominant_failure(list(self.lost))}") from exc
         out.status, out.reason, out.rollouts = "dropped", f"{type(exc).__name__}: {exc}", {}
         return out
 
@@ -299,21 +357,22 @@ class RolloutManager:
     def _failure_event(self, coords: Coords, kind: str, exc: BaseException, decision: str, **extra) -> None:
         error_type = getattr(exc, "error_type", None)
         self.guard_rejections += error_type == "ContextGuardRejected"
+        agent = {"agent": exc.agent_url} if getattr(exc, "agent_url", None) else {}  # the agent server that failed it
         self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
                    "error_type": error_type, "error": str(exc)[:ERROR_BODY_LIMIT], "decision": decision,
-                   **failure_facts(exc), **extra})
+                   **failure_facts(exc), **agent, **extra})
 
-    async def _attempt(self, step, group, gid, row, out: GroupOutcome, row_attempt) -> list[tuple[Coords, BaseException]]:
+    async def _attempt(self, run: GroupRun) -> list[tuple[Coords, BaseException]]:
         """Send every row the group still lacks, under the group deadline; return the rows' final
         failures (empty: success). A row that came back stays in `out.rollouts` even past the deadline."""
+        step, group, out, row_attempt = run.step, run.group, run.out, run.row_attempt
         G = self.cfg.grpo.num_generations_per_prompt
         pending = [r for r in range(G) if r not in out.rollouts]
         deadline = self.rf.nemo_gym.rollout_timeout_s
         before = list(row_attempt)
         try:
             async with asyncio.timeout(deadline):
-                results = await asyncio.gather(*(self._row(step, group, r, gid, row, out, row_attempt) for r in pending),
-                                               return_exceptions=True)
+                results = await asyncio.gather(*(self._row(run, r) for r in pending), return_exceptions=True)
         except TimeoutError:
             exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {deadline}s")
             for r in pending:  # a row the deadline caught before its first send still gets an attempt id of its own
@@ -327,45 +386,78 @@ class RolloutManager:
                 failures.append(res)
         return failures
 
-    async def _row(self, step, group, r, gid, row, out: GroupOutcome, row_attempt):
-        """One row, re-sent alone on INFRA failures (row redispatch). Returns a Rollout or (coords, exc)."""
-        sends = 0
+    async def _row(self, run: GroupRun, r: int):
+        """One row, re-sent alone on INFRA failures (row redispatch), each send to the agent server the
+        pool picks (another than the one it just failed on, where one is up). Returns a Rollout or (coords, exc)."""
+        out, url = run.out, None
         max_sends = self.rf.nemo_gym.max_row_attempts if self.can_redispatch else 1
-        while True:
-            coords = Coords(step, group, r, row_attempt[r])
-            row_attempt[r] += 1
-            sends += 1
+        for sends in range(1, max_sends + 1):
+            coords = Coords(run.step, run.group, r, run.row_attempt[r])
+            run.row_attempt[r] += 1
             out.row_sends += 1
             self.sends += 1
-            self._planned_faults(coords, difficulty(row))
-            body = {**row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": gid}}
-            body["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=sampling_seed(self.cfg, step, group, r, coords.attempt))
-            url = self.agent_urls[(group * self.cfg.grpo.num_generations_per_prompt + r) % len(self.agent_urls)]
-            self.in_flight[coords.key] = time.monotonic()
+            self._planned_faults(coords, difficulty(run.row))
+            url = self.pool.pick(avoid=url)
             try:
-                result = await self.post(self.session, url, body)
-                rollout = parse_rollout(
-                    result, coords, vocab_size=self.vocab_size,
-                    max_len=self.cfg.policy.max_total_sequence_length,
-                    overlong_filtering=self.cfg.grpo.overlong_filtering,
-                    allow_rewrites=self.cfg.context_compaction.enabled, max_abs_reward=self.max_abs_reward,
-                )
-            except asyncio.CancelledError:
-                raise
+                rollout = await self._send(run, r, coords, url)
             except RolloutFailure as exc:  # only the taxonomy's failures: a bug in minirl propagates
+                exc.agent_url = url
+                exc = self._identical(run, r, coords, exc)
                 if classify(exc) == INFRA and sends < max_sends:
                     out.row_retries += 1
-                    self._failure_event(coords, INFRA, exc, "retried", scope="row", group_attempt=gid)
+                    self._failure_event(coords, INFRA, exc, "retried", scope="row", group_attempt=run.gid)
                     continue
                 return coords, exc
-            finally:
-                self.in_flight.pop(coords.key, None)
-                self.last_progress = time.monotonic()
+            run.streaks.pop(r, None)
             out.rows_returned += 1
             self.returned += 1
             self._agent_events(rollout)
             out.rollouts[r] = rollout
             return rollout
+
+    async def _send(self, run: GroupRun, r: int, coords: Coords, url: str) -> Rollout:
+        """One `/run` of row r to `url`, its result validated; the pool learns whether `url` answered."""
+        body = {**run.row, "_rowidx": r, "_minirl": {**coords.as_dict(), "group_attempt": run.gid}}
+        body["responses_create_params"] = with_extra_body(
+            run.row["responses_create_params"], seed=sampling_seed(self.cfg, run.step, run.group, r, coords.attempt))
+        self.in_flight[coords.key] = time.monotonic()
+        self.pool.acquire(url)
+        reached = None
+        try:
+            result = await self.post(self.session, url, body)
+            reached = True
+            return parse_rollout(
+                result, coords, vocab_size=self.vocab_size,
+                max_len=self.cfg.policy.max_total_sequence_length,
+                overlong_filtering=self.cfg.grpo.overlong_filtering,
+                allow_rewrites=self.cfg.context_compaction.enabled, max_abs_reward=self.max_abs_reward,
+            )
+        except AgentUnreachable:
+            reached = False
+            raise
+        finally:
+            self.pool.release(url, reached)
+            self.in_flight.pop(coords.key, None)
+            self.last_progress = time.monotonic()
+
+    def _identical(self, run: GroupRun, r: int, coords: Coords, exc: RolloutFailure) -> RolloutFailure:
+        """Count row r's identical answers in a row; at `max_identical_failures` its failure is
+        deterministic (a `deterministic` event) and comes back as a DeterministicFailure."""
+        n, answer = self.rf.max_identical_failures, identical_answer(exc)
+        last, count = run.streaks.get(r, (None, 0))
+        count = count + 1 if answer is not None and answer == last else 1
+        run.streaks[r] = (answer, count)
+        if answer is None or n == 0 or count < n:
+            return exc
+        self.deterministic += 1
+        self.emit({"type": "deterministic", **coords.as_dict(), "status": answer[0], "sends": count,
+                   "agent": exc.agent_url, "error": answer[1][:ERROR_BODY_LIMIT]})
+        det = DeterministicFailure(
+            f"the same failure {count} times in a row (deterministic, not retried: "
+            f"async_rl.rollout_failure.max_identical_failures={n}): {answer[1]}",
+            getattr(exc, "error_type", None))
+        det.__cause__, det.agent_url = exc, exc.agent_url
+        return det
 
     def _planned_faults(self, c: Coords, num_rooms: int | None) -> None:
         for kind in FAULT_KINDS:
