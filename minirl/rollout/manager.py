@@ -149,7 +149,8 @@ def dominant_failure(reasons: list[str]) -> str:
     reason = reasons[len(shape) - 1 - shape[::-1].index(key)]  # the latest of them, as written
     share = f"all {k} lost group(s)" if k == len(reasons) else f"{k} of {len(reasons)} lost groups"
     hint = next((h for marker, h in CAUSE_HINTS if marker in reason), None)
-    text = reason if len(reason) <= 800 else reason[:800] + "..."
+    text = " ".join(reason.split())  # one line: it ends up in the run's last stderr line
+    text = text if len(text) <= 800 else text[:800] + "..."
     return f"Dominant failure ({share}): {text}" + (f" [likely cause: {hint}]" if hint else "")
 
 
@@ -454,7 +455,7 @@ class RolloutManager:
                    "agent": exc.agent_url, "error": answer[1][:ERROR_BODY_LIMIT]})
         det = DeterministicFailure(
             f"the same failure {count} times in a row (deterministic, not retried: "
-            f"async_rl.rollout_failure.max_identical_failures={n}): {answer[1]}",
+            f"async_rl.rollout_failure.max_identical_failures={n}): {' '.join(answer[1].split())}",
             getattr(exc, "error_type", None))
         det.__cause__, det.agent_url = exc, exc.agent_url
         return det
