@@ -479,10 +479,43 @@ class CompactionPolicyOptions:
 
 
 @dataclass
+class SummarizeConfig:
+    """`policy.type=summarize` (agents/summarize.py): the model writes a summary of its history when the
+    context fills, and the episode continues from the system prompt, the task, the summary and the
+    current observation. No upstream NeMo-RL/Gym summarizer exists; the knobs follow prime-rl/verifiers
+    and verl's recipe."""
+
+    threshold_tokens: list[int] = field(default_factory=lambda: [256, 384])
+    """[lo, hi]: summarize before a call whose prompt tokens + guards.reserved_generation_tokens exceed a
+    threshold drawn uniformly from [lo, hi] per prompt (seeded by the prompt's seed, so a group shares it)."""
+    max_compactions: int = bounded(4, ge=1)
+    """Summaries per rollout at most (verl's max_context_compressions=4); the next trigger ends the
+    rollout as truncated (end_reason max_compactions)."""
+    max_summary_attempts: int = bounded(3, ge=1)
+    """Sampled summary calls per compaction; a rejected one (empty, a tool call, no closed block, over
+    max_summary_tokens) is resampled, never trained, and retired by the ledger (prime-rl: 5)."""
+    max_summary_tokens: int = bounded(32, ge=1)
+    """Longest accepted summary reply, in generated tokens."""
+    on_summary_failure: Literal["raise", "end_episode", "recency_fallback"] = "raise"
+    """Attempts exhausted: `raise` (the upstream-like choice, as prime-rl/verifiers: a typed
+    SummaryFailed, HTTP 500, which the rollout manager retries as an INFRA harness failure: row
+    redispatch under fix 3, the drop budget otherwise; never a reward of 0); `end_episode` (stop,
+    verify, return the rollout masked as summary_failed); `recency_fallback` (apply the recency rewrite
+    of policy.config instead and go on)."""
+
+    def check(self) -> None:
+        t = self.threshold_tokens
+        _require(len(t) == 2, "threshold_tokens", f"must be [lo, hi], got {list(t)}")
+        _require(1 <= t[0] <= t[1], "threshold_tokens", f"must be [lo, hi] with 1 <= lo <= hi, got {list(t)}")
+
+
+@dataclass
 class CompactionPolicyConfig:
-    type: Literal["identity", "recency"] = "recency"
-    """`recency` (drop old media and reasoning) or `identity` (never rewrite)."""
+    type: Literal["identity", "recency", "summarize"] = "recency"
+    """`recency` (drop old media and reasoning), `identity` (never rewrite) or `summarize` (the model
+    summarizes its history when the context fills; see `summarize`)."""
     config: CompactionPolicyOptions = field(default_factory=CompactionPolicyOptions)
+    summarize: SummarizeConfig = field(default_factory=SummarizeConfig)
 
 
 @dataclass
@@ -731,6 +764,9 @@ class MinirlConfig:
         _require(cc.enabled or self.agent.external_url is not None or not rewrites, "context_compaction.enabled",
                  "is false, but agent.name=compaction_agent with agent.context_history.enabled=true rewrites its history; "
                  "without compaction every call must extend the previous one (use agent.name=simple_agent, see configs/plain.yaml)")
+        if self.agent.context_history.policy.type == "summarize":
+            _require(rewrites, "agent.context_history.policy.type",
+                     "summarize needs agent.name=compaction_agent with agent.context_history.enabled=true")
         if cc.enabled:  # upstream: validate_cc_objective
             _require(self.loss_fn.token_level_loss, "loss_fn.token_level_loss", "context compaction requires token_level_loss=true")
             _require(cc.allow_step_shrink or rf.min_step_batch_fraction == 1, "async_rl.rollout_failure.min_step_batch_fraction",

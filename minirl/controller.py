@@ -34,7 +34,7 @@ from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_key, prompt_row
 from minirl.generation.fleet import FleetWatch
 from minirl.gym_failures import KindCounts, mask_facts
-from minirl.rollout.evidence import Ledger
+from minirl.rollout.evidence import Ledger, summary_stats
 from minirl.rollout.manager import RolloutManager, StepTake, dominant_failure
 from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
 
@@ -142,6 +142,7 @@ def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[G
         "loss_mass_by_group": _loss_mass(cfg, batch),
         "tokens_trained": int(batch.global_valid_tokens),
         "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
+        **summary_stats(all_rollouts),  # summarizing compaction (summaries_failed: the controller adds the raised ones)
         # every kept rollout, masked ones too
         "reward_mean": float(np.mean([r.reward for o in kept for r in _in_order(o)])) if all_rollouts else float("nan"),
         "reward_mean_trained": float(np.mean([r.reward for r in trained])) if trained else float("nan"),
@@ -213,6 +214,7 @@ class Controller:
         self.deterministic_seen = 0  # the manager's run total of deterministic failures at the last step
         self.step: int | None = None  # the step last collected (a later failure is that step's)
         self.failed = False  # the run's run_failed event is written
+        self.summary_failures = 0  # the manager's run total of SummaryFailed attempts at the last step
 
     async def snapshot(self) -> dict:
         """The controller's part of a checkpoint, taken between two awaits (a consistent cut): the
@@ -288,6 +290,8 @@ class Controller:
                                        "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, engine_busy_s))
         stats.update(self.kinds.take(kept))
+        stats["summaries_failed"] += self.manager.summary_failures - self.summary_failures  # raised: failed attempts
+        self.summary_failures = self.manager.summary_failures
         return batch, stats
 
     async def _check_ledger(self, step: int, version: int, take: StepTake, kept: list[Rollout]) -> tuple[dict, int]:

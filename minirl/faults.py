@@ -61,8 +61,16 @@ SITES: dict[str, str] = {
     "engine_crash": ENGINE,
     "agent_kill": AGENT_HTTP,
     "session_lost": VERIFY,
+    "summary_empty": AGENT,
+    "summary_tool_call": AGENT,
+    "summary_overflow": AGENT,
 }
-"""Every fault kind and the site that fires it (the order is the kinds' order in messages and events)."""
+"""Every fault kind and the site that fires it (the order is the kinds' order in messages and events).
+The summary kinds fire in the summarizing policy (agents/summarize.py) at the rollout's compaction
+number `call` (from 0): `summary_empty` and `summary_tool_call` on every attempt of that compaction (the
+real reply, recorded by the server, is read as an empty block / as carrying a tool call: rejected, so
+the attempts run out), `summary_overflow` on its first, untrimmed request (read as the server's
+context-length refusal, so the middle of the history is trimmed and the request retried)."""
 FAULT_KINDS = tuple(SITES)
 AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items() if site in (AGENT, AGENT_HTTP))
 """Kinds that fire in the agent pool, where the row (and so its task's room count) is known."""

@@ -30,6 +30,10 @@ class Call:
     prompt: list[int]
     gen: list[int]
     logprobs: list[float]
+    kind: str = "turns"
+    """`turns` (an ordinary call) or `compaction_summary` (a summarizing compaction's accepted summary)."""
+    compaction: dict | None = None
+    """A summary call's compaction record: outcome, tokens_before, tokens_after, model_calls."""
 
 
 @dataclass
@@ -40,6 +44,9 @@ class Trace:
     loss_mask: list[int]
     logprobs: list[float]  # the generator's logprob per token (0 where loss_mask is 0)
     calls: int = 1
+    compaction: dict | None = None
+    """A `compaction_summary` trace's record, as Gym's ContextCompactionObservation: outcome,
+    tokens_before, tokens_after, model_calls (the attempts it used, rejected ones included)."""
     kind: str = "turns"
     """What made the trace: "turns" (the ordinary chain of calls) or "compaction_summary" (the
     summary call of a summarizing compaction, as upstream's segment branch names it)."""

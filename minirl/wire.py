@@ -7,7 +7,7 @@ Every layer (the generation server, the agents, the rollout manager, the control
 these from here and from nowhere else; this module imports nothing of minirl's.
 
 Coordinates: `Coords(step, group, rollout, attempt)`, written `s0.g1.r0.a0`; a model call appends
-`.c2`. A `/run` row carries them as `_minirl: {step, group, rollout, attempt, group_attempt}`.
+`.c2` (a summary call `.s1a0`: compaction 1, attempt 0). A `/run` row carries them as `_minirl: {step, group, rollout, attempt, group_attempt}`.
 
 Taxonomy: INFRA failures (the fleet, the network, a timeout) are worth retrying with backoff; DATA
 failures (a bad result, a 4xx, anything unrecognised) are retried without backoff and then skipped
@@ -37,7 +37,7 @@ ROLLOUT_HEADER = "X-Minirl-Rollout"
 """HTTP header carrying a model call's coordinates (`s0.g1.r0.a0.c2`) from the agent to the model server."""
 
 _KEY = re.compile(r"^s(\d{1,9})\.g(\d{1,9})\.r(\d{1,9})\.a(\d{1,9})$")
-_CALL_KEY = re.compile(r"^(s\d{1,9}\.g\d{1,9}\.r\d{1,9}\.a\d{1,9})\.c(\d{1,9})$")
+_CALL_KEY = re.compile(r"^(s\d{1,9}\.g\d{1,9}\.r\d{1,9}\.a\d{1,9})\.(c\d{1,9}|s\d{1,9}a\d{1,9})$")
 COORD_FIELDS = ("step", "group", "rollout", "attempt")
 
 
@@ -83,12 +83,19 @@ class Coords:
         return {"step": self.step, "group": self.group, "rollout": self.rollout, "attempt": self.attempt}
 
 
-def parse_call_key(key: str) -> tuple[Coords, int]:
-    """`s0.g1.r0.a0.c2` -> (Coords(0, 1, 0, 0), 2). Raises BadCoordinates."""
+def parse_call_key(key: str) -> tuple[Coords, int | str]:
+    """`s0.g1.r0.a0.c2` -> (Coords(0, 1, 0, 0), 2); a summary call `s0.g1.r0.a0.s1a2` (compaction 1,
+    attempt 2) -> (Coords(0, 1, 0, 0), "s1a2"), a call index no per-call fault matches. Raises BadCoordinates."""
     m = _CALL_KEY.match(key) if isinstance(key, str) else None
     if m is None:
         raise BadCoordinates(f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2, got {key[:80] if isinstance(key, str) else key!r}")
-    return Coords.from_key(m.group(1)), int(m.group(2))
+    call = m.group(2)
+    return Coords.from_key(m.group(1)), int(call[1:]) if call[0] == "c" else call
+
+
+def is_summary_call(call) -> bool:
+    """Whether a call-log record's `call` is a summary call's (`s<k>a<j>`, see parse_call_key)."""
+    return isinstance(call, str) and call.startswith("s")
 
 
 # -------------------------------------------------------------------------------------- taxonomy
@@ -157,6 +164,11 @@ class GenerationFleetUnhealthy(RuntimeError):
 
 class ContextGuardRejected(RuntimeError):
     """The context guard refused a model call (upstream raises RuntimeError with this text)."""
+
+
+class SummaryFailed(RolloutInfraFailure):
+    """A summarizing compaction ran out of summary attempts (`on_summary_failure=raise`): a retryable
+    harness failure (HTTP 500 across the hop, INFRA), never a reward of 0."""
 
 
 class ModelCallFailed(RuntimeError):

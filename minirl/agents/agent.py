@@ -4,7 +4,8 @@
 Loop: [compact on schedule] -> [guard] -> model call -> tool calls -> ... -> verify.
 It ends when a reply is cut off (`finish_reason == "length"`), has no tool call, the environment is
 done, `max_steps` calls were made, the model refused an over-long prompt (lane A: the overflow reply
-carries no tokens), or the guard rejected a call under `on_reject=end_episode` (fix 2). Any other
+carries no tokens), the guard rejected a call under `on_reject=end_episode` (fix 2), or a compaction
+ended it (summarize: `max_compactions` reached, or a failed summary under `end_episode`). Any other
 model error is not absorbed, as in Gym's `simple_agent`: it fails the episode (HTTP 500, INFRA).
 
 The episode's state (history, output, evidence, token prefix) is an `Episode` (agents/episode.py);
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 
-from minirl.agents import compaction
+from minirl.agents import compaction, summarize  # noqa: F401  (summarize registers policy.type=summarize)
 from minirl.agents.compaction import CompactionPolicy
 from minirl.agents.env import DoorsEnv, verify
 from minirl.agents.episode import Episode, Evidence, ModelClient, ModelReply
@@ -58,6 +59,7 @@ async def run_episode(
     ch = cfg.context_history
     policy = compaction.policy_for(ch) if cfg.name == "compaction_agent" and ch.enabled else None
     fault = fault_site(plan, ep.coords, row["task"]["num_rooms"])
+    ep.fault = fault
 
     for call in range(cfg.max_steps):
         if not await _admit(ep, ch, policy, model, fault("guard_reject", call), call):
@@ -87,7 +89,8 @@ def start_episode(row: dict) -> Episode:
 def finish_episode(row: dict, ep: Episode) -> dict:
     """Verify the output and return the row with Gym's response, the reward and the evidence."""
     reward = verify(row["task"], ep.output)
-    status = "incomplete" if ep.ev.end_reason in ("length", "context_length", "guard_reject") else "completed"
+    ended = ("length", "context_length", "guard_reject", "max_compactions", "summary_failed")
+    status = "incomplete" if ep.ev.end_reason in ended else "completed"
     response = {
         "id": new_id("resp"),
         "object": "response",
@@ -100,11 +103,15 @@ def finish_episode(row: dict, ep: Episode) -> dict:
 
 async def _admit(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy | None, model: ModelClient,
                  forced_reject: bool, call: int) -> bool:
-    """Compact on schedule, then ask the guard. False ends the episode (a rejection under
-    `on_reject=end_episode`); under `raise` a rejection raises `ContextGuardRejected`."""
+    """Compact on schedule, then ask the guard. False ends the episode (a compaction that ends it, or
+    a rejection under `on_reject=end_episode`); under `raise` a rejection raises `ContextGuardRejected`."""
     if policy is not None and compaction.scheduled(ch, call):
         await compaction.compact_episode(policy, ep, model)
+    if ep.stopped:
+        return False
     decision = await _guard(ep, ch, policy, model, forced_reject)
+    if ep.stopped:  # the guard's early compaction ended it
+        return False
     if decision == "admit_after_compaction":
         ep.prefix = None
     if decision != "reject":

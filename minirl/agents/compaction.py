@@ -4,8 +4,9 @@ model calls, the schedule that decides when, and the interface every compaction 
 A policy is a class registered by name (`agent.context_history.policy.type`) whose async
 `compact(episode, client)` returns a `CompactionResult` carrying its own counters, as Gym's
 `ContextCompactionObservation` does; it may call the model through `client`. `compact_episode` is the
-one place a result reaches the episode. The two policies here (`identity`, `recency`) are plain data
-surgery by `compact` and never call the model:
+one place a result reaches the episode. The summarizing policy (`summarize`, which calls the model) is
+agents/summarize.py. The two policies here (`identity`, `recency`) are plain data surgery by
+`compact` and never call the model:
 - images: keep the pictures of the last `keep_last_groups` items that carry any; older pictures
   become an `omission_marker` text part. Items of the initial context are exempt when
   `protect_initial_context` is set.
@@ -14,7 +15,8 @@ surgery by `compact` and never call the model:
 
 Invariant: `compact` never reorders, adds or alters anything but the dropped parts and items, and
 compacting an already compacted history with the same settings changes nothing (it is idempotent).
-A result whose `changed` is false leaves the episode untouched.
+A result whose `changed` is false leaves the episode's history, prefix and compaction count untouched
+(its counters are still added: a failed summary's rejected attempts count).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class CompactionResult:
     model_calls: int = 0
     """Model calls the compaction itself made (0 for the rewriting policies)."""
     counters: dict[str, int] = field(default_factory=dict)
-    """Added by name to the episode's evidence when `changed` (recency: images_dropped, reasoning_dropped)."""
+    """Added by name to the episode's evidence (recency: images_dropped, reasoning_dropped)."""
+    end_reason: str | None = None
+    """Set when the compaction ends the episode (summarize: max_compactions, summary_failed)."""
 
 
 class CompactionPolicy(Protocol):
@@ -70,15 +74,18 @@ def policy_for(cfg: ContextHistoryConfig) -> CompactionPolicy:
 
 
 async def compact_episode(policy: CompactionPolicy, episode: Episode, client: ModelClient) -> CompactionResult:
-    """Run `policy` on the episode; if it changed the history, install it, count the compaction and
-    its counters in the evidence, and drop the token prefix (the history was rewritten)."""
+    """Run `policy` on the episode; add its counters to the evidence; if it changed the history,
+    install it, count the compaction and drop the token prefix (the history was rewritten); if it
+    ends the episode, stop it with that end reason."""
     result = await policy.compact(episode, client)
+    for name, n in result.counters.items():
+        setattr(episode.ev, name, getattr(episode.ev, name, 0) + n)
     if result.changed:
         episode.history[:] = result.items
         episode.ev.compactions += 1
-        for name, n in result.counters.items():
-            setattr(episode.ev, name, getattr(episode.ev, name, 0) + n)
         episode.prefix = None
+    if result.end_reason is not None:
+        episode.ev.end_reason, episode.stopped = result.end_reason, True
     return result
 
 

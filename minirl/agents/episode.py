@@ -11,7 +11,7 @@ and None once a compaction rewrote it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from minirl.agents.env import DoorsEnv
 from minirl.wire import Coords
@@ -45,6 +45,23 @@ class Evidence:
     images_dropped: int = 0
     reasoning_dropped: int = 0
     guard: list[dict] = field(default_factory=list)
+    summaries: int = 0
+    """Summaries accepted (summarizing compaction, agents/summarize.py); the counters below are its too."""
+    summary_attempts_rejected: int = 0
+    summaries_failed: int = 0
+    """Compactions whose attempts ran out and that went on (`on_summary_failure` end_episode or
+    recency_fallback; under `raise` the episode fails instead)."""
+    summary_tokens: int = 0
+    """Generated tokens of the accepted summaries."""
+    summary_tokens_before: int = 0
+    summary_tokens_after: int = 0
+    """Prompt tokens before and after the accepted summaries, summed (their ratio: compaction_ratio)."""
+    summary_facts_needed: int = 0
+    summary_facts_recalled: int = 0
+    """`DoorsEnv.memory_facts()` shown before and needed at or after each accepted summary, and those
+    of them the summary carries (their ratio: summary_recall)."""
+    summary: list[dict] = field(default_factory=list)
+    """One flat record per summary request: compaction, request, decision, reason, tokens."""
     capture_failed: bool = False
     end_reason: str = "max_steps"
     errors: list[str] = field(default_factory=list)
@@ -69,3 +86,7 @@ class Episode:
     ev: Evidence = field(default_factory=Evidence)
     prefix: list[int] | None = None
     """Prompt + reply tokens of the last call, while the history is unrewritten."""
+    fault: Callable[..., bool] | None = None
+    """The attempt's agent-side fault site (`faults.fault_site`), for a policy's injected faults."""
+    stopped: bool = False
+    """A compaction ended the episode (`ev.end_reason` says why): no further model call."""

@@ -4,8 +4,10 @@ A `/run` result carries, per model call, `prompt_token_ids`, `generation_token_i
 `generation_log_probs` on one output item. A call whose prompt starts with the previous call's
 prompt + generation extends that trace (append-compatible); any other call (the agent rewrote its
 history) starts a new physical trace under context compaction, and is upstream's "Non-contiguous
-messages found!" failure without it. Each trace is one training sequence whose loss mask covers
-only generated tokens; every trace of a rollout carries that rollout's advantage and identity.
+messages found!" failure without it. A summarizing compaction's accepted summary (an output item
+marked `trace_kind: compaction_summary`, with its compaction record) is a trace of its own, whatever
+it extends, and the call after it starts a new one. Each trace is one training sequence whose loss
+mask covers only generated tokens; every trace of a rollout carries that rollout's advantage and identity.
 
 Invariant: `parse_rollout` either returns a rollout whose traces hold exactly the result's
 generated tokens, in order, each once, with a float32-finite reward and finite logprobs <= 0, or
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from minirl.gym_failures import MASK_SAMPLE, episode_failure, sample_mask
 from minirl.types import Call, Rollout, Trace
-from minirl.wire import Coords, RolloutDataFailure
+from minirl.wire import Coords, RolloutDataFailure, is_summary_call
 
 FLOAT32_MAX = 3.4028234663852886e38
 ADVANTAGE_EPS = 1e-6
@@ -38,19 +40,21 @@ def split_traces(calls: list[Call], allow_rewrites: bool = True) -> list[Trace]:
     traces: list[Trace] = []
     for i, c in enumerate(calls):
         last = traces[-1] if traces else None
-        if last is not None and not allow_rewrites and c.prompt[: len(last.tokens)] != last.tokens:
+        extends = last is not None and c.prompt[: len(last.tokens)] == last.tokens
+        if last is not None and not allow_rewrites and not extends:
             raise RolloutDataFailure(
                 f"Non-contiguous messages found! Model call {i} does not extend the previous call's prompt and "
                 "reply; only a context-compaction run may rewrite its history"
             )
-        if last is not None and c.prompt[: len(last.tokens)] == last.tokens:
+        if extends and last.kind == c.kind == "turns":
             gap = len(c.prompt) - len(last.tokens)  # tool output and template between the calls
             last.tokens = c.prompt + c.gen
             last.loss_mask += [0] * gap + [1] * len(c.gen)
             last.logprobs += [0.0] * gap + list(c.logprobs)
             last.calls += 1
         else:
-            traces.append(Trace(c.prompt + c.gen, [0] * len(c.prompt) + [1] * len(c.gen), [0.0] * len(c.prompt) + list(c.logprobs)))
+            traces.append(Trace(c.prompt + c.gen, [0] * len(c.prompt) + [1] * len(c.gen), [0.0] * len(c.prompt) + list(c.logprobs),
+                                kind=c.kind, compaction=c.compaction))
     return traces
 
 
@@ -118,7 +122,12 @@ def _reward(reward, bound: float) -> float:
     return float(reward)  # within the bound: an integer converts exactly enough, and never overflows
 
 
-EVIDENCE_COUNTS = ("calls", "compactions", "images_dropped", "reasoning_dropped")
+SUMMARY_COUNTS = ("summaries", "summary_attempts_rejected", "summaries_failed", "summary_tokens", "summary_tokens_before",
+                  "summary_tokens_after", "summary_facts_needed", "summary_facts_recalled")
+"""The summarizing compaction's counters (agents/episode.py's Evidence), summed by `summary_stats`."""
+EVIDENCE_COUNTS = ("calls", "compactions", "images_dropped", "reasoning_dropped", *SUMMARY_COUNTS)
+SUMMARY_KIND = "compaction_summary"
+"""An output item's `trace_kind` for a summary call (agents/summarize.py writes it)."""
 _SCALARS = (str, int, float, bool, type(None))
 
 
@@ -145,16 +154,22 @@ def _evidence(evidence) -> dict:
         if not isinstance(evidence["end_reason"], str):
             raise RolloutDataFailure(f"malformed /run result: evidence.end_reason must be a string, got {_short(evidence['end_reason'])}")
         out["end_reason"] = evidence["end_reason"]
-    guard = evidence.get("guard", [])
-    if not isinstance(guard, list) or not all(isinstance(g, dict) and all(isinstance(k, str) and isinstance(v, _SCALARS)
-                                                                           for k, v in g.items()) for g in guard):
-        raise RolloutDataFailure(f"malformed /run result: evidence.guard must be a list of flat objects, got {_short(guard)}")
-    out["guard"] = guard
+    for key in ("guard", "summary"):
+        if key not in evidence and key != "guard":
+            continue
+        records = evidence.get(key, [])
+        if not isinstance(records, list) or not all(_flat(g) for g in records):
+            raise RolloutDataFailure(f"malformed /run result: evidence.{key} must be a list of flat objects, got {_short(records)}")
+        out[key] = records
     errors = evidence.get("errors", [])
     if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
         raise RolloutDataFailure(f"malformed /run result: evidence.errors must be a list of strings, got {_short(errors)}")
     out["errors"] = errors
     return out
+
+
+def _flat(record) -> bool:
+    return isinstance(record, dict) and all(isinstance(k, str) and isinstance(v, _SCALARS) for k, v in record.items())
 
 
 def parse_scored(result, max_abs_reward: float) -> dict:
@@ -208,7 +223,7 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
         prompt = _int_list(item.get("prompt_token_ids"), "prompt_token_ids", vocab_size, where)
         lps = _logprobs(item.get("generation_log_probs"), len(gen), where)
         if gen:
-            calls.append(Call(prompt, gen, lps))
+            calls.append(Call(prompt, gen, lps, *_trace_kind(item, where)))
     if not calls and not capture_failed and gym_mask is None:
         raise RolloutDataFailure("empty episode: the /run result has no trainable model call")
     traces = split_traces(calls, allow_rewrites)
@@ -217,12 +232,26 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
             raise RolloutDataFailure(
                 f"trace of {len(t.tokens)} tokens exceeds policy.max_total_sequence_length={max_len}"
             )
-    truncated = any(len(t.tokens) >= max_len for t in traces)
+    # a summarizing agent that reached max_compactions ends its rollout as truncated
+    truncated = any(len(t.tokens) >= max_len for t in traces) or evidence.get("end_reason") == "max_compactions"
     mask_reason = "capture_failed" if capture_failed else ("overlong" if truncated and overlong_filtering else None)
+    if evidence.get("end_reason") == "summary_failed":  # on_summary_failure=end_episode
+        mask_reason = mask_reason or "summary_failed"
     if gym_mask is not None:
         mask_reason = MASK_SAMPLE
         evidence.update(gym_mask)
     return Rollout(coords, reward, calls, traces, capture_failed, truncated, evidence, mask_reason)
+
+
+def _trace_kind(item: dict, where: str) -> tuple[str, dict | None]:
+    """A call item's trace kind and compaction record (a summary call's), checked."""
+    kind = item.get("trace_kind", "turns")
+    if kind not in ("turns", SUMMARY_KIND):
+        raise RolloutDataFailure(f"malformed /run result: trace_kind must be turns or {SUMMARY_KIND}, got {_short(kind)}{where}")
+    record = item.get("compaction")
+    if record is not None and not _flat(record):
+        raise RolloutDataFailure(f"malformed /run result: compaction must be a flat object, got {_short(record)}{where}")
+    return kind, record
 
 
 def _text(item: dict, i: int = 0) -> str:
@@ -324,6 +353,13 @@ class Ledger:
     def _attempt_key(record: dict) -> tuple:
         return (record["step"], record["group"], record["rollout"], record["attempt"])
 
+    @staticmethod
+    def _rejected_summaries(recs: list[dict], rollout: Rollout) -> set[int]:
+        """ids of an attempt's summary-call records that none of its committed summary calls is."""
+        kept = {(tuple(c.prompt), tuple(c.gen)) for c in rollout.calls if c.kind != "turns"}
+        return {id(rec) for rec in recs if is_summary_call(rec.get("call")) and
+                (tuple(rec.get("prompt_token_ids") or ()), tuple(rec.get("generation_token_ids") or ())) not in kept}
+
     def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int,
                    oldest: int | None = None) -> Counter:
         """Check the committed rollouts against the server's record, retire the rest, persist.
@@ -335,15 +371,19 @@ class Ledger:
         is complete and still lacks the call, or a trained call ran under a policy version outside
         [oldest, version] (`oldest` defaults to `version`: synchronous, one version per step), it
         raises RuntimeError. A call may span versions (an in-flight weight update) within the window.
+        A committed attempt's summary requests that no trained call is (rejected, or refused as too
+        long: agents/summarize.py) are retired: never trained, never a mismatch, never a mask.
         """
         oldest = version if oldest is None else oldest
         by_attempt: dict[tuple, list[dict]] = {}
         for rec in server_calls:
             by_attempt.setdefault(self._attempt_key(rec), []).append(rec)
+        committed = {(r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt): r for r in rollouts}
+        rejected = {key: self._rejected_summaries(by_attempt.get(key, []), r) for key, r in committed.items()}
         counts: Counter = Counter()
-        for r in rollouts:
-            key = (r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt)
-            seen = [(c.get("prompt_token_ids"), c.get("generation_token_ids")) for c in by_attempt.get(key, []) if c.get("status") == 200]
+        for key, r in committed.items():
+            seen = [(c.get("prompt_token_ids"), c.get("generation_token_ids")) for c in by_attempt.get(key, [])
+                    if c.get("status") == 200 and id(c) not in rejected[key]]
             missing = [c for c in r.calls if (c.prompt, c.gen) not in seen]
             if not missing:
                 continue
@@ -354,12 +394,12 @@ class Ledger:
                 )
             counts["calls_unrecorded"] += len(missing)
             r.mask_reason = r.mask_reason or "unrecorded_calls"
-        committed = {(r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt): r for r in rollouts}
         lines = []
         for key, recs in sorted(by_attempt.items()):
             rollout = committed.get(key)
-            status = "retired" if rollout is None else ("masked" if rollout.sample_mask == 0 else "trained")
             for rec in recs:
+                status = "retired" if rollout is None or id(rec) in rejected[key] else (
+                    "masked" if rollout.sample_mask == 0 else "trained")
                 versions = {rec.get("version_start"), rec.get("version_end")} - {None}
                 if status in ("trained", "masked") and versions and not (oldest <= min(versions) and max(versions) <= version):
                     window = f"version {version}" if oldest == version else f"versions {oldest}..{version}"
@@ -373,3 +413,24 @@ class Ledger:
                               "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")})
         self._write(step, lines)
         return counts
+
+
+def summary_stats(rollouts: list[Rollout]) -> dict:
+    """The summarizing compaction's per-step metrics over the kept rollouts' evidence (nan: none to
+    average): summaries per rollout, generated tokens per summary, prompt tokens before / after,
+    the share of needed memory facts the summaries carried, rejected attempts, failed summaries."""
+    total: Counter = Counter()
+    for r in rollouts:
+        total.update({k: r.evidence.get(k, 0) for k in SUMMARY_COUNTS})
+
+    def ratio(a: str, b: str) -> float:
+        return total[a] / total[b] if total[b] else float("nan")
+
+    return {
+        "summaries": total["summaries"] / len(rollouts) if rollouts else float("nan"),
+        "summary_tokens_mean": ratio("summary_tokens", "summaries"),
+        "compaction_ratio": ratio("summary_tokens_before", "summary_tokens_after"),
+        "summary_recall": ratio("summary_facts_recalled", "summary_facts_needed"),
+        "summary_attempts_rejected": total["summary_attempts_rejected"],
+        "summaries_failed": total["summaries_failed"],
+    }

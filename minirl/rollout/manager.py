@@ -179,6 +179,7 @@ class RolloutManager:
         self.in_flight: dict[str, float] = {}
         self.last_progress = time.monotonic()
         self.guard_rejections = 0  # run total of guard rejections that failed an attempt (on_reject=raise)
+        self.summary_failures = 0  # run total of attempts failed by SummaryFailed (on_summary_failure=raise)
         self.sends = 0  # run total of /run requests (rollout attempts)
         self.returned = 0  # run total of valid /run results (rollouts generated)
         self.session: aiohttp.ClientSession | None = None
@@ -362,6 +363,9 @@ class RolloutManager:
         self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
                    "error_type": error_type, "error": str(exc)[:ERROR_BODY_LIMIT], "decision": decision,
                    **failure_facts(exc), **agent, **extra})
+        if error_type == "SummaryFailed":  # a harness failure (INFRA): retried as any other, never a reward of 0
+            self.summary_failures += 1
+            self.emit({"type": "summary_failed", **coords.as_dict(), "class": kind, "decision": decision})
 
     async def _attempt(self, run: GroupRun) -> list[tuple[Coords, BaseException]]:
         """Send every row the group still lacks, under the group deadline; return the rows' final
@@ -473,3 +477,5 @@ class RolloutManager:
                        "images_dropped": ev.get("images_dropped", 0), "reasoning_dropped": ev.get("reasoning_dropped", 0)})
         for g in ev.get("guard", []):  # the agent's record may not overwrite the event's type or coordinates
             self.emit({**g, "type": "guard", **c})
+        for s in ev.get("summary", []):  # a summarizing compaction's requests, failures and its limit
+            self.emit({**s, "type": "summary", **c})

@@ -1,0 +1,199 @@
+"""Summarizing compaction (`agent.context_history.policy.type=summarize`, issue 30): when the prompt
+plus the reserved output would pass a threshold, the model writes a summary of its history, and the
+episode continues from the system prompt, the task, the summary and the current observation
+(`summary_format.continuation`).
+
+- Trigger: prompt tokens + `guards.reserved_generation_tokens` > a threshold drawn from
+  `summarize.threshold_tokens` by the prompt's seed (`threshold`), so a group's rollouts share it.
+- The summary request is an ordinary sampled call through the generation server: the history plus
+  `SUMMARY_REQUEST`, no tools, its own call key `<rollout>.s<k>a<n>` (compaction k, request n).
+- A reply is rejected (`rejection`) when it carries a tool call, has no closed block, an empty one,
+  or more than `max_summary_tokens` generated tokens; it is resampled, up to
+  `max_summary_attempts` rejections. A request the server refuses as too long (lane A) trims the
+  middle of the history (`trim_middle`: system prompt and task kept, the oldest half of the turns
+  dropped) and is sent again; that costs no attempt, and a history that cannot shrink fails.
+- Attempts exhausted: `on_summary_failure` (`raise`: SummaryFailed, an INFRA failure of the
+  attempt; `end_episode`: the rollout ends masked; `recency_fallback`: the recency rewrite).
+- `max_compactions` summaries done: the next trigger ends the rollout as truncated.
+- Faults (faults.py): `summary_empty` / `summary_tool_call` at compaction k read every reply of it
+  as empty / as carrying a tool call; `summary_overflow` reads its first request as refused.
+
+Invariant: only an accepted summary reaches the output: its reply items, the token evidence on the
+last one marked `trace_kind: compaction_summary` with the compaction record (outcome, tokens_before,
+tokens_after, model_calls), so it becomes one trace of its own and is trained once; a rejected or
+refused request is in no output item (the ledger retires the server's record of it); every request
+leaves one flat record in `evidence.summary`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from minirl.agents.compaction import CompactionResult, RewritePolicy, register
+from minirl.agents.env import DoorsEnv
+from minirl.agents.episode import Episode, ModelClient, ModelReply
+from minirl.agents.items import items_to_messages, new_id, reply_to_items
+from minirl.agents.summary_format import SUMMARY_REQUEST, continuation, summary_text
+from minirl.config import ContextHistoryConfig, SummarizeConfig
+from minirl.wire import SummaryFailed
+
+SUMMARY_KIND = "compaction_summary"
+"""The trace kind of a summary call (upstream's segment branch's name)."""
+SEED_STRIDE = 1_000_003
+"""Summary requests sample with the row's seed + SEED_STRIDE * (k + 1) + n: apart from the turn calls'."""
+
+
+def threshold(cfg: SummarizeConfig, seed: int) -> int:
+    """The prompt's trigger threshold: uniform in [lo, hi], a function of the prompt's seed alone."""
+    lo, hi = cfg.threshold_tokens
+    return random.Random(f"summarize|{seed}").randint(lo, hi)
+
+
+def trim_middle(history: list[dict], initial_len: int) -> list[dict] | None:
+    """The history with the oldest half of its turns dropped (a turn: the model's items and the tool
+    replies after them); the initial context and the newest turn always stay. None: nothing to drop."""
+    turns: list[list[dict]] = []
+    for item in history[initial_len:]:
+        if not turns or (_by_model(item) and not _by_model(turns[-1][-1])):
+            turns.append([])
+        turns[-1].append(item)
+    if len(turns) < 2:
+        return None
+    keep = turns[(len(turns) + 1) // 2:]
+    return history[:initial_len] + [item for turn in keep for item in turn]
+
+
+def _by_model(item: dict) -> bool:
+    return item.get("type") in ("reasoning", "function_call") or item.get("role") == "assistant"
+
+
+def rejection(reply: ModelReply, max_tokens: int, empty: bool = False, tool_call: bool = False) -> str | None:
+    """Why a summary reply is rejected (`empty` / `tool_call`: an injected fault), or None."""
+    if tool_call or reply.message.get("tool_calls"):
+        return "tool_call"
+    if empty:
+        return "empty"
+    text = summary_text(reply.message.get("content") or "")
+    if text is None:
+        return "missing_block"
+    if not text:
+        return "empty"
+    if len(reply.evidence["generation_token_ids"]) > max_tokens:
+        return "too_long"
+    return None
+
+
+def recall(env: DoorsEnv | None, summary: str) -> tuple[int, int]:
+    """(facts needed, facts carried): the task's memory facts shown before the current room and
+    needed at or after it, and how many of them the summary holds verbatim."""
+    if env is None:
+        return 0, 0
+    facts = [f for f in env.memory_facts() if f["shown_in_room"] < env.room <= f["needed_in_room"]]
+    return len(facts), sum(f["text"] in summary for f in facts)
+
+
+@dataclass
+class Requests:
+    """One compaction's summary requests so far."""
+
+    k: int
+    history: list[dict]
+    sent: int = 0
+    trims: int = 0
+    rejected: list[str] = field(default_factory=list)
+
+
+@register("summarize")
+class SummarizePolicy:
+    """The model summarizes its history when the context fills (module docstring)."""
+
+    def __init__(self, cfg: ContextHistoryConfig) -> None:
+        self.cfg, self.s = cfg, cfg.policy.summarize
+        self.fallback = RewritePolicy(cfg)
+
+    async def compact(self, ep: Episode, client: ModelClient) -> CompactionResult:
+        before = await client.count_tokens(items_to_messages(ep.history), ep.tools)
+        if before + self.cfg.guards.reserved_generation_tokens <= threshold(self.s, ep.env.seed if ep.env else 0):
+            return CompactionResult(ep.history)
+        k = ep.ev.summaries + ep.ev.summaries_failed
+        if k >= self.s.max_compactions:
+            ep.ev.summary.append({"compaction": k, "request": None, "decision": "max_compactions", "reason": None,
+                                  "tokens": 0, "injected": False})
+            return CompactionResult(ep.history, outcome="aborted", tokens_before=before, end_reason="max_compactions")
+        run = Requests(k, list(ep.history))
+        accepted = await self._request(ep, client, run)
+        if accepted is None:
+            return await self._failed(ep, client, run, before)
+        return await self._accepted(ep, client, run, before, *accepted)
+
+    async def _request(self, ep: Episode, client: ModelClient, run: Requests) -> tuple[ModelReply, str] | None:
+        """Sample summaries until one is accepted, trimming the history on overflow; None: failed."""
+        fires = ep.fault or (lambda kind, at=None: False)
+        empty, tool_call = fires("summary_empty", run.k), fires("summary_tool_call", run.k)
+        while len(run.rejected) < self.s.max_summary_attempts:
+            injected = run.trims == 0 and fires("summary_overflow", run.k)
+            reply = None if injected else await self._send(ep, client, run)
+            if reply is None or reply.evidence is None:
+                trimmed = trim_middle(run.history, ep.initial_len)
+                self._note(ep, run, "overflow", "trimmed" if trimmed else "untrimmable", 0, injected, sent=not injected)
+                if trimmed is None:
+                    run.rejected.append("overflow")
+                    return None
+                run.history, run.trims = trimmed, run.trims + 1
+                continue
+            reason = rejection(reply, self.s.max_summary_tokens, empty, tool_call)
+            tokens = len(reply.evidence["generation_token_ids"])
+            self._note(ep, run, "rejected" if reason else "accepted", reason, tokens, empty or tool_call)
+            if reason is None:
+                return reply, summary_text(reply.message.get("content") or "")
+            run.rejected.append(reason)
+        return None
+
+    async def _send(self, ep: Episode, client: ModelClient, run: Requests) -> ModelReply:
+        key = f"{ep.coords.key}.s{run.k}a{run.sent}" if ep.coords else new_id("summary")
+        sampling = dict(ep.sampling)
+        if "seed" in sampling:
+            sampling["seed"] += SEED_STRIDE * (run.k + 1) + run.sent
+        request = {"type": "message", "role": "user", "content": SUMMARY_REQUEST}
+        run.sent += 1
+        return await client.chat(items_to_messages(run.history + [request]), [], sampling, key, None)
+
+    @staticmethod
+    def _note(ep: Episode, run: Requests, decision: str, reason: str | None, tokens: int, injected: bool,
+              sent: bool = True) -> None:
+        """The request's record in `evidence.summary` (`request` None: an injected overflow, never sent)."""
+        ep.ev.summary.append({"compaction": run.k, "request": run.sent - 1 if sent else None, "decision": decision,
+                              "reason": reason, "tokens": tokens, "injected": injected})
+
+    async def _accepted(self, ep: Episode, client: ModelClient, run: Requests, before: int, reply: ModelReply,
+                        text: str) -> CompactionResult:
+        items = continuation(ep.history, ep.initial_len, text)
+        after = await client.count_tokens(items_to_messages(items), ep.tools)
+        record = {"outcome": "completed", "tokens_before": before, "tokens_after": after, "model_calls": run.sent}
+        out = reply_to_items(reply.message, reply.evidence)
+        out[-1].update(trace_kind=SUMMARY_KIND, compaction=record)
+        ep.output += out
+        needed, recalled = recall(ep.env, text)
+        counters = {"summaries": 1, "summary_attempts_rejected": len(run.rejected),
+                    "summary_tokens": len(reply.evidence["generation_token_ids"]), "summary_tokens_before": before,
+                    "summary_tokens_after": after, "summary_facts_needed": needed, "summary_facts_recalled": recalled}
+        return CompactionResult(items, changed=True, tokens_before=before, tokens_after=after, model_calls=run.sent,
+                                counters=counters)
+
+    async def _failed(self, ep: Episode, client: ModelClient, run: Requests, before: int) -> CompactionResult:
+        """The attempts ran out: `on_summary_failure` decides."""
+        if self.s.on_summary_failure == "raise":
+            where = ep.coords.key if ep.coords else "this episode"
+            raise SummaryFailed(f"summary_failed: compaction {run.k} of {where} found no acceptable summary in "
+                                f"{run.sent} request(s) (max_summary_attempts={self.s.max_summary_attempts}; "
+                                f"rejected: {', '.join(run.rejected)})")
+        counters = {"summaries_failed": 1, "summary_attempts_rejected": len(run.rejected)}
+        ep.ev.summary.append({"compaction": run.k, "request": None, "decision": "failed", "reason": self.s.on_summary_failure,
+                              "tokens": 0, "injected": False})
+        if self.s.on_summary_failure == "end_episode":
+            return CompactionResult(ep.history, outcome="failed", tokens_before=before, model_calls=run.sent,
+                                    counters=counters, end_reason="summary_failed")
+        rewrite = await self.fallback.compact(ep, client)
+        return CompactionResult(rewrite.items, changed=rewrite.changed, outcome="failed", tokens_before=before,
+                                model_calls=run.sent, counters={**rewrite.counters, **counters})
