@@ -2,7 +2,7 @@
 rollout coordinates.
 
 Faults fire only at named sites in the real components (`SITES`: the generation server's engine
-boundary, the generation worker's process, the agent's guard and loop, the agent server's HTTP
+boundary, the generation worker's process, the agent's guard and loop, the summarizing policy, the agent server's HTTP
 layer); this module only decides *whether* and *where*. Each site asks through `fault_site`, one
 predicate per rollout attempt. A rate draw is a pure function of (faults.seed, kind, step, group,
 rollout, attempt), never of how many draws came before.
@@ -43,6 +43,8 @@ AGENT = "agent episode (agents/agent.py)"
 """The agent's context guard and loop, per model call."""
 AGENT_HTTP = "agent server's HTTP layer (agents/server.py)"
 """The agent server's `/run` handler, around the whole episode."""
+SUMMARIZE = "summarizing compaction (agents/summarize.py)"
+"""The summarizing policy's summary requests, per compaction of the episode."""
 VERIFY = "the verifier, after the episode (agents/server.py)"
 """Where a finished episode is scored (also the Gym 0.7 doors server's `/verify`, minirl/gym/v07.py):
 `session_lost` makes it report `mask_sample: true`, Gym 0.7's "the reward is not a measurement"."""
@@ -61,9 +63,9 @@ SITES: dict[str, str] = {
     "engine_crash": ENGINE,
     "agent_kill": AGENT_HTTP,
     "session_lost": VERIFY,
-    "summary_empty": AGENT,
-    "summary_tool_call": AGENT,
-    "summary_overflow": AGENT,
+    "summary_empty": SUMMARIZE,
+    "summary_tool_call": SUMMARIZE,
+    "summary_overflow": SUMMARIZE,
 }
 """Every fault kind and the site that fires it (the order is the kinds' order in messages and events).
 The summary kinds fire in the summarizing policy (agents/summarize.py) at the rollout's compaction
@@ -72,7 +74,7 @@ real reply, recorded by the server, is read as an empty block / as carrying a to
 the attempts run out), `summary_overflow` on its first, untrimmed request (read as the server's
 context-length refusal, so the middle of the history is trimmed and the request retried)."""
 FAULT_KINDS = tuple(SITES)
-AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items() if site in (AGENT, AGENT_HTTP))
+AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items() if site in (AGENT, AGENT_HTTP, SUMMARIZE))
 """Kinds that fire in the agent pool, where the row (and so its task's room count) is known."""
 
 
