@@ -23,10 +23,15 @@ POLICIES = {
     ],
     "minirl defaults": [],
     "minirl defaults (masked in baseline)": ["grpo.baseline_excludes_masked=false"],
+    # issue 30's experiment 2 (minirl.experiments.segments): the shipped config, one segment switch moved
+    "segments rollout_equal": ["loss_fn.segment_weighting=rollout_equal"],
+    "segments length_ratio": ["loss_fn.segment_weighting=length_ratio"],
+    "segments any": ["grpo.segment_validity=any"],
 }
+SEGMENT_POLICIES = ("segments rollout_equal", "segments length_ratio", "segments any")
 DEFAULTS = "minirl defaults"  # no preset: `python -m minirl.train` as shipped (fixes on, its own budgets)
 MASKED_IN_BASELINE = "minirl defaults (masked in baseline)"  # the same, but upstream's baseline (issue I)
-ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE}  # policies built on the shipped config rather than the preset
+ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE, *SEGMENT_POLICIES}  # built on the shipped config rather than the preset
 SHRINKS = {"+shrink", "all fixes"} | ON_DEFAULTS  # upstream forces the floor to 100% without fix 1
 
 COLUMNS = [
