@@ -35,7 +35,7 @@ setup-gpu:
 	touch $(STAMP)
 
 # The check against the real `nemo-gym` package (not part of `make test`: the install takes minutes).
-# nemo-gym 0.4.0 is the newest that installs here and needs Python 3.12, which pyenv provides; its
+# nemo-gym 0.4.0 is the newest whose Python requirement this machine meets (3.12, from pyenv); its
 # side venv .venv-gym is created once and reused. scripts/gym_check.py drives both venvs.
 GYM_VENV  := .venv-gym
 GYM_STAMP := $(GYM_VENV)/.nemo-gym-installed
