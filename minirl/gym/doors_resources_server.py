@@ -4,8 +4,9 @@ the Gym venv (the only minirl module that imports `nemo_gym`).
 `/seed_session` starts an episode from the row's `task` (`{"env": "doors", "seed", "num_rooms"}`),
 kept under Gym's per-rollout session id; `/open_door` is the tool `simple_agent` calls by name with
 the parsed arguments, answering the observation as plain text in the model's own format (the text
-minirl's agent would show: `items.parts_text` of `DoorsEnv.step`); `/verify` replays the transcript
-with `env.verify`, as minirl's agent does.
+minirl's agent would show: `items.parts_text` of `DoorsEnv.step`), a call after the last door
+included (the environment's own `All doors are open.`, never an exception's text); `/verify`
+replays the transcript with `env.verify`, as minirl's agent does.
 
 Invariant: the reward of a `/run` is `env.verify(task, output)`, a pure function of the row's task
 and the agent's calls, whatever state the live episodes hold.

@@ -1,6 +1,9 @@
 """Gym's side of `make gym-check`, run with the Gym venv's python: Gym's `vllm_model` (pointed at
-minirl's generation router, `return_token_id_information: true`), Gym's `simple_agent`, and the
-doors resources server, all on 127.0.0.1, in one process.
+minirl's generation router, `return_token_id_information: true`), and two environments, each a
+resources server behind its own Gym `simple_agent`: minirl's doors server (agent `simple_agent`)
+and Gym's own example `example_tool_call_multireward` (agent `example_simple_agent`), all on
+127.0.0.1, in one process. `--example-jsonl` prints the path of that example's own rows
+(`data/example.jsonl` in the installed package) and exits.
 
 They are Gym's own server classes, apps, session and exception middleware, built from a Gym
 global config as `ng_run` builds them; only the launcher differs: `ng_run` gives each server its
@@ -8,8 +11,8 @@ own process, venv and Ray cluster, which a 2-core machine cannot spare, so here 
 serves all three with uvicorn. `python -m minirl.gym.serve --check-rows ROWS.jsonl` instead
 validates rows against the real `SimpleAgentRunRequest` and exits.
 
-Invariant: prints one line `gym-servers ready {json of URLs}` once all three answer, and nothing
-that matters after; exits when killed.
+Invariant: prints one line `gym-servers ready {json of URLs by server name}` once all answer, and
+nothing that matters after; exits when killed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+EXAMPLE = "example_tool_call_multireward"
+"""The Gym example environment gym-check trains besides doors (nemo-gym 0.4.0's resources_servers/)."""
+
+
+def example_jsonl() -> str:
+    """The path of the example environment's own rows in the installed nemo-gym package."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    return str(Path(find_spec(f"resources_servers.{EXAMPLE}.app").origin).parent / "data" / "example.jsonl")
+
+
 def check_rows(path: str) -> None:
     from responses_api_agents.simple_agent.app import SimpleAgentRunRequest
 
@@ -38,30 +53,40 @@ def check_rows(path: str) -> None:
 
 
 def gym_config(args: argparse.Namespace, host: str) -> dict:
-    """Gym's global config for the three servers on free ports of `host`, as `ng_run` would build it."""
-    ports = {name: free_port() for name in ("head", "policy_model", "doors", "simple_agent")}
+    """Gym's global config for the servers on free ports of `host`, as `ng_run` would build it."""
+    ports = {name: free_port() for name in ("head", "policy_model", "doors", "simple_agent", EXAMPLE, "example_simple_agent")}
     common = lambda name: {"host": host, "port": ports[name], "entrypoint": "app.py"}  # noqa: E731
     model_cfg = {**common("policy_model"), "base_url": args.router.rstrip("/") + "/v1", "api_key": "none", "model": args.model,
                  "return_token_id_information": True, "uses_reasoning_parser": bool(args.uses_reasoning_parser)}
-    agent_cfg = {**common("simple_agent"), "max_steps": args.max_steps,
-                 "resources_server": {"type": "resources_servers", "name": "doors"},
-                 "model_server": {"type": "responses_api_models", "name": "policy_model"}}
+
+    def agent(name: str, resources: str) -> dict:
+        return {"responses_api_agents": {"simple_agent": {
+            **common(name), "max_steps": args.max_steps, "resources_server": {"type": "resources_servers", "name": resources},
+            "model_server": {"type": "responses_api_models", "name": "policy_model"}}}}
+
     return {
         "head_server": {"host": host, "port": ports["head"]},
         "policy_model": {"responses_api_models": {"vllm_model": model_cfg}},
         "doors": {"resources_servers": {"doors": common("doors")}},
-        "simple_agent": {"responses_api_agents": {"simple_agent": agent_cfg}},
+        "simple_agent": agent("simple_agent", "doors"),
+        EXAMPLE: {"resources_servers": {EXAMPLE: common(EXAMPLE)}},
+        "example_simple_agent": agent("example_simple_agent", EXAMPLE),
     }
 
 
 def gym_servers(global_cfg: dict) -> list:
-    """Gym's own server objects (model, resources, agent) for `global_cfg`, sharing one `ServerClient`."""
+    """Gym's own server objects (model; per environment its resources server and agent) for
+    `global_cfg`, sharing one `ServerClient`."""
     from omegaconf import OmegaConf
 
     from minirl.gym.doors_resources_server import DoorsResourcesServer
     from nemo_gym.base_resources_server import BaseResourcesServerConfig
     from nemo_gym.config_types import BaseServerConfig
     from nemo_gym.server_utils import ServerClient
+    from resources_servers.example_tool_call_multireward.app import (
+        ToolCallMultiRewardResourcesServer,
+        ToolCallMultiRewardResourcesServerConfig,
+    )
     from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
     from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
@@ -69,11 +94,15 @@ def gym_servers(global_cfg: dict) -> list:
                           global_config_dict=OmegaConf.create(global_cfg))
     model_cfg = global_cfg["policy_model"]["responses_api_models"]["vllm_model"]
     doors_cfg = global_cfg["doors"]["resources_servers"]["doors"]
-    agent_cfg = global_cfg["simple_agent"]["responses_api_agents"]["simple_agent"]
+    example_cfg = global_cfg[EXAMPLE]["resources_servers"][EXAMPLE]
+    agents = [SimpleAgent(config=SimpleAgentConfig(name=name, **global_cfg[name]["responses_api_agents"]["simple_agent"]),
+                          server_client=client) for name in ("simple_agent", "example_simple_agent")]
     return [
         VLLMModel(config=VLLMModelConfig(name="policy_model", **model_cfg), server_client=client),
         DoorsResourcesServer(config=BaseResourcesServerConfig(name="doors", **doors_cfg), server_client=client),
-        SimpleAgent(config=SimpleAgentConfig(name="simple_agent", **agent_cfg), server_client=client),
+        ToolCallMultiRewardResourcesServer(config=ToolCallMultiRewardResourcesServerConfig(name=EXAMPLE, **example_cfg),
+                                           server_client=client),
+        *agents,
     ]
 
 
@@ -103,9 +132,12 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--uses-reasoning-parser", type=int, default=1)
     ap.add_argument("--check-rows")
+    ap.add_argument("--example-jsonl", action="store_true", help="print the example environment's rows' path and exit")
     args = ap.parse_args()
     if args.check_rows:
         return check_rows(args.check_rows)
+    if args.example_jsonl:
+        return print(example_jsonl())
     if not args.router or not args.model:
         ap.error("--router and --model are required to serve")
     host = "127.0.0.1"
