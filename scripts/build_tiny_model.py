@@ -2,6 +2,7 @@
 
     python scripts/build_tiny_model.py --out models/tiny-doors            # the committed default
     python scripts/build_tiny_model.py --out /tmp/m --size small          # ~12M params, 32k vocab
+    python scripts/build_tiny_model.py --out models/tiny-summarize --task doors_memory --summarize
 
 1. A noisy scripted teacher plays the `doors` task through minirl's own agent loop (with random
    compaction settings, so the model also sees compacted histories). With probability
@@ -14,6 +15,16 @@
    grow the copying heads a 2-layer model otherwise learns slowly. Batches are windows of
    length-sorted examples, so little compute goes to padding. The result imitates the teacher:
    it reads the door about as often as the teacher did, which leaves GRPO clear room to improve.
+
+With `--task doors_memory --summarize` (models/tiny-summarize, configs/summarize.yaml) the teacher
+plays the memory task through the agent loop with summarizing compaction (`SummarizingTeacher`): on
+the summary request (agents/summary_format.py) it writes a `<summary>` block that carries the note's
+fact (`note7`) only with probability `--p-recall`, else the newest picture's door label (a noisy
+summarizer that drops the fact that matters); in the last room (`door?`) it answers from a note in
+its context, and guesses when there is none. The episodes are played twice: once with a rough token
+count to train the tokenizer on the protocol's text, then with that tokenizer's real counts, so the
+summaries fall where the policy's token threshold puts them. The look-up drills then include `note`.
+Without these flags the build is unchanged (models/tiny-doors stays byte-identical).
 
 Everything runs offline on CPU; the output loads with `from_pretrained(out_dir)`.
 """
@@ -34,6 +45,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from minirl.agents.agent import ModelReply, run_episode
 from minirl.agents.env import COLORS, OBJECTS, TOOLS, DoorsEnv
+from minirl.agents.items import parts_text
+from minirl.agents.summary_format import SUMMARY_REQUEST, summary_text
 from minirl.config import AgentConfig
 from minirl.generation.chat_format import (
     ADDED_TOKENS,
@@ -86,6 +99,115 @@ def random_agent_config(rng: random.Random) -> AgentConfig:
     return cfg
 
 
+_NOTE = re.compile(r"note(\d)")
+MEMORY_ROOMS = (3, 4, 4, 5)
+"""Room counts of the summarizing teacher's memory episodes (the note is in room 2, the hidden door last)."""
+SUMMARIZE_SHARE = 0.8
+"""Share of the summarizing build's episodes played with summarizing compaction (the rest: recency)."""
+
+
+SUMMARY_LEAD = "keep\n"
+"""What the teacher's summary opens with: a word, then a newline, so the label after it tokenizes as a
+picture's label does (`\n`, `note`, `7`; right after `>` it would be one `>note` token), and copying
+the note's digit is the same look-up as reading a picture."""
+
+
+def prompt_text(messages) -> str:
+    return "\n".join(parts_text(m.get("content") or "") for m in messages)
+
+
+def is_summary_request(messages) -> bool:
+    return bool(messages) and messages[-1]["role"] == "user" and parts_text(messages[-1]["content"] or "") == SUMMARY_REQUEST
+
+
+class SummarizingTeacher:
+    """`doors_memory`'s noisy teacher (`--summarize`). Rooms: reads the newest picture's door with
+    probability p_correct, else another object's label. The hidden door (`door?`): answers from the
+    newest `note<d>` anywhere in its prompt (a picture or a summary), else guesses a digit the picture
+    does not show. The summary request: `<summary>note<d></summary>` with probability p_recall when
+    a note is in its prompt, else the newest picture's door label (`door?` before the last room: a
+    summary that drops the fact that matters), each after SUMMARY_LEAD. `count` is the token count
+    the summarizing policy reads."""
+
+    def __init__(self, rng: random.Random, p_correct: float, p_recall: float, render, count):
+        self.rng, self.p, self.p_recall, self.render, self.count = rng, p_correct, p_recall, render, count
+        self.examples: list[tuple[str, str]] = []
+
+    def _labels(self, text: str) -> list[str]:
+        return _PICTURE.findall(text)[-1].split("\n")[1:]
+
+    def _summary(self, text: str) -> str:
+        notes = _NOTE.findall(text)
+        if notes and self.rng.random() < self.p_recall:
+            return f"<summary>{SUMMARY_LEAD}note{notes[-1]}</summary>"
+        door = next(label for label in self._labels(text) if label.startswith("door"))
+        return f"<summary>{SUMMARY_LEAD}{door}</summary>"
+
+    def _room(self, text: str) -> str:
+        labels = self._labels(text)
+        door = next(label for label in labels if label.startswith("door"))
+        if door == "door?":
+            notes = _NOTE.findall(text)
+            shown = {label[-1] for label in labels}
+            name, num = ("note", notes[-1]) if notes else ("door?", self.rng.choice([d for d in "0123456789" if d not in shown]))
+        elif self.rng.random() < self.p:
+            name, num = door[:-1], door[-1]
+        else:
+            other = self.rng.choice([label for label in labels if label[:-1] not in ("door", "note")])
+            name, num = other[:-1], other[-1]
+        return f'<think>{name}{num}</think><tool_call>{{"name": "open_door", "arguments": {{"code": {num}}}}}</tool_call>'
+
+    async def chat(self, messages, tools, params, key, required_prefix):
+        text = prompt_text(messages)
+        reply = self._summary(text) if is_summary_request(messages) else self._room(text)
+        self.examples.append((self.render(messages, tools), reply + EOS_TOKEN))
+        tokens = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
+        return ModelReply(parse_reply(reply), "stop", tokens)
+
+    async def count_tokens(self, messages, tools):
+        return self.count(messages, tools)
+
+
+THRESHOLDS = (150, 330)
+"""Range the summarizing teacher's per-episode token thresholds are drawn from (configs/summarize.yaml's
+`threshold_tokens` lies inside it)."""
+
+
+def summarize_agent_config(rng: random.Random, rooms: int) -> AgentConfig:
+    """The summarizing policy with a random threshold (so summaries fall before any room), or
+    (1 - SUMMARIZE_SHARE of the episodes) a recency setting, so the model also sees dropped pictures."""
+    if rng.random() >= SUMMARIZE_SHARE:
+        cfg = random_agent_config(rng)
+        cfg.max_steps = rooms + rng.choice([0, 1])
+        return cfg
+    cfg = AgentConfig(max_steps=rooms + rng.choice([0, 1]))
+    policy = cfg.context_history.policy
+    policy.type = "summarize"
+    lo = rng.randrange(*THRESHOLDS)
+    policy.summarize.threshold_tokens = [lo, lo + rng.choice([0, 20, 40])]
+    return cfg
+
+
+def summarizing_transcripts(n: int, p_correct: float, p_recall: float, seed: int, render, count) -> list[tuple[str, str]]:
+    """`n` doors_memory episodes of the SummarizingTeacher through run_episode (summarizing compaction)."""
+    rng = random.Random(seed)
+    teacher = SummarizingTeacher(rng, p_correct, p_recall, render, count)
+
+    async def play():
+        for i in range(n):
+            rooms = rng.choice(MEMORY_ROOMS)
+            env = DoorsEnv(seed=rng.randrange(2**31), num_rooms=rooms, task="doors_memory")
+            row = {
+                "responses_create_params": {"input": env.initial_input(), "tools": TOOLS},
+                "task": {"env": "doors_memory", "seed": env.seed, "num_rooms": rooms},
+                "_minirl": {"step": 0, "group": i, "rollout": 0, "attempt": 0},
+            }
+            await run_episode(row, summarize_agent_config(rng, rooms), teacher)
+
+    asyncio.run(play())
+    return teacher.examples
+
+
 def teacher_transcripts(n: int, p_correct: float, seed: int, render) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     teacher = ScriptedTeacher(rng, p_correct, render)
@@ -133,9 +255,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return hf
 
 
-def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int = 8) -> tuple[list[int], list[int]]:
-    """A picture followed by `queries` think blocks naming a random label: loss on the digits only."""
-    names = rng.sample(OBJECTS + ("door",), 4)
+def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int = 8, extra: tuple = ()) -> tuple[list[int], list[int]]:
+    """A picture followed by `queries` think blocks naming a random label: loss on the digits only.
+    `extra` adds label names (`note` for the summarizing build)."""
+    names = rng.sample(OBJECTS + ("door",) + extra, 4)
     nums = [rng.randrange(10) for _ in names]
     picture = " ".join(rng.choice(COLORS) for _ in range(pixels)) + "\n" + "\n".join(f"{n}{d}" for n, d in zip(names, nums))
     text = f"<|im_start|>user\nRoom 1.<image>{picture}</image>{EOS_TOKEN}\n<|im_start|>assistant\n"
@@ -149,7 +272,8 @@ def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int =
     return ids, targets
 
 
-def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int, drill_fraction: float) -> list[float]:
+def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int, drill_fraction: float,
+        drill_extra: tuple = ()) -> list[float]:
     if steps == 0:  # an untrained model (bench/vs_trl.py's 12M variant)
         return []
     rng = random.Random(seed)
@@ -166,7 +290,7 @@ def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int
     model.train()
     for step in range(steps):
         start = rng.randrange(0, max(1, len(encoded) - batch))
-        seqs = encoded[start : start + batch - drills] + [lookup_drill(rng, tokenizer) for _ in range(drills)]
+        seqs = encoded[start : start + batch - drills] + [lookup_drill(rng, tokenizer, extra=drill_extra) for _ in range(drills)]
         width = max(len(s) for s, _ in seqs)
         ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
         labels = torch.full((len(seqs), width), -100)
@@ -206,12 +330,67 @@ def quality(model, tokenizer, examples, n: int, seed: int) -> dict:
     return {"door_rate": door / n, "right_code_rate": right / n, "wellformed_rate": wellformed / n}
 
 
+def summarizing_corpus(args, render):
+    """The summarizing build's teacher transcripts, its held-out set (p_correct = p_recall = 1) and its
+    tokenizer. Played twice: first with a rough count (3 characters a token) to train the tokenizer
+    on the protocol's text, then with that tokenizer's counts, as the generation server counts."""
+    rough = lambda messages, tools: len(render(messages, tools)) // 3  # noqa: E731
+    first = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, rough)
+    tokenizer = train_tokenizer([p + r for p, r in first[:6000]], args.vocab_size)
+
+    def count(messages, tools):
+        return len(tokenizer(render(messages, tools), add_special_tokens=False)["input_ids"])
+
+    examples = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, count)
+    held_out = summarizing_transcripts(3 * args.eval_n, 1.0, 1.0, args.seed + 1, render, count)
+    kinds = [example_kind(p, r) for p, r in examples]
+    print(f"teacher: {len(examples)} model calls from {args.episodes} episodes "
+          f"({kinds.count('summary')} summaries, {kinds.count('hidden_door')} hidden doors)", flush=True)
+    return examples, held_out, tokenizer
+
+
+def example_kind(prompt: str, reply: str) -> str:
+    """`summary` (a summary call), `hidden_door` (the last room, `door?`), or `room`."""
+    if reply.startswith("<summary>"):
+        return "summary"
+    return "hidden_door" if _PICTURE.findall(prompt)[-1].endswith("door?") else "room"
+
+
+@torch.no_grad()
+def summary_quality(model, tokenizer, examples, n: int, seed: int) -> dict:
+    """Sample at temperature 1 on held-out prompts of each kind (the teacher with p = 1): how often a
+    summary carries the note's fact (recall, where the prompt shows a note), how often the hidden
+    door is opened from a note in the context, and how often an ordinary room's door is read."""
+    torch.manual_seed(seed)
+    hits = {"summary_recall": [], "hidden_door_rate": [], "door_rate": [], "summary_wellformed": []}
+    for prompt, reply in examples:
+        kind = example_kind(prompt, reply)
+        want = reply.removesuffix(EOS_TOKEN)
+        if kind == "summary" and "note" not in want or kind == "hidden_door" and "<think>note" not in want:
+            continue
+        key = {"summary": "summary_recall", "hidden_door": "hidden_door_rate", "room": "door_rate"}[kind]
+        if len(hits[key]) >= n:
+            continue
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=40, do_sample=True, temperature=1.0, top_k=0,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        if kind == "summary":
+            hits["summary_wellformed"].append(bool(summary_text(text)))
+            hits[key].append(summary_text(text) == summary_text(want))
+        else:
+            msg, ref = parse_reply(text), parse_reply(want)
+            got = msg["tool_calls"] and json.loads(msg["tool_calls"][0]["function"]["arguments"])
+            hits[key].append(got == json.loads(ref["tool_calls"][0]["function"]["arguments"]))
+    return {k: round(sum(v) / max(1, len(v)), 3) for k, v in hits.items()} | {f"{k}_n": len(v) for k, v in hits.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--episodes", type=int, default=4000)
-    ap.add_argument("--p-correct", type=float, default=0.3)
+    ap.add_argument("--p-correct", type=float, default=None, help="teacher reads the door (default 0.3; 0.9 with --summarize)")
     ap.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary learned from the corpus")
     ap.add_argument("--pad-vocab-to", type=int, default=0, help="grow the embedding to this many rows (e.g. 32768)")
     ap.add_argument("--sft-steps", type=int, default=1200)
@@ -220,7 +399,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drill-fraction", type=float, default=0.25, help="share of each batch that is look-up drills")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--task", choices=["doors", "doors_memory"], default="doors", help="doors_memory needs --summarize")
+    ap.add_argument("--summarize", action="store_true", help="the SummarizingTeacher on doors_memory (models/tiny-summarize)")
+    ap.add_argument("--p-recall", type=float, default=0.5, help="--summarize: a summary carries the note's fact")
+    ap.add_argument("--eval-n", type=int, default=100, help="--summarize: held-out samples per kind for the scores")
     args = ap.parse_args(argv)
+    if args.summarize != (args.task == "doors_memory"):
+        ap.error("--summarize goes with --task doors_memory")
+    if args.p_correct is None:
+        args.p_correct = 0.9 if args.summarize else 0.3
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
@@ -231,11 +418,13 @@ def main(argv: list[str] | None = None) -> None:
     def render(messages, tools):
         return bootstrap.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    examples = teacher_transcripts(args.episodes, args.p_correct, args.seed, render)
-    held_out = teacher_transcripts(200, 1.0, args.seed + 1, render)
-    print(f"teacher: {len(examples)} model calls from {args.episodes} episodes", flush=True)
-
-    tokenizer = train_tokenizer([p + r for p, r in examples[:4000]], args.vocab_size)
+    if args.summarize:
+        examples, held_out, tokenizer = summarizing_corpus(args, render)
+    else:
+        examples = teacher_transcripts(args.episodes, args.p_correct, args.seed, render)
+        held_out = teacher_transcripts(200, 1.0, args.seed + 1, render)
+        print(f"teacher: {len(examples)} model calls from {args.episodes} episodes", flush=True)
+        tokenizer = train_tokenizer([p + r for p, r in examples[:4000]], args.vocab_size)
     vocab = max(len(tokenizer), args.pad_vocab_to)
     vocab = (vocab + 63) // 64 * 64
     config = Qwen2Config(
@@ -254,15 +443,20 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters, vocab {vocab} ({len(tokenizer)} used)", flush=True)
 
-    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction)
-    scores = quality(model, tokenizer, held_out, 100, args.seed)
+    drill_extra = ("note",) if args.summarize else ()
+    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction, drill_extra)
+    if args.summarize:
+        scores = summary_quality(model, tokenizer, held_out, args.eval_n, args.seed)
+    else:
+        scores = quality(model, tokenizer, held_out, 100, args.seed)
     print(f"warm start: {scores}", flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    info = {"args": vars(args), "parameters": params, "vocab_size": vocab, **scores, "build_s": round(time.time() - t0, 1)}
+    recorded = {k: v for k, v in vars(args).items() if args.summarize or k not in ("task", "summarize", "p_recall", "eval_n")}
+    info = {"args": recorded, "parameters": params, "vocab_size": vocab, **scores, "build_s": round(time.time() - t0, 1)}
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)
 

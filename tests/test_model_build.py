@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from minirl.agents.env import TOOLS, DoorsEnv
 from minirl.agents.agent import chat_tools
 from minirl.agents.items import items_to_messages
-from minirl.config import REPO_ROOT, load_config
+from minirl.config import REPO_ROOT, AgentConfig, load_config
 from minirl.generation.chat_format import parse_reply
 
 SAMPLE = ('<|im_start|>user\nRoom 1.<image>lamp 3 , door 9 ; gold red</image><|im_end|>\n<|im_start|>assistant\n'
@@ -29,6 +29,23 @@ def test_build_script_makes_a_loadable_model(tmp_path):
     assert model.config.model_type == "qwen2"
     info = json.loads((out / "build_info.json").read_text())
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    assert "task" not in info["args"] and "summary_recall" not in info  # the default build records what it did before issue 30
+
+
+def test_summarize_build_runs_its_teacher_through_the_summarizing_policy(tmp_path, capsys):
+    """In-process (the imports are the cost): a loadable model whose scores are the summarizer's."""
+    import pytest
+
+    b = build_module()
+    b.main(["--out", str(tmp_path), "--task", "doors_memory", "--summarize", "--episodes", "24", "--sft-steps", "2",
+            "--batch", "4", "--eval-n", "3"])
+    info = json.loads((tmp_path / "build_info.json").read_text())
+    assert info["args"]["summarize"] and info["summary_recall_n"] > 0 and info["hidden_door_rate_n"] > 0
+    assert "summaries" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.model_type == "qwen2"
+    with pytest.raises(SystemExit) as exit_:
+        b.main(["--out", str(tmp_path), "--summarize"])
+    assert exit_.value.code == 2 and "--summarize goes with --task doors_memory" in capsys.readouterr().err
 
 
 def test_committed_model_tokenizer_agrees_with_its_tokenizer_json():
@@ -52,3 +69,62 @@ def test_template_renders_a_reply_back_to_its_own_text():
             "tool_calls": msg["tool_calls"]}
     full = hf.apply_chat_template(history + [turn], tools=chat_tools(TOOLS), tokenize=False)
     assert full == prompt + reply + "<|im_end|>\n"
+
+
+# ------------------------------------------------------------------ the summarizing warm start (issue 30)
+SUMMARIZE_DIR = REPO_ROOT / "models" / "tiny-summarize"
+
+
+def build_module():
+    """scripts/build_tiny_model.py as a module (scripts/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO_ROOT / "scripts" / "build_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summarizing_teacher_drops_the_fact_sometimes_and_answers_from_its_summary():
+    """The teacher through the real agent loop and the real summarizing policy: a summary carries the
+    note's fact about p_recall of the time, and the hidden door is opened exactly when the note
+    reached the last room (p_correct = 1: every other room opens on its first try)."""
+    import asyncio
+    import random
+
+    from minirl.agents.agent import run_episode
+    from minirl.agents.env import TOOLS, make_rooms
+    from minirl.generation.chat_format import CHAT_TEMPLATE
+
+    b = build_module()
+    boot = b.PreTrainedTokenizerFast(tokenizer_object=b.Tokenizer(b.models.BPE()))
+    boot.chat_template = CHAT_TEMPLATE
+
+    def render(messages, tools):
+        return boot.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    rng = random.Random(3)
+    teacher = b.SummarizingTeacher(rng, 1.0, 0.4, render, lambda m, t: len(render(m, t)) // 3)
+    carried = dropped = 0
+    for i in range(150):
+        env = DoorsEnv(seed=rng.randrange(2**31), num_rooms=4, task="doors_memory")
+        cfg = AgentConfig(max_steps=4)
+        cfg.context_history.policy.type = "summarize"
+        cfg.context_history.policy.summarize.threshold_tokens = [320, 340]  # rough counts ~100, 190, 280, 370: before the last room only
+        row = {"responses_create_params": {"input": env.initial_input(), "tools": TOOLS},
+               "task": {"env": "doors_memory", "seed": env.seed, "num_rooms": 4},
+               "_minirl": {"step": 0, "group": i, "rollout": 0, "attempt": 0}}
+        res = asyncio.run(run_episode(row, cfg, teacher))
+        ev = res["evidence"]
+        assert ev["summaries"] == 1 and ev["summary_facts_needed"] == 1, ev
+        last = json.loads([it for it in res["response"]["output"] if it["type"] == "function_call"][-1]["arguments"])
+        right = last["code"] == make_rooms(env.seed, 4)[-1].code
+        if ev["summary_facts_recalled"]:
+            carried += 1
+            assert right and res["reward"] == 1.0
+        else:
+            dropped += 1
+            assert res["reward"] == (3 + right) / 4
+    assert 0.25 < carried / 150 < 0.55, carried  # p_recall 0.4: noisy, so RL has room to improve
+    kinds = [b.example_kind(p, r) for p, r in teacher.examples]
+    assert kinds.count("summary") == 150 and kinds.count("hidden_door") == 150
