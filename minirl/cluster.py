@@ -63,6 +63,7 @@ once in the suite. (A kernel whose ephemeral range starts lower makes that possi
 
 def free_port(host: str) -> int:
     """A port no one listens on now, for a server that binds it later (and again after a restart)."""
+    host = "0.0.0.0" if host == "auto" else host  # the server's node is not known here: probe this one
     for _ in range(64):
         with socket.socket() as s:
             port = random.randint(*SERVER_PORTS)
@@ -77,10 +78,11 @@ def free_port(host: str) -> int:
 
 
 def node_host(cfg: MinirlConfig) -> str:
-    """127.0.0.1 on one node; the node's own address when the cluster spans several."""
+    """127.0.0.1 on one node; `auto` when the cluster spans several: each server then binds its
+    own node's address (http_thread.resolve_host), wherever Ray places it."""
     if cfg.cluster.host != "auto":
         return cfg.cluster.host
-    return ray.util.get_node_ip_address() if len(ray.nodes()) > 1 else "127.0.0.1"
+    return "auto" if len(ray.nodes()) > 1 else "127.0.0.1"
 
 
 def cause(exc: BaseException) -> BaseException:
@@ -178,6 +180,11 @@ class Cluster:
 
         return on
 
+    def _bundle_ip(self, bundle: int) -> str:
+        """The address of the node Ray put the placement group's bundle on."""
+        node = ray.util.placement_group_table(self.pg)["bundles_to_node_id"][bundle]
+        return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
+
     def _start_agents(self, model_urls: list[str], host: str) -> list[str]:
         """The agent servers (none for an external agent), serving through `model_urls`: their URLs."""
         cfg = self.cfg
@@ -204,8 +211,8 @@ class Cluster:
         else:
             self.gen = start_generation_workers(cfg, host, self.store, placement=on)
         world = cl.num_policy_workers
-        master = f"{host}:{free_port(host)}"
         first = 0 if attach else cl.num_generation_workers
+        master = f"{self._bundle_ip(first) if host == 'auto' else host}:{free_port(host)}"  # rank 0's node
         self.policy = [
             ray.remote(PolicyWorker)
             .options(num_cpus=cl.cpus_per_policy_worker, num_gpus=cl.gpus_per_policy_worker, **on(first + r))

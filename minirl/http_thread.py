@@ -32,9 +32,20 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def resolve_host(host: str) -> str:
+    """`auto` (cluster.host=auto on a cluster of several nodes): the address of the Ray node this
+    process runs on, which the other nodes reach it at; any other host as it is. Resolved where
+    the server starts: the driver cannot know on which node Ray puts an actor."""
+    if host != "auto":
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 class HttpThread:
     def __init__(self, setup: Callable[[], Awaitable[web.Application]], host: str, port: int, name: str):
-        self.host, self.port = host, port
+        self.host, self.port = resolve_host(host), port
         self.loop = new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None

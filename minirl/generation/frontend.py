@@ -109,6 +109,9 @@ class FrontEnd:
     """Starts the front-end process and serves its requests to `engine` from one thread."""
 
     def __init__(self, engine, cfg, rank: int, host: str, port: int):
+        from minirl.http_thread import resolve_host
+
+        host = resolve_host(host)  # here, in the worker's process: the front-end process is no Ray worker
         tag = f"minirl-frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         to_front, to_engine = f"ipc://@{tag}-f", f"ipc://@{tag}-e"
         self.engine, self.rank, self.where = engine, rank, f"{host}:{port}"
