@@ -41,23 +41,6 @@ def _check(ok: bool, what: str, failures: list, name: str) -> None:
     ok or failures.append(f"{VERSION} {name}")
 
 
-def start_gym(python: str, cfg, router: str, work: Path, env: dict) -> tuple[subprocess.Popen, dict]:
-    """Gym 0.7's servers in one process of the 0.7 venv; its output goes to a file (never a full pipe)."""
-    path = work / "gym07-servers.log"
-    faults = {"seed": cfg.faults.seed, "inject": [LOST]}
-    gym = subprocess.Popen([python, "-m", "minirl.gym.serve_v07", "--router", router, "--model", cfg.policy.model_name,
-                            "--max-steps", str(cfg.agent.max_steps), "--faults", json.dumps(faults)],
-                           cwd=work, env=env, stdout=open(path, "w"), stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 180
-    while time.time() < deadline and gym.poll() is None:
-        ready = [x for x in path.read_text().splitlines() if x.startswith("gym-servers ready ")]
-        if ready:
-            return gym, json.loads(ready[0].split(" ", 2)[2])
-        time.sleep(0.5)
-    gym.kill()
-    raise RuntimeError(f"Gym {VERSION} servers did not start:\n{path.read_text()[-3000:]}")
-
-
 def check_serving(post, python: str, urls: dict, rows: Path, cfg, work: Path, env: dict, failures: list) -> None:
     shapes = subprocess.run([python, "-m", "minirl.gym.serve_v07", "--check-shapes", str(rows)], cwd=work, env=env,
                             capture_output=True, text=True)
@@ -138,13 +121,15 @@ def check_episode_failures(url: str, cfg, failures: list) -> None:
            f"failure events (group, class, kind, terminal) {kinds}", failures, "EpisodeFailure")
 
 
-def run(post, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
-    """The 0.7.0 half (`post`: gym_check's JSON POST); returns the failed checks' names. Stops its Gym
+def run(post, start_gym, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
+    """The 0.7.0 half (`post`, `start_gym`: gym_check's); returns the failed checks' names. Stops its Gym
     process whatever happens."""
     failures: list[str] = []
     gym = None
     try:
-        gym, urls = start_gym(python, cfg, router, work, env)
+        faults = {"seed": cfg.faults.seed, "inject": [LOST]}  # the Gym 0.7 doors server's fault plan
+        gym, urls = start_gym(python, cfg, router, work, env, "minirl.gym.serve_v07", ("--faults", json.dumps(faults)),
+                              "gym07-servers.log")
         say(f"Gym servers up: {urls}")
         check_serving(post, python, urls, rows, cfg, work, env, failures)
         check_episode_failures(urls["failing_episodes"], cfg, failures)

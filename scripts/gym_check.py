@@ -62,12 +62,14 @@ def check(ok: bool, what: str, failures: list, name: str) -> None:
     ok or failures.append(name)
 
 
-def start_gym(args, cfg, router: str, work: Path, env: dict) -> tuple[subprocess.Popen, dict]:
-    """Gym's servers in one process of the Gym venv; stdout and stderr go to a file, never to a pipe
-    that would fill (at 64 KiB Gym would block on its write and the check time out)."""
-    path = work / "gym-servers.log"
-    gym = subprocess.Popen([args.gym_python, "-m", "minirl.gym.serve", "--router", router, "--model", cfg.policy.model_name,
-                            "--max-steps", str(cfg.agent.max_steps)], cwd=work, env=env, stdout=open(path, "w"),
+def start_gym(python: str, cfg, router: str, work: Path, env: dict, module: str = "minirl.gym.serve",
+              extra: tuple = (), log: str = "gym-servers.log") -> tuple[subprocess.Popen, dict]:
+    """Gym's servers (`module`: 0.4's `minirl.gym.serve`, 0.7's `minirl.gym.serve_v07`) in one process
+    of a Gym venv's `python`; stdout and stderr go to a file, never to a pipe that would fill (at 64 KiB
+    Gym would block on its write and the check time out)."""
+    path = work / log
+    gym = subprocess.Popen([python, "-m", module, "--router", router, "--model", cfg.policy.model_name,
+                            "--max-steps", str(cfg.agent.max_steps), *extra], cwd=work, env=env, stdout=open(path, "w"),
                            stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and gym.poll() is None:
@@ -171,7 +173,7 @@ def main() -> int:
         _router, router = start_router(cfg, workers, "127.0.0.1", name="gym-gen")
         say(f"generation side up: router {router}, workers {workers}")
 
-        gym, urls = start_gym(args, cfg, router, work, env)
+        gym, urls = start_gym(args.gym_python, cfg, router, work, env)
         say(f"Gym servers up: {urls}")
         example = subprocess.run([args.gym_python, "-m", "minirl.gym.serve", "--example-jsonl"], cwd=work, env=env,
                                  capture_output=True, text=True, check=True).stdout.strip()
@@ -213,8 +215,8 @@ def main() -> int:
         if args.gym07_python:  # nemo-gym 0.7.0 on the same generation side (issue 32)
             import gym07_check
 
-            failures += gym07_check.run(post, str(Path(args.gym07_python).absolute()), cfg, router, attach, TRAIN_OVERRIDES,
-                                        rows, work, env)
+            failures += gym07_check.run(post, start_gym, str(Path(args.gym07_python).absolute()), cfg, router, attach,
+                                        TRAIN_OVERRIDES, rows, work, env)
     except Exception as exc:  # report, then stop everything below
         say(f"FAIL {type(exc).__name__}: {exc}")
         failures.append(type(exc).__name__)
