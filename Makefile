@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.minirl-installed
 
-.PHONY: train test setup setup-gpu bench-quick clean gym-check
+.PHONY: train test setup setup-gpu bench-quick clean gym-check slurm-check
 
 train: $(STAMP)
 	$(BIN)/python -m minirl.train
@@ -63,6 +63,12 @@ $(GYM07_STAMP):
 	$(GYM07_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(GYM07_VENV)/bin/python -m pip install --quiet --ignore-requires-python nemo-gym==0.7.0
 	touch $(GYM07_STAMP)
+
+# slurm/minirl.sbatch under real Slurm (not part of `make test`; needs root): Debian's slurm-wlm,
+# munge, slurmdbd and MariaDB (apt-get when missing), two slurmd nodes in network namespaces made
+# by the script, the real training job and its failure cases; it tears everything down at the end.
+slurm-check: $(STAMP)
+	$(BIN)/python scripts/slurm_check.py
 
 clean:
 	rm -rf $(VENV) $(GYM_VENV) $(GYM07_VENV) runs .pytest_cache
