@@ -128,3 +128,19 @@ def test_summarizing_teacher_drops_the_fact_sometimes_and_answers_from_its_summa
     assert 0.25 < carried / 150 < 0.55, carried  # p_recall 0.4: noisy, so RL has room to improve
     kinds = [b.example_kind(p, r) for p, r in teacher.examples]
     assert kinds.count("summary") == 150 and kinds.count("hidden_door") == 150
+def test_committed_summarize_model_covers_the_protocol_and_is_a_noisy_summarizer():
+    from minirl.agents.summary_format import SUMMARY_REQUEST, handoff_text
+
+    hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
+    raw = Tokenizer.from_file(str(SUMMARIZE_DIR / "tokenizer.json"))
+    assert type(hf).__name__ == "Qwen2Tokenizer"
+    for text in (SAMPLE, SUMMARY_REQUEST, handoff_text("note7"), "<summary>door3</summary>"):
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert ids == raw.encode(text, add_special_tokens=False).ids and hf.decode(ids) == text
+    words = hf.tokenize(SUMMARY_REQUEST)
+    assert "summary" in words and len(words) <= 20, words  # the protocol's words are in the vocabulary
+    info = json.loads((SUMMARIZE_DIR / "build_info.json").read_text())
+    assert info["args"]["task"] == "doors_memory" and info["args"]["summarize"]
+    assert 0 < info["summary_recall"] <= 0.6  # it drops the fact often (or miscopies it): room for RL
+    assert info["hidden_door_rate"] >= 0.5 and info["summary_wellformed"] >= 0.9
+    assert sum(f.stat().st_size for f in SUMMARIZE_DIR.iterdir()) < 4_000_000
