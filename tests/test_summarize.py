@@ -1,0 +1,349 @@
+"""Summarizing compaction (issue 30 items 2, 3, 4, 7): `agent.context_history.policy.type=summarize`.
+
+Two halves:
+- a scripted model through the real agent loop (`run_episode`, the real policy, `parse_rollout`, the
+  ledger), with a character-level "chat template" whose prompts extend each other exactly as a real
+  one does, for the accepted path (the default tiny model never writes a summary block): the trigger,
+  the handoff, the traces and their kinds, every accepted generated token trained exactly once, the
+  recall metric, the resampling and trimming lanes and `max_compactions`;
+- the real generation server and agent pool (`stack`, the shared vLLM engine and the default tiny
+  model, whose replies never carry a block: every real attempt is `missing_block`) for the failure
+  lanes, the seeded summary faults, the ledger retiring rejected attempts, the rollout manager's
+  `summary_failed` branch and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import re
+
+import aiohttp
+import pytest
+
+from minirl.agents.agent import ModelReply, run_episode
+from minirl.agents.summarize import SUMMARY_KIND, threshold, trim_middle
+from minirl.agents.summary_format import HANDOFF_PREFIX, SUMMARY_REQUEST, summary_text
+from minirl.config import ConfigError, FaultSpec, load_config
+from minirl.controller import assemble
+from minirl.data import prompt_row
+from minirl.faults import FaultPlan
+from minirl.rollout.evidence import Ledger, parse_rollout, split_traces, summary_stats
+from minirl.types import Call, GroupOutcome
+from minirl.wire import Coords, is_summary_call, parse_call_key, with_extra_body
+
+VOCAB = 256
+PICTURE = re.compile(r"<image>(.*?)</image>", re.S)
+
+
+def enc(text: str) -> list[int]:
+    return [ord(ch) % 250 + 1 for ch in text]
+
+
+def said(m: dict) -> str:
+    """What an assistant message renders as: exactly the tokens its call generated."""
+    return (m.get("content") or "") + "".join(json.dumps(tc["function"]) for tc in m.get("tool_calls") or [])
+
+
+def render(messages: list[dict]) -> str:
+    return "".join(said(m) if m["role"] == "assistant" else f"<{m['role']}>{m.get('content') or ''}" for m in messages)
+
+
+class Scripted:
+    """A scripted model: reads the newest picture's door (the note for `door?`), and answers a summary
+    request with `summaries.pop(0)` when given, else `<summary>` + the notes its prompt shows. A
+    prompt longer than `max_len` is refused as the server's lane A refuses it."""
+
+    def __init__(self, summaries: list[str] | None = None, max_len: int = 10**9):
+        self.summaries, self.max_len = list(summaries or []), max_len
+        self.keys: list[str] = []
+        self.summary_prompts: list[str] = []
+        self.prompts: list[tuple[bool, str]] = []  # (a summary request?, its prompt)
+
+    async def chat(self, messages, tools, params, key, required_prefix):
+        text = render(messages)
+        prompt = enc(text)
+        self.keys.append(key)
+        self.prompts.append((not tools, text))
+        if len(prompt) > self.max_len:
+            return ModelReply({"content": ""}, "length", None, "context_length: maximum context length")
+        if not tools:
+            assert messages[-1] == {"role": "user", "content": SUMMARY_REQUEST}
+            self.summary_prompts.append(text)
+            notes = " ".join(sorted(set(re.findall(r"note\d", text)))) or "none"
+            message = {"role": "assistant", "content": self.summaries.pop(0) if self.summaries else f"<summary>{notes}</summary>"}
+        else:
+            labels = PICTURE.findall(text)[-1].split("\n")[1:]
+            door = next(label[4:] for label in labels if label.startswith("door"))
+            code = int(door) if door != "?" else int((re.findall(r"note(\d)", text) or ["0"])[-1])
+            fn = {"name": "open_door", "arguments": json.dumps({"code": code})}
+            message = {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{len(self.keys)}", "type": "function", "function": fn}]}
+        gen = enc(said(message))
+        evidence = {"prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-0.5] * len(gen)}
+        return ModelReply(message, "tool_calls" if message.get("tool_calls") else "stop", evidence)
+
+    async def count_tokens(self, messages, tools):
+        return len(enc(render(messages)))
+
+
+def summarize_cfg(*overrides: str, rooms: int = 5, lo: int = 600, hi: int = 600):
+    return load_config(overrides=["env.task=doors_memory", f"env.num_rooms={rooms}", f"agent.max_steps={rooms + 2}",
+                                  "agent.context_history.policy.type=summarize",
+                                  f"agent.context_history.policy.summarize.threshold_tokens=[{lo},{hi}]", *overrides])
+
+
+def row_of(cfg, group=0, rollout=0, attempt=0, seed=7):
+    row = {**prompt_row(cfg, 0, group), "_rowidx": rollout,
+           "_minirl": {"step": 0, "group": group, "rollout": rollout, "attempt": attempt}}
+    row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=seed)
+    return row
+
+
+def play(cfg, model, row=None, faults=None):
+    plan = None
+    if faults:
+        cfg = copy.deepcopy(cfg)
+        cfg.faults.inject = [FaultSpec(**f) for f in faults]
+        plan = FaultPlan(cfg.faults)
+    return asyncio.run(run_episode(row or row_of(cfg), cfg.agent, model, plan))
+
+
+def rollout_of(cfg, result, coords=Coords(0, 0, 0, 0)):
+    return parse_rollout(result, coords, vocab_size=VOCAB, max_len=10**6, overlong_filtering=cfg.grpo.overlong_filtering)
+
+
+def generated(result) -> int:
+    return sum(len(it["generation_token_ids"]) for it in result["response"]["output"] if "generation_token_ids" in it)
+
+
+# ----------------------------------------------------------------------------------- scripted model
+def test_an_accepted_summary_is_its_own_trace_and_every_generated_token_trains_once():
+    cfg = summarize_cfg()
+    model = Scripted()
+    result = play(cfg, model)
+    ev = result["evidence"]
+    assert result["reward"] == 1.0 and ev["end_reason"] == "env_done"  # the last room answered from the summary
+    assert ev["summaries"] >= 1 and ev["compactions"] == ev["summaries"] and ev["summary_attempts_rejected"] == 0
+    assert ev["summary_facts_needed"] >= 1 and ev["summary_facts_recalled"] == ev["summary_facts_needed"]
+    assert [k for k in model.keys if ".s" in k][0] == "s0.g0.r0.a0.s0a0"
+    assert parse_call_key("s0.g0.r0.a0.s0a0") == (Coords(0, 0, 0, 0), "s0a0") and is_summary_call("s0a0")
+
+    marked = [it for it in result["response"]["output"] if it.get("trace_kind") == SUMMARY_KIND]
+    assert len(marked) == ev["summaries"]
+    record = marked[0]["compaction"]
+    assert record["outcome"] == "completed" and record["model_calls"] == 1
+    assert record["tokens_before"] > 600 > record["tokens_after"]
+    assert summary_text(marked[0]["content"][0]["text"]) is not None
+
+    r = rollout_of(cfg, result)
+    kinds = [t.kind for t in r.traces]
+    assert kinds[:3] == ["turns", SUMMARY_KIND, "turns"] and kinds.count(SUMMARY_KIND) == ev["summaries"]
+    summary_trace = r.traces[1]
+    assert summary_trace.calls == 1 and summary_trace.compaction == record
+    # the summary's prompt extends the turns before it, and still it is a trace of its own
+    assert summary_trace.tokens[: len(r.traces[0].tokens)] == r.traces[0].tokens
+    assert sum(sum(t.loss_mask) for t in r.traces) == generated(result) == sum(len(c.gen) for c in r.calls)
+    # the handoff: system prompt, task, summary, then the current observation
+    first = next(i for i, (summary, _) in enumerate(model.prompts) if summary)
+    after = model.prompts[first + 1][1]
+    handoff = f"<user>{HANDOFF_PREFIX}<summary>{summary_text(marked[0]['content'][0]['text'])}</summary>"
+    assert after.startswith(render_initial(result) + handoff + "<user>Opened. Room ")
+    assert after.count("<image>") == 2  # the task's picture and the current one
+
+    stats = summary_stats([r])
+    assert stats["summaries"] == ev["summaries"] and stats["summary_recall"] == 1.0
+    assert stats["compaction_ratio"] == ev["summary_tokens_before"] / ev["summary_tokens_after"] > 1
+    assert stats["summary_tokens_mean"] == ev["summary_tokens"] / ev["summaries"]
+
+
+def test_the_threshold_is_the_prompts_and_a_group_shares_it():
+    s = summarize_cfg(lo=100, hi=900).agent.context_history.policy.summarize
+    draws = [threshold(s, seed) for seed in range(200)]
+    assert all(100 <= d <= 900 for d in draws) and len(set(draws)) > 50
+    assert [threshold(s, seed) for seed in range(200)] == draws
+
+
+def test_rejected_attempts_are_resampled_and_never_trained():
+    cfg = summarize_cfg("agent.context_history.policy.summarize.max_summary_tokens=40")
+    bad = ["no block here", "<summary></summary>", "<summary>" + "x" * 60 + "</summary>"]
+    model = Scripted(summaries=bad[:2])
+    result = play(cfg, model)
+    ev = result["evidence"]
+    reasons = [(s["decision"], s["reason"]) for s in ev["summary"] if s["compaction"] == 0]
+    assert reasons == [("rejected", "missing_block"), ("rejected", "empty"), ("accepted", None)]
+    assert ev["summary_attempts_rejected"] == 2 and result["reward"] == 1.0
+    r = rollout_of(cfg, result)
+    assert sum(sum(t.loss_mask) for t in r.traces) == generated(result)  # the rejected two are in no trace
+    assert [it["compaction"]["model_calls"] for it in result["response"]["output"] if it.get("trace_kind")][0] == 3
+
+    # over max_summary_tokens, three times: attempts exhausted; end_episode masks the rollout
+    cfg = summarize_cfg("agent.context_history.policy.summarize.max_summary_tokens=40",
+                        "agent.context_history.policy.summarize.on_summary_failure=end_episode")
+    result = play(cfg, Scripted(summaries=[bad[2]] * 3))
+    ev = result["evidence"]
+    assert [s["reason"] for s in ev["summary"]] == ["too_long"] * 3 + ["end_episode"]
+    assert ev["end_reason"] == "summary_failed" and ev["summaries_failed"] == 1
+    assert result["response"]["status"] == "incomplete"
+    assert rollout_of(cfg, result).mask_reason == "summary_failed"
+
+
+def test_an_overflowing_summary_request_trims_the_middle_and_retries():
+    cfg = summarize_cfg()
+    probe = Scripted()
+    play(cfg, probe)
+    limit = len(enc(probe.summary_prompts[0])) - 1  # the first summary request is one token too long
+    model = Scripted(max_len=limit)
+    result = play(cfg, model)
+    ev = result["evidence"]
+    first = [s for s in ev["summary"] if s["compaction"] == 0]
+    assert [(s["decision"], s["reason"]) for s in first] == [("overflow", "trimmed"), ("accepted", None)]
+    assert ev["summaries"] >= 1 and ev["summary_attempts_rejected"] == 0
+    kept = model.summary_prompts[0]
+    assert kept.startswith(render_initial(result)) and len(enc(kept)) <= limit  # system and task kept
+    assert probe.summary_prompts[0].endswith(kept[-200:])  # the newest turns kept
+
+
+def render_initial(result) -> str:
+    from minirl.agents.items import items_to_messages
+
+    return render(items_to_messages(result["responses_create_params"]["input"]))
+
+
+def test_trim_middle_keeps_the_initial_context_and_the_newest_turns():
+    initial = [{"type": "message", "role": "system", "content": "s"}, {"type": "message", "role": "user", "content": "t"}]
+    turns = [[{"type": "function_call", "call_id": f"c{i}", "name": "open_door", "arguments": "{}"},
+              {"type": "function_call_output", "call_id": f"c{i}", "output": [{"type": "input_text", "text": str(i)}]}]
+             for i in range(5)]
+    history = initial + [it for t in turns for it in t]
+    trimmed = trim_middle(history, 2)
+    assert trimmed == initial + [it for t in turns[3:] for it in t]
+    assert trim_middle(trim_middle(trimmed, 2), 2) is None  # one turn left: nothing to trim
+
+
+def test_max_compactions_ends_the_rollout_as_truncated():
+    cfg = summarize_cfg("agent.context_history.policy.summarize.max_compactions=1", "grpo.overlong_filtering=false",
+                        rooms=8, lo=450, hi=450)
+    result = play(cfg, Scripted())
+    ev = result["evidence"]
+    assert ev["summaries"] == 1 and ev["end_reason"] == "max_compactions"
+    assert ev["summary"][-1]["decision"] == "max_compactions"
+    assert result["response"]["status"] == "incomplete"
+    r = rollout_of(cfg, result)
+    assert r.truncated and r.mask_reason is None
+    cfg.grpo.overlong_filtering = True
+    assert rollout_of(cfg, result).mask_reason == "overlong"
+
+
+def test_summary_traces_split_by_kind():
+    a = Call([1, 2], [3], [-0.1])
+    s = Call([1, 2, 3, 4], [5, 6], [-0.2, -0.3], kind=SUMMARY_KIND, compaction={"outcome": "completed"})
+    b = Call([1, 2, 3, 4, 5, 6, 7], [8], [-0.4])  # extends the summary's tokens, yet starts its own trace
+    traces = split_traces([a, s, b])
+    assert [t.kind for t in traces] == ["turns", SUMMARY_KIND, "turns"]
+    assert [sum(t.loss_mask) for t in traces] == [1, 2, 1] and traces[1].compaction == {"outcome": "completed"}
+
+
+def test_summarize_config_is_checked():
+    for override, key in (("threshold_tokens=[9,3]", "threshold_tokens"), ("threshold_tokens=[1,2,3]", "threshold_tokens"),
+                          ("max_summary_attempts=0", "max_summary_attempts"), ("on_summary_failure=retry", "on_summary_failure")):
+        with pytest.raises(ConfigError, match=f"agent.context_history.policy.summarize.{key}"):
+            load_config(overrides=["agent.context_history.policy.type=summarize", f"agent.context_history.policy.summarize.{override}"])
+    with pytest.raises(ConfigError, match="agent.context_history.policy.type: summarize needs agent.name=compaction_agent"):
+        load_config(overrides=["agent.context_history.policy.type=summarize", "agent.name=simple_agent"])
+
+
+# ---------------------------------------------------------------------- the real generation server
+def stack_cfg(base_cfg, *changes: tuple[str, object], faults=()):
+    cfg = copy.deepcopy(base_cfg)
+    cfg.env.num_rooms, cfg.agent.max_steps = 3, 3  # one trigger, before the last call
+    cfg.agent.context_history.policy.type = "summarize"
+    cfg.agent.context_history.policy.summarize.threshold_tokens = [150, 150]  # before the third call (~190 tokens)
+    for key, value in changes:
+        obj = cfg
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    cfg.faults.inject = [FaultSpec(**f) for f in faults]
+    return cfg
+
+
+async def post(url, body):
+    async with aiohttp.ClientSession() as http, http.post(url + "/run", json=body) as r:
+        return r.status, await r.json(content_type=None)
+
+
+SUMMARY = "agent.context_history.policy.summarize"
+
+
+def test_failure_lanes_through_the_real_stack(stack, base_cfg, tokenizer):
+    """The default tiny model never writes a block, so each real attempt is `missing_block`; faults
+    turn rollout 1's into tool calls, rollout 3's into empty blocks, and refuse rollout 2's first
+    request (trimmed, then sent). Under recency_fallback all four come back 200 with their attempts
+    recorded and their summaries failed; the ledger retires every rejected summary call (none
+    trained, none unrecorded, nothing masked); the step's metrics count them."""
+    faults = [{"kind": "summary_tool_call", "step": 0, "group": 0, "rollout": 1, "call": 0},
+              {"kind": "summary_overflow", "step": 0, "group": 0, "rollout": 2, "call": 0},
+              {"kind": "summary_empty", "step": 0, "group": 0, "rollout": 3, "call": 0}]
+    cfg = stack_cfg(base_cfg, (f"{SUMMARY}.on_summary_failure", "recency_fallback"), faults=faults)
+
+    async def go():
+        async with stack(cfg) as s:
+            results = await asyncio.gather(*(post(s.agent_url, row_of(cfg, rollout=r, seed=3)) for r in range(4)))
+            return results, s.model.take_calls(0)
+
+    results, calls = asyncio.run(go())
+    assert all(status == 200 for status, _ in results), results
+    reasons = {r: [(x["decision"], x["reason"]) for x in body["evidence"]["summary"]] for r, (_, body) in enumerate(results)}
+    assert reasons[0] == [("rejected", "missing_block")] * 3 + [("failed", "recency_fallback")]
+    assert reasons[1] == [("rejected", "tool_call")] * 3 + [("failed", "recency_fallback")]
+    assert reasons[2] == [("overflow", "trimmed")] + [("rejected", "missing_block")] * 3 + [("failed", "recency_fallback")]
+    assert reasons[3] == [("rejected", "empty")] * 3 + [("failed", "recency_fallback")]
+    assert results[2][1]["evidence"]["summary"][0]["injected"] and results[2][1]["evidence"]["summary"][0]["request"] is None
+
+    rollouts = [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer), max_len=cfg.policy.max_total_sequence_length,
+                              overlong_filtering=True) for r, (_, body) in enumerate(results)]
+    assert all(t.kind == "turns" for r in rollouts for t in r.traces)
+    summary_calls = [c for c in calls if is_summary_call(c["call"])]
+    assert len(summary_calls) == 12 and all(c["status"] == 200 for c in summary_calls)  # the injected overflow was never sent
+    counts = Ledger(None).close_step(0, calls, rollouts, version=0)
+    assert counts["calls_retired"] == 12 and counts["calls_unrecorded"] == 0 and counts["calls_trained"] == len(calls) - 12
+    assert all(r.mask_reason is None for r in rollouts)
+
+    batch, stats = assemble(cfg, [GroupOutcome(0, "committed", dict(enumerate(rollouts)))], tokenizer.pad_token_id or 0)
+    assert stats["summary_attempts_rejected"] == 12 and stats["summaries_failed"] == 4 and stats["summaries"] == 0
+    assert math.isnan(stats["summary_recall"]) and stats["rollouts_masked"] == 0
+    assert batch.global_valid_tokens == sum(len(c.gen) for r in rollouts for c in r.calls)
+
+
+def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tokenizer):
+    """on_summary_failure=raise: the attempt fails with SummaryFailed (HTTP 500), which the rollout
+    manager retries as INFRA (row redispatch), then drops against the drop budget: never a reward
+    of 0. The summary_failed events and counter follow."""
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = stack_cfg(base_cfg, ("grpo.num_generations_per_prompt", 2), ("async_rl.rollout_failure.nemo_gym.max_row_attempts", 2),
+                    ("async_rl.rollout_failure.max_infra_attempts_per_prompt", 1), (f"{SUMMARY}.max_summary_attempts", 1))
+    events: list[dict] = []
+
+    async def go():
+        async with stack(cfg) as s:
+            manager = RolloutManager(cfg, [s.agent_url], events.append, len(tokenizer))
+            manager.open()
+            try:
+                outcome = await manager.run_group(0, 0, row_of(cfg, seed=3))
+            finally:
+                await manager.session.close()
+            direct = await post(s.agent_url, row_of(cfg, attempt=9, seed=3))
+            return outcome, manager.summary_failures, direct
+
+    outcome, failures, (status, body) = asyncio.run(go())
+    assert status == 500 and body["type"] == "SummaryFailed"
+    assert "summary_failed: compaction 0 of s0.g0.r0.a9 found no acceptable summary in 1 request(s)" in body["error"]
+    assert outcome.status == "dropped" and outcome.rollouts == {} and outcome.row_retries == 2
+    failed = [e for e in events if e["type"] == "summary_failed"]
+    assert failures == len(failed) == 4 and {e["class"] for e in failed} == {"infra"}
+    assert sorted(e["decision"] for e in failed) == ["dropped", "dropped", "retried", "retried"]
+    assert [e["type"] for e in events].count("drop") == 1
