@@ -2,7 +2,8 @@
 
     python scripts/build_tiny_model.py --out models/tiny-doors            # the committed default
     python scripts/build_tiny_model.py --out /tmp/m --size small          # ~12M params, 32k vocab
-    python scripts/build_tiny_model.py --out models/tiny-summarize --task doors_memory --summarize
+    python scripts/build_tiny_model.py --out models/tiny-summarize --task doors_memory --summarize \
+        --episodes 3000 --sft-steps 900 --batch 24                        # the committed summarizer
 
 1. A noisy scripted teacher plays the `doors` task through minirl's own agent loop (with random
    compaction settings, so the model also sees compacted histories). With probability
