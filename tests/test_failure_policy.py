@@ -191,7 +191,7 @@ def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base
     assert str(run.error).startswith("skipped 1 prompts and this one also exhausted its data budget, exceeding "
                                      "max_skipped_prompts=1; the dataset or sequence-length configuration is likely wrong. ")
     assert "invalid JSON" in str(run.error.__cause__)
-    assert "Dominant failure (all 2 lost group(s)): RolloutDataFailure: malformed /run result: NeMo-Gym /run for s0.g1.r0.a0" \
+    assert "Dominant failure (all 2 lost group(s)): RolloutDataFailure: malformed /run result: NeMo-Gym /run for s0.g" \
            in str(run.error), "the cause, named"
 
 
