@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -107,6 +109,7 @@ class Cluster:
         cl = self.cfg.cluster
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         env = {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}
+        term = signal.getsignal(signal.SIGTERM)
         try:
             ray.init(
                 address=cl.ray_address or "local",  # never join a cluster that merely happens to run here
@@ -118,6 +121,8 @@ class Cluster:
                 logging_level="warning",
                 log_to_driver=True,
             )
+            if callable(term) and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, term)  # ray.init put its own in (a stack dump, then death): keep the caller's
             self._start()
         except BaseException as exc:
             self._run_failed(exc)
