@@ -68,7 +68,8 @@ EDGE = 3
 def cell_args(arm: str, seed: int, args, run_dir: Path) -> list[str]:
     return ["--config", CONFIG, *ARMS[arm], f"grpo.seed={42 + seed}", f"env.data_seed={1234 + seed}",
             f"faults.seed={seed}", f"grpo.max_num_steps={args.steps}", "grpo.val_at_start=true",
-            f"grpo.val_period={args.steps}", f"grpo.val_num_prompts={args.val_prompts}", "checkpoint.enabled=false",
+            f"grpo.val_period={args.steps}", f"grpo.val_num_prompts={args.val_prompts}",
+            f"checkpoint.save_period={args.steps}", "checkpoint.keep_last_k=1",  # the trained policy, for offline_eval
             "logger.tensorboard=false", "logger.progress=false", f"run_dir={run_dir}"]
 
 
@@ -186,6 +187,39 @@ def warm_start() -> str:
             f"{info['hidden_door_rate']:.2f} and reads an ordinary room's door {info['door_rate']:.2f}")
 
 
+def offline_label(model: str) -> str:
+    return "untrained" if model.rstrip("/").endswith("models/tiny-summarize") else f"after RL ({Path(model).parts[-4]})"
+
+
+def offline_section(path: Path) -> list[str]:
+    """Experiment 1 on more held-out episodes: scripts/summarize_offline_eval.py's lines (offline.jsonl)."""
+    if not path.exists():
+        return []
+    evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    groups: dict[tuple, dict] = {}
+    for e in evals:
+        groups.setdefault((offline_label(e["model"]), e["policy"]), {})[e["seed"]] = e
+    n = sorted({e["episodes"] for e in evals})
+    lines = ["", "## Experiment 1 on more held-out episodes (offline)", "",
+             f"`scripts/summarize_offline_eval.py`: {n} held-out prompts per seed (minirl.validation's rows for "
+             "that seed, one rollout each) through `run_episode` with the real policy and guard of "
+             "configs/summarize.yaml, sampled at temperature 1 by Hugging Face `generate` in-process instead of "
+             "the vLLM engine (no Ray/vLLM: the machine's lock was busy). Last room: the hidden door opened on its "
+             "only try (chance about 1/7). Lines: offline.jsonl.", "",
+             "| model | policy | seeds | success | reward | last room | summary recall |", "|---|---|---|---|---|---|---|"]
+    for (label, policy), by in sorted(groups.items()):
+        cells = [fmt(*mean_ci([v[k] for v in by.values() if v[k] is not None])) for k in ("success", "reward", "last_room", "summary_recall")]
+        lines.append(f"| {label} | {policy} | {len(by)} | " + " | ".join(cells) + " |")
+    pairs = [(a, b) for a in groups for b in groups if a != b and a[0] != "untrained" or (a == ("untrained", "summarize") and b == ("untrained", "recency"))]
+    lines += ["", "Paired by seed (same held-out prompts and sampling seeds):", ""]
+    for a, b in pairs:
+        if b[0] == "untrained" or a[0] == b[0]:
+            for k in ("last_room", "success"):
+                m, h, cnt = paired_ci({s_: v[k] for s_, v in groups[a].items()}, {s_: v[k] for s_, v in groups[b].items()})
+                lines.append(f"- {k.replace('_', ' ')}, {a[0]} {a[1]} − {b[0]} {b[1]}: {fmt(m, h)} over {cnt} seeds: {verdict(m, h)}")
+    return lines
+
+
 def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
     seeds = sorted({int(r["seed"]) for r in rows})
@@ -246,6 +280,7 @@ def report(args) -> str:
         "", f"- fraction trained, redispatch − drop budget: {diff(rows, 'summarize+faults, redispatch', 'fraction_trained', 'summarize+faults, drop budget', 'fraction_trained')}",
         f"- held-out success after RL, redispatch − drop budget: {diff(rows, 'summarize+faults, redispatch', 'val_success_final', 'summarize+faults, drop budget', 'val_success_final')}",
     ]
+    lines += offline_section(Path(args.out) / "offline.jsonl")
     died = [f"- {r['arm']} seed {r['seed']}: {r['died_reason']}" for r in rows if r["survived"] != "True"]
     lines += ["", "Runs that ended early:" if died else "Every run completed.", "", *died]
     return "\n".join(lines).rstrip() + "\n"
