@@ -347,3 +347,70 @@ def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tok
     assert failures == len(failed) == 4 and {e["class"] for e in failed} == {"infra"}
     assert sorted(e["decision"] for e in failed) == ["dropped", "dropped", "retried", "retried"]
     assert [e["type"] for e in events].count("drop") == 1
+
+
+ACCEPTED_CHILD = """
+import asyncio, json, sys
+sys.path.insert(0, "tests")
+import aiohttp
+from conftest import Stack
+from test_summarize import row_of
+from transformers import AutoTokenizer
+from minirl.config import load_config
+from minirl.generation.engine import VllmEngine, configure_cpu_env
+
+cfg = load_config("configs/summarize.yaml")
+configure_cpu_env(1, 2)
+engine = VllmEngine(cfg.policy.model_name, max_model_len=cfg.policy.generation.vllm_cfg.max_model_len, seed=0)
+tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+
+async def post(http, url, body):
+    async with http.post(url + "/run", json=body) as r:
+        return await r.json(content_type=None)
+
+async def go():
+    async with Stack(cfg, engine, tokenizer) as s, aiohttp.ClientSession() as http:
+        results = await asyncio.gather(*(post(http, s.agent_url, row_of(cfg, group=g, rollout=r, seed=11 + r))
+                                         for g in range(4) for r in range(2)))
+        return results, s.model.take_calls(0)
+
+results, calls = asyncio.run(go())
+print(json.dumps({"results": results, "calls": calls, "vocab": len(tokenizer)}))
+"""
+
+
+def test_the_warm_started_summarizer_through_the_real_stack():
+    """configs/summarize.yaml's model (models/tiny-summarize) on its own engine (a child process, so the
+    session's engine stays the default model's): its accepted summaries come back as their own traces,
+    trained once, matched by the ledger, and their rejected siblings retired; recall is measured."""
+    import subprocess
+    import sys
+
+    from minirl.config import REPO_ROOT
+
+    if not (REPO_ROOT / "models" / "tiny-summarize" / "config.json").exists():
+        pytest.skip("models/tiny-summarize is not built")
+    out = subprocess.run([sys.executable, "-c", ACCEPTED_CHILD], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                         env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = load_config("configs/summarize.yaml")
+    rollouts = []
+    for i, body in enumerate(data["results"]):
+        assert "response" in body, body
+        rollouts.append(parse_rollout(body, Coords(0, i // 2, i % 2, 0), vocab_size=data["vocab"],
+                                      max_len=cfg.policy.max_total_sequence_length, overlong_filtering=True))
+    summarized = [r for r in rollouts if r.evidence["summaries"]]
+    assert summarized, [r.evidence["summary"] for r in rollouts]
+    for r in summarized:
+        marked = [t for t in r.traces if t.kind == SUMMARY_KIND]
+        assert len(marked) == r.evidence["summaries"] and marked[0].compaction["outcome"] == "completed"
+        assert sum(sum(t.loss_mask) for t in r.traces) == sum(len(c.gen) for c in r.calls)
+    counts = Ledger(None).close_step(0, data["calls"], rollouts, version=0)
+    rejected = sum(r.evidence["summary_attempts_rejected"] for r in rollouts)
+    assert counts["calls_unrecorded"] == 0 and counts["calls_retired"] >= rejected
+    assert counts["calls_trained"] + counts["calls_masked"] == sum(len(r.calls) for r in rollouts)
+    stats = summary_stats(rollouts)
+    assert stats["summaries"] > 0 and 0 <= stats["summary_recall"] <= 1 and stats["compaction_ratio"] > 1
+    print(f"tiny-summarize: {sum(r.evidence['summaries'] for r in rollouts)} summaries over 8 rollouts, {rejected} rejected, "
+          f"recall {stats['summary_recall']:.2f}, ratio {stats['compaction_ratio']:.2f}")
