@@ -151,7 +151,9 @@ class SummarizePolicy:
         return None
 
     async def _send(self, ep: Episode, client: ModelClient, run: Requests) -> ModelReply:
-        key = f"{ep.coords.key}.s{run.k}a{run.sent}" if ep.coords else new_id("summary")
+        # a row without coordinates (validation): a plain call id, as its turns get; a key starting with "s"
+        # would be sent as the rollout header and refused by the server (HTTP 400)
+        key = f"{ep.coords.key}.s{run.k}a{run.sent}" if ep.coords else new_id("call")
         sampling = dict(ep.sampling)
         if "seed" in sampling:
             sampling["seed"] += SEED_STRIDE * (run.k + 1) + run.sent
