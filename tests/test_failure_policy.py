@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 
 import pytest
 
@@ -191,8 +192,9 @@ def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base
     assert str(run.error).startswith("skipped 1 prompts and this one also exhausted its data budget, exceeding "
                                      "max_skipped_prompts=1; the dataset or sequence-length configuration is likely wrong. ")
     assert "invalid JSON" in str(run.error.__cause__)
-    assert "Dominant failure (all 2 lost group(s)): RolloutDataFailure: malformed /run result: NeMo-Gym /run for s0.g" \
-           in str(run.error), "the cause, named"
+    # the cause, named (the two cut bodies may fail to parse at different tokens: one or both count as one failure)
+    assert re.search(r"Dominant failure \((all 2 lost group\(s\)|1 of 2 lost groups)\): RolloutDataFailure: "
+                     r"malformed /run result: NeMo-Gym /run for s0\.g[01]\.r0\.a0 returned invalid JSON", str(run.error)), run.error
 
 
 def test_a_group_with_every_rollout_masked_has_no_owner_and_drops_under_cc(stack, base_cfg):
