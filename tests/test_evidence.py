@@ -334,7 +334,7 @@ def _survives(res) -> None:
     cfg = MinirlConfig()
     cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 2
     events = []
-    RolloutManager(cfg, [], events.append, 50)._agent_events(r)
+    RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 50)  # never sent to._agent_events(r)
     json.dumps(events)
     sibling = parse(_good())
     batch, stats = assemble(cfg, [GroupOutcome(0, "committed", {0: r, 1: sibling})], pad_id=0)
