@@ -199,7 +199,7 @@ def test_per_room_hazard_reads_the_row_count_through_the_dataset_accessor(base_c
 
 
 def test_nothing_above_the_dataset_reads_environment_fields():
-    for module in ("rollout/manager.py", "controller.py", "async_rl/pump.py", "async_rl/source.py", "validation.py"):
+    for module in ("rollout/manager.py", "controller.py", "async_rl/pump.py", "async_rl/source.py", "async_rl/pacing.py", "validation.py"):
         source = (REPO / "minirl" / module).read_text()
         assert '["task"]' not in source and '"num_rooms"' not in source and "['task']" not in source, module
 

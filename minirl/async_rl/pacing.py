@@ -34,14 +34,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable
 
+from minirl.data import difficulty
+
 
 def prompt_class(row: dict) -> Hashable:
     """A `/run` row's prompt class for pacing: the difficulty the row states (a neutral top-level
-    `difficulty`, else the doors task's room count), or one class (None) for rows that state none."""
+    `difficulty`, else `data.difficulty`: a doors row's room count), or one class (None) for rows that
+    state none. Like the manager, pacing reads no environment field itself."""
     if "difficulty" in row:
         return row["difficulty"]
-    task = row.get("task")
-    return task.get("num_rooms") if isinstance(task, dict) else None
+    return difficulty(row)
 
 
 def protects(inflight: dict[int, int], ready_in_window: int, version: int, s: int, n: int, pending: bool) -> bool:
