@@ -203,7 +203,7 @@ class Controller:
 
         self.cfg, self.gen_workers, self.pad_id = cfg, gen_workers, pad_id
         self.events = EventLog(Path(run_dir) / "events.jsonl")
-        self.ledger = Ledger(Path(run_dir) / "ledger")
+        self.ledger = Ledger(Path(run_dir) / "ledger", cfg.grpo.segment_validity)
         self.kinds = KindCounts(self.events.write)  # failures and masks by Gym's failure_kind, per step
         self.manager = RolloutManager(cfg, agent_urls, self.kinds.emit, vocab_size)
         self.source = (BufferSource if cfg.async_rl.enabled else SyncSource)(cfg, self.manager, self._drain)

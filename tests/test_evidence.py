@@ -187,6 +187,27 @@ def test_ledger_masks_a_rollout_whose_calls_the_server_did_not_record():
         Ledger(None).close_step(0, [record(b, 0, [1, 2], [6], version=1)], [rb], version=0)
 
 
+@pytest.mark.parametrize("validity", ["all", "any"])
+def test_a_short_record_masks_the_segment_under_any_and_the_rollout_under_all(validity):
+    """grpo.segment_validity at the ledger: a lost call masks the segment that holds it; under `all`
+    (#4124's amin) its rollout goes too, under `any` (amax) the rollout still votes and trains its
+    whole segments."""
+    a, b = Coords(0, 0, 0, 0), Coords(0, 0, 1, 0)
+    ra = parse(result([item([1, 2], [3]), item([7, 8], [9])]))  # a compaction rewrote the history: 2 segments
+    ra.coords = a
+    rb = parse(result([item([1, 2], [6])]))
+    rb.coords = b
+    calls = [record(a, 1, [7, 8], [9]), record(b, 0, [1, 2], [6])]  # a's first call was lost
+    counts = Ledger(None, validity).close_step(0, calls, [ra, rb], version=0)
+    assert counts["calls_unrecorded"] == 1 and [t.mask_reason for t in ra.traces] == ["unrecorded_calls", None]
+    assert ra.mask_reason == ("unrecorded_calls" if validity == "all" else None)
+    cfg = MinirlConfig()
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 2
+    cfg.grpo.segment_validity = validity
+    batch, _ = assemble(cfg, [GroupOutcome(0, "committed", {0: ra, 1: rb})], pad_id=0)
+    assert list(batch.sample_mask) == ([0, 0, 1] if validity == "all" else [0, 1, 1])
+
+
 def test_an_external_agents_calls_are_matched_by_their_tokens():
     """J item 5: Gym sends no rollout header; each committed call is found in the servers'
     headerless records by prompt + generated ids, or its rollout is masked."""

@@ -30,9 +30,9 @@ WEIGHTINGS = tuple(p for p in SEGMENT_POLICIES if p != "segments any")
 
 GRID = Grid(kinds=("guard_reject@room",), rates=(0.0,), policies=(DEFAULTS, *WEIGHTINGS), budgets=(4,),
             fractions=(0.75,), seeds=(0, 1, 2), steps=10, prompts=4, generations=4, val_period=5, val_prompts=16)
-"""`segments any` is left out by default: no runtime path marks a single segment yet (Trace.mask_reason is
-set by no parser, guard or ledger; they mask whole rollouts), so it trains exactly what `all` does.
-`--policies` adds it back."""
+"""`segments any` is left out by default: only the ledger marks a single segment (a call a restarted
+generation server lost), and this grid loses none, so it trains exactly what `all` does. `--policies`
+adds it back."""
 
 
 def mass_skew(run_dir: Path) -> dict:

@@ -22,6 +22,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from minirl.algo.grpo import rollout_votes
 from minirl.gym_failures import MASK_SAMPLE, episode_failure, sample_mask
 from minirl.types import Call, Rollout, Trace
 from minirl.wire import Coords, RolloutDataFailure, is_summary_call
@@ -289,8 +290,11 @@ class Ledger:
     when the attempt then failed) and the committed `/run` results (which calls the agent kept).
     """
 
-    def __init__(self, directory: Path | None):
+    def __init__(self, directory: Path | None, segment_validity: str = "all"):
         self.dir = directory
+        self.segment_validity = segment_validity
+        """`grpo.segment_validity`: whether a short record masks the whole rollout (`all`) or, while
+        another of its segments is whole, only the segments holding the unrecorded calls (`any`)."""
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
@@ -349,6 +353,17 @@ class Ledger:
                 for line in lines:
                     f.write(json.dumps(line) + "\n")
 
+    def _mask_segments(self, r: Rollout, calls: set[int], reason: str) -> None:
+        """Mask the segments (traces, in call order) that hold `calls`; the rollout takes the reason
+        too unless `rollout_votes` under `segment_validity` says it still counts."""
+        first = 0
+        for t in r.traces:
+            if any(first <= i < first + t.calls for i in calls):
+                t.mask_reason = t.mask_reason or reason
+            first += t.calls
+        if not rollout_votes([t.mask_reason is None for t in r.traces] or [False], self.segment_validity):
+            r.mask_reason = r.mask_reason or reason
+
     @staticmethod
     def _attempt_key(record: dict) -> tuple:
         return (record["step"], record["group"], record["rollout"], record["attempt"])
@@ -367,7 +382,8 @@ class Ledger:
         The rollouts came from minirl's own agents, whose calls carry the rollout header, so the
         servers recorded every one of them. A committed call missing from its attempt's record
         fails the check: when the record is short (a restarted server lost its log) the
-        rollout is masked (`unrecorded_calls`) and counted in `calls_unrecorded`; when the record
+        segments holding the missing calls are masked (`unrecorded_calls`), their rollout too
+        under `segment_validity=all`, and counted in `calls_unrecorded`; when the record
         is complete and still lacks the call, or a trained call ran under a policy version outside
         [oldest, version] (`oldest` defaults to `version`: synchronous, one version per step), it
         raises RuntimeError. A call may span versions (an in-flight weight update) within the window.
@@ -393,7 +409,7 @@ class Ledger:
                     "of that attempt"
                 )
             counts["calls_unrecorded"] += len(missing)
-            r.mask_reason = r.mask_reason or "unrecorded_calls"
+            self._mask_segments(r, {i for i, c in enumerate(r.calls) if (c.prompt, c.gen) not in seen}, "unrecorded_calls")
         lines = []
         for key, recs in sorted(by_attempt.items()):
             rollout = committed.get(key)
