@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
-from minirl import data
+from minirl import data, shutdown
 from minirl.config import REPO_ROOT, ConfigError, MinirlConfig, load_config, to_yaml
 from minirl.trainer import checkpoint
 
@@ -55,50 +53,6 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
         if ckpt.enabled and ((step + 1) % ckpt.save_period == 0 or last):
             cluster.save_checkpoint(step)
     log.close()
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (`scancel`, a batch system's time limit or preemption): ends the run as Ctrl-C does."""
-
-
-_RUN_DIR: list[Path] = []  # the run directory, for the SIGTERM handler's report
-
-
-def _on_sigterm(signum, frame) -> None:
-    """The first SIGTERM says at once what the run keeps (a batch system sends SIGKILL soon after:
-    Slurm's KillWait, 30 s by default) and ends the run as Ctrl-C does; later ones (a batch system
-    may signal the driver and its launcher both) are ignored, so the shutdown finishes."""
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    _report_kept()
-    raise Terminated("SIGTERM: the job was cancelled, hit its time limit or was stopped by its launcher")
-
-
-def _report_kept() -> None:
-    """`minirl: stopped: <what the run keeps>` on stdout, once."""
-    if not _RUN_DIR:
-        return
-    run_dir = _RUN_DIR.pop()
-    try:
-        print(f"minirl: stopped: {kept(run_dir)}", flush=True)
-    except Exception as exc:  # the failure's own line matters more
-        print(f"minirl: stopped; could not read what the run kept: {exc}", flush=True)
-
-
-def kept(run_dir: Path) -> str:
-    """What a run that ended early leaves: its last logged step, its newest verified checkpoint and
-    the steps a resume from that checkpoint runs again."""
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    last = json.loads(lines[-1])["step"] if lines else None
-    ckpt, _ = checkpoint.latest_verified(run_dir)
-    done = "no step logged" if last is None else f"last logged step {last}"
-    if ckpt is None:
-        return f"{done}; no verified checkpoint: every step is lost"
-    saved = checkpoint.read_state(ckpt)["next_step"] - 1
-    lost = "nothing after it is lost" if last is None or last <= saved else f"steps {saved + 1}-{last} are lost"
-    return f"{done}; newest verified checkpoint {ckpt} (step {saved}): {lost}; resume with checkpoint.resume=auto"
 
 
 def _truncate_metrics(run_dir: Path, start: int) -> None:
@@ -144,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"minirl: run directory {run_dir}", flush=True)
     from minirl.cluster import Cluster, cause, describe
 
-    _RUN_DIR[:] = [run_dir]
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    shutdown.arm(run_dir)  # SIGTERM (scancel, a time limit) ends the run as Ctrl-C does, saying what it keeps
     failure = None
     try:
         with Cluster(cfg, run_dir) as cluster:  # on the way out of a failure: its run_failed event
@@ -154,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Exception) as exc:  # the run ends: report the root cause, last, after Ray is down
         failure = exc
     if failure is not None:
-        _report_kept()
+        shutdown.report_kept()
         sys.stdout.flush()
         print(describe(failure), file=sys.stderr, flush=True)
         return 2 if isinstance(cause(failure), ConfigError) else 1

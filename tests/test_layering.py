@@ -16,7 +16,7 @@ Floors, from the ground up (a module's floor is that of its longest listed prefi
   5  async_rl/ (buffer, samplers, the train pump and its step source), validation
   6  controller (one optimizer step: source -> check_step -> ledger -> assemble -> stats)
   7  cluster (the Ray actors and placement)
-  8  train, evaluate, experiments/ (entry points and the sweep)
+  8  train, shutdown (what a stopped run says it keeps), evaluate, experiments/ (entry points and the sweep)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ FLOORS = {
     "minirl.async_rl": 5, "minirl.validation": 5,
     "minirl.controller": 6,
     "minirl.cluster": 7,
-    "minirl.train": 8, "minirl.evaluate": 8, "minirl.experiments": 8,
+    "minirl.train": 8, "minirl.shutdown": 8, "minirl.evaluate": 8, "minirl.experiments": 8,
     "minirl": 8,  # the package's own __init__
 }
 

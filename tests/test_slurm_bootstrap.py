@@ -347,7 +347,7 @@ def test_sbatch_script_parses_and_passes_shellcheck():
 def test_a_stopped_run_states_what_its_newest_checkpoint_keeps(tmp_path):
     """What `scancel` makes the driver print (`minirl: stopped: ...`), from a run dir's metrics and
     checkpoints: real checkpoints written by checkpoint.save, the newer one corrupted."""
-    from minirl.train import kept
+    from minirl.shutdown import kept
     from minirl.trainer import checkpoint
 
     assert kept(tmp_path) == "no step logged; no verified checkpoint: every step is lost"
