@@ -36,12 +36,19 @@ def test_a_hung_worker_is_quarantined_and_the_run_trains_on(tmp_path, shared_eng
 
     assert any(e["type"] == "fault" and e["kind"] == "worker_hang" and e["step"] == 1 for e in events)
     quarantined = [e for e in events if e["type"] == "worker_quarantined"]
-    assert len(quarantined) == 1 and quarantined[0]["step"] == 1, quarantined
-    assert quarantined[0]["rank"] in (0, 1) and "probe_timeout_s=0.5" in quarantined[0]["reason"]
-    assert quarantined[0]["worker"] in json.loads((tmp_path / "endpoints.json").read_text())["generation_workers"]
-    assert not any(e["type"] == "worker_readmitted" for e in events), "a wedged worker stays out"
-    assert [r["workers_quarantined"] for r in rows] == [0, 1, 0]
-    assert [r["healthy_generation_workers"] for r in rows] == [2, 1, 1]
+    hung = [e for e in quarantined if "probe_timeout_s=0.5" in e["reason"]]  # /health never answered: wedged
+    assert len(hung) == 1 and hung[0]["step"] == 1 and hung[0]["rank"] in (0, 1), quarantined
+    assert hung[0]["worker"] in json.loads((tmp_path / "endpoints.json").read_text())["generation_workers"]
+    readmitted = [e for e in events if e["type"] == "worker_readmitted"]
+    assert not any(e["worker"] == hung[0]["worker"] and e["t"] > hung[0]["t"] for e in readmitted), "a wedged worker stays out"
+    # on a loaded 2-core machine a healthy worker's /health may answer 503 for a few probes (an engine
+    # step past engine.STUCK_STEP_S) and be quarantined: then it must come back, and it is not the hang
+    for e in quarantined:
+        if e is not hung[0]:
+            assert any(r["worker"] == e["worker"] and r["t"] > e["t"] for r in readmitted), (e, readmitted)
+    transient = len(quarantined) - 1
+    assert rows[1]["workers_quarantined"] >= 1 and sum(r["workers_quarantined"] for r in rows) == 1 + transient
+    assert rows[2]["healthy_generation_workers"] == 1 and rows[0]["healthy_generation_workers"] in (1, 2)
     # the rollouts caught on the hung worker failed at the quarantine, as INFRA, and were redispatched
     cut = [e for e in events if e["type"] == "failure" and "quarantined" in e["error"]]
     assert cut and {(e["class"], e["decision"]) for e in cut} == {("infra", "retried")}, cut
