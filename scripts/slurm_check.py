@@ -252,10 +252,14 @@ StorageLoc=slurm_acct_db
         """`slurmd` as the node: its netns, then a new UTS, PID and mount namespace whose init shell
         sets the hostname, mounts the node's /etc/hosts and /tmp, and runs slurmd in the foreground."""
         d = self.state / "nodes" / node
+        # a checkout under /tmp (a fresh clone there) must stay visible under the node's own /tmp
+        under_tmp = REPO.is_relative_to("/tmp")
+        keep_repo = f"mkdir -p {d}/tmp/{REPO.relative_to('/tmp')} && mount --bind {REPO} {d}/tmp/{REPO.relative_to('/tmp')}" if under_tmp else ":"
         init = f"""set -e
             hostname {node}
             mount --bind {d}/hosts /etc/hosts
-            mount --bind {d}/tmp /tmp
+            {keep_repo}
+            mount --rbind {d}/tmp /tmp
             slurmd -D -f {self.conf} &
             trap 'kill -TERM $! 2>/dev/null' TERM
             wait $!"""
