@@ -121,8 +121,8 @@ def check_episode_failures(url: str, cfg, failures: list) -> None:
            f"failure events (group, class, kind, terminal) {kinds}", failures, "EpisodeFailure")
 
 
-def run(post, start_gym, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
-    """The 0.7.0 half (`post`, `start_gym`: gym_check's); returns the failed checks' names. Stops its Gym
+def run(post, start_gym, stop_gym, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
+    """The 0.7.0 half (`post`, `start_gym`, `stop_gym`: gym_check's); returns the failed checks' names. Stops its Gym
     process whatever happens."""
     failures: list[str] = []
     gym = None
@@ -138,10 +138,5 @@ def run(post, start_gym, python: str, cfg, router: str, attach: list, overrides:
         say(f"FAIL {type(exc).__name__}: {exc}")
         failures.append(f"{VERSION} {type(exc).__name__}")
     finally:
-        if gym is not None:
-            gym.terminate()
-            try:
-                gym.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                gym.kill()
+        stop_gym(gym)
     return failures

@@ -62,6 +62,17 @@ def check(ok: bool, what: str, failures: list, name: str) -> None:
     ok or failures.append(name)
 
 
+def stop_gym(gym: subprocess.Popen | None) -> None:
+    """Stop a Gym process `start_gym` began (None: it never started)."""
+    if gym is None:
+        return
+    gym.terminate()
+    try:
+        gym.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        gym.kill()
+
+
 def start_gym(python: str, cfg, router: str, work: Path, env: dict, module: str = "minirl.gym.serve",
               extra: tuple = (), log: str = "gym-servers.log") -> tuple[subprocess.Popen, dict]:
     """Gym's servers (`module`: 0.4's `minirl.gym.serve`, 0.7's `minirl.gym.serve_v07`) in one process
@@ -215,18 +226,13 @@ def main() -> int:
         if args.gym07_python:  # nemo-gym 0.7.0 on the same generation side (issue 32)
             import gym07_check
 
-            failures += gym07_check.run(post, start_gym, str(Path(args.gym07_python).absolute()), cfg, router, attach,
+            failures += gym07_check.run(post, start_gym, stop_gym, str(Path(args.gym07_python).absolute()), cfg, router, attach,
                                         TRAIN_OVERRIDES, rows, work, env)
     except Exception as exc:  # report, then stop everything below
         say(f"FAIL {type(exc).__name__}: {exc}")
         failures.append(type(exc).__name__)
     finally:
-        if gym is not None:
-            gym.terminate()
-            try:
-                gym.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                gym.kill()
+        stop_gym(gym)
         ray.shutdown()
     say(f"{'OK' if not failures else 'FAILED: ' + ', '.join(failures)} (logs in {work})")
     return 0 if not failures else 1
