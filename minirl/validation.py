@@ -28,8 +28,13 @@ whether the guard ends the episode (`on_reject=end_episode`, a 200 with partial 
 (`raise`, a 500 `ContextGuardRejected`): so a validation scores the same weights the same way under
 every failure policy, and compares policies on their learning alone.
 
+A verifier's `mask_sample` (Gym 0.7: the reward is not a measurement, e.g. a judge that failed) is
+transient as an INFRA failure is: the row is sent again, up to `nemo_gym.max_row_attempts` sends;
+a row still masked after its last send is left out of the means and counted (`val_num_masked`).
+
 Invariant: a validation's metrics cover exactly `val_num_prompts` x `val_num_generations` rollouts
-of held-out prompts, each the answer of a fault-free `/run`.
+of held-out prompts, each the answer of a fault-free `/run`: `val_num_rollouts` scored ones and
+`val_num_masked` whose verifier measured nothing.
 """
 
 from __future__ import annotations
@@ -97,7 +102,10 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
         try:
             async with asyncio.timeout(ng.rollout_timeout_s):
                 result = await post_run(session, url, row)
-            return parse_scored(result, reward_bound(cfg.grpo.normalize_rewards))  # the training path's checks
+            scored = parse_scored(result, reward_bound(cfg.grpo.normalize_rewards))  # the training path's checks
+            if scored["mask"] is None or send >= ng.max_row_attempts:
+                return scored
+            continue  # the verifier's mask_sample: no measurement yet, send the row again
         except TimeoutError:
             exc: BaseException = RolloutTimeout(f"held-out /run exceeded {ng.rollout_timeout_s}s")
         except RolloutFailure as e:
@@ -110,7 +118,14 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
 
 
 def summarize(rows: list[dict], results: list[dict]) -> dict:
-    """val_* metrics of the held-out results; per room count too when the mix has several."""
+    """val_* metrics of the held-out results; per room count too when the mix has several. A result
+    whose verifier still set `mask_sample` after every send is no measurement: it is left out of the
+    means and counted in `val_num_masked`."""
+    masked = sum(res.get("mask") is not None for res in results)
+    if masked == len(results):
+        raise ValidationFailed(f"every one of the {len(results)} held-out rollouts still had mask_sample after its "
+                               "last send (nemo_gym.max_row_attempts): the verifier measured none")
+    rows, results = zip(*[(row, res) for row, res in zip(rows, results) if res.get("mask") is None])
     guard_ended = [(res.get("evidence") or {}).get("end_reason") == "guard_reject" for res in results]
     rewards = [0.0 if ended else float(res["reward"]) for res, ended in zip(results, guard_ended)]
     by_rooms: dict[int, list[float]] = defaultdict(list)
@@ -124,6 +139,7 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
         / len(results),
         "val_guard_ended_rate": sum(guard_ended) / len(results),
         "val_num_rollouts": len(results),
+        "val_num_masked": masked,
     }
     if len(by_rooms) > 1:
         for k, rs in sorted(by_rooms.items()):

@@ -392,7 +392,9 @@ def test_validation_reads_a_held_out_result_with_the_same_checks():
 
     bound = reward_bound(True)
     good = parse_scored({"response": {"status": "completed", "output": []}, "reward": 1, "evidence": {"end_reason": "env_done"}}, bound)
-    assert good == {"reward": 1.0, "evidence": {"end_reason": "env_done", "guard": [], "errors": []}, "response": {"status": "completed"}}
+    assert good == {"reward": 1.0, "evidence": {"end_reason": "env_done", "guard": [], "errors": []}, "response": {"status": "completed"}, "mask": None}
+    masked = parse_scored({"response": {}, "reward": 0, "mask_sample": True, "failure_kind": "judge_failed"}, bound)
+    assert masked["mask"] == {"failure_kind": "judge_failed", "failure_reason": None}
     for bad, fragment in (({"response": {}, "reward": 10**400}, "reward must be a finite number"),
                           ({"response": {}, "reward": 1.0, "evidence": [1]}, "evidence must be an object"),
                           ({"response": [1], "reward": 1.0}, "response must be an object"),

@@ -164,3 +164,40 @@ def test_a_resumed_run_measures_each_policy_version_once(tmp_path, shared_engine
     assert [(x["step"], x["val_policy_version"]) for x in lines] == [(-1, 0), (0, 1), (1, 2)]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["val_policy_version"]) for r in rows] == [(0, 1), (1, 2)]
+
+
+def test_a_held_out_result_with_mask_sample_is_sent_again_then_counted_not_scored():
+    """Gym 0.7's `mask_sample` (the reward is not a measurement) on a held-out row: the row is sent
+    again while attempts remain; one still masked after its last send is left out of the means and
+    counted in val_num_masked, so a failed judge's reward 0 never reads as the policy's."""
+    from aiohttp import web
+
+    from minirl.cluster import free_port
+
+    cfg = load_config(None, ["grpo.val_num_prompts=3", "async_rl.rollout_failure.nemo_gym.max_row_attempts=2"])
+    sends: Counter = Counter()
+
+    async def run(request):  # row 0 is masked once, row 1 on every send, row 2 never
+        row = await request.json()
+        i = row["_rowidx"]
+        sends[i] += 1
+        masked = (i == 0 and sends[i] == 1) or i == 1
+        body = {"response": {"status": "completed", "output": []}, "reward": 0.0 if masked else 1.0}
+        return web.json_response({**body, "mask_sample": True, "failure_kind": "judge_failed"} if masked else body)
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/run", run)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port("127.0.0.1")
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            return await validate(cfg, [f"http://127.0.0.1:{port}"], version=0)
+        finally:
+            await runner.cleanup()
+
+    metrics = asyncio.run(go())
+    assert dict(sends) == {0: 2, 1: 2, 2: 1}
+    assert metrics["val_num_masked"] == 1 and metrics["val_num_rollouts"] == 2
+    assert metrics["val_reward_mean"] == 1.0 and metrics["val_success_rate"] == 1.0

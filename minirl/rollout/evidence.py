@@ -175,7 +175,8 @@ def _flat(record) -> bool:
 
 def parse_scored(result, max_abs_reward: float) -> dict:
     """A held-out `/run` result (validation reads only its score): the reward, the checked
-    evidence and the response's status, in a dict of known shapes. Raises RolloutDataFailure
+    evidence, the response's status and the verifier's `mask_sample` (`mask`: its kind and reason,
+    None when the reward is a measurement), in a dict of known shapes. Raises RolloutDataFailure
     naming the field, as parse_rollout does for the same fields."""
     if not isinstance(result, dict):
         raise RolloutDataFailure("malformed /run result: not a JSON object")
@@ -184,7 +185,7 @@ def parse_scored(result, max_abs_reward: float) -> dict:
         raise RolloutDataFailure(f"malformed /run result: response must be an object, got {_short(response)}")
     status = response.get("status")
     return {"reward": _reward(result.get("reward"), max_abs_reward), "evidence": _evidence(result.get("evidence")),
-            "response": {"status": status if isinstance(status, str) else None}}
+            "response": {"status": status if isinstance(status, str) else None}, "mask": sample_mask(result)}
 
 
 def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, overlong_filtering: bool,
