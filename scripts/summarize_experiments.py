@@ -62,7 +62,10 @@ COLUMNS = ["arm", "seed", "survived", "died_reason", "steps", "wall_s", "val_rew
            "summary_tokens_mean", "compaction_ratio", "rejected", "failed", "groups_dropped", "groups_redispatched",
            "rollouts_generated", "rollouts_trained", "fraction_trained", "reward_first", "reward_last", "load_avg", "run_dir"]
 EDGE = 3
-"""Steps averaged at each end of a run for the first/last figures."""
+"""Steps averaged at each end of a run for the first/last reward figures."""
+RECALL_EDGE = 10
+"""Steps averaged at each end of a run for the first/last recall (the acceptance's "recall rises": one
+step's recall is a few dozen summaries, so 3 steps were too noisy to read a trend from)."""
 
 
 def cell_args(arm: str, seed: int, args, run_dir: Path) -> list[str]:
@@ -93,7 +96,7 @@ def summarize_run(arm: str, seed: int, run_dir: Path, rc: int, stderr: str, wall
         "steps": len(rows), "wall_s": round(wall, 1),
         "val_reward_start": vals[0]["val_reward_mean"] if vals else "", "val_reward_final": vals[-1]["val_reward_mean"] if len(vals) > 1 else "",
         "val_success_start": vals[0]["val_success_rate"] if vals else "", "val_success_final": vals[-1]["val_success_rate"] if len(vals) > 1 else "",
-        "recall_first": _mean(recall[:EDGE]), "recall_last": _mean(recall[-EDGE:]),
+        "recall_first": _mean(recall[:RECALL_EDGE]), "recall_last": _mean(recall[-RECALL_EDGE:]),
         "recall_curve": json.dumps([None if x is None else round(x, 3) for x in recall]),
         "summaries_mean": _mean([r.get("summaries") for r in rows]),
         "summary_tokens_mean": _mean([r.get("summary_tokens_mean") for r in rows]),
@@ -235,7 +238,7 @@ def report(args) -> str:
         "two arms are compared by their per-seed differences (paired t-interval; one that excludes 0 is a "
         "paired t-test at 5%). Held-out: `val_*` of minirl.validation (prompts never trained on, no faults), at "
         "start (the untrained warm start) and after the last step. Recall: `summary_recall`, the share of "
-        f"`DoorsEnv.memory_facts()` needed later that accepted summaries carry, mean of the first and last {EDGE} steps.", "",
+        f"`DoorsEnv.memory_facts()` needed later that accepted summaries carry, mean of the first and last {RECALL_EDGE} steps.", "",
         f"Warm start (models/tiny-summarize/build_info.json, the teacher's held-out prompts at temperature 1): {warm_start()}.", "",
         "Wall time: each run's `wall_s` is its whole `python -m minirl.train` (Ray and vLLM start-up, both "
         "validations, every step) on this 2-core machine, shared with other runs (the lock serialises the Ray/vLLM "
