@@ -244,14 +244,14 @@ class Cluster:
         print("minirl: endpoints " + " ".join(f"{k}={v}" for k, v in ends.items()), flush=True)
 
     # -- used by the training loop ---------------------------------------------------------------
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int) -> dict:
         """Every generation worker serves `version`; then the controller dispatches under it. Async:
-        the rollout pump dispatches nothing while the weights move (upstream's pause during a sync)."""
+        the rollout pump dispatches nothing while the weights move (upstream's pause during a sync).
+        Returns the controller's generation lane of the cycle this sync ends (minirl.timeline)."""
         if self.controller is not None:
             ray.get(self.controller.syncing.remote())
         publish(self.policy[0], self.gen, self.store, version)
-        if self.controller is not None:
-            ray.get(self.controller.published.remote(version))
+        return {} if self.controller is None else ray.get(self.controller.published.remote(version))
 
     def save_checkpoint(self, step: int) -> None:
         from dataclasses import asdict

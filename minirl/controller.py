@@ -36,6 +36,7 @@ from minirl.generation.fleet import FleetWatch
 from minirl.gym_failures import KindCounts, mask_facts
 from minirl.rollout.evidence import Ledger, summary_stats
 from minirl.rollout.manager import RolloutManager, StepTake, dominant_failure
+from minirl.timeline import clocks, generation_lane
 from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
 
 
@@ -215,6 +216,7 @@ class Controller:
         self.step: int | None = None  # the step last collected (a later failure is that step's)
         self.failed = False  # the run's run_failed event is written
         self.summary_failures = 0  # the manager's run total of SummaryFailed attempts at the last step
+        self.mark: tuple | None = None  # minirl.timeline's clocks at the last publish (the cycle's start)
 
     async def snapshot(self) -> dict:
         """The controller's part of a checkpoint, taken between two awaits (a consistent cut): the
@@ -231,9 +233,14 @@ class Controller:
         """Write an event from outside the step (e.g. the loop's `resumed`)."""
         self.events.write(event)
 
-    async def published(self, version: int) -> None:
-        """The generation workers now serve `version`: admissions and start_weights follow it."""
+    async def published(self, version: int) -> dict:
+        """The generation workers now serve `version`: admissions and start_weights follow it. Returns
+        the generation lane of the cycle this publish ends (minirl.timeline; empty for the first)."""
         self.source.published(version)
+        reading = await self._clocks()
+        lane = {} if self.mark is None else generation_lane(self.mark, reading)
+        self.mark = reading
+        return lane
 
     async def syncing(self) -> None:
         """A weight sync begins: the pump dispatches nothing until `published` (upstream's pause)."""
@@ -246,7 +253,10 @@ class Controller:
         return await validate(self.cfg, self.manager.agent_urls, version)
 
     async def _engine_busy_s(self) -> float:
-        return sum([(await w.stats.remote())["busy_s"] for w in self.gen_workers])
+        return sum([(await w.clock.remote())["busy_s"] for w in self.gen_workers])
+
+    async def _clocks(self) -> tuple[float, ...]:
+        return clocks([await w.clock.remote() for w in self.gen_workers], self.manager.occupancy.read())
 
     async def _drain(self, step: int | None) -> list[dict]:
         return [c for w in self.gen_workers for c in await w.take_calls.remote(step)]
@@ -273,8 +283,10 @@ class Controller:
 
     async def _collect(self, step: int, version: int) -> tuple[dict, dict]:
         busy0 = await self._engine_busy_s()
+        self.mark = self.mark or await self._clocks()  # the first cycle starts here
+        waited = time.perf_counter()
         take = await self.fleet.watched(step, self.source.take(step, version))
-        gen_s = time.perf_counter() - take.since
+        gen_s, waited = time.perf_counter() - take.since, time.perf_counter() - waited
         engine_busy_s = await self._engine_busy_s() - busy0
         check_step(self.cfg, step, take.outcomes)
         kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
@@ -289,6 +301,7 @@ class Controller:
                     self.events.write({"type": "segment_mask", **r.coords.as_dict(), "trace": k, "kind": t.kind,
                                        "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, engine_busy_s))
+        stats["timing/train/exposed_generation"] = waited
         stats.update(self.kinds.take(kept))
         stats["summaries_failed"] += self.manager.summary_failures - self.summary_failures  # raised: failed attempts
         self.summary_failures = self.manager.summary_failures

@@ -31,6 +31,7 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
     import ray
 
     from minirl.metrics import MetricsLogger
+    from minirl.timeline import trainer_lane
     from minirl.validation import Validator
 
     start = cluster.resume()
@@ -45,10 +46,11 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
         t1 = time.perf_counter()
         train_stats = ray.get([w.train.remote(batch) for w in cluster.policy])[0]
         t2 = time.perf_counter()
-        cluster.sync_weights(version=step + 1)
+        generation_lane = cluster.sync_weights(version=step + 1)
         t3 = time.perf_counter()
+        lane = trainer_lane(t0, t1, t2, t3, rollout_stats["timing/train/exposed_generation"])
         log.log({"step": step, **rollout_stats, **train_stats, "rollout_time_s": t1 - t0, "train_time_s": t2 - t1,
-                 "sync_time_s": t3 - t2, "step_time_s": t3 - t0, **val.after(step)})
+                 "sync_time_s": t3 - t2, "step_time_s": t3 - t0, **lane, **generation_lane, **val.after(step)})
         last = step == cfg.grpo.max_num_steps - 1
         if ckpt.enabled and ((step + 1) % ckpt.save_period == 0 or last):
             cluster.save_checkpoint(step)

@@ -100,7 +100,14 @@ def test_async_speedup_runs_sync_and_async(bench, shared_engine, tmp_path, capsy
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in results] == ["sync", "async s=1"]
     assert all(r["samples"] == 8 and r["samples_per_s"] > 0 for r in results)
-    assert "async s=1" in capsys.readouterr().out
+    # the timeline (minirl.timeline) reached each run's metrics: both lanes, each adding up
+    assert all(r["split"]["timing/train/policy_compute"] > 0 and r["split"]["timing/generation/engine_busy"] > 0
+               for r in results)
+    trainer = ("exposed_generation", "data_processing", "policy_training", "weight_sync")
+    for r in results:
+        assert sum(r["split"][f"timing/train/{k}"] for k in trainer) == pytest.approx(r["seconds"], rel=1e-6)
+    out = capsys.readouterr().out
+    assert "async s=1" in out and "where a step's time goes" in out
 
 
 @pytest.mark.slow

@@ -99,6 +99,8 @@ class VllmEngine:
         self.max_model_len = max_model_len
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
+        self.weights_s = 0.0  # wall time it spent loading new weights (minirl.timeline)
+        self.drain_s = 0.0  # wall time weight updates waited for the requests in flight (drain)
         self.steps = 0  # engine steps taken
         self.first_add_t = 0.0  # time.monotonic() of the latest request accepted into an idle engine,
         self.last_add_t = 0.0  # and of the latest request accepted: a burst's arrival spread, for benches
@@ -148,9 +150,11 @@ class VllmEngine:
         flight has finished, and requests that arrive meanwhile wait for the update."""
 
         def apply(llm):
+            t0 = time.monotonic()
             llm.collective_rpc(_reload_weights, args=(named,))
             llm.reset_prefix_cache()
             self.version = version
+            self.weights_s += time.monotonic() - t0
 
         fut: Future = Future()
         self._inbox.put(("drain" if drain else "run", apply, fut))
@@ -214,7 +218,7 @@ class VllmEngine:
             self._deferred.append((kind, payload, fut))
             return
         if kind == "drain":
-            self._held = (payload, fut)
+            self._held = (payload, fut, time.monotonic())
             return
         if kind == "run":
             try:
@@ -245,7 +249,8 @@ class VllmEngine:
         engine = self.llm.llm_engine
         while True:
             if self._held is not None and not self._pending:  # drained: apply the update, then the waiting requests
-                (fn, fut), self._held = self._held, None
+                (fn, fut, since), self._held = self._held, None
+                self.drain_s += time.monotonic() - since
                 self._accept("run", fn, fut)
                 deferred, self._deferred = self._deferred, []
                 for job in deferred:

@@ -82,6 +82,12 @@ class GenerationWorker:
         """The call log of `step`; None: the calls that came without a rollout header."""
         return self.front.call("take_calls", step)
 
+    def clock(self) -> dict:
+        """The engine's run totals of stepping, loading weights and draining for an update, in seconds
+        (minirl.timeline); read on this actor, without the front end."""
+        e = self.engine
+        return {"busy_s": e.busy_s, "weights_s": e.weights_s, "drain_s": e.drain_s}
+
     def stats(self) -> dict:
         front = self.front.call("stats")
         return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": front["tokens"], "version": self.engine.version,

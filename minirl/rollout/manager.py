@@ -41,6 +41,7 @@ from minirl.faults import FAULT_KINDS, FaultPlan
 from minirl.gym_failures import error_failure, failure_facts
 from minirl.rollout.agent_pool import AgentPool
 from minirl.rollout.evidence import parse_rollout, reward_bound
+from minirl.timeline import Occupancy
 from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
     Coords,
@@ -177,6 +178,7 @@ class RolloutManager:
         self.skipped = 0  # run-scoped skip budget use
         self.reservations: dict[str, tuple[int, int]] = {}
         self.in_flight: dict[str, float] = {}
+        self.occupancy = Occupancy()  # wall time with any rollout in flight (minirl.timeline)
         self.last_progress = time.monotonic()
         self.guard_rejections = 0  # run total of guard rejections that failed an attempt (on_reject=raise)
         self.summary_failures = 0  # run total of attempts failed by SummaryFailed (on_summary_failure=raise)
@@ -426,6 +428,7 @@ class RolloutManager:
         body["responses_create_params"] = with_extra_body(
             run.row["responses_create_params"], seed=sampling_seed(self.cfg, run.step, run.group, r, coords.attempt))
         self.in_flight[coords.key] = time.monotonic()
+        self.occupancy.enter()
         self.pool.acquire(url)
         reached = None
         try:
@@ -443,6 +446,7 @@ class RolloutManager:
         finally:
             self.pool.release(url, reached)
             self.in_flight.pop(coords.key, None)
+            self.occupancy.leave()
             self.last_progress = time.monotonic()
 
     def _identical(self, run: GroupRun, r: int, coords: Coords, exc: RolloutFailure) -> RolloutFailure:

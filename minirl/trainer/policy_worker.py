@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,6 +122,7 @@ class PolicyWorker:
 
     def train(self, batch: TrainBatch) -> dict:
         """One optimizer step over the batch: this rank's micro-batches -> loss -> summed totals."""
+        started = time.perf_counter()
         valid = batch.valid_mask()
         rows = np.flatnonzero(valid.sum(-1) > 0)
         mine = rows[self.rank :: self.world_size]
@@ -138,7 +140,7 @@ class PolicyWorker:
         loss, grad_norm = self._optimizer_step(totals)
         self._check_update(batch, rows)
         self.steps_done += 1
-        return self._report(totals, loss, grad_norm)
+        return {**self._report(totals, loss, grad_norm), "timing/train/policy_compute": time.perf_counter() - started}
 
     def _micro_step(self, batch: TrainBatch, valid: np.ndarray, idx: np.ndarray, normalizer: float, totals: dict) -> None:
         """Forward and backward over one micro-batch's rows, adding its sums to `totals`. An empty

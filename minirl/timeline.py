@@ -1,0 +1,92 @@
+"""Where an optimizer step's wall time goes (issue 35 item 4): the `timing/*` fields of metrics.jsonl.
+
+Two lanes over the same wall clock, named as NeMo-RL's timer names them (`timing/train/...`, in
+seconds) where it has the concept:
+- the trainer's lane, the driver's loop, splits `step_time_s` (= `timing/train/total_step_time`)
+  into the wait for the step's prompt groups, their processing in the controller, the policy
+  update and the weight sync;
+- the generation lane splits the step's *cycle*, from the previous step's weight publish to this
+  one's (the step plus the loop's own work between steps: logging, checkpoints, validation), into
+  the engines stepping, loading weights, waiting on rollouts (tools, agents, HTTP), and idle.
+
+In a sync run the two lanes take turns (the engine idles while the trainer trains); in an async run
+they overlap, and what is left exposed on the trainer's lane, `exposed_generation`, is the
+trainer's idle wait on the buffer.
+
+Invariant: only clock reads (time.perf_counter / time.monotonic deltas) and totals the components
+keep anyway; nothing here waits on a device or adds a round trip of its own. Each lane's parts
+add up to its whole.
+"""
+
+from __future__ import annotations
+
+import time
+
+TIMING_FIELDS = {
+    "timing/train/total_step_time": "the step's wall time on the trainer's lane (= step_time_s)",
+    "timing/train/exposed_generation": "the controller's wait for the step's prompt groups: sync, their whole "
+                                       "generation; async, the train pump's wait on the buffer (the trainer idle)",
+    "timing/train/data_processing": "the rest of the collect: step checks, ledger, assembly, events, the hand-over "
+                                    "of the stats (rollout_time_s minus exposed_generation)",
+    "timing/train/policy_training": "the policy update, the batch's transfer to the policy workers included (= train_time_s)",
+    "timing/train/policy_compute": "of policy_training, rank 0's forward, backward and optimizer step",
+    "timing/train/weight_sync": "the weight sync: the pump paused, the weights to every generation worker, "
+                                "served (= sync_time_s)",
+    "timing/generation/cycle": "the generation lane's wall time: from the previous step's weight publish to this "
+                               "step's (for the first step after start or resume: from its collect)",
+    "timing/generation/engine_busy": "the engines stepping (mean over the generation workers)",
+    "timing/generation/weight_load": "the engines loading new weights (mean over the workers)",
+    "timing/generation/rollout_wait": "rollouts in flight while the engines neither step nor load: tool latency, "
+                                      "agent servers, HTTP hops",
+    "timing/generation/idle": "no rollout in flight and the engines idle (sync: training and syncing; async: "
+                              "the pump held by the staleness gate, the buffer or a weight sync)",
+    "timing/generation/weight_drain": "weight updates waiting for the requests in flight to finish "
+                                      "(async_rl.in_flight_weight_updates=false); inside weight_sync, overlaps engine_busy",
+}
+"""Every `timing/*` metric, with what it measures (seconds per step)."""
+
+
+class Occupancy:
+    """Wall time during which at least one of a counted kind of thing (rollouts in flight) exists."""
+
+    def __init__(self):
+        self.count, self.since, self.total = 0, 0.0, 0.0
+
+    def enter(self) -> None:
+        if self.count == 0:
+            self.since = time.monotonic()
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.total += time.monotonic() - self.since
+
+    def read(self) -> float:
+        """The total so far, the interval still open included."""
+        return self.total + (time.monotonic() - self.since if self.count else 0.0)
+
+
+def trainer_lane(t0: float, t1: float, t2: float, t3: float, exposed: float) -> dict:
+    """The trainer's lane from the loop's clock marks (collect, train and sync end at t1, t2, t3) and
+    the controller's wait for the groups (policy_compute comes from the policy worker itself)."""
+    return {"timing/train/total_step_time": t3 - t0, "timing/train/exposed_generation": exposed,
+            "timing/train/data_processing": max(t1 - t0 - exposed, 0.0), "timing/train/policy_training": t2 - t1,
+            "timing/train/weight_sync": t3 - t2}
+
+
+def clocks(engines: list[dict], active_s: float) -> tuple[float, ...]:
+    """One reading of the run's totals: (now, engine busy, weight load, weight drain: means over the
+    workers' `GenerationWorker.clock`, rollouts-in-flight occupancy)."""
+    n = max(len(engines), 1)
+    return (time.monotonic(), *(sum(e[k] for e in engines) / n for k in ("busy_s", "weights_s", "drain_s")), active_s)
+
+
+def generation_lane(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
+    """The generation lane between two `clocks` readings. Engine time is counted as taken inside the
+    time rollouts are in flight, so rollout_wait is what is left of that time."""
+    cycle, busy, load, drain, active = (b - a for a, b in zip(before, after))
+    wait = max(active - busy - load, 0.0)
+    return {"timing/generation/cycle": cycle, "timing/generation/engine_busy": busy, "timing/generation/weight_load": load,
+            "timing/generation/rollout_wait": wait, "timing/generation/idle": max(cycle - busy - load - wait, 0.0),
+            "timing/generation/weight_drain": drain}

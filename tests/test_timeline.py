@@ -1,0 +1,45 @@
+"""minirl.timeline: each lane's parts add up to its whole, and the occupancy clock counts overlapping
+rollouts once (pure functions and a clock; no Ray, no engine)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from minirl.timeline import TIMING_FIELDS, Occupancy, generation_lane, trainer_lane
+
+
+def test_occupancy_counts_overlapping_intervals_once():
+    occ = Occupancy()
+    assert occ.read() == 0.0
+    occ.enter()
+    occ.enter()  # two rollouts in flight at once
+    time.sleep(0.02)
+    occ.leave()
+    open_read = occ.read()  # one still in flight: the open interval counts
+    time.sleep(0.02)
+    occ.leave()
+    closed = occ.read()
+    assert 0.02 <= open_read < closed < 0.2
+    time.sleep(0.02)
+    assert occ.read() == closed  # nothing in flight: the clock stands still
+
+
+def test_trainer_lane_adds_up_to_the_step():
+    lane = trainer_lane(10.0, 12.0, 13.5, 13.75, exposed=1.5)
+    assert lane["timing/train/data_processing"] == pytest.approx(0.5)
+    parts = ("exposed_generation", "data_processing", "policy_training", "weight_sync")
+    assert sum(lane[f"timing/train/{p}"] for p in parts) == pytest.approx(lane["timing/train/total_step_time"]) == 3.75
+
+
+def test_generation_lane_adds_up_to_the_cycle():
+    # (now, engine busy, weight load, weight drain, rollouts in flight): 4 s of cycle, 1.5 s busy,
+    # 0.25 s loading, 3 s with rollouts in flight
+    lane = generation_lane((100.0, 7.0, 1.0, 0.0, 50.0), (104.0, 8.5, 1.25, 0.5, 53.0))
+    assert lane["timing/generation/rollout_wait"] == pytest.approx(1.25)
+    assert lane["timing/generation/idle"] == pytest.approx(1.0)
+    parts = ("engine_busy", "weight_load", "rollout_wait", "idle")
+    assert sum(lane[f"timing/generation/{p}"] for p in parts) == pytest.approx(lane["timing/generation/cycle"])
+    assert lane["timing/generation/weight_drain"] == 0.5
+    assert set(lane) | set(trainer_lane(0, 1, 2, 3, 0.5)) | {"timing/train/policy_compute"} == set(TIMING_FIELDS)
