@@ -156,3 +156,20 @@ def test_paced_windowed_run_evicts_nothing_where_eager_evicts_most(tmp_path, sha
     assert all(e["prompt_classes"] == [2] for e in pace)  # the default task: 2 rooms
     dispatched = [e for e in evs if e["type"] == "dispatch"]
     assert len(dispatched) <= 4 * 2 + 4  # each step's 4, and at most one batch drawn past the last step
+
+
+def test_the_pacer_resumes_with_what_it_observed():
+    """A checkpoint keeps the durations by class and the step period (not the clock): the resumed
+    pacer holds the same slow class at once, where a fresh one would admit it to learn."""
+    p = Pacer(1, quantile_q=0.9, started_at=0.0)
+    for t in (10.0, 20.0):
+        p.published(t)
+    p.observed(1, 4.0)
+    p.observed(4, 12.0)
+    resumed, fresh = Pacer(1, quantile_q=0.9, started_at=500.0), Pacer(1, quantile_q=0.9, started_at=490.0)
+    fresh.published(500.0)
+    resumed.load(p.state(), 500.0)
+    assert resumed.period() == 10.0 and resumed.window_left(501.0) == pytest.approx(9.0)
+    assert resumed.expected(4) == 12.0 and not resumed.decide([4], 501.0, False).admit
+    assert resumed.decide([1], 501.0, False).admit
+    assert fresh.decide([4], 501.0, False).admit  # nothing observed: a fresh pacer admits and learns

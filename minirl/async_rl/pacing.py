@@ -22,6 +22,9 @@ window, so a slow group admitted (it fit, or the step starved) would still lose 
 groups started after it: there the pump also holds while one more group could push the oldest live
 group in flight out of its window (`protects`, a bound by counts that needs no estimate).
 
+A checkpoint keeps what the pacer observed (`Pacer.state`), so a resumed run paces from the first
+group as the run did before it stopped, not as a fresh one that admits to learn.
+
 Invariant: `Pacer.decide` and `protects` are pure functions of what was observed and their arguments
 (the clock is passed in); holding never loses or reorders a prompt, and the pump is never held by
 the duration rule while the train pump starves.
@@ -86,6 +89,19 @@ class Pacer:
         self.durations: dict[Hashable, deque] = {}
         self.history = history
         self.publishes: deque = deque([started_at], maxlen=history + 1)
+
+    def state(self) -> dict:
+        """What was observed, for a checkpoint: the durations by class and the intervals between
+        publishes (the clock itself does not survive a restart)."""
+        times = list(self.publishes)
+        return {"durations": {cls: list(d) for cls, d in self.durations.items()},
+                "gaps": [b - a for a, b in zip(times, times[1:])]}
+
+    def load(self, state: dict, now: float) -> None:
+        """Resume from `state`: the same durations and step period, the last publish at `now`."""
+        self.durations = {cls: deque(d, maxlen=self.history) for cls, d in state["durations"].items()}
+        gaps = state["gaps"][-self.history:]
+        self.publishes = deque([now - sum(gaps[k:]) for k in range(len(gaps))] + [now], maxlen=self.history + 1)
 
     def published(self, now: float) -> None:
         """A new version is served from `now`."""

@@ -24,8 +24,8 @@ trained, and from then on step s trains prompt step s + (batches diverted).
 
 Checkpoint (`snapshot`, `restored`): a checkpoint keeps the cursor, the finished groups not yet
 trained (with their weight versions and target steps), the places in flight (prompt, target step,
-replacement attempts used) and the spare pool. On resume the pump drops kept groups whose target
-step has passed (stamping samplers), leaves the stale ones to the train pump's eviction,
+replacement attempts used), the spare pool and, paced, what the pacer observed. On resume the pump
+drops kept groups whose target step has passed (stamping samplers), leaves the stale ones to the train pump's eviction,
 re-dispatches the places that were in flight (under the resumed version: the prompt stream and the
 fault stream are functions of the coordinates) and goes on from the cursor: only what is missing
 is generated again.
@@ -100,7 +100,8 @@ class RolloutPump:
         later, so a task that is done is not in flight: its record is in the buffer already (or
         it failed, and the run ends)."""
         return {"next": self.next, "in_flight": sorted(tuple(job) for task, job in self.tasks.items() if not task.done()),
-                "ready": list(self.buffer.ready), "pool": list(self.pool), "spare_batches": self.spare_batches}
+                "ready": list(self.buffer.ready), "pool": list(self.pool), "spare_batches": self.spare_batches,
+                "pacer": None if self.pacer is None else self.pacer.state()}
 
     def _restore(self, snap: dict, first_step: int) -> None:
         stamps = self.sampler.stamps_target_steps
@@ -110,6 +111,8 @@ class RolloutPump:
         self.relaunch = [job for job in jobs if not (stamps and job[2] < first_step)]
         self.next, self.pool = tuple(snap["next"]), [tuple(p) for p in snap.get("pool", [])]
         self.spare_batches = snap.get("spare_batches", 0)
+        if self.pacer is not None and snap.get("pacer"):  # paced before the stop: what it observed
+            self.pacer.load(snap["pacer"], time.monotonic())
         self.manager.emit({"type": "buffer_restored", "step": first_step, "version": self.version,
                            "kept": [[r.step, r.group] for r in self.buffer.ready],
                            "dropped_past_target": [[r.step, r.group] for r in past],
