@@ -57,29 +57,24 @@ from http import HTTPStatus
 
 from aiohttp import web
 from pydantic import ValidationError
-from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
-from vllm.entrypoints.openai.chat_completion.protocol import (
-    ChatCompletionLogProb,
-    ChatCompletionLogProbs,
-    ChatCompletionLogProbsContent,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatMessage,
-)
-from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error, clean_loc_for_param
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+from vllm.utils import random_uuid
 
+from minirl import jsonio
 from minirl.config import VllmConfig
 from minirl.faults import FaultPlan, fault_site
 from minirl.generation.chat_format import PrefixMismatch, normalize_content, parse_reply, rendered_chars, splice_prefix
-from minirl.http_thread import off_loop
+from minirl.generation.segments import SegmentEncoder
+from minirl.http_thread import INLINE_BYTES, off_loop
 from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
 
 PREFIX_FIELD = "required_prefix_token_ids"
+_INF = float("inf")
 CLIENT_LEFT = 499  # nginx's "client closed request": the status recorded when the caller disconnected
 HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine's process (the router's probe_timeout_s is usually shorter)
 
@@ -220,6 +215,7 @@ class ModelServer:
         # calls, tool names and parameter names) is a lower bound on it, so checking it before
         # rendering refuses nothing that vLLM would serve.
         self.max_chars_per_token = max(len(t) for t in tokenizer.get_vocab())
+        self.segments = SegmentEncoder(tokenizer, INLINE_BYTES)
 
     def app(self, max_request_bytes: int = VllmConfig.max_request_bytes) -> web.Application:
         app = web.Application(client_max_size=max_request_bytes, middlewares=[self.gate])
@@ -235,10 +231,8 @@ class ModelServer:
             m["content"] = normalize_content(m.get("content"))  # list content flattened as vLLM does
             if "reasoning" in m and "reasoning_content" not in m:
                 m["reasoning_content"] = m.pop("reasoning")
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
-        )
-        return list(ids)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.segments.encode(text)  # the ids tokenize=True gives, each repeated stretch encoded once
 
     def take_calls(self, step: int | None) -> list[dict]:
         """The records of `step`, or (None) every successful call that came without a header."""
@@ -358,9 +352,9 @@ class ModelServer:
             return HTTPError.bad_request(str(exc), ROLLOUT_HEADER).response()
         record: dict = {"key": key, "t_start": time.time()}
         try:
-            response = await self._complete(request, coords, call, record)
+            response, finite = await self._complete(request, coords, call, record)
             record["status"] = 200
-            return web.json_response(response.model_dump(exclude_none=True))
+            return web.Response(body=jsonio.dumps(response, finite), content_type="application/json", charset="utf-8")
         except HTTPError as exc:
             record.update(status=exc.status, error=exc.body.error.message)
             return exc.response()
@@ -374,34 +368,42 @@ class ModelServer:
             elif record.get("status") == 200:  # an external agent's call: matched later by its tokens
                 self.calls.unkeyed.append(record)
 
-    def _logprobs(self, req: ChatCompletionRequest, result) -> ChatCompletionLogProbs:
+    def _logprobs(self, req: ChatCompletionRequest, result) -> tuple[list[dict], bool]:
         """As vLLM's `_create_chat_logprobs` builds them, from the engine's own detokenized text: each
         generated token with its logprob, and as its `top_logprobs` the first `top_logprobs` of that
         position's entries in vLLM's order (the sampled token first), all of them for -1 or with
-        `logprob_token_ids`."""
+        `logprob_token_ids`. As the dicts vLLM's `ChatCompletionLogProbsContent` dumps to (one
+        pydantic object per token and per top entry cost ~0.3 ms a request); also whether every
+        logprob is finite (`jsonio`'s fast path writes no NaN)."""
         as_ids, k = req.return_tokens_as_token_ids, req.top_logprobs
         every = bool(req.logprob_token_ids) or k == -1
+        finite = True
 
         def name(tok: int, text: str | None) -> str:
             if as_ids:
                 return f"token_id:{tok}"
             return text if text is not None else self.tokenizer.decode([tok])
 
-        def top(entries) -> list[ChatCompletionLogProb]:
-            return [ChatCompletionLogProb(token=(t := name(tok, text)), logprob=max(lp, -9999.0), bytes=list(t.encode("utf-8", errors="replace")))
+        def logprob(lp) -> float:
+            nonlocal finite
+            lp = float(max(lp, -9999.0))
+            finite = finite and lp == lp and lp != _INF
+            return lp
+
+        def top(entries) -> list[dict]:
+            return [{"token": (t := name(tok, text)), "logprob": logprob(lp), "bytes": list(t.encode("utf-8", errors="replace"))}
                     for j, (tok, lp, text) in enumerate(entries) if every or (k is not None and j < k)]
 
-        return ChatCompletionLogProbs(content=[
-            ChatCompletionLogProbsContent(
-                token=name(tok, text),
-                logprob=max(lp, -9999.0),
-                bytes=None if text is None else list(text.encode("utf-8", errors="replace")),
-                top_logprobs=top(result.top[i] if result.top else [(tok, lp, text)]),
-            )
-            for i, (tok, lp, text) in enumerate(zip(result.token_ids, result.logprobs, result.decoded))
-        ])
+        content = []
+        for i, (tok, lp, text) in enumerate(zip(result.token_ids, result.logprobs, result.decoded)):
+            entry = {"token": name(tok, text), "logprob": logprob(lp)}
+            if text is not None:
+                entry["bytes"] = list(text.encode("utf-8", errors="replace"))
+            entry["top_logprobs"] = top(result.top[i] if result.top else [(tok, lp, text)])
+            content.append(entry)
+        return content, finite
 
-    async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> ChatCompletionResponse:
+    async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> tuple[dict, bool]:
         """Parse and validate, render and tokenize (off the loop), the injected faults and the length
         check, vLLM's sampling parameters, the engine call, then the OpenAI response."""
         body, req, prompt = await off_loop(self._prepare_chat, await request.read())
@@ -464,32 +466,37 @@ class ModelServer:
         )
         return result
 
-    def _response(self, body: dict, req: ChatCompletionRequest, prompt: list[int], result) -> ChatCompletionResponse:
-        """The OpenAI chat completion: the parsed reply (content, reasoning, tool calls), logprobs, usage."""
+    def _response(self, body: dict, req: ChatCompletionRequest, prompt: list[int], result) -> tuple[dict, bool]:
+        """The OpenAI chat completion: the parsed reply (content, reasoning, tool calls), logprobs,
+        usage; and whether its floats are all finite. Built as the dict that vLLM's
+        `ChatCompletionResponse(...).model_dump(exclude_none=True)` gives, key order included
+        (tests/test_hot_path.py builds both and compares them): its classes' validation and dump
+        cost the front end ~0.3 ms a request for what the server already holds typed."""
         tools = body.get("tools")
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
         parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none", reasoning_parser=self.reasoning_parser)
-        message = ChatMessage(
-            role="assistant",
-            content=parsed["content"],
-            reasoning=parsed["reasoning"],
-            tool_calls=[ToolCall(id=tc["id"], function=FunctionCall(**tc["function"])) for tc in parsed["tool_calls"]],
-        )
-        logprobs = self._logprobs(req, result) if req.logprobs else None
-        finish = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason
-        choice = ChatCompletionResponseChoice(
-            index=0,
-            message=message,
-            logprobs=logprobs,
-            finish_reason=finish,
-            token_ids=result.token_ids if req.return_token_ids else None,
-        )
-        usage = UsageInfo(
-            prompt_tokens=len(prompt), completion_tokens=len(result.token_ids), total_tokens=len(prompt) + len(result.token_ids)
-        )
-        return ChatCompletionResponse(
-            model=req.model or self.model_name,
-            choices=[choice],
-            usage=usage,
-            prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None,
-        )
+        message = _without_none({"role": "assistant", "content": parsed["content"]})
+        if parsed["tool_calls"]:  # ChatMessage's serializer drops an empty list
+            message["tool_calls"] = [{"id": tc["id"], "type": "function",
+                                      "function": {"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}}
+                                     for tc in parsed["tool_calls"]]
+        if parsed["reasoning"] is not None:
+            message["reasoning"] = parsed["reasoning"]
+        finite, choice = True, {"index": 0, "message": message}
+        if req.logprobs:
+            content, finite = self._logprobs(req, result)
+            choice["logprobs"] = {"content": content}
+        choice["finish_reason"] = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason
+        if req.return_token_ids:
+            choice["token_ids"] = list(result.token_ids)
+        n_out = len(result.token_ids)
+        response = {"id": f"chatcmpl-{random_uuid()}", "object": "chat.completion", "created": int(time.time()),
+                    "model": req.model or self.model_name, "choices": [_without_none(choice)],
+                    "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n_out, "completion_tokens": n_out}}
+        if req.return_token_ids:
+            response["prompt_token_ids"] = list(result.prompt_token_ids)
+        return response, finite
+
+
+def _without_none(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
