@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 OBJECTS = ("lamp", "rug", "box", "desk", "vase", "bell", "coat", "sofa", "clock", "plant")
 COLORS = ("red", "blue", "gray", "green", "white", "black", "brown", "gold")
@@ -78,6 +79,13 @@ class Room:
 
 def make_rooms(seed: int, num_rooms: int, distractors: int = 3, pixels: int = 12) -> list[Room]:
     """The rooms of one episode, derived from `seed` alone."""
+    return list(_rooms(seed, num_rooms, distractors, pixels))
+
+
+@lru_cache(maxsize=4096)
+def _rooms(seed: int, num_rooms: int, distractors: int, pixels: int) -> tuple[Room, ...]:
+    """`make_rooms`, kept: a group's rollouts (and a prompt's row building) ask for the same seed's
+    rooms, and drawing them costs ~50 us (rooms are frozen, so sharing them is safe)."""
     rng = random.Random(seed)
     rooms = []
     for _ in range(num_rooms):
@@ -85,7 +93,7 @@ def make_rooms(seed: int, num_rooms: int, distractors: int = 3, pixels: int = 12
         others = [d for d in range(10) if d != code]
         objects = [(name, rng.choice(others)) for name in rng.sample(OBJECTS, distractors)] + [("door", code)]
         rooms.append(Room(code, tuple(objects), tuple(rng.choice(COLORS) for _ in range(pixels))))
-    return rooms
+    return tuple(rooms)
 
 
 def image_part(text: str) -> dict:

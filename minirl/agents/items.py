@@ -9,13 +9,17 @@ that counts items carrying `generation_token_ids` counts model calls.
 
 from __future__ import annotations
 
-import uuid
+import os
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:16]}"
+    """`prefix` + "_" + the first 16 hex digits of a fresh uuid4 (its version nibble included),
+    without building the UUID object: ~2 us instead of ~6, a few ids per model call."""
+    head = bytearray(os.urandom(8))
+    head[6] = (head[6] & 0x0F) | 0x40
+    return f"{prefix}_{head.hex()}"
 
 
 def parts_text(content) -> str:

@@ -12,11 +12,11 @@ Either fails the whole `/run`, as in Gym's `simple_agent`.
 
 from __future__ import annotations
 
-import json
 import zlib
 
 import aiohttp
 
+from minirl import jsonio
 from minirl.agents.episode import ModelReply
 from minirl.wire import ROLLOUT_HEADER, GenerationUnavailable, ModelCallFailed
 
@@ -74,12 +74,12 @@ class HttpModelClient:
         """(status, parsed JSON body, or the raw text when the body is not JSON)."""
         headers = {ROLLOUT_HEADER: key} if key and key.startswith("s") else {}
         try:
-            async with self.session.post(url + path, json=body, headers=headers) as resp:
+            async with self.session.post(url + path, data=jsonio.dumps(body), headers={**headers, "Content-Type": "application/json"}) as resp:
                 status, raw = resp.status, await resp.text(errors="replace")
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
             raise GenerationUnavailable(f"model server {url} unreachable: {exc!r}") from exc
         try:
-            return status, json.loads(raw)
+            return status, jsonio.loads(raw)
         except ValueError:
             if status == 200:
                 raise ModelCallFailed(f"model server {url}{path} answered 200 with a body that is not JSON", 502) from None

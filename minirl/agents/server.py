@@ -10,8 +10,9 @@ integer `seed` or with `num_rooms` outside [1, env.max_num_rooms], an `input` th
 items the agent can read, a `metadata.extra_body` that is not a JSON object in a string (or whose seed is
 not an integer), is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field, so
 the rollout manager reads it as DATA. Parsing and checking cost time linear in the row's size
-and run in a worker thread for a row over `minirl.http_thread.INLINE_BYTES`; the answer is
-serialized off the loop too, so a large row does not hold up other requests or `/health`.
+and run in a worker thread for a row over `minirl.http_thread.INLINE_BYTES`; an answer that may be
+larger (`_small`) is serialized off the loop too, so a large row does not hold up other requests
+or `/health`.
 
 As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`, in a
 typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
@@ -32,22 +33,22 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import os
 import signal
 
 import aiohttp
 from aiohttp import web
 
+from minirl import jsonio
 from minirl.agents.agent import run_episode
 from minirl.agents.env import TASKS
-from minirl.agents.items import items_to_messages
+from minirl.agents.items import TOKEN_FIELDS, items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan, fault_site
 from minirl.gym_failures import LOST_SESSION, run_error_body, verified
 from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_status
-from minirl.http_thread import HttpThread, off_loop
+from minirl.http_thread import INLINE_BYTES, HttpThread, off_loop
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")
 
@@ -69,7 +70,7 @@ def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
     """A `/run` body -> (row, agent name, coordinates), checking everything the episode reads before
     it starts. Raises BadRow (or BadCoordinates) naming the field. Linear in the body's size."""
     try:
-        row = json.loads(raw)
+        row = jsonio.loads(raw)
     except RecursionError:
         raise BadRow("request body nests deeper than the server parses") from None
     except ValueError as exc:
@@ -117,6 +118,14 @@ def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
     if "seed" in extras and not _int(extras["seed"]):
         raise BadRow(f"{EXTRA_BODY}.seed must be an integer, got {_short(extras['seed'])}")
     return row, ref["name"], coords
+
+
+def _small(raw: bytes, result: dict) -> bool:
+    """Whether a `/run` answer is small enough to serialize on the event loop, as `off_loop` parses
+    a small body there (the thread hop cost ~0.1 ms of CPU a request, more than encoding a few kB):
+    the row's size plus ~24 bytes for each token id and logprob its output carries."""
+    tokens = sum(len(item.get(f) or ()) for item in result["response"]["output"] for f in TOKEN_FIELDS)
+    return len(raw) + 24 * tokens <= INLINE_BYTES
 
 
 class AgentServer:
@@ -169,8 +178,9 @@ class AgentServer:
         return web.json_response({"status": "ok", "in_flight": self.in_flight})
 
     async def run(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
         try:
-            row, name, coords = await off_loop(parse_row, await request.read(), self.cfg)
+            row, name, coords = await off_loop(parse_row, raw, self.cfg)
         except (BadRow, BadCoordinates) as exc:
             return web.json_response(run_error_body(exc, 400, stage="admission"), status=400)
         if name not in self.agents:
@@ -194,7 +204,7 @@ class AgentServer:
             except Exception as exc:  # Gym's error middleware: an agent exception is a 500 (data's: 400)
                 return web.json_response(run_error_body(exc), status=run_error_status(exc))
             result = verified(result, LOST_SESSION if fires("session_lost") else None)  # Gym 0.7's verify fields
-            body = await asyncio.to_thread(lambda: json.dumps(result).encode())
+            body = jsonio.dumps(result) if _small(raw, result) else await asyncio.to_thread(jsonio.dumps, result)
             if fires("bad_output"):
                 return web.Response(body=body[: len(body) // 2], status=200, content_type="application/json")
             if fires("transport"):
@@ -203,6 +213,6 @@ class AgentServer:
                 await resp.write(body[: len(body) // 2])
                 request.transport.close()  # the connection drops mid-response
                 return resp
-            return web.Response(body=body, status=200, content_type="application/json")
+            return web.Response(body=body, status=200, content_type="application/json", charset="utf-8")
         finally:
             self.in_flight -= 1
