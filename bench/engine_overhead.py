@@ -6,13 +6,21 @@ Same tiny model, same prompts (the doors task's first-call prompts, rendered wit
 template), same sampling (temperature 1, max 48 new tokens, one seed per prompt, so both paths
 generate the same tokens). Raw: `LLM.generate` on token ids, in this process. minirl: one `/run`
 per prompt (single-call episodes) sent concurrently to the agent-pool actor, which calls the
-generation-worker actor's HTTP endpoint, as in training. The two alternate `--rounds` times; the
+generation-worker actor's HTTP endpoint, as in training. Each round draws prompts of its own (the
+rows of step k, as a training step draws new ones), so no cache on either side (vLLM's prefix
+cache, the front end's tokenized stretches) sees a round's prompt before it; the system prompt and
+tools repeat, as they do in training. The two alternate `--rounds` times; the
 result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9.
 Each round also reads every process's CPU time (psutil): the raw side's, and on
 minirl's side the engine's process, its HTTP front end, the agent server and the bench's client,
 so the table shows where the pipeline's core-seconds go against the machine's cores; and when the
 round's last request reached the front end (its call log's `t_start`) and the engine, which splits
-the arrival spread between the hops before the front end and the front end itself.
+the arrival spread between the hops before the front end and the front end itself. A process's
+CPU in a round also holds its background threads' (Ray's core worker in the actors and the driver),
+which grow with the round's wall, not with its requests: each process's idle rate is read over
+`IDLE_S` before each minirl round, and the final table gives each hop's CPU per request gross and
+net of it. The client sends each row with the rollout manager's own `post_run`, as the controller
+does.
 
 `--small` runs the same on the ~12M / 32k-vocab variant (built untrained on first use, as by
 bench/vs_trl.py, so it writes all 48 tokens): an engine step there costs ~90 ms instead of ~22 ms,
@@ -69,14 +77,19 @@ def main(argv=None) -> int:
     from minirl.data import prompt_row
     from minirl.wire import with_extra_body
     from minirl.agents.server import AgentServer
+    from minirl.rollout.manager import post_run
 
     cfg = load_config(None, ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides])
-    rows = []
-    for i in range(n):
-        row = prompt_row(cfg, 0, i)
-        row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=i)
-        rows.append({**row, "_rowidx": i})
 
+    def rows_of(step: int) -> list[dict]:  # each round its own prompts, as each training step draws new ones
+        rows = []
+        for i in range(n):
+            row = prompt_row(cfg, step, i)
+            row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=i)
+            rows.append({**row, "_rowidx": i})
+        return rows
+
+    rows = rows_of(0)
     raw = RawVllm(cfg, rows)  # raw vLLM, in this process
 
     # minirl's path: the same actors as training
@@ -95,26 +108,30 @@ def main(argv=None) -> int:
     loop = new_event_loop()
     http = loop.run_until_complete(_session())
 
-    async def one(row):
-        async with http.post(agent_url + "/run", json=row) as r:
-            body = await r.json()
+    async def one(row):  # the controller's own client call (rollout manager's post_run)
+        body = await post_run(http, agent_url, row)
         return sum(len(it.get("generation_token_ids", [])) for it in body["response"]["output"])
 
-    def pipeline_round() -> tuple[int, float]:
+    def pipeline_round(rows: list[dict]) -> tuple[int, float]:
         t0 = time.perf_counter()
         tokens = loop.run_until_complete(_gather(one(r) for r in rows))
         return sum(tokens), time.perf_counter() - t0
 
     raw.round()  # warm both paths up
-    pipeline_round()
-    results, cpus, front_in = [], [], []
+    pipeline_round(rows)
+    results, cpus, nets, front_in = [], [], [], []
     for k in range(rounds):
+        rows = rows_of(k + 1)
+        raw.load(rows)  # rendered before any timer starts
         raw.steps = 0
+        time.sleep(SETTLE_S)
         rt, rs, r_in, r_cpu = raw.round()
+        time.sleep(SETTLE_S)
+        idle = _idle_rates(pids)
         before, c0 = ray.get(gen.stats.remote()), {name: _cpu_s(pid) for name, pid in pids.items()}
         ray.get(gen.take_calls.remote(None))  # the bench's rows carry no rollout coordinates: their calls are logged unkeyed
         m0, w0 = time.monotonic(), time.time()  # the engine stamps its adds on the monotonic clock, the call log on the wall clock
-        pt, ps = pipeline_round()
+        pt, ps = pipeline_round(rows)
         after, cpu = ray.get(gen.stats.remote()), {name: _cpu_s(pid) - c0[name] for name, pid in pids.items()}
         calls = ray.get(gen.take_calls.remote(None))
         assert len(calls) == n, f"the call log holds {len(calls)} calls for a round of {n}"
@@ -123,6 +140,7 @@ def main(argv=None) -> int:
         results.append((rt / rs, pt / ps, r_in, p_in))
         front_in.append(f_in)
         cpus.append({"raw": r_cpu, **cpu, "minirl": sum(cpu.values())})
+        nets.append({name: cpu[name] - idle[name] * ps for name in pids})
         print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw.steps} steps, all prompts in by "
               f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
               f"in {steps} steps, all requests at the front end by {1000 * f_in:.0f} ms, first prompt in the engine at "
@@ -146,6 +164,15 @@ def main(argv=None) -> int:
     print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {med['raw']:.2f}; minirl {med['minirl']:.2f}, "
           "of which " + ", ".join(f"{name} {med[name]:.2f}" for name in pids)
           + " (per request: " + ", ".join(f"{name} {1000 * med[name] / n:.2f} ms" for name in pids if name != "engine") + ")")
+    net = {name: statistics.median(c[name] for c in nets) for name in pids}
+    hops = [name for name in pids if name != "engine"]
+    print(f"CPU ms per request (median of rounds; gross: all the process's CPU during the round / {n}; net: less its idle rate, "
+          f"measured over {IDLE_S:.0f} s before the round, times the round's wall: Ray's and the driver's background threads)")
+    print("| process | gross ms/request | net ms/request |")
+    print("|---|---|---|")
+    for name in hops:
+        print(f"| {name} | {1000 * med[name] / n:.2f} | {1000 * net[name] / n:.2f} |")
+    print(f"| sum | {sum(1000 * med[name] / n for name in hops):.2f} | {sum(1000 * net[name] / n for name in hops):.2f} |")
     return 0
 
 
@@ -155,23 +182,14 @@ class RawVllm:
     is in, as the worker's stats do for minirl."""
 
     def __init__(self, cfg, rows: list[dict]):
-        from minirl.agents.agent import chat_tools
-        from minirl.agents.items import items_to_messages
         from minirl.generation.engine import configure_cpu_env
 
         configure_cpu_env(cfg.policy.generation.vllm_cfg.kv_cache_space_gb, cfg.policy.generation.vllm_cfg.omp_threads)
         from transformers import AutoTokenizer
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
-        tok = AutoTokenizer.from_pretrained(cfg.policy.model_name)
-        self.prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(items_to_messages(r["responses_create_params"]["input"]),
-                                                         tools=chat_tools(r["responses_create_params"]["tools"]),
-                                                         add_generation_prompt=True, tokenize=True, return_dict=False)}
-            for r in rows
-        ]
-        self.params = [SamplingParams(temperature=1.0, max_tokens=cfg.policy.generation.max_new_tokens, seed=i, logprobs=0)
-                       for i in range(len(rows))]
+        self.tok, self.max_tokens = AutoTokenizer.from_pretrained(cfg.policy.model_name), cfg.policy.generation.max_new_tokens
+        self.load(rows)
         self.llm = LLM(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
                        enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
         self.steps, self.last_add = 0, 0.0
@@ -189,12 +207,39 @@ class RawVllm:
 
         engine.step, engine.add_request = counted_step, timed_add
 
+    def load(self, rows: list[dict]) -> None:
+        """The rows' first-call prompts, rendered, and their sampling (seed i for row i)."""
+        from minirl.agents.agent import chat_tools
+        from minirl.agents.items import items_to_messages
+        from vllm import SamplingParams
+
+        self.prompts = [
+            {"prompt_token_ids": self.tok.apply_chat_template(items_to_messages(r["responses_create_params"]["input"]),
+                                                              tools=chat_tools(r["responses_create_params"]["tools"]),
+                                                              add_generation_prompt=True, tokenize=True, return_dict=False)}
+            for r in rows
+        ]
+        self.params = [SamplingParams(temperature=1.0, max_tokens=self.max_tokens, seed=i, logprobs=0) for i in range(len(rows))]
+
     def round(self) -> tuple[int, float, float, float]:
         """(tokens generated, wall s, s until the last prompt was in, this process's CPU s)."""
         t0, m0, c0 = time.perf_counter(), time.monotonic(), _cpu_s(os.getpid())
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, _cpu_s(os.getpid()) - c0
         return sum(len(o.outputs[0].token_ids) for o in outs), wall, self.last_add - m0, cpu
+
+
+SETTLE_S = 0.3
+"""Pause before each side's round, so the other side's engine threads have stopped spinning."""
+IDLE_S = 1.0
+"""The window before each minirl round in which every process's idle CPU rate is read."""
+
+
+def _idle_rates(pids: dict[str, int]) -> dict[str, float]:
+    """Each process's CPU seconds per second while no request is in flight (background threads)."""
+    c0 = {name: _cpu_s(pid) for name, pid in pids.items()}
+    time.sleep(IDLE_S)
+    return {name: (_cpu_s(pid) - c0[name]) / IDLE_S for name, pid in pids.items()}
 
 
 def _cpu_s(pid: int) -> float:

@@ -25,7 +25,6 @@ failure, retry, drop, skip and raise is written to the event log with its coordi
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
@@ -35,6 +34,7 @@ from typing import Awaitable, Callable, NamedTuple
 
 import aiohttp
 
+from minirl import jsonio
 from minirl.config import MinirlConfig
 from minirl.data import difficulty, sampling_seed
 from minirl.faults import FAULT_KINDS, FaultPlan
@@ -91,13 +91,16 @@ class GroupRun:
     streaks: dict = field(default_factory=dict)  # row -> (its last failure's answer, sends in a row that gave it)
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording). The error body's
     typed `type` field travels on the failure as `error_type`."""
     coords = Coords.from_row(row)  # a held-out (validation) row has none
     what = f"NeMo-Gym /run for {coords.key if coords else 'row ' + str(row.get('_rowidx'))}"
     try:
-        async with session.post(url + "/run", json=row) as resp:
+        async with session.post(url + "/run", data=jsonio.dumps(row), headers=JSON_HEADERS) as resp:
             status, body = resp.status, await resp.read()
     except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError) as exc:
         raise AgentUnreachable(f"{what} failed in transport: {exc!r}") from exc  # refused or reset: down or restarting
@@ -110,7 +113,7 @@ async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
         failure.status = status  # what the agent server answered (classify reads the class first)
         raise failure
     try:
-        return json.loads(body)
+        return jsonio.loads(body)  # json's results and errors, with msgspec's speed
     except ValueError as exc:
         raise RolloutDataFailure(f"malformed /run result: {what} returned invalid JSON ({exc})") from exc
     except RecursionError:  # json's C parser refuses a body nested past the interpreter's limit
