@@ -25,6 +25,16 @@ summarizer that drops the fact that matters); in the last room (`door?`) it answ
 its context, and guesses when there is none. The episodes are played twice: once with a rough token
 count to train the tokenizer on the protocol's text, then with that tokenizer's real counts, so the
 summaries fall where the policy's token threshold puts them. The look-up drills then include `note`.
+
+The committed summarizer writes `note` in about half its summaries, as taught, but copies the right
+digit in only about 0.3 of those (200 held-out summary requests at temperature 1: right note 0.155,
+wrong digit 0.35, a door label 0.43), so its recall is 0.08-0.16, not the teacher's 0.5.
+`--note-drills k` (off by default, not yet in a committed build) adds k copy drills per teacher
+summary request that shows a note (`note_drills`: the digit redrawn, loss on the digit alone), to
+teach that copy while the teacher's own replies still teach *whether* to keep the note. Measured
+(2026-12-02): k = 6 gives recall 0.43 (the right digit in 0.88 of its `note` summaries) but the
+hidden door falls to 0.15 and well-formed summaries to 0.82; k = 2 with `--drill-fraction 0.125`
+gives recall 0.23 and the hidden door 0.11: the drills cost the last room's read of the note.
 Without these flags the build is unchanged (models/tiny-doors stays byte-identical).
 
 Everything runs offline on CPU; the output loads with `from_pretrained(out_dir)`.
@@ -47,7 +57,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from minirl.agents.agent import ModelReply, run_episode
 from minirl.agents.env import COLORS, OBJECTS, TOOLS, DoorsEnv
 from minirl.agents.items import parts_text
-from minirl.agents.summary_format import SUMMARY_REQUEST, summary_text
+from minirl.agents.summary_format import SUMMARY_CLOSE, SUMMARY_OPEN, SUMMARY_REQUEST, summary_text
 from minirl.config import AgentConfig
 from minirl.generation.chat_format import (
     ADDED_TOKENS,
@@ -273,12 +283,33 @@ def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int =
     return ids, targets
 
 
+def note_drills(examples, tokenizer, copies: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Copy drills for the summary's fact (`--note-drills`): each teacher summary request whose prompt
+    shows a note, `copies` times with the note's digit redrawn (so the digit cannot be memorised),
+    answered `<summary>keep\nnote<d></summary>`: loss on the digit alone, so how often a summary keeps
+    the note stays what the teacher's own replies teach (p_recall)."""
+    rng = random.Random(seed)
+    prompts = [p for p, r in examples if example_kind(p, r) == "summary" and _NOTE.search(p)]
+    head = tokenizer(f"{SUMMARY_OPEN}{SUMMARY_LEAD}note", add_special_tokens=False)["input_ids"]
+    drills = []
+    for prompt in prompts:
+        for _ in range(copies):
+            d = str(rng.randrange(10))
+            p = tokenizer(_NOTE.sub("note" + d, prompt), add_special_tokens=False)["input_ids"]
+            r = tokenizer(f"{SUMMARY_OPEN}{SUMMARY_LEAD}note{d}{SUMMARY_CLOSE}{EOS_TOKEN}", add_special_tokens=False)["input_ids"]
+            assert r[: len(head)] == head and tokenizer.decode(r[len(head)]) == d, "the digit must be its own token"
+            drills.append((p + r, [len(p) + len(head)]))
+    return drills
+
+
 def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int, drill_fraction: float,
-        drill_extra: tuple = ()) -> list[float]:
+        drill_extra: tuple = (), extra: list[tuple[list[int], list[int]]] = ()) -> list[float]:
+    """Fine-tune on the teacher's replies (loss on reply tokens), plus `extra` pre-tokenized sequences
+    with their own loss positions (note_drills) in the same length-sorted pool, and look-up drills."""
     if steps == 0:  # an untrained model (bench/vs_trl.py's 12M variant)
         return []
     rng = random.Random(seed)
-    encoded = []
+    encoded = list(extra)
     for prompt, reply in examples:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         r = tokenizer(reply, add_special_tokens=False)["input_ids"]
@@ -404,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--summarize", action="store_true", help="the SummarizingTeacher on doors_memory (models/tiny-summarize)")
     ap.add_argument("--p-recall", type=float, default=0.5, help="--summarize: a summary carries the note's fact")
     ap.add_argument("--eval-n", type=int, default=100, help="--summarize: held-out samples per kind for the scores")
+    ap.add_argument("--note-drills", type=int, default=0, help="--summarize: copy drills per teacher summary request showing a note")
     args = ap.parse_args(argv)
     if args.summarize != (args.task == "doors_memory"):
         ap.error("--summarize goes with --task doors_memory")
@@ -445,7 +477,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {params / 1e6:.2f}M parameters, vocab {vocab} ({len(tokenizer)} used)", flush=True)
 
     drill_extra = ("note",) if args.summarize else ()
-    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction, drill_extra)
+    extra = note_drills(examples, tokenizer, args.note_drills, args.seed) if args.summarize else []
+    if extra:
+        print(f"note drills: {len(extra)} (teacher summary requests showing a note x {args.note_drills})", flush=True)
+    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction, drill_extra, extra)
     if args.summarize:
         scores = summary_quality(model, tokenizer, held_out, args.eval_n, args.seed)
     else:
@@ -456,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    recorded = {k: v for k, v in vars(args).items() if args.summarize or k not in ("task", "summarize", "p_recall", "eval_n")}
+    recorded = {k: v for k, v in vars(args).items() if args.summarize or k not in ("task", "summarize", "p_recall", "eval_n", "note_drills")}
     info = {"args": recorded, "parameters": params, "vocab_size": vocab, **scores, "build_s": round(time.time() - t0, 1)}
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)

@@ -144,3 +144,30 @@ def test_committed_summarize_model_covers_the_protocol_and_is_a_noisy_summarizer
     assert 0 < info["summary_recall"] <= 0.6  # it drops the fact often (or miscopies it): room for RL
     assert info["hidden_door_rate"] >= 0.5 and info["summary_wellformed"] >= 0.9
     assert sum(f.stat().st_size for f in SUMMARIZE_DIR.iterdir()) < 4_000_000
+
+
+def test_note_drills_train_the_notes_digit_alone_and_redraw_it():
+    """--note-drills: one loss position per drill, the digit right after the summary's `note`, and it is
+    the digit of every note the drill's prompt shows (redrawn per drill, so it cannot be memorised)."""
+    import re
+
+    from minirl.generation.chat_format import CHAT_TEMPLATE
+
+    b = build_module()
+    boot = b.PreTrainedTokenizerFast(tokenizer_object=b.Tokenizer(b.models.BPE()))
+    boot.chat_template = CHAT_TEMPLATE
+
+    def render(messages, tools):
+        return boot.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
+    examples = b.summarizing_transcripts(16, 0.9, 0.5, 0, render, lambda m, t: len(hf(render(m, t))["input_ids"]))
+    drills = b.note_drills(examples, hf, 3, 0)
+    assert drills and len(drills) % 3 == 0
+    digits = set()
+    for ids, targets in drills:
+        assert len(targets) == 1
+        before, digit = hf.decode(ids[: targets[0]]), hf.decode(ids[targets[0]])
+        assert before.endswith("<summary>keep\nnote") and set(re.findall(r"note(\d)", before)) == {digit}
+        digits.add(digit)
+    assert len(digits) > 1
