@@ -122,10 +122,14 @@ def run_cells(args) -> None:
             if (arm, seed) in done:
                 continue
             run_dir = Path(args.runs) / f"{arm.replace(' ', '').replace(',', '_').replace('+', '_')}-s{seed}"
-            cmd = ["flock", "/tmp/minirl-slow.lock", sys.executable, "-m", "minirl.train", *cell_args(arm, seed, args, run_dir)]
+            stamp = Path(args.runs) / f".{run_dir.name}.locked"  # when the lock was granted: wall_s excludes the wait
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            cmd = ["flock", "/tmp/minirl-slow.lock", "sh", "-c", 'date +%s.%N > "$0" && exec "$@"', str(stamp),
+                   sys.executable, "-m", "minirl.train", *cell_args(arm, seed, args, run_dir)]
             print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}", flush=True)
             t0, load0 = time.time(), os.getloadavg()[0]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+            t0 = float(stamp.read_text()) if stamp.exists() else t0
             row = summarize_run(arm, seed, run_dir, proc.returncode, proc.stderr, time.time() - t0)
             row["load_avg"] = round((load0 + os.getloadavg()[0]) / 2, 2)  # the shared machine's 1-min load, start and end
             print(f"    {row['wall_s']} s, rc {proc.returncode}, val success {row['val_success_start']} -> "
