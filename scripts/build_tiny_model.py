@@ -29,12 +29,33 @@ summaries fall where the policy's token threshold puts them. The look-up drills 
 The committed summarizer writes `note` in about half its summaries, as taught, but copies the right
 digit in only about 0.3 of those (200 held-out summary requests at temperature 1: right note 0.155,
 wrong digit 0.35, a door label 0.43), so its recall is 0.08-0.16, not the teacher's 0.5.
-`--note-drills k` (off by default, not yet in a committed build) adds k copy drills per teacher
-summary request that shows a note (`note_drills`: the digit redrawn, loss on the digit alone), to
-teach that copy while the teacher's own replies still teach *whether* to keep the note. Measured
-(2026-12-02): k = 6 gives recall 0.43 (the right digit in 0.88 of its `note` summaries) but the
-hidden door falls to 0.15 and well-formed summaries to 0.82; k = 2 with `--drill-fraction 0.125`
-gives recall 0.23 and the hidden door 0.11: the drills cost the last room's read of the note.
+`--note-drills k` (off by default, not in a committed build) adds k copy drills per teacher summary
+request that shows a note (`note_drills`: the digit redrawn, loss on the digit alone), to teach that
+copy while the teacher's own replies still teach *whether* to keep the note. Measured (2026-12-02):
+k = 6 gives recall 0.43 (the right digit in 0.88 of its `note` summaries) but the hidden door falls to
+0.15 and well-formed summaries to 0.82; k = 2 with `--drill-fraction 0.125` gives recall 0.23 and the
+hidden door 0.11: the drills cost the last room's read of the note.
+
+Why (teacher-forced on held-out prompts, p = 1: the probability of the right digit right after
+`note`): the committed model copies it in the last room (0.94 from a summary, 0.81 from the note's
+picture) but not in a summary (0.39 from the picture; 0.10 re-summarizing a summary, where it copies
+the newest picture's digit instead); the k = 2 build is the mirror image (summary 0.74 / 0.86, last
+room 0.17 / 0.11, the newest picture's digit instead). Drilling one context moves the copy there and
+off the other. `--read-drills k` drills the last room the same way (its prompts that show a note,
+the digit redrawn, answered `<think>note<d>` and the call; DRILL_REPLIES). With both, the copy holds
+everywhere (0.91-1.00 in all four cases), and what breaks instead is the choice of label:
+- `--note-drills 2 --read-drills 3 --sft-steps 1000` (loss on the read's digit alone): recall 0.41,
+  well-formed 0.97, but the hidden door 0.40 (it writes `door?`, the no-note guess, in 63 of 100
+  held-out last rooms) and the door rate 0.81 (`note` written in 8 of 60 ordinary rooms);
+- `--note-drills 2 --read-drills 2 --sft-steps 900`, the read's `note` token trained too (the code
+  now): recall 0.36, well-formed 0.93, hidden door 0.57 (`door?` in 34 of 100 last rooms), door rate
+  0.75 (`note` in 9 of 60 ordinary rooms: the drills teach "a note in the context: read it",
+  not "read it where the newest picture shows `door?`").
+Neither meets a sane warm start's door rate (>= ~0.85, the committed model's 0.90), so
+models/tiny-summarize is unchanged. Not yet tried: contrast drills (ordinary rooms whose context shows
+a note, loss on `door`) or more SFT steps to relearn the choice from the teacher's own replies.
+(The learning rate already decays: OneCycleLR, cosine to ~0, so a last batch loss near 1 is that
+length-sorted window's mix, not a constant rate's noise.)
 Without these flags the build is unchanged (models/tiny-doors stays byte-identical).
 
 Everything runs offline on CPU; the output loads with `from_pretrained(out_dir)`.
@@ -79,6 +100,11 @@ _PICTURE = re.compile(r"<image>(.*?)</image>", re.DOTALL)
 _LABEL = re.compile(r"([a-z]+)(\d)")
 
 
+def open_reply(name: str, num) -> str:
+    """The teachers' room reply: the label read in a think block, then open_door with its digit."""
+    return f'<think>{name}{num}</think><tool_call>{{"name": "open_door", "arguments": {{"code": {num}}}}}</tool_call>'
+
+
 class ScriptedTeacher:
     """A ModelClient that answers from the picture in the prompt, right with probability p."""
 
@@ -91,7 +117,7 @@ class ScriptedTeacher:
         objects = [_LABEL.fullmatch(line).groups() for line in picture.split("\n")[1:]]
         door = next(o for o in objects if o[0] == "door")
         name, num = door if self.rng.random() < self.p else self.rng.choice([o for o in objects if o[0] != "door"])
-        reply = f'<think>{name}{num}</think><tool_call>{{"name": "open_door", "arguments": {{"code": {num}}}}}</tool_call>'
+        reply = open_reply(name, num)
         self.examples.append((self.render(messages, tools), reply + EOS_TOKEN))
         tokens = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
         return ModelReply(parse_reply(reply), "stop", tokens)
@@ -166,7 +192,7 @@ class SummarizingTeacher:
         else:
             other = self.rng.choice([label for label in labels if label[:-1] not in ("door", "note")])
             name, num = other[:-1], other[-1]
-        return f'<think>{name}{num}</think><tool_call>{{"name": "open_door", "arguments": {{"code": {num}}}}}</tool_call>'
+        return open_reply(name, num)
 
     async def chat(self, messages, tools, params, key, required_prefix):
         text = prompt_text(messages)
@@ -283,22 +309,36 @@ def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int =
     return ids, targets
 
 
-def note_drills(examples, tokenizer, copies: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """Copy drills for the summary's fact (`--note-drills`): each teacher summary request whose prompt
-    shows a note, `copies` times with the note's digit redrawn (so the digit cannot be memorised),
-    answered `<summary>keep\nnote<d></summary>`: loss on the digit alone, so how often a summary keeps
-    the note stays what the teacher's own replies teach (p_recall)."""
+DRILL_REPLIES = {
+    "summary": (lambda d: f"{SUMMARY_OPEN}{SUMMARY_LEAD}note{d}{SUMMARY_CLOSE}", 0),
+    "hidden_door": (lambda d: open_reply("note", d), 1),
+}
+"""What a note drill answers, by the kind of teacher prompt it redraws: the summary that keeps the note
+(`--note-drills`), or the last room's read of the note (`--read-drills`); and how many tokens before
+the digit also carry loss: none for the summary (whether it keeps the note is the teacher's p_recall),
+the `note` token for the last room (a note in the context is always read: drilling the digit alone
+left the model writing `door?`, the no-note guess, in 63 of 100 last rooms)."""
+
+
+def note_drills(examples, tokenizer, copies: int, seed: int, kind: str = "summary") -> list[tuple[list[int], list[int]]]:
+    """Copy drills for the note's digit: each teacher prompt of `kind` (a summary request, or with
+    `hidden_door` the last room) that shows a note, `copies` times with the note's digit redrawn (so
+    the digit cannot be memorised), answered DRILL_REPLIES[kind]: loss on the digit after `note` (in
+    the last room on `note` too), so how often a summary keeps the note stays what the teacher's own
+    replies teach (p_recall). Drilling one kind alone moves the copy there and off
+    the other (see the module docstring)."""
     rng = random.Random(seed)
-    prompts = [p for p, r in examples if example_kind(p, r) == "summary" and _NOTE.search(p)]
-    head = tokenizer(f"{SUMMARY_OPEN}{SUMMARY_LEAD}note", add_special_tokens=False)["input_ids"]
+    prompts = [p for p, r in examples if example_kind(p, r) == kind and _NOTE.search(p)]
+    reply, before = DRILL_REPLIES[kind]
+    head = tokenizer(reply("").split("note")[0] + "note", add_special_tokens=False)["input_ids"]
     drills = []
     for prompt in prompts:
         for _ in range(copies):
             d = str(rng.randrange(10))
             p = tokenizer(_NOTE.sub("note" + d, prompt), add_special_tokens=False)["input_ids"]
-            r = tokenizer(f"{SUMMARY_OPEN}{SUMMARY_LEAD}note{d}{SUMMARY_CLOSE}{EOS_TOKEN}", add_special_tokens=False)["input_ids"]
+            r = tokenizer(reply(d) + EOS_TOKEN, add_special_tokens=False)["input_ids"]
             assert r[: len(head)] == head and tokenizer.decode(r[len(head)]) == d, "the digit must be its own token"
-            drills.append((p + r, [len(p) + len(head)]))
+            drills.append((p + r, list(range(len(p) + len(head) - before, len(p) + len(head) + 1))))
     return drills
 
 
@@ -436,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--p-recall", type=float, default=0.5, help="--summarize: a summary carries the note's fact")
     ap.add_argument("--eval-n", type=int, default=100, help="--summarize: held-out samples per kind for the scores")
     ap.add_argument("--note-drills", type=int, default=0, help="--summarize: copy drills per teacher summary request showing a note")
+    ap.add_argument("--read-drills", type=int, default=0, help="--summarize: copy drills per teacher last-room prompt showing a note")
     args = ap.parse_args(argv)
     if args.summarize != (args.task == "doors_memory"):
         ap.error("--summarize goes with --task doors_memory")
@@ -477,9 +518,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {params / 1e6:.2f}M parameters, vocab {vocab} ({len(tokenizer)} used)", flush=True)
 
     drill_extra = ("note",) if args.summarize else ()
-    extra = note_drills(examples, tokenizer, args.note_drills, args.seed) if args.summarize else []
+    extra = []
+    if args.summarize:
+        extra = note_drills(examples, tokenizer, args.note_drills, args.seed)
+        extra += note_drills(examples, tokenizer, args.read_drills, args.seed + 1, "hidden_door")
     if extra:
-        print(f"note drills: {len(extra)} (teacher summary requests showing a note x {args.note_drills})", flush=True)
+        print(f"note drills: {len(extra)} (teacher prompts showing a note: summary requests x {args.note_drills}, "
+              f"last rooms x {args.read_drills})", flush=True)
     sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction, drill_extra, extra)
     if args.summarize:
         scores = summary_quality(model, tokenizer, held_out, args.eval_n, args.seed)
@@ -491,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    recorded = {k: v for k, v in vars(args).items() if args.summarize or k not in ("task", "summarize", "p_recall", "eval_n", "note_drills")}
+    recorded = {k: v for k, v in vars(args).items() if args.summarize or k not in ("task", "summarize", "p_recall", "eval_n", "note_drills", "read_drills")}
     info = {"args": recorded, "parameters": params, "vocab_size": vocab, **scores, "build_s": round(time.time() - t0, 1)}
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)

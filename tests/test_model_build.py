@@ -146,9 +146,10 @@ def test_committed_summarize_model_covers_the_protocol_and_is_a_noisy_summarizer
     assert sum(f.stat().st_size for f in SUMMARIZE_DIR.iterdir()) < 4_000_000
 
 
-def test_note_drills_train_the_notes_digit_alone_and_redraw_it():
-    """--note-drills: one loss position per drill, the digit right after the summary's `note`, and it is
-    the digit of every note the drill's prompt shows (redrawn per drill, so it cannot be memorised)."""
+def test_note_drills_train_the_notes_digit_and_redraw_it():
+    """--note-drills / --read-drills: the loss falls on the digit right after the summary's (or the last
+    room's think block's) `note`, and it is the digit of every note the drill's prompt shows (redrawn per
+    drill, so it cannot be memorised); a last-room drill also trains its `note`, a summary drill does not."""
     import re
 
     from minirl.generation.chat_format import CHAT_TEMPLATE
@@ -162,12 +163,13 @@ def test_note_drills_train_the_notes_digit_alone_and_redraw_it():
 
     hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
     examples = b.summarizing_transcripts(16, 0.9, 0.5, 0, render, lambda m, t: len(hf(render(m, t))["input_ids"]))
-    drills = b.note_drills(examples, hf, 3, 0)
-    assert drills and len(drills) % 3 == 0
-    digits = set()
-    for ids, targets in drills:
-        assert len(targets) == 1
-        before, digit = hf.decode(ids[: targets[0]]), hf.decode(ids[targets[0]])
-        assert before.endswith("<summary>keep\nnote") and set(re.findall(r"note(\d)", before)) == {digit}
-        digits.add(digit)
-    assert len(digits) > 1
+    for kind, head, trained in (("summary", "<summary>keep\nnote", 1), ("hidden_door", "<|im_start|>assistant\n<think>note", 2)):
+        drills = b.note_drills(examples, hf, 3, 0, kind)
+        assert drills and len(drills) % 3 == 0
+        digits = set()
+        for ids, targets in drills:
+            assert len(targets) == trained and hf.decode(ids[targets[0]:targets[-1]]) in ("", "note")
+            before, digit = hf.decode(ids[: targets[-1]]), hf.decode(ids[targets[-1]])
+            assert before.endswith(head) and set(re.findall(r"note(\d)", before)) == {digit}
+            digits.add(digit)
+        assert len(digits) > 1
