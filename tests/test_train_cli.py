@@ -52,7 +52,7 @@ def test_cc_config_compacts_and_splits_rollouts_into_traces(tmp_path, shared_eng
 
 UPSTREAM = ["--config", "configs/upstream_pr4124.yaml", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
             "grpo.max_num_steps=1", "checkpoint.enabled=false", "logger.tensorboard=false",
-            "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=5"]
+            "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=60"]
 
 
 def bad(kind: str) -> str:
