@@ -57,6 +57,12 @@ SFT for 300 steps (lr 3e-4, 1000 fresh teacher episodes, a diagnostic, not a bui
 hidden door 0.68, door rate 0.69 with the same mix, and 0.33 / 0.35 / 0.83 with contrast drills added
 (ordinary rooms whose context shows a note, x2, loss on the teacher's label token): the 2-layer model
 does not yet tell `door?` in the newest picture from a note elsewhere. Not tried: a larger `--size`.
+RL from that second build (`python -m minirl.train --config configs/summarize.yaml
+policy.model_name=<it>`, seed 0 as scripts/summarize_experiments.py sets it, 40 steps, 261 s, one run):
+summary_recall *fell*, 0.33 -> 0.10 (mean of the first / last 10 steps), while the training reward rose
+0.60 -> 0.70 (first / last 5) and held-out success went 0.12 -> 0.00 (16 prompts). One reading, not
+tested: GRPO suppresses `note` in ordinary rooms, where writing it opens a wrong door, and the summary's
+`note` shares that token.
 (The learning rate already decays: OneCycleLR, cosine to ~0, so a last batch loss near 1 is that
 length-sorted window's mix, not a constant rate's noise.)
 Without these flags the build is unchanged (models/tiny-doors stays byte-identical).
