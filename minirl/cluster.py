@@ -209,11 +209,12 @@ class Cluster:
         light = {"num_cpus": 0}
         attach = cl.attach_generation_workers
         on = self._placement()
-        self.store = ray.remote(WeightsStore).options(**light).remote()
-        if attach:
+        if attach:  # the shared workers' store, so that one Ray restarts mid-run catches up with this run's weights
+            self.store = ray.get_actor(f"{attach}-store", namespace=NAMESPACE)
             self.gen = [ray.get_actor(f"{attach}-{i}", namespace=NAMESPACE) for i in range(cl.num_generation_workers)]
             model_urls = ray.get([g.reset.remote(cfg) for g in self.gen])
         else:
+            self.store = ray.remote(WeightsStore).options(**light).remote()
             self.gen = start_generation_workers(cfg, host, self.store, placement=on)
         world = cl.num_policy_workers
         first = 0 if attach else cl.num_generation_workers
@@ -292,12 +293,15 @@ class Cluster:
 def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:
     """A Ray cluster owned by this process, with detached generation workers named `name` that many
     runs attach to (a sweep's cells, a test module's CLI runs), so each run skips vLLM start-up.
+    Their weights store is detached and named `<name>-store` too: each attached run publishes through
+    it, so a worker Ray restarts mid-run catches up with that run's weights, as an owned worker does.
     Returns the overrides that attach a run; `ray.shutdown()` stops this cluster and nothing else."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=cfg.cluster.num_cpus, namespace=NAMESPACE, include_dashboard=False,
              logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
-    ray.get([w.start.remote() for w in start_generation_workers(cfg, "127.0.0.1", name=name)])
+    store = ray.remote(WeightsStore).options(num_cpus=0, name=f"{name}-store", namespace=NAMESPACE, lifetime="detached").remote()
+    ray.get([w.start.remote() for w in start_generation_workers(cfg, "127.0.0.1", store, name=name)])
     return [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", f"cluster.attach_generation_workers={name}"]
 
 

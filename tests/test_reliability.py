@@ -79,8 +79,16 @@ def test_sigkilled_driver_resumes_from_its_checkpoint_with_nothing_lost(tmp_path
         assert kept | set(again) >= {(s, g) for s in range(2, 5) for g in range(4)}, "nothing lost"
 
 
-def test_killed_generation_worker_restarts_and_the_run_goes_on(tmp_path):
-    proc = run_cli(*SMALL, "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false",
+def test_killed_generation_worker_restarts_and_the_run_goes_on(tmp_path, shared_engine):
+    """On the shared workers too (a sweep's cells, these tests): the restarted worker catches up from the
+    shared weights store with the run's current weights, or the ledger's policy-version discipline
+    would end the run. Restarted again after the run has ended, it serves the model's own weights
+    rather than failing on the ended run's weights."""
+    import asyncio
+
+    import aiohttp
+
+    proc = run_cli(*SMALL, "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false", *shared_engine,
                    "faults.inject=[{kind: worker_kill, step: 1, group: 0, rollout: 0, attempt: 0}]",
                    "async_rl.rollout_failure.backoff_base_s=2", "async_rl.rollout_failure.max_backoff_s=16",
                    "async_rl.rollout_failure.max_infra_attempts_per_prompt=6")
@@ -91,7 +99,34 @@ def test_killed_generation_worker_restarts_and_the_run_goes_on(tmp_path):
     assert retried, "the killed worker's in-flight rollouts were retried"
     assert {e["class"] for e in retried} == {"infra"}
     assert rows[1]["redispatched_groups"] >= 1 and rows[1]["groups_trained"] >= 3
-    assert rows[2]["policy_version"] == 2  # the restarted worker caught up with the weights
+    assert rows[2]["policy_version"] == 2
+    calls = [json.loads(line) for line in (tmp_path / "ledger" / "step_1.jsonl").read_text().splitlines()]
+    assert {(c["version_start"], c["version_end"]) for c in calls if c["ledger_status"] in ("trained", "matched")} == {(1, 1)}, \
+        "the restarted worker served step 1 under the weights of step 1"
+
+    ray = connect(shared_engine)
+    try:
+        worker = ray.get_actor(shared_engine[-1].split("=", 1)[1] + "-0", namespace="minirl")
+        url, pid = ray.get(worker.start.remote()), ray.get(worker.pid.remote())
+        ray.kill(worker, no_restart=False)
+        deadline = time.time() + 300
+        while True:
+            try:
+                if ray.get(worker.pid.remote(), timeout=300) != pid:
+                    break
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):  # Ray is restarting it
+                pass
+            assert time.time() < deadline, "the shared worker did not come back"
+            time.sleep(1.0)
+        assert ray.get(worker.start.remote()) == url
+
+        async def health():
+            async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
+                return r.status, await r.json()
+
+        assert asyncio.run(health()) == (200, {"status": "ok", "version": 0})
+    finally:
+        ray.shutdown()
 
 
 def test_killed_agent_server_mid_group_is_recovered_by_redispatch(tmp_path, shared_engine):

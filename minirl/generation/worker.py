@@ -49,7 +49,11 @@ class GenerationWorker:
             latest = ray.get(weights_store.latest.remote())
             if latest is not None:
                 version, (ref,) = latest
-                self.engine.update_weights(ray.get(ref), version).result()
+                try:
+                    self.engine.update_weights(ray.get(ref), version).result()
+                except ray.exceptions.ObjectLostError:  # shared workers: the run that published them has ended
+                    print(f"minirl: generation worker {rank} restarted after the run that published version {version} "
+                          "ended; serving the model's own weights until the next run publishes", file=sys.stderr, flush=True)
         self.front = FrontEnd(self.engine, cfg, rank, host, port)
 
     def _engine_died(self, exc: BaseException) -> None:
