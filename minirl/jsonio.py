@@ -47,15 +47,29 @@ def dumps(obj, finite: bool = True) -> bytes:
 
 def all_finite(obj) -> bool:
     """Whether no float anywhere in `obj` (dicts, lists, tuples) is NaN or infinite; iterative, so
-    nesting as deep as `json` accepts is walked without recursion."""
+    nesting as deep as `json` accepts is walked without recursion. Strings, ints and None are
+    passed over by their exact type, and a list of numbers (token ids, logprobs) is settled by its
+    sum, in C: a NaN or an infinity among numbers makes their sum NaN or infinite, so a finite sum
+    proves them all finite (a sum that is not, or a list that does not sum, is walked)."""
     stack = [obj]
+    pop, push = stack.pop, stack.extend
     while stack:
-        item = stack.pop()
-        if isinstance(item, float):
+        item = pop()
+        kind = type(item)
+        if kind is str or kind is int or kind is bool or item is None:
+            continue
+        if kind is dict:
+            push(item.values())
+        elif isinstance(item, (list, tuple)):
+            try:
+                if math.isfinite(sum(item)):
+                    continue
+            except (TypeError, OverflowError):  # not all numbers, or an int past float's range
+                pass
+            push(item)
+        elif isinstance(item, float):
             if not math.isfinite(item):
                 return False
         elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            push(item.values())
     return True

@@ -2,7 +2,7 @@
 
 - `minirl.jsonio.loads` returns what `json.loads` returns or raises what it raises, on inputs
   msgspec refuses too; `dumps` parses back to the same value, and writes NaN as `json` does
-  (msgspec would write null);
+  (msgspec would write null); its `all_finite` answers as a walk over every float;
 - the front end's chat completion (`ModelServer._response`, its per-token logprobs built as dicts)
   is exactly `ChatCompletionResponse(...).model_dump(exclude_none=True)` as built from vLLM's
   classes, for every logprob option the server honours;
@@ -51,6 +51,26 @@ def test_dumps_round_trips_and_keeps_nan():
     deep = {"none": None, "x": [[{"lp": (0.5, -math.inf)}]]}  # found however deep it sits
     assert jsonio.dumps(deep) == json.dumps(deep).encode()
     assert json.loads(jsonio.dumps({"s": "\ud800"})) == {"s": "\ud800"}  # msgspec refuses it: json's escape
+
+
+def walked(obj) -> bool:
+    """all_finite as first written: every float visited, one by one."""
+    if isinstance(obj, float):
+        return math.isfinite(obj)
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return all(walked(v) for v in items)
+
+
+FLOATY = [[1.0, math.nan], [math.inf, -math.inf], [1e308, 1e308], [1e308, 1e308, math.nan], [2**2000, 1.0], [2**2000, -math.inf],
+          [True, math.nan], [[math.nan]], ["a", math.inf], (1, 2, math.nan), [1, {"a": math.nan}], [], [-math.inf], [None, 0.5],
+          {"lp": [-0.5] * 48, "ids": list(range(200)), "text": "null", "x": None}, {"deep": [[{"lp": (0.5, math.nan)}]]}]
+
+
+@pytest.mark.parametrize("value", FLOATY, ids=range(len(FLOATY)))
+def test_all_finite_is_the_walk(value):
+    """The sum shortcut and the type checks answer as visiting every float does, inside and outside containers."""
+    for v in (value, {"x": [value]}, [value, 1.0]):
+        assert jsonio.all_finite(v) is walked(v)
 
 
 @pytest.fixture(scope="module")
