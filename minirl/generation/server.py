@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 import json
+import math
 import os
 import signal
 import time
@@ -74,7 +75,6 @@ from minirl.http_thread import INLINE_BYTES, off_loop
 from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
 
 PREFIX_FIELD = "required_prefix_token_ids"
-_INF = float("inf")
 CLIENT_LEFT = 499  # nginx's "client closed request": the status recorded when the caller disconnected
 HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine's process (the router's probe_timeout_s is usually shorter)
 
@@ -374,34 +374,29 @@ class ModelServer:
         position's entries in vLLM's order (the sampled token first), all of them for -1 or with
         `logprob_token_ids`. As the dicts vLLM's `ChatCompletionLogProbsContent` dumps to (one
         pydantic object per token and per top entry cost ~0.3 ms a request); also whether every
-        logprob is finite (`jsonio`'s fast path writes no NaN)."""
+        logprob shown is finite (`jsonio`'s fast path writes no NaN)."""
         as_ids, k = req.return_tokens_as_token_ids, req.top_logprobs
-        every = bool(req.logprob_token_ids) or k == -1
-        finite = True
+        keep = None if req.logprob_token_ids or k == -1 else max(k or 0, 0)  # a position's entries shown: all, or the first `keep`
 
         def name(tok: int, text: str | None) -> str:
             if as_ids:
                 return f"token_id:{tok}"
             return text if text is not None else self.tokenizer.decode([tok])
 
-        def logprob(lp) -> float:
-            nonlocal finite
-            lp = float(max(lp, -9999.0))
-            finite = finite and lp == lp and lp != _INF
-            return lp
-
         def top(entries) -> list[dict]:
-            return [{"token": (t := name(tok, text)), "logprob": logprob(lp), "bytes": list(t.encode("utf-8", errors="replace"))}
-                    for j, (tok, lp, text) in enumerate(entries) if every or (k is not None and j < k)]
+            return [{"token": (t := name(tok, text)), "logprob": float(max(lp, -9999.0)), "bytes": list(t.encode("utf-8", errors="replace"))}
+                    for tok, lp, text in (entries if keep is None else entries[:keep])]
 
+        lps = [float(max(lp, -9999.0)) for lp in result.logprobs]  # vLLM's clamp
         content = []
-        for i, (tok, lp, text) in enumerate(zip(result.token_ids, result.logprobs, result.decoded)):
-            entry = {"token": name(tok, text), "logprob": logprob(lp)}
+        for i, (tok, lp, text) in enumerate(zip(result.token_ids, lps, result.decoded)):
+            entry = {"token": name(tok, text), "logprob": lp}
             if text is not None:
                 entry["bytes"] = list(text.encode("utf-8", errors="replace"))
-            entry["top_logprobs"] = top(result.top[i] if result.top else [(tok, lp, text)])
+            entry["top_logprobs"] = top(result.top[i] if result.top else [(tok, lp, text)]) if keep != 0 else []
             content.append(entry)
-        return content, finite
+        shown = lps if keep == 0 else lps + [e["logprob"] for entry in content for e in entry["top_logprobs"]]
+        return content, math.isfinite(sum(shown)) or all(map(math.isfinite, shown))  # a finite sum: all finite
 
     async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> tuple[dict, bool]:
         """Parse and validate, render and tokenize (off the loop), the injected faults and the length
