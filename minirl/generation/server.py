@@ -122,9 +122,10 @@ def _validation_error(exc: ValidationError) -> ErrorResponse:
 
 
 def parse_json_object(raw: bytes) -> dict:
-    """A request body as a JSON object, or an HTTPError 400 saying why not."""
+    """A request body as a JSON object, or an HTTPError 400 saying why not (`json`'s result and error
+    text, through msgspec: `jsonio.loads`)."""
     try:
-        body = json.loads(raw)
+        body = jsonio.loads(raw)
     except RecursionError as exc:
         raise HTTPError.of(exc) from None
     except ValueError as exc:
