@@ -33,6 +33,18 @@ def loads(raw: bytes | str):
         return json.loads(raw)
 
 
+def loads_body(raw: bytes, encoding: str):
+    """`loads(raw.decode(encoding, errors="replace"))`, what an HTTP client's `text(errors="replace")`
+    then `loads` gives, without the decode when msgspec parses the UTF-8 bytes themselves (it
+    accepts only valid UTF-8, which decodes the same with or without "replace")."""
+    if encoding == "utf-8":
+        try:
+            return _decode(raw)
+        except Exception:
+            pass
+    return loads(raw.decode(encoding, errors="replace"))
+
+
 def dumps(obj, finite: bool = True) -> bytes:
     """`obj` as compact UTF-8 JSON; `finite=False`: the caller knows `obj` may hold NaN or infinity."""
     if finite:

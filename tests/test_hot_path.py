@@ -2,7 +2,8 @@
 
 - `minirl.jsonio.loads` returns what `json.loads` returns or raises what it raises, on inputs
   msgspec refuses too; `dumps` parses back to the same value, and writes NaN as `json` does
-  (msgspec would write null); its `all_finite` answers as a walk over every float;
+  (msgspec would write null); its `all_finite` answers as a walk over every float, and
+  `loads_body(raw, encoding)` as `loads` of the text decoded with errors replaced;
 - the front end's chat completion (`ModelServer._response`, its per-token logprobs built as dicts)
   is exactly `ChatCompletionResponse(...).model_dump(exclude_none=True)` as built from vLLM's
   classes, for every logprob option the server honours;
@@ -41,6 +42,13 @@ def outcome(fn, raw):
 def test_loads_is_json_loads(raw):
     mine, theirs = outcome(jsonio.loads, raw), outcome(json.loads, raw)
     assert repr(mine) == repr(theirs)  # repr: nan != nan
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_loads_body_is_loads_of_the_replaced_text(encoding):
+    """The model client's reply parsing: as `loads(resp.text(errors="replace"))` was, invalid UTF-8 included."""
+    for raw in ODD_JSON + [b'"\xff"', b'{"a": "\xed\xa0\x80"}', '{"é": 1}'.encode("utf-16")]:
+        assert repr(outcome(lambda r: jsonio.loads_body(r, encoding), raw)) == repr(outcome(jsonio.loads, raw.decode(encoding, errors="replace")))
 
 
 def test_dumps_round_trips_and_keeps_nan():

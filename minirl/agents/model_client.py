@@ -75,15 +75,15 @@ class HttpModelClient:
         headers = {ROLLOUT_HEADER: key} if key and key.startswith("s") else {}
         try:
             async with self.session.post(url + path, data=jsonio.dumps(body), headers={**headers, "Content-Type": "application/json"}) as resp:
-                status, raw = resp.status, await resp.text(errors="replace")
+                status, raw, encoding = resp.status, await resp.read(), resp.get_encoding()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
             raise GenerationUnavailable(f"model server {url} unreachable: {exc!r}") from exc
         try:
-            return status, jsonio.loads(raw)
+            return status, jsonio.loads_body(raw, encoding)  # loads(resp.text(errors="replace")), without the decode
         except ValueError:
             if status == 200:
                 raise ModelCallFailed(f"model server {url}{path} answered 200 with a body that is not JSON", 502) from None
-            return status, raw
+            return status, raw.decode(encoding, errors="replace")
 
     @staticmethod
     def _error(status: int, data, what: str) -> ModelCallFailed:
