@@ -11,8 +11,13 @@ STAMP  := $(VENV)/.minirl-installed
 train: $(STAMP)
 	$(BIN)/python -m minirl.train
 
+# Two pytest workers (pytest-xdist), each with its own session fixtures (an in-process engine and a
+# cluster of shared generation workers; the suite peaks near 15 GiB of RAM). Most of a CLI test's time
+# is actors starting, on one core at a time, so two workers overlap it (README: the suite's time).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 setup: $(STAMP)
 

@@ -1,5 +1,8 @@
 """Shared fixtures. Everything here is a real part: the committed tiny model loaded with
-`from_pretrained`, a real in-process vLLM engine, real aiohttp servers on 127.0.0.1."""
+`from_pretrained`, a real in-process vLLM engine, real aiohttp servers on 127.0.0.1.
+
+`make test` runs two pytest-xdist workers: each builds its own session fixtures (its engine, its
+shared cluster), so no test shares a process or a Ray cluster with a test running beside it."""
 
 from __future__ import annotations
 
