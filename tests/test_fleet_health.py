@@ -23,10 +23,14 @@ def lines(path: Path) -> list[dict]:
 
 
 def test_a_hung_worker_is_quarantined_and_the_run_trains_on(tmp_path, shared_engine):
-    # attached to the session's two shared workers: the next run that attaches resets the hung one
+    # attached to the session's two shared workers: the next run that attaches resets the hung one.
+    # unhealthy_threshold=8: under `make test`'s two pytest workers both healthy engines once showed
+    # a step past engine.STUCK_STEP_S for 3 probes at step 0 (a 2-core machine running four engines),
+    # and were quarantined together; the wedged worker never answers, so 8 probes still catch it
     proc = run_cli(*SMALL, "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false",
                    *shared_engine, f"cluster.num_generation_workers={SHARED_WORKERS}",
                    f"{HEALTH}.enabled=true", f"{HEALTH}.probe_interval_s=1", f"{HEALTH}.probe_timeout_s=0.5",
+                   f"{HEALTH}.unhealthy_threshold=8",
                    "faults.inject=[{kind: worker_hang, step: 1, group: 0, rollout: 0, attempt: 0}]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, events = lines(tmp_path / "metrics.jsonl"), lines(tmp_path / "events.jsonl")
