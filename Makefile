@@ -12,7 +12,7 @@ train: $(STAMP)
 	$(BIN)/python -m minirl.train
 
 # Two pytest workers (pytest-xdist), each with its own session fixtures (an in-process engine and a
-# cluster of shared generation workers; the suite peaks near 15 GiB of RAM). Most of a CLI test's time
+# cluster of shared generation workers; 13 of 24 GiB of RAM were in use at one sample mid-run). Most of a CLI test's time
 # is actors starting, on one core at a time, so two workers overlap it (README: the suite's time).
 TEST_WORKERS ?= 2
 
