@@ -11,9 +11,10 @@ STAMP  := $(VENV)/.minirl-installed
 train: $(STAMP)
 	$(BIN)/python -m minirl.train
 
-# Two pytest workers (pytest-xdist), each with its own session fixtures (an in-process engine and a
-# cluster of shared generation workers; 13 of 24 GiB of RAM were in use at one sample mid-run). Most of a CLI test's time
-# is actors starting, on one core at a time, so two workers overlap it (README: the suite's time).
+# Two pytest workers (pytest-xdist), each with its own session fixtures: an in-process engine and a
+# cluster of shared generation workers (13 of 24 GiB of RAM in use at one sample mid-run). Most of a
+# CLI test's time is actors starting, on one core at a time, so two workers overlap it (README: the
+# suite's time). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
