@@ -54,6 +54,15 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
 
 
+def _health_error(body: bytes) -> str:
+    """The `error` a worker's unhealthy /health names (server.health), as ': why', else ''."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return f": {str(error)[:300]}" if error else ""
+
+
 class GenerationRouter:
     """Ray actor (or plain object in tests): serves from its constructor, like the other servers."""
 
@@ -163,8 +172,8 @@ class GenerationRouter:
             started = time.monotonic()
             try:
                 async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=h.probe_timeout_s)) as resp:
-                    await resp.read()
-                    failure = None if resp.status == 200 else f"/health answered HTTP {resp.status}"
+                    body = await resp.read()
+                    failure = None if resp.status == 200 else f"/health answered HTTP {resp.status}{_health_error(body)}"
             except asyncio.TimeoutError:
                 failure = f"/health did not answer within probe_timeout_s={h.probe_timeout_s}"
             except (aiohttp.ClientError, ConnectionError) as exc:
