@@ -18,12 +18,6 @@ from helpers import SHARED_WORKERS
 from minirl.config import REPO_ROOT, MinirlConfig, load_config
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# Ray starts its workers at nice 15, and this process (an in-process engine, a torch step) runs at 0:
-# beside the other pytest worker that is a ~28:1 CPU share, and a Ray-hosted engine step then ran
-# 12 s on this 2-core machine, so both shared engines' /health answered 503 together (a step past
-# engine.STUCK_STEP_S) and fleet health quarantined them. Every cluster a test starts (the shared
-# one, a CLI run's, the Slurm stand-in's) inherits this, so the suite's processes share the CPU evenly.
-os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 
 import aiohttp
 import numpy as np
 
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
+from minirl.config import REPO_ROOT
 from minirl.data import prompt_row
 from minirl.types import TrainBatch
 from minirl.wire import with_extra_body
@@ -187,3 +192,37 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
         assert (b.version_start, b.version_end) == (v0 + 2, v0 + 2), "the later request waited for the update"
     finally:
         engine.update_weights(weights, version=v0).result(timeout=120)
+
+
+SAMPLER_COMPILE_CHILD = """
+import json
+from minirl.config import load_config
+from minirl.generation.engine import VllmEngine, configure_cpu_env
+configure_cpu_env(1, 2)
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.utils import counters
+from vllm import SamplingParams
+from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+code = batched_count_greater_than._torchdynamo_orig_callable.__code__
+cfg = load_config()
+before = len(_debug_get_cache_entry_list(code))
+engine = VllmEngine(cfg.policy.model_name, max_model_len=cfg.policy.generation.vllm_cfg.max_model_len, seed=0)
+built = (len(_debug_get_cache_entry_list(code)), dict(counters["stats"]))
+futs = [engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=3, logprobs=k, seed=i)) for i, k in enumerate((0, 0, 2))]
+first = engine.generate([5], SamplingParams(max_tokens=2, logprobs=0, seed=9)).result()  # a batch of 1 too
+[f.result() for f in futs]
+print(json.dumps({"before": before, "built": built, "served": dict(counters["stats"]), "steps": engine.steps}))
+"""
+
+
+def test_the_sampler_is_compiled_before_the_engine_serves():
+    # vLLM compiles its logprob ranks at the first request asking for logprobs (14.6 s with a cold
+    # inductor cache here): inside a served step that fails /health and fleet health quarantines a
+    # fresh worker. A fresh process: the engine compiles it while it is built, and no served request,
+    # of batch 1 or 3, with or without top logprobs, compiles anything after
+    proc = subprocess.run([sys.executable, "-c", SAMPLER_COMPILE_CHILD], capture_output=True, text=True, timeout=600,
+                          cwd=REPO_ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["before"] == 0 and out["built"][0] >= 1, out
+    assert out["served"] == out["built"][1] and out["steps"] > 0, out

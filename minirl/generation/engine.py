@@ -40,6 +40,23 @@ STUCK_STEP_S = 5.0
 `step_timeout_s`, much longer, then ends the engine."""
 
 
+def _compile_sampler(llm) -> None:
+    """vLLM compiles its sampler's logprob ranks (`batched_count_greater_than`, torch.compile with
+    inductor) at the first request that asks for logprobs, inside that engine step: 14.6 s on this
+    2-core machine with a cold inductor cache (a fresh clone, a fresh node), 3 s with a warm one.
+    A served step that long fails /health (STUCK_STEP_S), and fleet health quarantined both workers
+    of a fresh run at step 0. So one request with logprobs runs here, before the engine serves; the
+    random state is restored and the prefix cache emptied, so the first served request samples as
+    it would without it."""
+    import torch
+    from vllm import SamplingParams
+
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        llm.generate([{"prompt_token_ids": [0, 1]}, {"prompt_token_ids": [0]}],
+                     SamplingParams(max_tokens=1, logprobs=0, seed=0), use_tqdm=False)
+    llm.reset_prefix_cache()
+
+
 @dataclass
 class GenResult:
     prompt_token_ids: list[int]
@@ -96,6 +113,7 @@ class VllmEngine:
             # token budget; without chunked prefill no prompt is ever split
             enable_chunked_prefill=torch.cuda.is_available(),
         )
+        _compile_sampler(self.llm)
         self.max_model_len = max_model_len
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
