@@ -21,11 +21,13 @@ from minirl.wire import ROLLOUT_HEADER
 class Backend:
     """A worker stand-in: answers `/tokenize` with its name and the header it got; `/hold` waits
     until released, so the test controls what is outstanding; `/health` answers while `answering`
-    is set and hangs while it is not (a wedged worker)."""
+    is set and hangs while it is not (a wedged worker), and answers 503 with the generation
+    server's body while `unhealthy` names why."""
 
     def __init__(self, name: str):
         self.name, self.release, self.answering = name, asyncio.Event(), asyncio.Event()
         self.answering.set()
+        self.unhealthy: str | None = None
 
     async def start(self, port: int = 0) -> str:
         app = web.Application()
@@ -40,6 +42,8 @@ class Backend:
 
     async def health(self, request):
         await self.answering.wait()
+        if self.unhealthy is not None:
+            return web.json_response({"status": "unhealthy", "error": self.unhealthy}, status=503)
         return web.json_response({"status": "ok"})
 
     async def tokenize(self, request):
@@ -195,6 +199,27 @@ def test_a_restarted_worker_rejoins_and_too_few_healthy_workers_name_the_quarant
             await restarted.runner.cleanup()
         finally:
             await loop.run_in_executor(None, router.stop)
+            await b.runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_a_quarantine_names_the_error_an_unhealthy_worker_answered():
+    async def go():
+        loop = asyncio.get_running_loop()
+        a, b = Backend("a"), Backend("b")
+        urls = [await a.start(), await b.start()]
+        router = await loop.run_in_executor(None, lambda: GenerationRouter(router_cfg(), urls, health=GenerationFleetHealthConfig(**FAST)))
+        try:
+            a.unhealthy = "an engine step has been running for 7 s (wedged?)"  # what server.health answers
+            await until(lambda: urls[0] in router.quarantined, what="a's quarantine")
+            assert router.quarantined[urls[0]].endswith(
+                "consecutive failed probes (last: /health answered HTTP 503: an engine step has been running for 7 s (wedged?))")
+            (event,) = (await loop.run_in_executor(None, router.poll_health))["events"]
+            assert event["type"] == "worker_quarantined" and "running for 7 s" in event["reason"]
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await a.runner.cleanup()
             await b.runner.cleanup()
 
     asyncio.run(go())
