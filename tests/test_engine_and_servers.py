@@ -207,6 +207,7 @@ code = batched_count_greater_than._torchdynamo_orig_callable.__code__
 cfg = load_config()
 before = len(_debug_get_cache_entry_list(code))
 engine = VllmEngine(cfg.policy.model_name, max_model_len=cfg.policy.generation.vllm_cfg.max_model_len, seed=0)
+assert engine.sampler_compiled.wait(300) and engine.steps == 0
 built = (len(_debug_get_cache_entry_list(code)), dict(counters["stats"]))
 futs = [engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=3, logprobs=k, seed=i)) for i, k in enumerate((0, 0, 2))]
 first = engine.generate([5], SamplingParams(max_tokens=2, logprobs=0, seed=9)).result()  # a batch of 1 too
@@ -218,8 +219,8 @@ print(json.dumps({"before": before, "built": built, "served": dict(counters["sta
 def test_the_sampler_is_compiled_before_the_engine_serves():
     # vLLM compiles its logprob ranks at the first request asking for logprobs (14.6 s with a cold
     # inductor cache here): inside a served step that fails /health and fleet health quarantines a
-    # fresh worker. A fresh process: the engine compiles it while it is built, and no served request,
-    # of batch 1 or 3, with or without top logprobs, compiles anything after
+    # fresh worker. A fresh process: the engine thread compiles it before its first step, and no
+    # served request, of batch 1 or 3, with or without top logprobs, compiles anything after
     proc = subprocess.run([sys.executable, "-c", SAMPLER_COMPILE_CHILD], capture_output=True, text=True, timeout=600,
                           cwd=REPO_ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert proc.returncode == 0, proc.stderr[-3000:]

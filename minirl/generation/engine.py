@@ -45,9 +45,12 @@ def _compile_sampler(llm) -> None:
     inductor) at the first request that asks for logprobs, inside that engine step: 14.6 s on this
     2-core machine with a cold inductor cache (a fresh clone, a fresh node), 3 s with a warm one.
     A served step that long fails /health (STUCK_STEP_S), and fleet health quarantined both workers
-    of a fresh run at step 0. So one request with logprobs runs here, before the engine serves; the
-    random state is restored and the prefix cache emptied, so the first served request samples as
-    it would without it."""
+    of a fresh run at step 0. So the engine thread runs one request with logprobs before its first
+    step, outside any step (/health stays 200; requests that arrive meanwhile wait in the inbox, as
+    they waited in that step before). Done in the constructor instead, it kept a restarted worker's
+    port closed that much longer, and the restart outlasted a run's INFRA retries. The random
+    state is restored and the prefix cache emptied, so the first served request samples as it
+    would without it."""
     import torch
     from vllm import SamplingParams
 
@@ -113,7 +116,6 @@ class VllmEngine:
             # token budget; without chunked prefill no prompt is ever split
             enable_chunked_prefill=torch.cuda.is_available(),
         )
-        _compile_sampler(self.llm)
         self.max_model_len = max_model_len
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
@@ -132,6 +134,7 @@ class VllmEngine:
         self._unwedged.set()
         self._crash = False  # set by the `engine_crash` fault: the next step fails
         self._step_t0: float | None = None  # when the step in progress began
+        self.sampler_compiled = threading.Event()  # set by the engine thread before its first step
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
         if on_dead is not None and step_timeout_s > 0:
@@ -265,6 +268,8 @@ class VllmEngine:
 
     def _loop(self) -> None:
         engine = self.llm.llm_engine
+        _compile_sampler(self.llm)
+        self.sampler_compiled.set()
         while True:
             if self._held is not None and not self._pending:  # drained: apply the update, then the waiting requests
                 (fn, fut, since), self._held = self._held, None
