@@ -210,7 +210,7 @@ engine = VllmEngine(cfg.policy.model_name, max_model_len=cfg.policy.generation.v
 assert engine.sampler_compiled.wait(300) and engine.steps == 0
 built = (len(_debug_get_cache_entry_list(code)), dict(counters["stats"]))
 futs = [engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=3, logprobs=k, seed=i)) for i, k in enumerate((0, 0, 2))]
-first = engine.generate([5], SamplingParams(max_tokens=2, logprobs=0, seed=9)).result()  # a batch of 1 too
+engine.generate([5], SamplingParams(max_tokens=2, logprobs=0, seed=9)).result()  # a batch of 1 too
 [f.result() for f in futs]
 print(json.dumps({"before": before, "built": built, "served": dict(counters["stats"]), "steps": engine.steps}))
 """

@@ -268,8 +268,13 @@ class VllmEngine:
 
     def _loop(self) -> None:
         engine = self.llm.llm_engine
-        _compile_sampler(self.llm)
-        self.sampler_compiled.set()
+        try:
+            _compile_sampler(self.llm)
+        except BaseException as exc:  # as a failed step: the engine is unusable
+            self._die(exc)
+            raise
+        finally:
+            self.sampler_compiled.set()
         while True:
             if self._held is not None and not self._pending:  # drained: apply the update, then the waiting requests
                 (fn, fut, since), self._held = self._held, None
