@@ -275,7 +275,8 @@ def test_cluster_that_never_becomes_ready_fails_at_the_deadline_and_cleans_up(fa
 
     The deadline leaves the head's `ray start` (7-9 s on a quiet 2-core machine, 25-30 s beside
     the other half of the suite under `make test`'s two workers) time to finish, so that the error
-    is the one about the nodes and GPUs, not the one about a head that never came up. node-b's sidecar never sees the end marker: its srun is killed at the stop timeout."""
+    is the one about the nodes and GPUs, not the one about a head that never came up. node-b's
+    sidecar never sees the end marker: its srun is killed at the stop timeout."""
     hang = 'if [[ $FAKE_NODE == node-b ]]; then sleep 1000; fi'
     env = fake_slurm.env()
     res, elapsed = fake_slurm.run(timeout=180, MINIRL_READY_TIMEOUT_S="50", MINIRL_STOP_TIMEOUT_S="5",

@@ -47,10 +47,9 @@ def _compile_sampler(llm) -> None:
     A served step that long fails /health (STUCK_STEP_S), and fleet health quarantined both workers
     of a fresh run at step 0. So the engine thread runs one request with logprobs before its first
     step, outside any step (/health stays 200; requests that arrive meanwhile wait in the inbox, as
-    they waited in that step before). Done in the constructor instead, it kept a restarted worker's
-    port closed that much longer, and the restart outlasted a run's INFRA retries. The random
-    state is restored and the prefix cache emptied, so the first served request samples as it
-    would without it."""
+    they waited in that step before), not in the constructor, which would keep a restarted
+    worker's port closed for it too. The random state is restored and the prefix cache emptied, so
+    the first served request samples as it would without it."""
     import torch
     from vllm import SamplingParams
 
