@@ -4,7 +4,8 @@
 
 Same tiny model, same prompts (the doors task's first-call prompts, rendered with the chat
 template), same sampling (temperature 1, max 48 new tokens, one seed per prompt, so both paths
-generate the same tokens). Raw: `LLM.generate` on token ids, in this process. minirl: one `/run`
+generate the same tokens). Raw: `LLM.generate` on token ids, in a child process of its own (not
+the client's, whose CPU the bench reads). minirl: one `/run`
 per prompt (single-call episodes) sent concurrently to the agent-pool actor, which calls the
 generation-worker actor's HTTP endpoint, as in training. Each round draws prompts of its own (the
 rows of step k, as a training step draws new ones), so no cache on either side (vLLM's prefix
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
         return rows
 
     rows = rows_of(0)
-    raw = RawVllm(cfg, rows)  # raw vLLM, in this process
+    raw = RawProcess(["agent.name=simple_agent", "agent.max_steps=1", *args.overrides], rows)  # raw vLLM, in a process of its own
 
     # minirl's path: the same actors as training
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
@@ -123,9 +124,8 @@ def main(argv=None) -> int:
     for k in range(rounds):
         rows = rows_of(k + 1)
         raw.load(rows)  # rendered before any timer starts
-        raw.steps = 0
         time.sleep(SETTLE_S)
-        rt, rs, r_in, r_cpu = raw.round()
+        rt, rs, r_in, r_cpu, r_steps = raw.round()
         time.sleep(SETTLE_S)
         idle = _idle_rates(pids)
         before, c0 = ray.get(gen.stats.remote()), {name: _cpu_s(pid) for name, pid in pids.items()}
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         front_in.append(f_in)
         cpus.append({"raw": r_cpu, **cpu, "minirl": sum(cpu.values())})
         nets.append({name: cpu[name] - idle[name] * ps for name in pids})
-        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {raw.steps} steps, all prompts in by "
+        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {r_steps} steps, all prompts in by "
               f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
               f"in {steps} steps, all requests at the front end by {1000 * f_in:.0f} ms, first prompt in the engine at "
               f"{1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, CPU s: "
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     raw_in, minirl_in = (statistics.median(x[i] for x in results) for i in (2, 3))
     loop.run_until_complete(http.close())
     ray.shutdown()
+    raw.close()
     print()
     print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target | all prompts in the engine by, raw / minirl (median) |")
     print("|---|---|---|---|---|---|")
@@ -221,12 +222,65 @@ class RawVllm:
         ]
         self.params = [SamplingParams(temperature=1.0, max_tokens=self.max_tokens, seed=i, logprobs=0) for i in range(len(rows))]
 
-    def round(self) -> tuple[int, float, float, float]:
-        """(tokens generated, wall s, s until the last prompt was in, this process's CPU s)."""
+    def round(self) -> tuple[int, float, float, float, int]:
+        """(tokens generated, wall s, s until the last prompt was in, this process's CPU s, engine steps)."""
+        self.steps = 0
         t0, m0, c0 = time.perf_counter(), time.monotonic(), _cpu_s(os.getpid())
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, _cpu_s(os.getpid()) - c0
-        return sum(len(o.outputs[0].token_ids) for o in outs), wall, self.last_add - m0, cpu
+        return sum(len(o.outputs[0].token_ids) for o in outs), wall, self.last_add - m0, cpu, self.steps
+
+
+class RawProcess:
+    """`RawVllm` in a child process of its own, driven over a pipe: the bench's client process then
+    holds only the client (and Ray's driver), as the controller's does in training. In the same
+    process, raw vLLM's idle engine added ~25 ms of CPU a second to the client's figure, ~0.8 ms a
+    request over a round of 128, which the client's net figure showed was none of its sends."""
+
+    def __init__(self, overrides: list[str], rows: list[dict]):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_raw_main, args=(child, overrides, rows), name="raw-vllm", daemon=True)
+        self.proc.start()
+        child.close()
+        self._ask("ready")
+
+    def _ask(self, *msg):
+        if msg != ("ready",):
+            self.conn.send(msg)
+        try:
+            ok, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the raw vLLM process (pid {self.proc.pid}) exited with code {self.proc.exitcode}") from None
+        if not ok:
+            raise RuntimeError(f"the raw vLLM process failed: {value}")
+        return value
+
+    def load(self, rows: list[dict]) -> None:
+        self._ask("load", rows)
+
+    def round(self) -> tuple[int, float, float, float, int]:
+        return self._ask("round")
+
+    def close(self) -> None:
+        self.conn.send(("stop",))
+        self.proc.join(timeout=30)
+
+
+def _raw_main(conn, overrides: list[str], rows: list[dict]) -> None:
+    import traceback
+
+    from minirl.config import load_config
+
+    try:
+        raw = RawVllm(load_config(None, overrides), rows)
+        conn.send((True, None))
+        while (msg := conn.recv())[0] != "stop":
+            conn.send((True, raw.load(*msg[1:]) if msg[0] == "load" else raw.round()))
+    except Exception:
+        conn.send((False, traceback.format_exc()))
 
 
 SETTLE_S = 0.3

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                 mode = ("raw", "template", "bare")[k % 3]
                 await asyncio.sleep(0.3)  # the engine's OMP threads stop spinning
                 if mode == "raw":
-                    tokens, raw_wall, raw_in, _ = raw.round()
+                    tokens, raw_wall, raw_in, _, _ = raw.round()
                     print(f"round {k + 1}: raw vLLM {tokens} tokens in {1000 * raw_wall:.0f} ms, last prompt in at {1000 * raw_in:.0f} ms", flush=True)
                     continue
                 t0, c0 = time.time(), {name: _cpu_s(pid) for name, pid in pids.items()}
