@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     from minirl.agents.server import AgentServer
     from minirl.rollout.manager import post_run
 
-    cfg = load_config(None, ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides])
+    overrides = ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides]
+    cfg = load_config(None, overrides)
 
     def rows_of(step: int) -> list[dict]:  # each round its own prompts, as each training step draws new ones
         rows = []
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
         return rows
 
     rows = rows_of(0)
-    raw = RawProcess(["agent.name=simple_agent", "agent.max_steps=1", *args.overrides], rows)  # raw vLLM, in a process of its own
+    raw = RawProcess(overrides, rows)  # raw vLLM, in a process of its own
 
     # minirl's path: the same actors as training
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
