@@ -246,11 +246,13 @@ class RawProcess:
         self.proc = ctx.Process(target=_raw_main, args=(child, overrides, rows), name="raw-vllm", daemon=True)
         self.proc.start()
         child.close()
-        self._ask("ready")
+        self._answer()  # built
 
     def _ask(self, *msg):
-        if msg != ("ready",):
-            self.conn.send(msg)
+        self.conn.send(msg)
+        return self._answer()
+
+    def _answer(self):
         try:
             ok, value = self.conn.recv()
         except EOFError:
