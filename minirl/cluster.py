@@ -305,6 +305,32 @@ def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:
     return [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", f"cluster.attach_generation_workers={name}"]
 
 
+THROTTLED_SPIN = "100"
+"""libgomp's own spin count for a process whose OpenMP threads outnumber the cores (GOMP_SPINCOUNT in
+GCC's libgomp manual; 300000 otherwise)."""
+
+
+def engine_env(cfg: MinirlConfig) -> dict[str, str]:
+    """The OpenMP environment a generation worker's process starts with (torch loads libgomp, which
+    reads it once). OMP_NUM_THREADS: Ray would set num_cpus, and vLLM-CPU forbids changing torch's
+    thread count once the engine is up. GOMP_SPINCOUNT: how long an idle engine thread spins for the
+    next kernel before it sleeps. libgomp spins while its own process's threads fit the cores, which
+    keeps an engine's steps ~10% shorter (bench/README.md, P1's fourth pass), but two spinning engines
+    on the same cores stepped 3x slower than throttled ones. libgomp sees only its process, so minirl
+    applies its rule across the engines it starts on this machine: more engine threads than cores
+    (cluster.num_generation_workers x vllm_cfg.omp_threads) get libgomp's throttled count. A joined
+    cluster's placement is not known here, so its engines spin as libgomp decides. A GOMP_SPINCOUNT
+    in the driver's environment wins (the test suite sets it: its two workers' engines share the cores)."""
+    threads = cfg.policy.generation.vllm_cfg.omp_threads
+    env = {"OMP_NUM_THREADS": str(threads)}
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    if spin is None and cfg.cluster.ray_address is None and cfg.cluster.num_generation_workers * threads > (os.cpu_count() or 1):
+        spin = THROTTLED_SPIN
+    if spin is not None:
+        env["GOMP_SPINCOUNT"] = spin
+    return env
+
+
 def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement=None, name: str | None = None) -> list:
     """Generation worker actors (restarted on death, at the same port). With `name`, they are
     detached and named `<name>-<rank>`, to outlive the driver for `attach_generation_workers`."""
@@ -314,10 +340,7 @@ def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement
         # a call while the actor restarts waits for it (with fleet health the run goes on meanwhile, and the
         # controller drains its call log and publishes weights to every worker)
         options = {"num_cpus": cl.cpus_per_generation_worker, "num_gpus": cl.gpus_per_generation_worker, "max_restarts": -1,
-                   "max_task_retries": -1,
-                   # Ray would start the process with OMP_NUM_THREADS=num_cpus, and vLLM-CPU forbids
-                   # changing torch's thread count once the engine is up: it must be right from the start
-                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.policy.generation.vllm_cfg.omp_threads)}}}
+                   "max_task_retries": -1, "runtime_env": {"env_vars": engine_env(cfg)}}
         if placement is not None:
             options.update(placement(i))
         if name is not None:

@@ -18,6 +18,11 @@ from helpers import SHARED_WORKERS
 from minirl.config import REPO_ROOT, MinirlConfig, load_config
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# The suite's two pytest workers each run engines (in-process and in their shared cluster) on the same
+# cores, which minirl.cluster.engine_env cannot see: every engine the suite starts throttles libgomp's
+# spin, as libgomp itself does when one process's threads outnumber the cores (two spinning engines
+# stepped 3x slower). Set before anything loads torch, and inherited by every process the suite starts.
+os.environ.setdefault("GOMP_SPINCOUNT", "100")
 
 
 @pytest.fixture(scope="session")

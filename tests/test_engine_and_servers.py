@@ -196,6 +196,8 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
 
 SAMPLER_COMPILE_CHILD = """
 import json
+import threading
+import vllm
 from minirl.config import load_config
 from minirl.generation.engine import VllmEngine, configure_cpu_env
 configure_cpu_env(1, 2)
@@ -206,13 +208,17 @@ from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 code = batched_count_greater_than._torchdynamo_orig_callable.__code__
 cfg = load_config()
 before = len(_debug_get_cache_entry_list(code))
+built_on, llm_init = [], vllm.LLM.__init__
+vllm.LLM.__init__ = lambda self, *a, **kw: (built_on.append(threading.get_ident()), llm_init(self, *a, **kw))[1]
 engine = VllmEngine(cfg.policy.model_name, max_model_len=cfg.policy.generation.vllm_cfg.max_model_len, seed=0)
 assert engine.sampler_compiled.wait(300) and engine.steps == 0
 built = (len(_debug_get_cache_entry_list(code)), dict(counters["stats"]))
 futs = [engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=3, logprobs=k, seed=i)) for i, k in enumerate((0, 0, 2))]
 engine.generate([5], SamplingParams(max_tokens=2, logprobs=0, seed=9)).result()  # a batch of 1 too
 [f.result() for f in futs]
-print(json.dumps({"before": before, "built": built, "served": dict(counters["stats"]), "steps": engine.steps}))
+stepped_on = engine.run(lambda llm: threading.get_ident()).result()
+print(json.dumps({"before": before, "built": built, "served": dict(counters["stats"]), "steps": engine.steps,
+                  "built_where_stepped": built_on == [stepped_on] and stepped_on != threading.get_ident()}))
 """
 
 
@@ -220,10 +226,13 @@ def test_the_sampler_is_compiled_before_the_engine_serves():
     # vLLM compiles its logprob ranks at the first request asking for logprobs (14.6 s with a cold
     # inductor cache here): inside a served step that fails /health and fleet health quarantines a
     # fresh worker. A fresh process: the engine thread compiles it before its first step, and no
-    # served request, of batch 1 or 3, with or without top logprobs, compiles anything after
+    # served request, of batch 1 or 3, with or without top logprobs, compiles anything after. And
+    # vLLM's engine is built on the thread that steps it (libgomp's pools are per thread: an engine
+    # built on another thread stepped ~10% slower on 2 cores)
     proc = subprocess.run([sys.executable, "-c", SAMPLER_COMPILE_CHILD], capture_output=True, text=True, timeout=600,
                           cwd=REPO_ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["before"] == 0 and out["built"][0] >= 1, out
     assert out["served"] == out["built"][1] and out["steps"] > 0, out
+    assert out["built_where_stepped"], out

@@ -4,6 +4,7 @@ front end in a child process (minirl.generation.frontend)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
@@ -68,6 +69,22 @@ def health(url: str) -> tuple[int, dict]:
 WATCHDOG = ["policy.generation.vllm_cfg.step_timeout_s=12"]
 
 
+def test_engines_spin_only_while_their_threads_fit_the_cores(monkeypatch):
+    from minirl.cluster import THROTTLED_SPIN, engine_env
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    one, two = load_config(), load_config(None, ["cluster.num_generation_workers=2"])
+    assert engine_env(one) == {"OMP_NUM_THREADS": "2"}  # 2 threads on 4 cores: libgomp's own rule
+    assert engine_env(two) == {"OMP_NUM_THREADS": "2"}  # 4 on 4
+    assert engine_env(load_config(None, ["cluster.num_generation_workers=3"]))["GOMP_SPINCOUNT"] == THROTTLED_SPIN
+    assert engine_env(load_config(None, ["policy.generation.vllm_cfg.omp_threads=5"]))["GOMP_SPINCOUNT"] == THROTTLED_SPIN
+    # a joined cluster's placement is unknown here: libgomp decides on each node
+    assert "GOMP_SPINCOUNT" not in engine_env(load_config(None, ["cluster.num_generation_workers=3", "cluster.ray_address=10.0.0.1:6379"]))
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20k")  # the driver's own setting wins, either way
+    assert engine_env(one)["GOMP_SPINCOUNT"] == engine_env(two)["GOMP_SPINCOUNT"] == "20k"
+
+
 def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
     from minirl.cluster import ACTOR_ENV, start_generation_workers
     from minirl.trainer.policy_worker import PolicyWorker
@@ -80,6 +97,7 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         engine_pid, front_pid = ray.get(worker.pid.remote()), ray.get(worker.frontend_pid.remote())
         assert engine_pid != front_pid and alive(front_pid)
         assert psutil.Process(front_pid).ppid() == engine_pid
+        assert psutil.Process(engine_pid).environ()["GOMP_SPINCOUNT"] == os.environ["GOMP_SPINCOUNT"]  # set before torch loads
 
         # a call crosses to the engine and back, and lands in the front end's call log
         status, body = chat(url, "s3.g0.r1.a0.c0", return_token_ids=True)
