@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     from minirl.config import load_config
     from minirl.data import prompt_row
     from minirl.wire import with_extra_body
-    from minirl.agents.server import AgentServer
+    from minirl.agents.process import AgentProcess
     from minirl.rollout.manager import post_run
 
     overrides = ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides]
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
              runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
     (gen,) = start_generation_workers(cfg, "127.0.0.1")  # as training starts it
     model_url = ray.get(gen.start.remote())
-    agent = ray.remote(AgentServer).options(num_cpus=0).remote(cfg, [model_url], "127.0.0.1", free_port("127.0.0.1"))
+    agent = ray.remote(AgentProcess).options(num_cpus=0).remote(cfg, [model_url], "127.0.0.1", free_port("127.0.0.1"))
     agent_url = ray.get(agent.start.remote())
     pids = {"engine": ray.get(gen.pid.remote()), "front end": ray.get(gen.frontend_pid.remote()),
             "agent": ray.get(agent.pid.remote()), "client": os.getpid()}

@@ -33,7 +33,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from minirl.agents.server import AgentServer
+from minirl.agents.process import AgentProcess
 from minirl.config import ConfigError, MinirlConfig, resource_shortfall
 from minirl.controller import Controller
 from minirl.generation.router import run_router, write_endpoints
@@ -197,7 +197,7 @@ class Cluster:
             self.agents = []
             return cfg.agent.external_urls()
         self.agents = [
-            ray.remote(AgentServer).options(num_cpus=0, max_restarts=-1)
+            ray.remote(AgentProcess).options(num_cpus=0, max_restarts=-1)
             .remote(cfg, model_urls, host, free_port(host))
             for _ in range(cfg.cluster.num_agent_servers)
         ]

@@ -50,6 +50,34 @@ def test_the_pool_picks_the_least_busy_up_server_and_passes_over_a_down_one():
     assert [rr.pick() for _ in range(4)] == ["a", "b", "a", "b"]
 
 
+def test_the_agent_server_runs_in_a_process_of_its_own_and_a_failed_start_names_its_cause(base_cfg):
+    import os
+    import socket
+    import urllib.request
+
+    import psutil
+
+    from minirl.agents.process import AgentProcess
+
+    with socket.socket() as taken:  # a port someone holds: a clear error, and no child left behind
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {p.pid for p in psutil.Process().children()}
+        with pytest.raises(RuntimeError, match=rf"the agent server at 127.0.0.1:{port} \(pid \d+\) failed to start: "
+                                               r"OSError: .*address already in use"):
+            AgentProcess(base_cfg, ["http://127.0.0.1:9"], "127.0.0.1", port)
+        assert not [p for p in psutil.Process().children() if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    agent = AgentProcess(base_cfg, ["http://127.0.0.1:9"], "127.0.0.1", 0)
+    try:
+        assert agent.pid() != os.getpid() and psutil.Process(agent.pid()).ppid() == os.getpid()
+        with urllib.request.urlopen(agent.start() + "/health", timeout=30) as r:
+            assert json.loads(r.read()) == {"status": "ok", "in_flight": 0}
+    finally:
+        agent.stop()  # ends the child, not this process
+    assert not psutil.pid_exists(agent.pid()) or psutil.Process(agent.pid()).status() == psutil.STATUS_ZOMBIE
+
+
 def _outage_run(base_cfg, window_s: float, back_after_s: float | None):
     """One group of 2 rows through one stand-in agent server that is down (its port refuses) until the
     group has backed off `back_after_s` seconds (None: never back). The backoff is recorded, not slept."""

@@ -8,7 +8,8 @@ Floors, from the ground up (a module's floor is that of its longest listed prefi
      wire (coordinates, failure taxonomy, `/run` error bodies and row extras), types (what a step is
      made of: Call, Trace, Rollout, GroupOutcome, TrainBatch), faults, stats, http_thread, metrics,
      algo/ (the GRPO math), gym_failures (Gym's failure facts -> minirl's lanes), timeline (where a
-     step's time goes: the `timing/*` metrics), jsonio (JSON on the HTTP hops)
+     step's time goes: the `timing/*` metrics), jsonio (JSON on the HTTP hops), child (a helper
+     process tied to its Ray actor)
   1  config (typed dataclasses and their checks; imports no runtime code)
   2  the processes' own code: generation/ (engine, servers, router, fleet watch), agents/,
      trainer/ (policy worker, checkpoints, weight sync)
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent / "minirl"
 FLOORS = {
     "minirl.wire": 0, "minirl.types": 0, "minirl.faults": 0, "minirl.stats": 0, "minirl.http_thread": 0,
     "minirl.jsonio": 0, "minirl.metrics": 0, "minirl.algo": 0, "minirl.gym_failures": 0, "minirl.timeline": 0,
+    "minirl.child": 0,
     "minirl.config": 1,
     "minirl.generation": 2, "minirl.agents": 2, "minirl.trainer": 2,
     "minirl.gym": 3, "minirl.data": 3,

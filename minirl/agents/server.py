@@ -1,4 +1,5 @@
-"""The agent pool's HTTP server: Gym's `POST /run` (one rollout row per request), as a Ray actor.
+"""The agent pool's HTTP server: Gym's `POST /run` (one rollout row per request), served in a
+process of its own behind a Ray actor (minirl.agents.process).
 
 Request: a row (`responses_create_params`, `agent_ref`, `_rowidx`, `task`, and minirl's
 `_minirl` coordinates). Response: the row plus `response` (Responses output items carrying each
@@ -129,7 +130,7 @@ def _small(raw: bytes, result: dict) -> bool:
 
 
 class AgentServer:
-    """Ray actor (or plain object in tests): serves `/run` on its own thread from construction."""
+    """Serves `/run` on its own thread from construction: in `AgentProcess`'s child, or in a test's process."""
 
     def __init__(self, cfg: MinirlConfig, model_urls: list[str], host: str = "127.0.0.1", port: int = 0):
         self.cfg, self.model_urls = cfg, model_urls

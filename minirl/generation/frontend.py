@@ -24,9 +24,9 @@ Linux's abstract namespace (`ipc://@...`), so a SIGKILLed worker leaves no files
 would need our own framing and blocks its writer when full; shared memory our own framing and
 wake-ups, for messages of a few kB.
 
-Invariants: the front end lives exactly as long as its worker. It polls its parent pid and exits
-when the worker's process is gone (however it died), and the worker SIGKILLs its own process when
-the front end exits (so `worker_kill`, which kills the front end's process at its site in
+Invariants: the front end lives exactly as long as its worker (minirl.child: it exits when the
+worker's process is gone, however it died, and the worker SIGKILLs its own process when the front
+end exits, so `worker_kill`, which kills the front end's process at its site in
 `ModelServer`, kills the whole worker and Ray restarts it at the same port). The URL is returned
 only once the front end serves; a front end that fails to start is a RuntimeError naming the
 worker, the address and the cause. Every request the front end sends leaves its pending table
@@ -52,21 +52,20 @@ import itertools
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
 import uuid
 from concurrent.futures import Future
-from pathlib import Path
 
 import msgspec
 import zmq
 
+from minirl import child
+
 START_TIMEOUT_S = 300.0  # the front end imports vLLM's protocol classes and loads the tokenizer
 CALL_TIMEOUT_S = 60.0
-PARENT_POLL_S = 0.2
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -121,20 +120,16 @@ class FrontEnd:
         from vllm import SamplingParams
 
         self._params = msgspec.msgpack.Decoder(SamplingParams)
-        spec = {"cfg": cfg, "rank": rank, "host": host, "port": port, "parent": os.getpid(), "channel": (to_engine, to_front),
+        spec = {"cfg": cfg, "rank": rank, "host": host, "port": port, "channel": (to_engine, to_front),
                 "max_model_len": engine.max_model_len, "version": engine.version}
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "minirl.generation.frontend"], stdin=subprocess.PIPE, env=env)
-        self.proc.stdin.write(pickle.dumps(spec))
-        self.proc.stdin.close()
+        self.proc = child.spawn("minirl.generation.frontend", spec)
         try:
             self.url = self._await_ready()
         except BaseException:
             self.proc.kill()
             raise
         threading.Thread(target=self._serve, name=f"frontend-channel-{rank}", daemon=True).start()
-        threading.Thread(target=self._die_with_front_end, name=f"frontend-watch-{rank}", daemon=True).start()
+        child.die_with(self.proc, f"generation worker {rank}'s front end", "the worker")
 
     def _await_ready(self) -> str:
         what = f"generation worker {self.rank}'s HTTP front end (pid {self.proc.pid}) at {self.where}"
@@ -201,12 +196,6 @@ class FrontEnd:
                 if fut is not None:
                     fut.set_exception(exc) if exc is not None else fut.set_result(value)
 
-    def _die_with_front_end(self) -> None:
-        code = self.proc.wait()
-        print(f"minirl: generation worker {self.rank}'s front end (pid {self.proc.pid}) exited with code {code}; "
-              f"ending the worker so that Ray restarts it whole", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
 
 # -- the front end's side (its own process) ---------------------------------------------------------
 class EngineClient:
@@ -257,15 +246,8 @@ class EngineClient:
         fut.set_exception(exc) if exc is not None else fut.set_result(value)
 
 
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)
-    os._exit(0)  # the worker's process is gone: so is its front end
-
-
 def main() -> None:
-    spec = pickle.load(sys.stdin.buffer)
-    threading.Thread(target=_exit_with_parent, args=(spec["parent"],), name="parent-watch", daemon=True).start()
+    spec = child.child_spec()
     chan = Channel(*spec["channel"], bind=False)
     cfg = spec["cfg"]
     try:
