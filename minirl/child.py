@@ -63,11 +63,13 @@ def spawn_server(module: str, spec: dict, what: str, timeout_s: float) -> tuple[
             if status == "ready":
                 return proc, text
             proc.kill()
+            code = proc.wait()  # reaped: no child left behind
             if status == "failed":
                 raise RuntimeError(f"{what} (pid {proc.pid}) failed to start: {text}")
-            raise RuntimeError(f"{what} (pid {proc.pid}) exited with code {proc.wait()} before serving "
+            raise RuntimeError(f"{what} (pid {proc.pid}) exited with code {code} before serving "
                                "(its stderr is in this actor's log)")
         proc.kill()
+        proc.wait()
         raise RuntimeError(f"{what} (pid {proc.pid}) did not serve within {timeout_s:.0f} s")
     finally:
         os.close(read_fd)
