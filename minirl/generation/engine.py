@@ -214,7 +214,8 @@ class VllmEngine:
         between regions. An engine built (its profiling forward pass) on one thread and stepped on
         another held two pools, and on this 2-core machine each step took ~10% longer: 128 prompts
         of the ~12M variant in 3.05-3.27 s against 2.71-2.91 s built where stepped (8 rounds each,
-        twice alternated)."""
+        twice alternated). Whether the one pool spins is the process's GOMP_SPINCOUNT, which
+        minirl.cluster.engine_env sets where engines outnumber the cores."""
         import torch
         from vllm import LLM
 
