@@ -26,7 +26,12 @@ Scoring: the task's own limits stay on (the engine's `max_model_len`, the contex
 they are the environment's, not injected faults. A held-out episode that the guard ends scores 0,
 whether the guard ends the episode (`on_reject=end_episode`, a 200 with partial credit) or fails it
 (`raise`, a 500 `ContextGuardRejected`): so a validation scores the same weights the same way under
-every failure policy, and compares policies on their learning alone.
+every failure policy, and compares policies on their learning alone. A summarizing episode whose
+summary attempts all failed scores 0 the same way (`SummaryFailed` under `on_summary_failure=raise`,
+or the episode ended as `summary_failed`; `val_summary_failed_rate`): the policy wrote no usable
+summary, and a held-out row's fixed sampling seed would draw the very same attempts again, so a
+re-send cannot pass (a run of configs/summarize.yaml died that way at its final validation, after
+199 trained steps).
 
 A verifier's `mask_sample` (Gym 0.7: the reward is not a measurement, e.g. a judge that failed) is
 transient as an INFRA failure is: the row is sent again, up to `nemo_gym.max_row_attempts` sends;
@@ -53,6 +58,11 @@ from minirl.data import _seed, dataset_rows, describe, difficulty, task_row, tas
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
 from minirl.wire import INFRA, RolloutFailure, RolloutTimeout, classify, with_extra_body
+
+
+POLICY_ENDS = {"ContextGuardRejected": "guard_reject", "SummaryFailed": "summary_failed"}
+"""A failed held-out `/run` that scores its episode 0 instead of ending the validation: the error body's
+`type` -> the episode's end reason, as the episode reports it when it ends by itself (`end_episode`)."""
 
 
 class ValidationFailed(RuntimeError):
@@ -109,8 +119,9 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
         except TimeoutError:
             exc: BaseException = RolloutTimeout(f"held-out /run exceeded {ng.rollout_timeout_s}s")
         except RolloutFailure as e:
-            if getattr(e, "error_type", None) == "ContextGuardRejected":
-                return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": "guard_reject"}}
+            ended = POLICY_ENDS.get(getattr(e, "error_type", None))
+            if ended is not None:  # the policy's own episode ended (module docstring: scoring)
+                return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": ended}}
             exc = e
         if classify(exc) != INFRA or send >= ng.max_row_attempts:
             raise ValidationFailed(f"held-out row {row['_rowidx']}{describe(row)} "
@@ -126,8 +137,8 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
         raise ValidationFailed(f"every one of the {len(results)} held-out rollouts still had mask_sample after its "
                                "last send (nemo_gym.max_row_attempts): the verifier measured none")
     rows, results = zip(*[(row, res) for row, res in zip(rows, results) if res.get("mask") is None])
-    guard_ended = [(res.get("evidence") or {}).get("end_reason") == "guard_reject" for res in results]
-    rewards = [0.0 if ended else float(res["reward"]) for res, ended in zip(results, guard_ended)]
+    ends = [(res.get("evidence") or {}).get("end_reason") for res in results]
+    rewards = [0.0 if end in POLICY_ENDS.values() else float(res["reward"]) for res, end in zip(results, ends)]
     by_rooms: dict[int, list[float]] = defaultdict(list)
     for row, reward in zip(rows, rewards):
         if difficulty(row) is not None:
@@ -137,7 +148,8 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
         "val_success_rate": sum(r == 1.0 for r in rewards) / len(rewards),
         "val_truncated_rate": sum((res.get("response") or {}).get("status") == "incomplete" for res in results)
         / len(results),
-        "val_guard_ended_rate": sum(guard_ended) / len(results),
+        "val_guard_ended_rate": ends.count("guard_reject") / len(results),
+        "val_summary_failed_rate": ends.count("summary_failed") / len(results),
         "val_num_rollouts": len(results),
         "val_num_masked": masked,
     }

@@ -120,6 +120,29 @@ def test_a_held_out_episode_the_guard_ends_scores_zero_under_either_on_reject(st
         assert ended[key] == pytest.approx(raised[key]), key
 
 
+def test_a_held_out_episode_without_a_usable_summary_scores_zero_and_the_validation_goes_on(stack):
+    """Summarizing compaction whose every attempt is rejected (one token allowed: `too_long`, or no
+    closed block): under `on_summary_failure=raise` each such row answered 500 SummaryFailed, a
+    retryable INFRA failure in training, but a held-out row's fixed seed draws the same attempts on
+    every send, so the validation ended the run (ValidationFailed). It scores 0, as a guard's end does,
+    the same under `raise` and `end_episode`, and is counted."""
+    base = ["env.num_rooms_choices=[1,3]", "grpo.val_num_prompts=6", "agent.context_history.policy.type=summarize",
+            "agent.context_history.policy.summarize.threshold_tokens=[150,150]",
+            "agent.context_history.policy.summarize.max_summary_tokens=1"]
+
+    async def go(on_failure):
+        cfg = load_config(None, [*base, f"agent.context_history.policy.summarize.on_summary_failure={on_failure}"])
+        async with stack(cfg) as s:
+            return await validate(cfg, [s.agent_url], version=0)
+
+    raised, ended = asyncio.run(go("raise")), asyncio.run(go("end_episode"))
+    assert raised["val_num_rollouts"] == ended["val_num_rollouts"] == 6
+    assert 0 < raised["val_summary_failed_rate"] == ended["val_summary_failed_rate"] < 1, "the 1-room rows need no summary"
+    for key in ("val_reward_mean", "val_success_rate", "val_reward_mean_rooms_1", "val_reward_mean_rooms_3"):
+        assert raised[key] == pytest.approx(ended[key]), key
+    assert raised["val_reward_mean_rooms_3"] < raised["val_reward_mean_rooms_1"]
+
+
 @pytest.mark.slow
 def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_path, shared_engine):
     val = ["grpo.val_at_start=true", "grpo.val_period=1", "grpo.val_num_prompts=4", "env.num_rooms_choices=[1,2]"]
