@@ -299,7 +299,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", default="/tmp/minirl-summarize-runs", help="where the cells' run directories go")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=200, help="steps per run (configs/summarize.yaml's; experiment 3 ran 20)")
     ap.add_argument("--val-prompts", type=int, default=16)
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)
