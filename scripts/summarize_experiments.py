@@ -31,6 +31,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -74,6 +75,15 @@ def cell_args(arm: str, seed: int, args, run_dir: Path) -> list[str]:
             f"grpo.val_period={args.steps}", f"grpo.val_num_prompts={args.val_prompts}",
             f"checkpoint.save_period={args.steps}", "checkpoint.keep_last_k=1",  # the trained policy, for offline_eval
             "logger.tensorboard=false", "logger.progress=false", f"run_dir={run_dir}"]
+
+
+CURVE_BLOCK = 20
+"""Steps per block in the report's recall curves."""
+
+
+def blocks(curve: list) -> list:
+    """A per-step curve as the means of its CURVE_BLOCK-step blocks, rounded."""
+    return [round(_mean(curve[i:i + CURVE_BLOCK]), 3) for i in range(0, len(curve), CURVE_BLOCK)]
 
 
 def _mean(xs):
@@ -195,7 +205,10 @@ def warm_start() -> str:
 
 
 def offline_label(model: str) -> str:
-    return "untrained" if model.rstrip("/").endswith("models/tiny-summarize") else f"after RL ({Path(model).parts[-4]})"
+    """`untrained`, or `after RL (<arm>)` for a run's checkpoint (`RUNS/<arm>-s<seed>/checkpoints/step_N/policy`)."""
+    if model.rstrip("/").endswith("models/tiny-summarize"):
+        return "untrained"
+    return f"after RL ({re.sub(r'-s[0-9]+$', '', Path(model).parts[-4])})"
 
 
 def offline_section(path: Path) -> list[str]:
@@ -249,12 +262,12 @@ def report(args) -> str:
         f"runs, not the other load): the 1-minute load average was {stat(rows, 'summarize', 'load_avg')} over the "
         "summarizing runs (2.0 is both cores busy).", "",
         "## Experiment 1: recency vs summarizing, untrained and after RL", "",
-        "| arm | val success start | val success final | val reward start | val reward final | recall first | recall last | summaries / rollout | train reward first | train reward last | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | steps | val success start | val success final | val reward start | val reward final | recall first | recall last | summaries / rollout | train reward first | train reward last | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in ("recency", "summarize"):
         lines.append(f"| {arm} | " + " | ".join(stat(rows, arm, k) for k in (
-            "val_success_start", "val_success_final", "val_reward_start", "val_reward_final", "recall_first",
+            "steps", "val_success_start", "val_success_final", "val_reward_start", "val_reward_final", "recall_first",
             "recall_last", "summaries_mean", "reward_first", "reward_last", "wall_s")) + " |")
     lines += [
         "", "The claim to test: RL raises summary recall and held-out success above both baselines "
@@ -265,9 +278,10 @@ def report(args) -> str:
         f"- held-out success, summarizing after RL − recency untrained: {diff(rows, 'summarize', 'val_success_final', 'recency', 'val_success_start')}",
         f"- held-out reward, summarizing after RL − summarizing untrained: {diff(rows, 'summarize', 'val_reward_final', 'summarize', 'val_reward_start')}",
         f"- held-out reward, summarizing after RL − recency after RL: {diff(rows, 'summarize', 'val_reward_final', 'recency', 'val_reward_final')}",
-        "", "Recall per step of each summarizing run (seed: values):", "",
+        "", f"Recall of each summarizing run, mean of each {CURVE_BLOCK} steps (seed: values; every step's is "
+        "results.csv's `recall_curve`):", "",
     ]
-    lines += [f"- seed {r['seed']}: {r['recall_curve']}" for r in rows if r["arm"] == "summarize"]
+    lines += [f"- seed {r['seed']}: {blocks(json.loads(r['recall_curve']))}" for r in rows if r["arm"] == "summarize"]
     lines += [
         "", f"## Experiment 3: summary faults at {FAULT_RATE:.0%}", "",
         f"Each summary fault kind ({', '.join(SUMMARY_FAULTS)}) at rate {FAULT_RATE} per compaction "

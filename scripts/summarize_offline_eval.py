@@ -5,13 +5,17 @@ whose Ray/vLLM lock is busy.
     python scripts/summarize_offline_eval.py [--model models/tiny-summarize | --model RUN/checkpoints/step_N/policy]
         --policy summarize|recency [--prompts 100] [--seeds 0 1 2]
 
+`--model` may hold `{seed}` (e.g. `RUNS/summarize-s{seed}/checkpoints/step_200/policy`): each seed's
+held-out prompts are then played by the policy that seed's run trained.
+
 The episodes run through minirl's own agent loop (`run_episode`: the real summarizing or recency
 policy and guard of configs/summarize.yaml), on minirl.validation's held-out prompts (the same rows a
 run's validation sends: disjoint from training, a fixed sampling seed per rollout). The model is the
 real policy's weights, sampled at temperature 1 by Hugging Face `generate` in this process instead
 of the vLLM engine behind the generation server (a deviation stated in the report: the rendering is
 the same chat template and tokenizer, the sampler a different implementation). Prints one JSON line:
-success (every room on its first try), reward, last-room success, summary recall.
+success (every room on its first try), reward, last-room success, summary recall. An episode whose
+summary attempts all fail (SummaryFailed) scores 0, as minirl.validation scores it.
 
 Invariant: reads the model and the config only; writes nothing.
 """
@@ -36,6 +40,7 @@ from minirl.agents.env import make_rooms  # noqa: E402
 from minirl.config import load_config  # noqa: E402
 from minirl.generation.chat_format import parse_reply  # noqa: E402
 from minirl.validation import held_out_rows  # noqa: E402
+from minirl.wire import SummaryFailed  # noqa: E402
 
 
 class LocalModel:
@@ -76,7 +81,11 @@ def evaluate(model_dir: str, policy: str, prompts: int, seed: int) -> dict:
     results = []
     for i, row in enumerate(held_out_rows(cfg)):
         row = {**row, "_minirl": {"step": 0, "group": i, "rollout": 0, "attempt": 0}}
-        results.append(asyncio.run(run_episode(row, cfg.agent, client)))
+        try:
+            results.append(asyncio.run(run_episode(row, cfg.agent, client)))
+        except SummaryFailed:  # no usable summary: 0, as a validation scores it
+            results.append({"reward": 0.0, "task": row["task"], "response": {"output": []},
+                            "evidence": {"end_reason": "summary_failed"}})
     last = []
     for res in results:
         rooms = res["task"]["num_rooms"]
@@ -91,7 +100,8 @@ def evaluate(model_dir: str, policy: str, prompts: int, seed: int) -> dict:
             "last_room": sum(last) / len(results),
             "summary_recall": sum(e.get("summary_facts_recalled", 0) for e in ev) / needed if needed else None,
             "summaries": sum(e.get("summaries", 0) for e in ev) / len(results),
-            "guard_rejects": sum(e.get("end_reason") == "guard_reject" for e in ev)}
+            "guard_rejects": sum(e.get("end_reason") == "guard_reject" for e in ev),
+            "summary_failed": sum(e.get("end_reason") == "summary_failed" for e in ev)}
 
 
 def main(argv=None) -> None:
@@ -104,7 +114,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for seed in args.seeds:
-        print(json.dumps(evaluate(args.model, args.policy, args.prompts, seed)), flush=True)
+        print(json.dumps(evaluate(args.model.format(seed=seed), args.policy, args.prompts, seed)), flush=True)
 
 
 if __name__ == "__main__":
