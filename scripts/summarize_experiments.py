@@ -233,7 +233,7 @@ def offline_section(path: Path) -> list[str]:
     pairs = [(a, b) for a in groups for b in groups if a != b and a[0] != "untrained" or (a == ("untrained", "summarize") and b == ("untrained", "recency"))]
     lines += ["", "Paired by seed (same held-out prompts and sampling seeds):", ""]
     for a, b in pairs:
-        if b[0] == "untrained" or a[0] == b[0]:
+        if b[0] == "untrained" or a[0] == b[0] or (a[1], b[1]) == ("summarize", "recency"):
             for k in ("last_room", "success"):
                 m, h, cnt = paired_ci({s_: v[k] for s_, v in groups[a].items()}, {s_: v[k] for s_, v in groups[b].items()})
                 lines.append(f"- {k.replace('_', ' ')}, {a[0]} {a[1]} − {b[0]} {b[1]}: {fmt(m, h)} over {cnt} seeds: {verdict(m, h)}")
