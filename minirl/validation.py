@@ -30,8 +30,7 @@ every failure policy, and compares policies on their learning alone. A summarizi
 summary attempts all failed scores 0 the same way (`SummaryFailed` under `on_summary_failure=raise`,
 or the episode ended as `summary_failed`; `val_summary_failed_rate`): the policy wrote no usable
 summary, and a held-out row's fixed sampling seed would draw the very same attempts again, so a
-re-send cannot pass (a run of configs/summarize.yaml died that way at its final validation, after
-199 trained steps).
+re-send cannot pass.
 
 A verifier's `mask_sample` (Gym 0.7: the reward is not a measurement, e.g. a judge that failed) is
 transient as an INFRA failure is: the row is sent again, up to `nemo_gym.max_row_attempts` sends;

@@ -103,18 +103,24 @@ def test_validation_runs_without_faults_even_at_fault_rate_one(stack):
     assert calls == {}, "held-out model calls carry no rollout header, so no keyed call log and no fault key"
 
 
+def validate_with(stack, overrides: list[str]) -> dict:
+    """One validation of the shared engine's weights through a stack built with `overrides`."""
+    cfg = load_config(None, overrides)
+
+    async def go():
+        async with stack(cfg) as s:
+            return await validate(cfg, [s.agent_url], version=0)
+
+    return asyncio.run(go())
+
+
 def test_a_held_out_episode_the_guard_ends_scores_zero_under_either_on_reject(stack):
     """The guard's limit is the task's: validation scores the same weights the same way whether the
     guard ends the episode (a masked 200 with partial credit) or raises (a 500)."""
     base = ["env.num_rooms_choices=[1,4]", "agent.max_steps=6", "grpo.val_num_prompts=8",
             "agent.context_history.guards.max_total_tokens=140"]
-
-    async def go(on_reject):
-        cfg = load_config(None, [*base, f"agent.context_history.guards.on_reject={on_reject}"])
-        async with stack(cfg) as s:
-            return await validate(cfg, [s.agent_url], version=0)
-
-    ended, raised = asyncio.run(go("end_episode")), asyncio.run(go("raise"))
+    key = "agent.context_history.guards.on_reject"
+    ended, raised = (validate_with(stack, [*base, f"{key}={v}"]) for v in ("end_episode", "raise"))
     assert ended["val_guard_ended_rate"] > 0 and ended["val_guard_ended_rate"] == raised["val_guard_ended_rate"]
     for key in ("val_reward_mean", "val_success_rate", "val_reward_mean_rooms_1", "val_reward_mean_rooms_4"):
         assert ended[key] == pytest.approx(raised[key]), key
@@ -129,13 +135,8 @@ def test_a_held_out_episode_without_a_usable_summary_scores_zero_and_the_validat
     base = ["env.num_rooms_choices=[1,3]", "grpo.val_num_prompts=6", "agent.context_history.policy.type=summarize",
             "agent.context_history.policy.summarize.threshold_tokens=[150,150]",
             "agent.context_history.policy.summarize.max_summary_tokens=1"]
-
-    async def go(on_failure):
-        cfg = load_config(None, [*base, f"agent.context_history.policy.summarize.on_summary_failure={on_failure}"])
-        async with stack(cfg) as s:
-            return await validate(cfg, [s.agent_url], version=0)
-
-    raised, ended = asyncio.run(go("raise")), asyncio.run(go("end_episode"))
+    key = "agent.context_history.policy.summarize.on_summary_failure"
+    raised, ended = (validate_with(stack, [*base, f"{key}={v}"]) for v in ("raise", "end_episode"))
     assert raised["val_num_rollouts"] == ended["val_num_rollouts"] == 6
     assert 0 < raised["val_summary_failed_rate"] == ended["val_summary_failed_rate"] < 1, "the 1-room rows need no summary"
     for key in ("val_reward_mean", "val_success_rate", "val_reward_mean_rooms_1", "val_reward_mean_rooms_3"):
