@@ -16,7 +16,10 @@ Each round also reads every process's CPU time (psutil): the raw side's, and on
 minirl's side the engine's process, its HTTP front end, the agent server and the bench's client,
 so the table shows where the pipeline's core-seconds go against the machine's cores; and when the
 round's last request reached the front end (its call log's `t_start`) and the engine, which splits
-the arrival spread between the hops before the front end and the front end itself. A process's
+the arrival spread between the hops before the front end and the front end itself. Both sides
+log each engine step (its seconds, and how many of the round's requests were in the engine), and
+the phase table splits the steps into filling, full and draining (`phases`): where minirl's round
+takes longer than raw's, the steady decode or the burst's two ends. A process's
 CPU in a round also holds its background threads' (Ray's core worker in the actors and the driver),
 which grow with the round's wall, not with its requests: each process's idle rate is read over
 `IDLE_S` before each minirl round, and the final table gives each hop's CPU per request gross and
@@ -121,12 +124,13 @@ def main(argv=None) -> int:
 
     raw.round()  # warm both paths up
     pipeline_round(rows)
-    results, cpus, nets, front_in = [], [], [], []
+    results, cpus, nets, front_in, split = [], [], [], [], []
     for k in range(rounds):
         rows = rows_of(k + 1)
         raw.load(rows)  # rendered before any timer starts
         time.sleep(SETTLE_S)
         rt, rs, r_in, r_cpu, r_steps = raw.round()
+        r_phases = phases(r_steps, n)
         time.sleep(SETTLE_S)
         idle = _idle_rates(pids)
         before, c0 = ray.get(gen.stats.remote()), {name: _cpu_s(pid) for name, pid in pids.items()}
@@ -137,16 +141,20 @@ def main(argv=None) -> int:
         calls = ray.get(gen.take_calls.remote(None))
         assert len(calls) == n, f"the call log holds {len(calls)} calls for a round of {n}"
         busy, steps = after["busy_s"] - before["busy_s"], after["steps"] - before["steps"]
+        p_phases = phases(ray.get(gen.steps_since.remote(m0)), n)
+        split.append((r_phases, p_phases))
         p_in, f_in = after["last_add_t"] - m0, max(c["t_start"] for c in calls) - w0
         results.append((rt / rs, pt / ps, r_in, p_in))
         front_in.append(f_in)
         cpus.append({"raw": r_cpu, **cpu, "minirl": sum(cpu.values())})
         nets.append({name: cpu[name] - idle[name] * ps for name in pids})
-        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {r_steps} steps, all prompts in by "
+        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {len(r_steps)} steps, all prompts in by "
               f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
               f"in {steps} steps, all requests at the front end by {1000 * f_in:.0f} ms, first prompt in the engine at "
               f"{1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, CPU s: "
               + ", ".join(f"{name} {s:.2f}" for name, s in cpu.items()) + f")   ratio {pt / ps / (rt / rs):.3f}", flush=True)
+        print("    engine steps, raw / minirl: " + "; ".join(
+            f"{phase} {r_phases[phase][0]} / {p_phases[phase][0]} in {r_phases[phase][1]:.2f} / {p_phases[phase][1]:.2f} s" for phase in PHASES), flush=True)
     ratios = [p / r for r, p, _, _ in results]
     raw_in, minirl_in = (statistics.median(x[i] for x in results) for i in (2, 3))
     loop.run_until_complete(http.close())
@@ -163,6 +171,13 @@ def main(argv=None) -> int:
     print(f"minirl's last request reached the front end at {1000 * statistics.median(front_in):.0f} ms and the engine at "
           f"{1000 * minirl_in:.0f} ms (medians): the first figure is the bench's client and the "
           "agent server, the rest the front end")
+    print(f"engine steps by phase (median of rounds; {PHASES_DOC}), raw / minirl:")
+    print("| phase | steps | seconds | ms a step (median) |")
+    print("|---|---|---|---|")
+    for phase in PHASES:
+        cell = [[side[i][phase] for i in range(len(split))] for side in zip(*split)]
+        print(f"| {phase} | " + " | ".join(" / ".join(f"{statistics.median(x[j] for x in c):{fmt}}" for c in cell)
+                                           for j, fmt in ((0, ".0f"), (1, ".2f"), (2, ".1f"))) + " |")
     print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {med['raw']:.2f}; minirl {med['minirl']:.2f}, "
           "of which " + ", ".join(f"{name} {med[name]:.2f}" for name in pids)
           + " (per request: " + ", ".join(f"{name} {1000 * med[name] / n:.2f} ms" for name in pids if name != "engine") + ")")
@@ -180,8 +195,8 @@ def main(argv=None) -> int:
 
 class RawVllm:
     """Raw vLLM: `LLM.generate` in this process on the rows' first-call prompts, rendered with the
-    chat template before any timer starts; counts its engine steps and stamps when its last prompt
-    is in, as the worker's stats do for minirl."""
+    chat template before any timer starts; logs its engine steps and stamps when its last prompt
+    is in, as the worker's engine does for minirl."""
 
     def __init__(self, cfg, rows: list[dict]):
         from minirl.generation.engine import configure_cpu_env
@@ -194,13 +209,15 @@ class RawVllm:
         self.load(rows)
         self.llm = LLM(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
                        enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
-        self.steps, self.last_add = 0, 0.0
+        self.steps, self.last_add = [], 0.0
         engine = self.llm.llm_engine
         engine_step, engine_add = engine.step, engine.add_request
 
-        def counted_step():
-            self.steps += 1
-            return engine_step()
+        def counted_step():  # logged as minirl's engine logs its steps (VllmEngine.step_log)
+            running, t0 = engine.get_num_unfinished_requests(), time.monotonic()
+            out = engine_step()
+            self.steps.append((t0, time.monotonic() - t0, running))
+            return out
 
         def timed_add(*a, **kw):
             out = engine_add(*a, **kw)
@@ -223,9 +240,10 @@ class RawVllm:
         ]
         self.params = [SamplingParams(temperature=1.0, max_tokens=self.max_tokens, seed=i, logprobs=0) for i in range(len(rows))]
 
-    def round(self) -> tuple[int, float, float, float, int]:
-        """(tokens generated, wall s, s until the last prompt was in, this process's CPU s, engine steps)."""
-        self.steps = 0
+    def round(self) -> tuple[int, float, float, float, list]:
+        """(tokens generated, wall s, s until the last prompt was in, this process's CPU s, engine steps:
+        (start, seconds, requests in the engine) each)."""
+        self.steps = []
         t0, m0, c0 = time.perf_counter(), time.monotonic(), _cpu_s(os.getpid())
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, _cpu_s(os.getpid()) - c0
@@ -264,7 +282,7 @@ class RawProcess:
     def load(self, rows: list[dict]) -> None:
         self._ask("load", rows)
 
-    def round(self) -> tuple[int, float, float, float, int]:
+    def round(self) -> tuple[int, float, float, float, list]:
         return self._ask("round")
 
     def close(self) -> None:
@@ -284,6 +302,24 @@ def _raw_main(conn, overrides: list[str], rows: list[dict]) -> None:
             conn.send((True, raw.load(*msg[1:]) if msg[0] == "load" else raw.round()))
     except Exception:
         conn.send((False, traceback.format_exc()))
+
+
+PHASES = ("filling", "full", "draining")
+PHASES_DOC = ("filling: steps before all the round's requests were in the engine; full: steps with all of them in; "
+              "draining: steps after the first finished")
+
+
+def phases(steps: list[tuple[float, float, int]], n: int) -> dict[str, tuple[int, float, float]]:
+    """A round's engine steps ((start, seconds, requests in the engine) each, in order) split by
+    phase (PHASES_DOC): per phase (steps, seconds, median ms a step; 0 without steps). Raw vLLM has
+    every prompt in before its first step, so its filling is empty; minirl's engine starts on the
+    first requests to arrive. A step that sees fewer than `n` after one that saw `n` is draining."""
+    split: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    full_seen = False
+    for _, seconds, running in steps:
+        full_seen = full_seen or running >= n
+        split["full" if running >= n else "draining" if full_seen else "filling"].append(seconds)
+    return {phase: (len(d), sum(d), 1000 * statistics.median(d) if d else 0.0) for phase, d in split.items()}
 
 
 SETTLE_S = 0.3

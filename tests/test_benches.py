@@ -6,7 +6,7 @@ Fully run here, through the bench's own functions: controller_overhead (P5 on 2 
 untraced; P4 on a 2-step run), async_speedup (sync and async s=1, one step each, at 4 x 2) and
 fault_efficiency (one cell, one step), all runs attached to the session's shared engine.
 Smoke only (each needs an engine of its own, or a package or a device the suite lacks): engine_overhead
-and hop_floor (their `--help`), vs_trl (the minirl side of its command line
+and hop_floor (their `--help`; engine_overhead's phase split of a round's steps is checked on its own), vs_trl (the minirl side of its command line
 is a valid config; TRL's side skipped without trl), gpu_check (its pure batch building; the run
 skipped without CUDA).
 """
@@ -128,6 +128,19 @@ def test_engine_benches_parse_their_arguments(name):
                           timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--quick" in proc.stdout and "--small" in proc.stdout
+
+
+def test_engine_overhead_splits_steps_by_phase(bench):
+    """P1's phase table: a round's steps split by how many of its n requests the engine held."""
+    phases = bench("engine_overhead").phases
+    minirl = [(0.0, 0.08, 1), (0.1, 0.2, 3), (0.3, 0.05, 4), (0.4, 0.07, 4), (0.5, 0.03, 4), (0.6, 0.04, 3), (0.7, 0.01, 1)]
+    got = phases(minirl, 4)
+    assert {k: v[0] for k, v in got.items()} == {"filling": 2, "full": 3, "draining": 2}
+    assert got["filling"][1] == pytest.approx(0.28) and got["full"][2] == pytest.approx(50.0) and got["draining"][2] == pytest.approx(25.0)
+    raw = phases([(0.0, 0.2, 4), (0.2, 0.05, 4), (0.3, 0.01, 2)], 4)  # every prompt in before the first step
+    assert raw["filling"] == (0, 0, 0.0) and raw["full"][0] == 2 and raw["draining"][0] == 1
+    never_full = phases([(0.0, 0.1, 2), (0.1, 0.1, 3), (0.2, 0.1, 1)], 4)  # the first finished before the last came in
+    assert never_full["filling"][0] == 3 and never_full["full"][0] == never_full["draining"][0] == 0
 
 
 def test_vs_trl_minirl_side_is_a_valid_config(bench):

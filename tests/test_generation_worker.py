@@ -100,12 +100,16 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         assert psutil.Process(engine_pid).environ()["GOMP_SPINCOUNT"] == os.environ["GOMP_SPINCOUNT"]  # set before torch loads
 
         # a call crosses to the engine and back, and lands in the front end's call log
+        t_call, steps_before = time.monotonic(), ray.get(worker.stats.remote())["steps"]
         status, body = chat(url, "s3.g0.r1.a0.c0", return_token_ids=True)
         assert status == 200 and body["choices"][0]["token_ids"]
         (record,) = ray.get(worker.take_calls.remote(3))
         assert record["status"] == 200 and record["generation_token_ids"] == body["choices"][0]["token_ids"]
         assert ray.get(worker.take_calls.remote(3)) == []
         assert ray.get(worker.stats.remote())["tokens"] == len(record["generation_token_ids"])
+        steps = ray.get(worker.steps_since.remote(t_call))  # its engine steps, each with the one request in the engine
+        assert len(steps) == ray.get(worker.stats.remote())["steps"] - steps_before and {r for _, _, r in steps} == {1}
+        assert all(t >= t_call and s > 0 for t, s, _ in steps)
 
         # required_prefix_token_ids: vLLM's vocabulary check runs in the engine's process
         status, err = chat(url, None, required_prefix_token_ids=[10**9])

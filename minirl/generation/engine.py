@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ def configure_cpu_env(kv_cache_gb: int, omp_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(omp_threads)
 
 
+STEP_LOG = 4096
+"""Steps kept in `VllmEngine.step_log`."""
 STUCK_STEP_S = 5.0
 """A step running longer than this fails `check_health` (so fleet health quarantines the worker);
 `step_timeout_s`, much longer, then ends the engine."""
@@ -104,6 +107,9 @@ class VllmEngine:
         self.weights_s = 0.0  # wall time it spent loading new weights (minirl.timeline)
         self.drain_s = 0.0  # wall time weight updates waited for the requests in flight (drain)
         self.steps = 0  # engine steps taken
+        self.step_log: deque[tuple[float, float, int]] = deque(maxlen=STEP_LOG)
+        """The latest steps' (time.monotonic() at its start, seconds, requests in the engine): where a
+        burst's time goes, for benches (bench/engine_overhead.py splits it into filling, full, draining)."""
         self.first_add_t = 0.0  # time.monotonic() of the latest request accepted into an idle engine,
         self.last_add_t = 0.0  # and of the latest request accepted: a burst's arrival spread, for benches
         self.dead: BaseException | None = None  # set when a step fails: the engine serves no more
@@ -324,8 +330,10 @@ class VllmEngine:
                 self._die(exc)
                 raise
             self._step_t0 = None
-            self.busy_s += time.monotonic() - t0
+            took = time.monotonic() - t0
+            self.busy_s += took
             self.steps += 1
+            self.step_log.append((t0, took, len(self._pending)))
             for out in outputs:
                 if not out.finished:
                     continue

@@ -97,6 +97,11 @@ class GenerationWorker:
         return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": front["tokens"], "version": self.engine.version,
                 "calls_dropped": front["calls_dropped"], "first_add_t": self.engine.first_add_t, "last_add_t": self.engine.last_add_t}
 
+    def steps_since(self, t: float) -> list[tuple[float, float, int]]:
+        """The engine's steps that began at or after `t` (time.monotonic(), this machine's clock):
+        (start, seconds, requests in the engine) each."""
+        return [entry for entry in list(self.engine.step_log) if entry[0] >= t]
+
     def pid(self) -> int:
         return os.getpid()
 
