@@ -11,7 +11,8 @@ generation-worker actor's HTTP endpoint, as in training. Each round draws prompt
 rows of step k, as a training step draws new ones), so no cache on either side (vLLM's prefix
 cache, the front end's tokenized stretches) sees a round's prompt before it; the system prompt and
 tools repeat, as they do in training. The two alternate `--rounds` times; the
-result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9.
+result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9. The
+table also gives the per-round ratios' mean with its 95% t-interval: the rounds' own spread.
 Each round also reads every process's CPU time (psutil): the raw side's, and on
 minirl's side the engine's process, its HTTP front end, the agent server and the bench's client,
 so the table shows where the pipeline's core-seconds go against the machine's cores; and when the
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     from minirl.wire import with_extra_body
     from minirl.agents.process import AgentProcess
     from minirl.rollout.manager import post_run
+    from minirl.stats import mean_ci
 
     overrides = ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides]
     cfg = load_config(None, overrides)
@@ -161,10 +163,12 @@ def main(argv=None) -> int:
     ray.shutdown()
     raw.close()
     print()
-    print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target | all prompts in the engine by, raw / minirl (median) |")
-    print("|---|---|---|---|---|---|")
+    mean, half = mean_ci(ratios)  # the rounds' spread: on a shared 2-core machine one round's ratio moves by +-0.1
+    print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target | per-round ratio, mean ± 95% t "
+          "| all prompts in the engine by, raw / minirl (median) |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds, {Path(cfg.policy.model_name).name}) | {statistics.median(r for r, _, _, _ in results):.0f} | "
-          f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 | "
+          f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 | {mean:.3f} ± {half:.3f} | "
           f"{1000 * raw_in:.0f} ms / {1000 * minirl_in:.0f} ms |")
     print()
     med = {name: statistics.median(c[name] for c in cpus) for name in cpus[0]}
