@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     print("| phase | steps | seconds | ms a step (median) |")
     print("|---|---|---|---|")
     for phase in PHASES:
-        cell = [[side[i][phase] for i in range(len(split))] for side in zip(*split)]
+        cell = [[rnd[phase] for rnd in side] for side in zip(*split)]  # raw's rounds, then minirl's
         print(f"| {phase} | " + " | ".join(" / ".join(f"{statistics.median(x[j] for x in c):{fmt}}" for c in cell)
                                            for j, fmt in ((0, ".0f"), (1, ".2f"), (2, ".1f"))) + " |")
     print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {med['raw']:.2f}; minirl {med['minirl']:.2f}, "
@@ -217,7 +217,7 @@ class RawVllm:
         engine = self.llm.llm_engine
         engine_step, engine_add = engine.step, engine.add_request
 
-        def counted_step():  # logged as minirl's engine logs its steps (VllmEngine.step_log)
+        def logged_step():  # as minirl's engine logs its steps (VllmEngine.step_log)
             running, t0 = engine.get_num_unfinished_requests(), time.monotonic()
             out = engine_step()
             self.steps.append((t0, time.monotonic() - t0, running))
@@ -228,7 +228,7 @@ class RawVllm:
             self.last_add = time.monotonic()
             return out
 
-        engine.step, engine.add_request = counted_step, timed_add
+        engine.step, engine.add_request = logged_step, timed_add
 
     def load(self, rows: list[dict]) -> None:
         """The rows' first-call prompts, rendered, and their sampling (seed i for row i)."""
