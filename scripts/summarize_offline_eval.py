@@ -39,7 +39,7 @@ from minirl.agents.agent import ModelReply, run_episode  # noqa: E402
 from minirl.agents.env import make_rooms  # noqa: E402
 from minirl.config import load_config  # noqa: E402
 from minirl.generation.chat_format import parse_reply  # noqa: E402
-from minirl.validation import held_out_rows  # noqa: E402
+from minirl.validation import POLICY_ENDS, held_out_rows  # noqa: E402
 from minirl.wire import SummaryFailed  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def evaluate(model_dir: str, policy: str, prompts: int, seed: int) -> dict:
             results.append(asyncio.run(run_episode(row, cfg.agent, client)))
         except SummaryFailed:  # no usable summary: 0, as a validation scores it
             results.append({"reward": 0.0, "task": row["task"], "response": {"output": []},
-                            "evidence": {"end_reason": "summary_failed"}})
+                            "evidence": {"end_reason": POLICY_ENDS["SummaryFailed"]}})
     last = []
     for res in results:
         rooms = res["task"]["num_rooms"]
@@ -101,7 +101,7 @@ def evaluate(model_dir: str, policy: str, prompts: int, seed: int) -> dict:
             "summary_recall": sum(e.get("summary_facts_recalled", 0) for e in ev) / needed if needed else None,
             "summaries": sum(e.get("summaries", 0) for e in ev) / len(results),
             "guard_rejects": sum(e.get("end_reason") == "guard_reject" for e in ev),
-            "summary_failed": sum(e.get("end_reason") == "summary_failed" for e in ev)}
+            "summary_failed": sum(e.get("end_reason") == POLICY_ENDS["SummaryFailed"] for e in ev)}
 
 
 def main(argv=None) -> None:
