@@ -13,7 +13,7 @@ cache, the front end's tokenized stretches) sees a round's prompt before it; the
 tools repeat, as they do in training. The two alternate `--rounds` times; the
 result is the median of per-round ratios (minirl tokens/s / raw tokens/s). Target >= 0.9. The
 table also gives the per-round ratios' mean with its 95% t-interval: the rounds' own spread.
-Each round also reads every process's CPU time (psutil): the raw side's, and on
+Each round also reads every process's CPU time (`_cpu_s`, the scheduler's per-thread run time): the raw side's, and on
 minirl's side the engine's process, its HTTP front end, the agent server and the bench's client,
 so the table shows where the pipeline's core-seconds go against the machine's cores; and when the
 round's last request reached the front end (its call log's `t_start`) and the engine, which splits
@@ -340,7 +340,25 @@ def _idle_rates(pids: dict[str, int]) -> dict[str, float]:
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process (all its threads) has used."""
+    """CPU seconds a process's threads have run, in nanoseconds' precision: the sum over its
+    threads of the scheduler's run time (`/proc/<pid>/task/*/schedstat`). `/proc/<pid>/stat`, which
+    psutil reads, counts in clock ticks of 10 ms, a step of 0.08 ms a request in a round of 128,
+    as large as the differences the CPU table is read for. A thread that exits between two reads
+    takes its time with it; the processes read here keep theirs (event loops, Ray's, the engine's).
+    psutil's figure where the kernel keeps no schedstat."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:  # no procfs (not Linux)
+        tids = None
+    total = 0
+    for tid in tids or ():
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread exited meanwhile
+            pass
+    if tids and total:
+        return total / 1e9
     import psutil
 
     times = psutil.Process(pid).cpu_times()

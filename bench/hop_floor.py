@@ -22,7 +22,7 @@ spread plus the replies' way back. The ceiling these hops alone put on P1 follow
 raw vLLM's round before it: raw's wall / (raw's wall - raw's time until its last prompt is in + the
 chain's overhead). It is generous to minirl: it charges no handler work and no competition with an
 engine for the cores, and lets the last request's generation take no longer than raw's. Each
-process's CPU per request (psutil) is printed too, to set against P1's own line.
+process's CPU per request (engine_overhead's `_cpu_s`) is printed too, to set against P1's own line.
 """
 
 from __future__ import annotations

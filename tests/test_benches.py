@@ -143,6 +143,34 @@ def test_engine_overhead_splits_steps_by_phase(bench):
     assert never_full["filling"][0] == 3 and never_full["full"][0] == never_full["draining"][0] == 0
 
 
+def test_engine_overhead_reads_cpu_below_a_clock_tick(bench):
+    """P1's CPU table reads the scheduler's per-thread run time: 3 ms of work shows as at least 3 ms
+    and not as a whole number of `/proc/<pid>/stat`'s 10 ms clock ticks (psutil's 0 or 10), and a
+    second thread's work is counted with the main thread's."""
+    import os
+    import threading
+    import time
+
+    cpu_s = bench("engine_overhead")._cpu_s
+
+    def spin(seconds: float) -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            pass
+
+    c0 = cpu_s(os.getpid())
+    spin(0.003)
+    c1 = cpu_s(os.getpid())
+    assert 0.003 <= c1 - c0 < 0.5 and abs(100 * (c1 - c0) - round(100 * (c1 - c0))) > 1e-6  # not a whole number of ticks
+    spun, leave = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (spin(0.02), spun.set(), leave.wait()))
+    worker.start()
+    spun.wait()
+    assert cpu_s(os.getpid()) - c1 >= 0.02  # read while the thread lives: an exited thread's time leaves with it
+    leave.set()
+    worker.join()
+
+
 def test_vs_trl_minirl_side_is_a_valid_config(bench):
     from minirl.config import load_config
 
