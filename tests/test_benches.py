@@ -6,7 +6,8 @@ Fully run here, through the bench's own functions: controller_overhead (P5 on 2 
 untraced; P4 on a 2-step run), async_speedup (sync and async s=1, one step each, at 4 x 2) and
 fault_efficiency (one cell, one step), all runs attached to the session's shared engine.
 Smoke only (each needs an engine of its own, or a package or a device the suite lacks): engine_overhead
-and hop_floor (their `--help`; engine_overhead's phase split of a round's steps is checked on its own), vs_trl (the minirl side of its command line
+and hop_floor (their `--help`; engine_overhead's phase split of a round's steps, its CPU reading and
+its `vllm serve` command line are checked on their own), vs_trl (the minirl side of its command line
 is a valid config; TRL's side skipped without trl), gpu_check (its pure batch building; the run
 skipped without CUDA).
 """
@@ -169,6 +170,23 @@ def test_engine_overhead_reads_cpu_below_a_clock_tick(bench):
     assert cpu_s(os.getpid()) - c1 >= 0.02  # read while the thread lives: an exited thread's time leaves with it
     leave.set()
     worker.join()
+
+
+def test_engine_overhead_serves_vllm_with_the_raw_sides_engine(bench):
+    """`--vllm-serve`'s command line is one vLLM's own server parser accepts, and builds the engine
+    raw `LLM` builds (the server itself, a vLLM engine of its own, is not started here)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from minirl.config import load_config
+
+    eo = bench("engine_overhead")
+    assert eo.SERVE_MODULE == "vllm.entrypoints.launchers.api_server.entry" and importlib.util.find_spec(eo.SERVE_MODULE)
+    cfg = load_config(None, [])
+    engine = eo.engine_args(cfg)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*eo.serve_flags(engine), *eo.SERVE_FLAGS])
+    assert {key: getattr(args, key) for key in engine} == engine
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
 
 
 def test_vs_trl_minirl_side_is_a_valid_config(bench):
