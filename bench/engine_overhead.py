@@ -346,6 +346,7 @@ class VllmServe:
     `LLM.generate` on this machine."""
 
     def __init__(self, cfg, timeout_s: float = 300.0):
+        import atexit
         import subprocess
         import tempfile
         import urllib.request
@@ -364,6 +365,7 @@ class VllmServe:
                 "--port", str(self.port), *SERVE_FLAGS]
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: nobody reads the server's log while it runs
         self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        atexit.register(self.close)  # however the bench ends, no server is left holding the cores
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -402,11 +404,12 @@ class VllmServe:
         return sum(tokens), time.perf_counter() - t0
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except Exception:
-            self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the API server stops its EngineCore process
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:
+                self.proc.kill()
         self.log.close()
 
 
