@@ -354,11 +354,8 @@ class VllmServe:
         from minirl.cluster import free_port
         from minirl.generation.engine import configure_cpu_env
 
-        driver_env = dict(os.environ)
-        configure_cpu_env(cfg.policy.generation.vllm_cfg.kv_cache_space_gb, cfg.policy.generation.vllm_cfg.omp_threads)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vllm serve's own layout, EngineCore in a process of its own
-        os.environ.clear()  # configure_cpu_env wrote the server's environment into this process's: put the driver's back
-        os.environ.update(driver_env)
+        configure_cpu_env(cfg.policy.generation.vllm_cfg.kv_cache_space_gb, cfg.policy.generation.vllm_cfg.omp_threads, env)
         self.model, self.port = cfg.policy.model_name, free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", SERVE_MODULE, *serve_flags(engine_args(cfg)), "--host", "127.0.0.1",

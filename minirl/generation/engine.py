@@ -26,14 +26,15 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def configure_cpu_env(kv_cache_gb: int, omp_threads: int) -> None:
-    """Environment vLLM-CPU needs inside a Ray actor; must run before `import vllm`."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ["OMP_NUM_THREADS"] = str(omp_threads)
+def configure_cpu_env(kv_cache_gb: int, omp_threads: int, env=os.environ) -> None:
+    """Environment vLLM-CPU needs inside a Ray actor; must run before `import vllm`. Written into
+    `env`: this process's environment, or another process's to be (a dict)."""
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    env["OMP_NUM_THREADS"] = str(omp_threads)
 
 
 STEP_LOG = 4096
