@@ -140,6 +140,15 @@ class VllmConfig:
     applies only with tensor parallelism). 0: no limit."""
     max_request_bytes: int = bounded(16_000_000, ge=1)
     """Largest request body the generation server accepts (aiohttp's client_max_size); a larger one gets 413."""
+    gather_gap_s: float = bounded(0.02, ge=0)
+    """On a CPU engine: requests that reach an idle engine are gathered until none has come for this
+    long (or `gather_max_s` has passed) before its first step, so a burst (a step's first turns)
+    starts as one batch. Stepping at once, the engine's threads take the cores the agent and the front
+    end need to deliver the rest of the burst, which then joins over several slow steps and finishes
+    over as many (bench/README.md, P1's seventh pass). A lone request waits this long. 0: step at once,
+    as vLLM does; a GPU engine always does (its steps leave the CPU to the front end)."""
+    gather_max_s: float = bounded(0.25, ge=0)
+    """The longest an idle engine gathers a burst before its first step (see `gather_gap_s`)."""
 
 
 @dataclass

@@ -164,6 +164,42 @@ def test_a_burst_of_long_seeded_prompts_does_not_crash_the_engine(engine):
     assert engine.dead is None and all(len(r.token_ids) >= 1 for r in results)
 
 
+def _first_step_size(engine, spacing_s: float, n: int = 4) -> int:
+    """Requests in the engine at its first step, when `n` reach the idle engine `spacing_s` apart."""
+    import time
+
+    from vllm import SamplingParams
+
+    assert engine.sampler_compiled.wait(300)  # the engine's first request waits for it: a burst would gather itself
+    t0 = time.monotonic()
+    futures = []
+    for i in range(n):
+        futures.append(engine.generate([1, 388, 201, 300 + i], SamplingParams(max_tokens=8, ignore_eos=True, seed=i)))
+        time.sleep(spacing_s)
+    for f in futures:
+        f.result(timeout=60)
+    return next(size for start, _, size in list(engine.step_log) if start >= t0)
+
+
+def test_an_idle_engine_gathers_a_burst_before_its_first_step(engine):
+    """`vllm_cfg.gather_gap_s`: requests reaching an idle engine 50 ms apart all join its first step
+    while the gap is longer than their spacing; with no gathering (the in-process engine's default,
+    vLLM's behaviour) the first step runs on the first request alone. `gather_max_s` bounds the wait."""
+    import time
+
+    assert engine.gather_gap_s == 0.0
+    assert _first_step_size(engine, 0.05) < 4  # each request's 8 tokens outlast the spacing, so none waits for the next
+    try:
+        engine.gather_gap_s, engine.gather_max_s = 0.3, 2.0
+        assert _first_step_size(engine, 0.05) == 4
+        engine.gather_gap_s, engine.gather_max_s = 60.0, 0.3  # a lone request: the cap, not the gap, ends its wait
+        t0 = time.monotonic()
+        assert _first_step_size(engine, 0.0, n=1) == 1
+        assert time.monotonic() - t0 < 30
+    finally:
+        engine.gather_gap_s, engine.gather_max_s = 0.0, 0.0
+
+
 def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine, base_cfg, tokenizer):
     """Issue K: without draining, an update lands between engine steps and a request in flight records
     the version it started under and the one it finished under; with `drain`, the update waits for the

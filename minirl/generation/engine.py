@@ -1,8 +1,9 @@
 """An in-process vLLM engine driven by one thread, with continuous batching across callers.
 
 HTTP handlers (any thread, any event loop) call `generate`, which returns a future; the engine
-thread adds requests, steps the engine while anything is unfinished, and resolves futures as
-requests finish. Weight updates run on the same thread between steps. A caller that leaves calls
+thread adds requests, steps the engine while anything is unfinished (an idle CPU engine first
+gathers a burst, for at most `gather_max_s`: `_gather`), and resolves futures as requests finish.
+Weight updates run on the same thread between steps. A caller that leaves calls
 `abort(request_id)`: the engine drops the request and stops spending steps on it.
 
 Invariant: vLLM's engine is built on the engine thread, and every call that changes its state
@@ -98,15 +99,18 @@ def _all_finite(worker) -> bool:
 class VllmEngine:
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, on_dead=None, step_timeout_s: float = 0.0):
+                 enforce_eager: bool = True, on_dead=None, step_timeout_s: float = 0.0,
+                 gather_gap_s: float = 0.0, gather_max_s: float = 0.0):
         """`on_dead(exc)` runs once a step has failed, or has not returned within `step_timeout_s`
         (0: no limit; only with `on_dead`), and every request in flight has been failed with it; the
-        generation worker ends its process there."""
+        generation worker ends its process there. `gather_gap_s` and `gather_max_s`: how an idle CPU
+        engine gathers a burst before its first step (`_gather`; VllmConfig's fields of those names)."""
         self.max_model_len = max_model_len
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
         self.weights_s = 0.0  # wall time it spent loading new weights (minirl.timeline)
         self.drain_s = 0.0  # wall time weight updates waited for the requests in flight (drain)
+        self.gather_s = 0.0  # wall time an idle engine held its first requests while gathering a burst (`_gather`)
         self.steps = 0  # engine steps taken
         self.step_log: deque[tuple[float, float, int]] = deque(maxlen=STEP_LOG)
         """The latest steps' (time.monotonic() at its start, seconds, requests in the engine): where a
@@ -119,6 +123,7 @@ class VllmEngine:
         self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
         self._deferred: list[tuple] = []  # requests that arrived while it waits
         self.on_dead = on_dead
+        self.gather_gap_s, self.gather_max_s = gather_gap_s, gather_max_s
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
         self._crash = False  # set by the `engine_crash` fault: the next step fails
@@ -240,6 +245,8 @@ class VllmEngine:
             # token budget; without chunked prefill no prompt is ever split
             enable_chunked_prefill=torch.cuda.is_available(),
         )
+        if torch.cuda.is_available():  # a GPU engine's steps leave the CPU to the front end: nothing to gather for
+            self.gather_gap_s = 0.0
 
     def _die(self, exc: BaseException) -> None:
         self.dead = exc
@@ -288,6 +295,22 @@ class VllmEngine:
             self.first_add_t = self.last_add_t
         self._pending[rid] = (fut, self.version)
 
+    def _gather(self) -> None:
+        """The first requests of a burst reached an idle engine: take the rest of it before the first
+        step, until none has come for `gather_gap_s` or `gather_max_s` has passed since now. On a CPU
+        engine a step takes the cores that deliver the burst's other requests: stepping at once, they
+        joined over several slow steps and finished over as many more."""
+        if self.gather_gap_s <= 0:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.gather_max_s
+        while (wait := min(self.gather_gap_s, deadline - time.monotonic())) > 0:
+            try:
+                self._accept(*self._inbox.get(timeout=wait))
+            except queue.Empty:
+                break
+        self.gather_s += time.monotonic() - t0
+
     def _loop(self, *build) -> None:
         try:
             self._build(*build)
@@ -319,6 +342,8 @@ class VllmEngine:
                     self._accept(*self._inbox.get_nowait())
             except queue.Empty:
                 pass
+            if idle and self._pending:
+                self._gather()
             if not self._pending:
                 continue
             self._step_t0 = t0 = time.monotonic()

@@ -35,6 +35,8 @@ def make_engine(cfg: MinirlConfig, rank: int, on_dead=None):
         enforce_eager=gen.vllm_cfg.enforce_eager,
         on_dead=on_dead,
         step_timeout_s=gen.vllm_cfg.step_timeout_s,
+        gather_gap_s=gen.vllm_cfg.gather_gap_s,
+        gather_max_s=gen.vllm_cfg.gather_max_s,
     )
 
 
@@ -95,7 +97,8 @@ class GenerationWorker:
     def stats(self) -> dict:
         front = self.front.call("stats")
         return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": front["tokens"], "version": self.engine.version,
-                "calls_dropped": front["calls_dropped"], "first_add_t": self.engine.first_add_t, "last_add_t": self.engine.last_add_t}
+                "calls_dropped": front["calls_dropped"], "first_add_t": self.engine.first_add_t, "last_add_t": self.engine.last_add_t,
+                "gather_s": self.engine.gather_s}
 
     def steps_since(self, t: float) -> list[tuple[float, float, int]]:
         """The engine's steps that began at or after `t` (time.monotonic(), this machine's clock):
