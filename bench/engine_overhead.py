@@ -20,7 +20,8 @@ round's last request reached the front end (its call log's `t_start`) and the en
 the arrival spread between the hops before the front end and the front end itself. Both sides
 log each engine step (its seconds, and how many of the round's requests were in the engine), and
 the phase table splits the steps into filling, full and draining (`phases`): where minirl's round
-takes longer than raw's, the steady decode or the burst's two ends. A process's
+takes longer than raw's, the steady decode or the burst's two ends (minirl's engine gathers a
+burst before its first step, as in training: `vllm_cfg.gather_gap_s`; each round says how long). A process's
 CPU in a round also holds its background threads' (Ray's core worker in the actors and the driver),
 which grow with the round's wall, not with its requests: each process's idle rate is read over
 `IDLE_S` before each minirl round, and the final table gives each hop's CPU per request gross and
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
         print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {len(r_steps)} steps, all prompts in by "
               f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
               f"in {steps} steps, all requests at the front end by {1000 * f_in:.0f} ms, first prompt in the engine at "
-              f"{1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, CPU s: "
+              f"{1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, gathered for "
+              f"{1000 * (after['gather_s'] - before['gather_s']):.0f} ms before its first step, CPU s: "
               + ", ".join(f"{name} {s:.2f}" for name, s in cpu.items()) + f")   ratio {pt / ps / (rt / rs):.3f}", flush=True)
         print("    engine steps, raw / minirl: " + "; ".join(
             f"{phase} {r_phases[phase][0]} / {p_phases[phase][0]} in {r_phases[phase][1]:.2f} / {p_phases[phase][1]:.2f} s" for phase in PHASES), flush=True)
@@ -433,8 +435,9 @@ PHASES_DOC = ("filling: steps before all the round's requests were in the engine
 def phases(steps: list[tuple[float, float, int]], n: int) -> dict[str, tuple[int, float, float]]:
     """A round's engine steps ((start, seconds, requests in the engine) each, in order) split by
     phase (PHASES_DOC): per phase (steps, seconds, median ms a step; 0 without steps). Raw vLLM has
-    every prompt in before its first step, so its filling is empty; minirl's engine starts on the
-    first requests to arrive. A step that sees fewer than `n` after one that saw `n` is draining."""
+    every prompt in before its first step, so its filling is empty; minirl's engine gathers the
+    burst before its first step (`vllm_cfg.gather_gap_s`), and what arrives after a pause longer
+    than that joins in filling steps. A step that sees fewer than `n` after one that saw `n` is draining."""
     split: dict[str, list[float]] = {phase: [] for phase in PHASES}
     full_seen = False
     for _, seconds, running in steps:
