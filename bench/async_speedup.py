@@ -99,11 +99,11 @@ SPLIT = {  # the timeline's fields (minirl.timeline) the bench prints, per step,
     "timing/train/exposed_generation": "exposed", "timing/train/data_processing": "process",
     "timing/train/policy_training": "train", "timing/train/policy_compute": "(compute)",
     "timing/train/weight_sync": "sync", "timing/generation/weight_drain": "(drain)",
-    "timing/generation/engine_busy": "engine", "timing/generation/weight_load": "load",
+    "timing/generation/engine_busy": "engine", "timing/generation/weight_load": "load", "timing/generation/gather": "gather",
     "timing/generation/rollout_wait": "tools", "timing/generation/idle": "idle", "timing/generation/cycle": "cycle",
 }
 SPLIT_DOC = ("trainer lane: exposed + process + train + sync = the step, (compute) inside train, (drain) inside sync; "
-             "generation lane: engine + load + tools + idle = cycle (the step and the loop's work between steps)")
+             "generation lane: engine + load + gather + tools + idle = cycle (the step and the loop's work between steps)")
 
 
 def report(results: list[dict]) -> None:

@@ -252,8 +252,10 @@ class Controller:
 
         return await validate(self.cfg, self.manager.agent_urls, version)
 
-    async def _engine_busy_s(self) -> float:
-        return sum([(await w.clock.remote())["busy_s"] for w in self.gen_workers])
+    async def _engine_s(self) -> tuple[float, float]:
+        """The engines' run totals of stepping and of gathering bursts before a step, summed over the workers."""
+        readings = [await w.clock.remote() for w in self.gen_workers]
+        return sum(c["busy_s"] for c in readings), sum(c["gather_s"] for c in readings)
 
     async def _clocks(self) -> tuple[float, ...]:
         return clocks([await w.clock.remote() for w in self.gen_workers], self.manager.occupancy.read())
@@ -282,12 +284,12 @@ class Controller:
             raise
 
     async def _collect(self, step: int, version: int) -> tuple[dict, dict]:
-        busy0 = await self._engine_busy_s()
+        busy0, gather0 = await self._engine_s()
         self.mark = self.mark or await self._clocks()  # the first cycle starts here
         waited = time.perf_counter()
         take = await self.fleet.watched(step, self.source.take(step, version))
         gen_s, waited = time.perf_counter() - take.since, time.perf_counter() - waited
-        engine_busy_s = await self._engine_busy_s() - busy0
+        busy1, gather1 = await self._engine_s()
         check_step(self.cfg, step, take.outcomes)
         kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
         ledger, generated = await self._check_ledger(step, version, take, kept)
@@ -300,7 +302,7 @@ class Controller:
                 if t.mask_reason:  # own `mask` line (a `mask` line is one rollout: stats.rooms_mix counts them)
                     self.events.write({"type": "segment_mask", **r.coords.as_dict(), "trace": k, "kind": t.kind,
                                        "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
-        stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, engine_busy_s))
+        stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
         stats["timing/train/exposed_generation"] = waited
         stats.update(self.kinds.take(kept))
         stats["summaries_failed"] += self.manager.summary_failures - self.summary_failures  # raised: failed attempts
@@ -323,7 +325,7 @@ class Controller:
         return ledger, ledger["tokens_matched"]
 
     def _step_stats(self, version: int, take: StepTake, kept: list[Rollout], ledger: dict, generated: int,
-                    gen_s: float, engine_busy_s: float) -> dict:
+                    gen_s: float, engine_busy_s: float, engine_gather_s: float) -> dict:
         """The step's counters beyond `assemble`'s: sends, the ledger's counts, timing, staleness."""
         outcomes = take.outcomes
         staleness = [version - w for o, w in zip(outcomes, take.start_weights) if o.status == "committed"] or [0]
@@ -342,6 +344,7 @@ class Controller:
             deterministic_failures=deterministic,  # rows found to fail the same way every time (skipped as DATA)
             gen_time_s=gen_s,
             engine_busy_s=engine_busy_s,
+            engine_gather_s=engine_gather_s,  # the engines holding a burst before their first step (vllm_cfg.gather_gap_s)
             gen_tokens=generated,
             gen_tokens_per_s=generated / gen_s if gen_s > 0 else 0.0,
             policy_version=version,

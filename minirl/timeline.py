@@ -7,7 +7,8 @@ seconds) where it has the concept:
   update and the weight sync;
 - the generation lane splits the step's *cycle*, from the previous step's weight publish to this
   one's (the step plus the loop's own work between steps: logging, checkpoints, validation), into
-  the engines stepping, loading weights, waiting on rollouts (tools, agents, HTTP), and idle.
+  the engines stepping, loading weights, gathering a burst before stepping, waiting on rollouts
+  (tools, agents, HTTP), and idle.
 
 In a sync run the two lanes take turns (the engine idles while the trainer trains); in an async run
 they overlap, and what is left exposed on the trainer's lane, `exposed_generation`, is the
@@ -36,7 +37,9 @@ TIMING_FIELDS = {
                                "step's (for the first step after start or resume: from its collect)",
     "timing/generation/engine_busy": "the engines stepping (mean over the generation workers)",
     "timing/generation/weight_load": "the engines loading new weights (mean over the workers)",
-    "timing/generation/rollout_wait": "rollouts in flight while the engines neither step nor load: tool latency, "
+    "timing/generation/gather": "idle engines holding a burst's first requests before their first step "
+                                "(vllm_cfg.gather_gap_s; mean over the workers)",
+    "timing/generation/rollout_wait": "rollouts in flight while the engines neither step, load nor gather: tool latency, "
                                       "agent servers, HTTP hops",
     "timing/generation/idle": "no rollout in flight and the engines idle (sync: training and syncing; async: "
                               "the pump held by the staleness gate, the buffer or a weight sync)",
@@ -76,17 +79,17 @@ def trainer_lane(t0: float, t1: float, t2: float, t3: float, exposed: float) -> 
 
 
 def clocks(engines: list[dict], active_s: float) -> tuple[float, ...]:
-    """One reading of the run's totals: (now, engine busy, weight load, weight drain: means over the
-    workers' `GenerationWorker.clock`, rollouts-in-flight occupancy)."""
+    """One reading of the run's totals: (now, engine busy, weight load, weight drain, gather: means
+    over the workers' `GenerationWorker.clock`, rollouts-in-flight occupancy)."""
     n = max(len(engines), 1)
-    return (time.monotonic(), *(sum(e[k] for e in engines) / n for k in ("busy_s", "weights_s", "drain_s")), active_s)
+    return (time.monotonic(), *(sum(e[k] for e in engines) / n for k in ("busy_s", "weights_s", "drain_s", "gather_s")), active_s)
 
 
 def generation_lane(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
     """The generation lane between two `clocks` readings. Engine time is counted as taken inside the
-    time rollouts are in flight, so rollout_wait is what is left of that time."""
-    cycle, busy, load, drain, active = (b - a for a, b in zip(before, after))
-    wait = max(active - busy - load, 0.0)
+    time rollouts are in flight (a gather too: it holds their calls), so rollout_wait is what is left of that time."""
+    cycle, busy, load, drain, gather, active = (b - a for a, b in zip(before, after))
+    wait = max(active - busy - load - gather, 0.0)
     return {"timing/generation/cycle": cycle, "timing/generation/engine_busy": busy, "timing/generation/weight_load": load,
-            "timing/generation/rollout_wait": wait, "timing/generation/idle": max(cycle - busy - load - wait, 0.0),
-            "timing/generation/weight_drain": drain}
+            "timing/generation/gather": gather, "timing/generation/rollout_wait": wait,
+            "timing/generation/idle": max(cycle - busy - load - gather - wait, 0.0), "timing/generation/weight_drain": drain}

@@ -34,12 +34,13 @@ def test_trainer_lane_adds_up_to_the_step():
 
 
 def test_generation_lane_adds_up_to_the_cycle():
-    # (now, engine busy, weight load, weight drain, rollouts in flight): 4 s of cycle, 1.5 s busy,
-    # 0.25 s loading, 3 s with rollouts in flight
-    lane = generation_lane((100.0, 7.0, 1.0, 0.0, 50.0), (104.0, 8.5, 1.25, 0.5, 53.0))
-    assert lane["timing/generation/rollout_wait"] == pytest.approx(1.25)
+    # (now, engine busy, weight load, weight drain, gather, rollouts in flight): 4 s of cycle, 1.5 s
+    # busy, 0.25 s loading, 0.25 s gathering a burst, 3 s with rollouts in flight
+    lane = generation_lane((100.0, 7.0, 1.0, 0.0, 2.0, 50.0), (104.0, 8.5, 1.25, 0.5, 2.25, 53.0))
+    assert lane["timing/generation/gather"] == pytest.approx(0.25)
+    assert lane["timing/generation/rollout_wait"] == pytest.approx(1.0)
     assert lane["timing/generation/idle"] == pytest.approx(1.0)
-    parts = ("engine_busy", "weight_load", "rollout_wait", "idle")
+    parts = ("engine_busy", "weight_load", "gather", "rollout_wait", "idle")
     assert sum(lane[f"timing/generation/{p}"] for p in parts) == pytest.approx(lane["timing/generation/cycle"])
     assert lane["timing/generation/weight_drain"] == 0.5
     assert set(lane) | set(trainer_lane(0, 1, 2, 3, 0.5)) | {"timing/train/policy_compute"} == set(TIMING_FIELDS)

@@ -89,10 +89,10 @@ class GenerationWorker:
         return self.front.call("take_calls", step)
 
     def clock(self) -> dict:
-        """The engine's run totals of stepping, loading weights and draining for an update, in seconds
-        (minirl.timeline); read on this actor, without the front end."""
+        """The engine's run totals of stepping, loading weights, draining for an update and gathering
+        bursts, in seconds (minirl.timeline); read on this actor, without the front end."""
         e = self.engine
-        return {"busy_s": e.busy_s, "weights_s": e.weights_s, "drain_s": e.drain_s}
+        return {"busy_s": e.busy_s, "weights_s": e.weights_s, "drain_s": e.drain_s, "gather_s": e.gather_s}
 
     def stats(self) -> dict:
         front = self.front.call("stats")
