@@ -104,7 +104,7 @@ class VllmEngine:
         """`on_dead(exc)` runs once a step has failed, or has not returned within `step_timeout_s`
         (0: no limit; only with `on_dead`), and every request in flight has been failed with it; the
         generation worker ends its process there. `gather_gap_s` and `gather_max_s`: how an idle CPU
-        engine gathers a burst before its first step (`_gather`; VllmConfig's fields of those names)."""
+        engine gathers a burst before its first step (`set_gather`)."""
         self.max_model_len = max_model_len
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
@@ -123,7 +123,7 @@ class VllmEngine:
         self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
         self._deferred: list[tuple] = []  # requests that arrived while it waits
         self.on_dead = on_dead
-        self.gather_gap_s, self.gather_max_s = gather_gap_s, gather_max_s
+        self.gather_gap_s = self.gather_max_s = 0.0  # set_gather, once built
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
         self._crash = False  # set by the `engine_crash` fault: the next step fails
@@ -137,6 +137,7 @@ class VllmEngine:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
+        self.set_gather(gather_gap_s, gather_max_s)
         if on_dead is not None and step_timeout_s > 0:
             threading.Thread(target=self._watch, args=(step_timeout_s,), name="vllm-engine-watchdog", daemon=True).start()
 
@@ -180,6 +181,14 @@ class VllmEngine:
         fut: Future = Future()
         self._inbox.put(("drain" if drain else "run", apply, fut))
         return fut
+
+    def set_gather(self, gap_s: float, max_s: float) -> None:
+        """How an idle engine gathers a burst before its first step (`_gather`; VllmConfig's
+        `gather_gap_s` and `gather_max_s`). A GPU engine's steps leave the CPU to the front end, so it
+        steps at once whatever is asked, as vLLM does."""
+        import torch
+
+        self.gather_gap_s, self.gather_max_s = (0.0 if torch.cuda.is_available() else gap_s), max_s
 
     def weights_finite(self) -> Future:
         """True when every weight the engine serves from is finite (a check for tests and operators)."""
@@ -245,8 +254,6 @@ class VllmEngine:
             # token budget; without chunked prefill no prompt is ever split
             enable_chunked_prefill=torch.cuda.is_available(),
         )
-        if torch.cuda.is_available():  # a GPU engine's steps leave the CPU to the front end: nothing to gather for
-            self.gather_gap_s = 0.0
 
     def _die(self, exc: BaseException) -> None:
         self.dead = exc

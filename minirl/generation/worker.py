@@ -68,9 +68,10 @@ class GenerationWorker:
         return self.front.url
 
     def reset(self, cfg: MinirlConfig) -> str:
-        """Serve a new run (sweeps reuse workers): its fault plan and reasoning parser, an empty call log. The run then
-        publishes its initial weights before its first step."""
+        """Serve a new run (sweeps reuse workers): its fault plan, reasoning parser and gather, an empty call log. The
+        run then publishes its initial weights before its first step."""
         self.drain = not cfg.async_rl.in_flight_weight_updates
+        self.engine.set_gather(cfg.policy.generation.vllm_cfg.gather_gap_s, cfg.policy.generation.vllm_cfg.gather_max_s)
         self.engine.unhang()  # an `engine_hang` of the previous run ends with it
         self.front.call("reset", FaultPlan(cfg.faults), cfg.policy.generation.reasoning_parser)
         return self.front.url
