@@ -250,7 +250,7 @@ def test_forged_logprobs_mask_their_rollout_and_close_ones_pass():
 
 
 def test_the_reward_bound_keeps_a_worst_case_step_finite_in_float32():
-    """The bound (README, "Bounds on a /run result"): a group whose advantage is amplified the most
+    """The bound (docs/reliability.md, "Bounds on a /run result"): a group whose advantage is amplified the most
     (normalised by std + eps with a spread of ~0) at |reward| = bound trains to a finite loss and
     gradient norm in the real policy worker; one past float32's sum, as the issue's 1e38 with
     equal siblings, is refused at parse as DATA naming the field and the bound."""

@@ -72,7 +72,7 @@ def _short(value) -> str:
 
 def reward_bound(normalize_rewards: bool, eps: float = ADVANTAGE_EPS) -> float:
     """The largest |reward| a `/run` result may carry: the bound that keeps advantage x tokens, and
-    the gradient norm built from it, finite in float32 (README, "Bounds on a /run result").
+    the gradient norm built from it, finite in float32 (docs/reliability.md, "Bounds on a /run result").
 
     |A| <= 2 |r|max (r_i minus a mean of rewards), times 1/eps where the group's std is normalised
     (a spread std + eps can be as small as eps). The loss sums |A| x weight over at most every token
