@@ -83,6 +83,14 @@ class GRPOConfig:
     """Baseline and std of a group run over its valid (unmasked) rollouts only, and a group with at
     most one valid rollout gets advantage 0 (minirl; RL #4061). False reproduces upstream, where a
     masked rollout's reward still counts in its siblings' baseline and std."""
+    masked_sample_rewards_in_baseline: bool = False
+    """NeMo-RL's third baseline policy (`single_controller_utils/sample_masks.py`): a rollout
+    flagged incomplete (its verifier's `mask_sample`, a harness's `summary_failed`, truncation under
+    `overlong_filtering`) gets no gradient but keeps its reward in its siblings' baseline and std,
+    so a timeout still reads as a failure for the group; placeholders (`capture_failed`) and rows
+    whose tokens or logprobs the ledger refused stay out of both. Needs
+    `baseline_excludes_masked=true` (it reinstates rows that setting excludes; with `false` every
+    masked row, placeholders included, is in the baseline already). docs/architecture.md's table."""
     segment_validity: Literal["all", "any"] = "all"
     """A rollout whose segments (physical traces) are not all valid: `all` (NeMo-RL #4124's amin,
     minirl's default) masks the whole rollout, out of training and out of the baseline; `any` (the
@@ -101,6 +109,13 @@ class GRPOConfig:
     """Held-out prompts per validation (minirl.validation: never a prompt of the run's training steps)."""
     val_num_generations: int = bounded(1, ge=1)
     """Rollouts per held-out prompt."""
+
+    def check(self) -> None:
+        _require(self.baseline_excludes_masked or not self.masked_sample_rewards_in_baseline,
+                 "masked_sample_rewards_in_baseline",
+                 "true needs grpo.baseline_excludes_masked=true: it reinstates the incomplete rows that setting keeps out "
+                 "of the baseline, and keeps placeholders out, while baseline_excludes_masked=false puts every masked "
+                 "row, placeholders included, in the baseline")
 
 
 # ------------------------------------------------------------------------------------------- policy
@@ -204,9 +219,13 @@ class LossConfig:
     """Sum over all valid tokens of the global batch, divided by their count (required under CC)."""
     segment_weighting: Literal["token_mean", "rollout_equal", "length_ratio"] = "token_mean"
     """Weight of a rollout's segments (physical traces) in the loss: `token_mean` (upstream: every
-    valid token counts once), `rollout_equal` (verl #7580: a rollout's N trained segments share one
-    rollout's weight, 1/N each) or `length_ratio` (a segment's trained tokens over its rollout's
-    mean). Weights are scaled to mean 1 over the step's trained segments and multiply every term."""
+    valid token counts once), `rollout_equal` (verl #7580: each of a rollout's N trained segments
+    gets 1/N) or `length_ratio` (a segment's trained tokens over its rollout's mean). Weights are
+    scaled to mean 1 over the step's trained segments and multiply every term. Under the token-level
+    loss (which CC requires) a row's mass is weight x tokens, so `rollout_equal` does not count each
+    rollout once (a rollout's mass is its mean segment length) and `length_ratio` does not preserve a
+    rollout's mass when it splits (sum T_i^2 / mean T, not sum T_i); #7580's claims hold for a
+    per-segment token mean."""
     use_importance_sampling_correction: bool = False
     """Weight each token's clipped loss by exp(prev - generation): the trainer's logprob at the
     step's start over the engine's, detached (non-finite -> 0). For rollouts from older weights."""

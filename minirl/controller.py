@@ -11,7 +11,8 @@ and the step's statistics:
 - context compaction: every kept group must hold all its rollouts (masked ones with mask 0); with
   `allow_step_shrink=false` (upstream) the step must hold the full logical sample count;
 - advantages per group (over the valid rollouts only with `grpo.baseline_excludes_masked`, the
-  default; over all of them as upstream otherwise), shared by all the physical traces of a rollout;
+  default, plus the incomplete ones with `grpo.masked_sample_rewards_in_baseline`; over all of them
+  as upstream otherwise: minirl/rollout/masking.py), shared by all the physical traces of a rollout;
 - segments: a masked trace masks its rollout (`grpo.segment_validity=all`) or only itself (`any`,
   while another segment is valid), and `loss_fn.segment_weighting` gives each trained trace its
   loss weight (none under `token_mean`, the default arithmetic).
@@ -36,6 +37,7 @@ from minirl.generation.fleet import FleetWatch
 from minirl.gym_failures import KindCounts, mask_facts
 from minirl.rollout.evidence import Ledger, summary_stats
 from minirl.rollout.manager import RolloutManager, StepTake, dominant_failure
+from minirl.rollout.masking import ScoredGroup, baseline_members, masking_stats, rollout_stats
 from minirl.timeline import clocks, generation_lane
 from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
 
@@ -72,11 +74,14 @@ def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tu
     kept = [o for o in outcomes if o.status == "committed"]
     for r in (r for o in kept for r in o.rollouts.values()):
         settle_segments(r, cfg.grpo.segment_validity)
-    rows = [row for o in kept for row in _advantaged(cfg, o)]
-    batch = _pack(rows, pad_id)
+    scored = [_scored(cfg, o) for o in kept]
+    batch = _pack([(r, t, float(a)) for g in scored for r, a in zip(g.rollouts, g.advantages) for t in r.traces], pad_id)
     if cfg.loss_fn.segment_weighting != "token_mean":
         _weigh(batch, cfg.loss_fn.segment_weighting)
-    return batch, _rollout_stats(cfg, outcomes, kept, batch)
+    stats = _rollout_stats(cfg, outcomes, kept, batch)
+    stats.update(masking_stats(scored))  # NeMo's train/masking/* and rollout stats (minirl/rollout/masking.py)
+    stats.update(rollout_stats(scored, batch.lengths, cfg.policy.max_total_sequence_length))
+    return batch, stats
 
 
 def settle_segments(r: Rollout, validity: str) -> None:
@@ -96,15 +101,17 @@ def _weigh(batch: TrainBatch, weighting: str) -> None:
                                                  tokens[trained], weighting)
 
 
-def _advantaged(cfg: MinirlConfig, o: GroupOutcome) -> list[tuple[Rollout, Trace, float]]:
-    """One kept group's traces, each with its rollout's advantage, rollouts in index order."""
+def _scored(cfg: MinirlConfig, o: GroupOutcome) -> ScoredGroup:
+    """One kept group's rollouts in index order, their baseline membership (the three baseline
+    policies, `baseline_members`) and advantages; every trace of a rollout carries its advantage."""
     g, rollouts = cfg.grpo, _in_order(o)
+    members = baseline_members(rollouts, g.baseline_excludes_masked, g.masked_sample_rewards_in_baseline)
     adv = group_advantages([r.reward for r in rollouts], [r.sample_mask for r in rollouts],
-                           g.use_leave_one_out_baseline, g.normalize_rewards, g.baseline_excludes_masked)
+                           g.use_leave_one_out_baseline, g.normalize_rewards, g.baseline_excludes_masked, in_baseline=members)
     if not np.isfinite(adv).all():  # parse_rollout bounds rewards, so this is a bug, never data to train on
         raise RuntimeError(f"group {o.group}: non-finite advantages {adv.tolist()} from rewards "
                            f"{[r.reward for r in rollouts]}")
-    return [(rollout, trace, float(a)) for rollout, a in zip(rollouts, adv) for trace in rollout.traces]
+    return ScoredGroup(rollouts, members, adv)
 
 
 def _pack(rows: list[tuple[Rollout, Trace, float]], pad_id: int) -> TrainBatch:

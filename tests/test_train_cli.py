@@ -34,8 +34,15 @@ def test_two_step_default_run_writes_the_contract(tmp_path):
         missing = [k for k in REQUIRED_FIELDS if k not in r]
         assert not missing, missing
         assert r["groups_trained"] == 8 and r["tokens_trained"] > 0 and r["gen_tokens_per_s"] > 0
+        # NeMo's masking and rollout stats (issue 50): 8 groups x 4 rollouts, every one trained or masked
+        assert (r["train/masking/rows"], r["train/masking/groups"]) == (32, 8)
+        assert r["train/masking/trained_frac"] + r["train/masking/masked_frac"] == pytest.approx(1.0)
+        assert r["train/rollouts/gen_tokens/max"] >= r["train/rollouts/gen_tokens/p90"] > 0
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "events.jsonl").exists()
-    assert any((tmp_path / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Tags()["scalars"]
+    assert {"train/masking/rows", "train/masking/trained_frac", "train/rollouts/groups/mixed_frac"} <= set(scalars)
     assert (tmp_path / "checkpoints" / "step_1" / "state.json").exists()
     assert "step    2/2" in proc.stdout
 

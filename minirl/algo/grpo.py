@@ -3,8 +3,9 @@
 Matches NeMo-RL's `calculate_baseline_and_std_per_prompt` (leave-one-out baseline, unbiased std
 over the same leave-one-out set, divide by std + 1e-6 only where std > 0, a group with at most one
 member gets advantage 0; a constant comparison set has std exactly 0, see `group_advantages`;
-`exclude_masked` keeps masked rollouts out of the baseline and out of that count, minirl's default;
-without it every rollout is a member, as upstream's GRPO passes `valid_mask = ones`) and
+`exclude_masked` keeps masked rollouts out of the baseline and out of that count, minirl's default,
+`in_baseline` lets some back in, NeMo's `masked_sample_rewards_in_baseline`; without it every
+rollout is a member, as upstream's GRPO passes `valid_mask = ones`) and
 `ClippedPGLossFn` (ratio clipped to [1 - lo, 1 + hi], per-token max(-A r, -A clip(r)), the k3 KL
 weighted by exp(curr - curr.detach()) inside upstream's `calculate_kl`, before its output clamp,
 optional truncated importance sampling against the generator's logprobs, token-level
@@ -35,11 +36,13 @@ if TYPE_CHECKING:
 
 
 def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize: bool = True,
-                     exclude_masked: bool = True, eps: float = 1e-6) -> np.ndarray:
+                     exclude_masked: bool = True, eps: float = 1e-6, in_baseline=None) -> np.ndarray:
     """Advantages of one prompt group's rollouts; `valid` is each rollout's sample mask (default all 1).
 
-    `exclude_masked` (minirl) runs the baseline over the valid rollouts; without it (upstream) the
-    baseline runs over every rollout, masked ones included, as upstream's GRPO hands its baseline
+    `exclude_masked` (minirl) runs the baseline over the valid rollouts, plus the masked ones that
+    `in_baseline` names (NeMo's `masked_sample_rewards_in_baseline`: a rollout flagged incomplete
+    keeps its reward in its siblings' baseline and std, and gets no gradient); without it (upstream)
+    the baseline runs over every rollout, masked ones included, as upstream's GRPO hands its baseline
     function `valid_mask = ones_like(rewards)`. That membership decides everything below: a group
     whose membership holds at most one rollout gets 0 everywhere (minirl: at most one valid
     rollout; upstream: a group of one, so a G = 2 group with one rollout masked trains its
@@ -48,12 +51,14 @@ def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize:
     where their unbiased std is > 0. A constant set has std exactly 0: the std is computed
     two-pass and only for a set whose values differ, since even two-pass leaves ~1e-17 for
     [0.1, 0.1, 0.1] (an inexact mean), and dividing by it turns an advantage of 0.1 into 1e5.
-    Masked rollouts get 0 when excluded (upstream computes theirs too; the loss masks them).
+    Rollouts outside the membership get 0 (members that are masked get theirs computed, as
+    upstream's; the loss masks them).
     """
     r = np.asarray(rewards, dtype=np.float64)
     g = len(r)
     v = np.ones(g, dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
-    members = v if exclude_masked else np.ones(g, dtype=bool)
+    extra = np.zeros(g, dtype=bool) if in_baseline is None else np.asarray(in_baseline, dtype=bool)
+    members = (v | extra) if exclude_masked else np.ones(g, dtype=bool)
     adv = np.zeros(g)
     if members.sum() <= 1:
         return adv
@@ -89,7 +94,10 @@ def segment_weights(rollout_ids, tokens, weighting: str = "token_mean") -> np.nd
     `rollout_equal` 1/N_r, N_r the rollout's trained segments (verl #7580's session-equal weight);
     `length_ratio` T_i over the mean T of its rollout's segments (#7580's partition-preserving
     weight). Then scaled to mean 1 over the rows, once for the global batch, as #7580's
-    normalize_loss_weight_global, so only the ratios move the objective."""
+    normalize_loss_weight_global, so only the ratios move the objective. #7580's names hold for a
+    per-segment token mean; under the token-level loss a row's mass is w_i x T_i, so a rollout's
+    mass under `rollout_equal` is its mean segment length (not one share per rollout), and under
+    `length_ratio` sum T_i^2 / mean T, which changes when the rollout splits (not partition-preserving)."""
     t = np.asarray(tokens, dtype=np.float64)
     if len(t) == 0 or weighting == "token_mean":
         return np.ones(len(t))
