@@ -10,21 +10,28 @@ NeMo Gym 0.7.0 reports facts about failures (read from the package: `nemo_gym/fa
   Gym's collector never retries a terminal one and retries the others;
 - `failure_kind`: a low-cardinality name from Gym's vocabulary (`FAILURE_KINDS`) or `<server>:<kind>`.
 
-minirl reads them so:
+minirl reads them so (the first row that applies decides):
 
 | fact | lane |
 |---|---|
-| `mask_sample: true` | rollout kept, masked (`mask_reason` `mask_sample`), kind and reason on its `mask` event |
-| `terminal: true`, `_ng_failure_terminal: true` | DATA, never retried (skipped or raised at once) |
-| `terminal: false`, `_ng_failure_class` without the stamp | INFRA (row redispatch, then group retry) |
+| a fact of the wrong type (`mask_sample`, `instance_config.mask_sample`, `failure.terminal`, `_ng_failure_terminal` not a boolean or null; `_ng_failure_class` not a string or null) | DATA, a malformed result naming the field (never coerced) |
+| `terminal: true`, `_ng_failure_terminal: true` | DATA, never retried (skipped or raised at once), even beside `mask_sample` |
+| `terminal: false` (an EpisodeFailure) | INFRA (row redispatch, then group retry) |
+| `mask_sample: true` (or `instance_config.mask_sample`) | rollout kept, masked (`mask_reason` `mask_sample`), kind and reason on its `mask` event; it wins over a non-terminal `_ng_failure_class` (Gym's `judge_failsafe` writes both) |
+| `_ng_failure_class` (not null) without the terminal stamp | INFRA (row redispatch, then group retry) |
+| `_ng_failure_class: null` (no terminal stamp) | success, as Gym's collector reads it |
 | an error body (`/run` 4xx/5xx) with `terminal` | as above; without it, by HTTP status (`wire.http_class`) |
 
-Every failure gets a kind (`failure_facts`): its own when it carries one, else one named from its
-minirl class (`transport_*`, `agent_*`, or `minirl:<kind>` where Gym has no name). minirl's agent
-pool answers its `/run` failures in the same shape (`run_error_body`), so one classifier reads both.
+Every failure gets a kind (`failure_facts`): its own when it carries one (cut at KIND_LIMIT), else
+one named from its minirl class (`transport_*`, `agent_*`, or `minirl:<kind>` where Gym has no
+name); a `_ng_failure_class` outside Gym's vocabulary (`environment_server_failed`, ...) gives
+`agent_run_error`. minirl's agent pool answers its `/run` failures in the same shape
+(`run_error_body`), so one classifier reads both, and never echoes a request's result facts into
+its result (`without_result_facts`).
 
 Invariant: a ground-floor module (imports `minirl.wire` only); every reader here is total over JSON
-shapes: a result without facts gives None, never an exception.
+shapes: a result without facts gives None, a fact of the wrong type RolloutDataFailure naming it,
+never another exception; every text it passes on is bounded and has its control characters escaped.
 """
 
 from __future__ import annotations
@@ -37,14 +44,17 @@ from minirl.wire import (
     ERROR_BODY_LIMIT,
     INFRA,
     GenerationUnavailable,
+    DeterministicFailure,
     GymTransportError,
     RolloutDataFailure,
     RolloutInfraFailure,
     RolloutTimeout,
     classify,
     http_class,
+    printable,
     run_error_body as _typed_body,
     run_error_status,
+    short,
 )
 
 FAILURE_KINDS = frozenset({
@@ -60,6 +70,10 @@ STAGES = ("admission", "seed", "agent", "verification", "cleanup")
 """Gym's `FailureStage`: where an episode failed."""
 NG_TERMINAL = "_ng_failure_terminal"
 NG_CLASS = "_ng_failure_class"
+NG_FAILURE_PREFIX = "_ng_failure_"
+"""Every key Gym's collector stamps on a failed row starts so (`_ng_failure_message`, `_stage`, ...)."""
+RESULT_FACTS = ("failure", "mask_sample", "failure_kind", "failure_reason")
+"""A result's failure facts outside the `_ng_failure_*` stamps (`without_result_facts`)."""
 MASK_SAMPLE = "mask_sample"
 """The mask reason of a rollout whose verifier said its reward is not a measurement."""
 _NAMESPACED = re.compile(r"[a-z][a-z0-9_]*:[a-z][a-z0-9_]*")
@@ -71,8 +85,44 @@ def known_kind(name) -> bool:
     return isinstance(name, str) and (name in FAILURE_KINDS or bool(_NAMESPACED.fullmatch(name)))
 
 
+KIND_LIMIT = 64
+"""Characters of a `failure_kind` (or `_ng_failure_class`) kept: Gym's names are low-cardinality
+labels of at most ~30, safe as a metric key; a longer one is cut, with a marker saying so."""
+REASON_LIMIT = 2000
+"""Characters of a `failure_reason` kept (Gym's `EpisodeFailure.failure_reason` max_length)."""
+
+
+def _bounded(value: str) -> str:
+    value = printable(value)
+    return value if len(value) <= KIND_LIMIT else f"{value[:KIND_LIMIT]}...(cut from {len(value)} chars)"
+
+
 def _kind(value, default: str) -> str:
-    return value if isinstance(value, str) and value else default
+    return _bounded(value) if isinstance(value, str) and value else default
+
+
+def _reason(value) -> str:
+    return printable(str(value)[:REASON_LIMIT])
+
+
+def _class_kind(name) -> str:
+    """A kind for a `_ng_failure_class` that comes without one: the class where it is a kind of Gym's
+    vocabulary (`judge_failed`), `agent_timeout` for Gym's legacy `timeout_exceeded`, else
+    `agent_run_error` (as Gym's collector files `environment_server_failed` and the other classes
+    that predate the vocabulary: the server answered, and the episode broke)."""
+    if known_kind(name):
+        return _bounded(name)
+    return "agent_timeout" if name == "timeout_exceeded" else "agent_run_error"
+
+
+def _flag(container: dict, key: str, field: str) -> bool:
+    """A boolean fact: absent or null is False. Any other type is a malformed result naming the field;
+    minirl does not coerce as Gym's pydantic models would ("true", 1), nor read truthiness as Gym's
+    collector reads `_ng_failure_terminal` (where "false" would be terminal)."""
+    value = container.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise RolloutDataFailure(f"malformed /run result: {field} must be a boolean (true, false or null), got {short(value)}")
 
 
 class _Facts:
@@ -98,35 +148,48 @@ def _failure(message: str, kind: str, stage, terminal: bool, error_type: str | N
 
 def episode_failure(result, what: str = "/run") -> RolloutInfraFailure | RolloutDataFailure | None:
     """The failure a 200 `/run` result reports (an EpisodeFailure body, or a row stamped by Gym's
-    collector), as the lane's exception; None for any other result."""
+    collector), as the lane's exception; None for any other result. A stamp whose class is null is
+    success (Gym's collector: `_ng_failure_class is None`); a non-terminal stamp beside `mask_sample`
+    is not a failure but a masked rollout (Gym's `judge_failsafe` writes both; NeMo-RL reads the mask).
+    Raises RolloutDataFailure naming a fact of the wrong type."""
     if not isinstance(result, dict):
         return None
+    masked = sample_mask(result) is not None  # its facts' types are checked first, whatever else decides
     failure = result.get("failure")
-    if isinstance(failure, dict) and isinstance(failure.get("terminal"), bool):
-        reason = str(failure.get("failure_reason"))[:2000]
-        return _failure(f"{what} reported an EpisodeFailure (terminal={failure['terminal']}): {reason}",
-                        _kind(failure.get("failure_kind"), "agent_run_error"), failure.get("stage"), failure["terminal"],
-                        "EpisodeFailure")
-    if NG_TERMINAL in result or NG_CLASS in result:
-        terminal = result.get(NG_TERMINAL) is True
-        reason = str(result.get("_ng_failure_message") or result.get(NG_CLASS))[:2000]
-        return _failure(f"{what} reported {NG_CLASS}={result.get(NG_CLASS)!r} ({NG_TERMINAL}={terminal}): {reason}",
-                        _kind(result.get("failure_kind"), _kind(result.get(NG_CLASS), "agent_run_error")),
-                        result.get("_ng_failure_stage"), terminal, result.get(NG_CLASS) if isinstance(result.get(NG_CLASS), str) else None)
-    return None
+    if isinstance(failure, dict):
+        terminal = failure.get("terminal")
+        if not isinstance(terminal, bool):
+            raise RolloutDataFailure(f"malformed /run result: failure.terminal must be a boolean (Gym's EpisodeFailure), "
+                                     f"got {short(terminal)}")
+        return _failure(f"{what} reported an EpisodeFailure (terminal={terminal}): {_reason(failure.get('failure_reason'))}",
+                        _kind(failure.get("failure_kind"), "agent_run_error"), failure.get("stage"), terminal, "EpisodeFailure")
+    name = result.get(NG_CLASS)
+    if name is not None and not isinstance(name, str):
+        raise RolloutDataFailure(f"malformed /run result: {NG_CLASS} must be a string or null, got {short(name)}")
+    terminal = _flag(result, NG_TERMINAL, NG_TERMINAL)
+    if not terminal and (name is None or masked):
+        return None
+    shown = None if name is None else _bounded(name)
+    reason = _reason(result.get("_ng_failure_message") or shown)
+    return _failure(f"{what} reported {NG_CLASS}={shown!r} ({NG_TERMINAL}={terminal}): {reason}",
+                    _kind(result.get("failure_kind"), _class_kind(name)), result.get("_ng_failure_stage"), terminal, shown)
 
 
 def sample_mask(result) -> dict | None:
     """`{failure_kind, failure_reason}` when a `/run` result's verifier set `mask_sample` (top level,
-    or Gym's legacy `instance_config.mask_sample`); None when the reward is a measurement."""
+    or Gym's legacy `instance_config.mask_sample`); None when the reward is a measurement. Raises
+    RolloutDataFailure naming a `mask_sample` that is not a boolean (or null)."""
     if not isinstance(result, dict):
         return None
     legacy = result.get("instance_config")
-    if result.get("mask_sample") is not True and not (isinstance(legacy, dict) and legacy.get("mask_sample") is True):
+    masked = _flag(result, MASK_SAMPLE, MASK_SAMPLE)
+    if isinstance(legacy, dict):
+        masked = _flag(legacy, MASK_SAMPLE, f"instance_config.{MASK_SAMPLE}") or masked
+    if not masked:
         return None
     reason = result.get("failure_reason")
     return {"failure_kind": _kind(result.get("failure_kind"), "verifier_error"),
-            "failure_reason": str(reason)[:2000] if reason is not None else None}
+            "failure_reason": _reason(reason) if reason is not None else None}
 
 
 def error_failure(status: int, raw: bytes, message: str, error_type: str | None) -> RolloutInfraFailure | RolloutDataFailure:
@@ -147,14 +210,16 @@ def error_failure(status: int, raw: bytes, message: str, error_type: str | None)
 
 
 def failure_facts(exc: BaseException) -> dict:
-    """`{failure_kind, stage, terminal}` for any failure: what it carries, else named from its class."""
+    """`{failure_kind, stage, terminal}` for any failure: what it carries, else named from its class.
+    `terminal` says the row is never sent again for it: the failure's own fact where it has one,
+    else true only for a deterministic failure (a DATA failure without the fact is retried)."""
     kind = getattr(exc, "failure_kind", None)
     if not isinstance(kind, str):
         kind = _kind_of(exc)
     terminal = getattr(exc, "terminal", None)
     stage = getattr(exc, "stage", None)
     return {"failure_kind": kind, "stage": stage if stage in STAGES else None,
-            "terminal": terminal if isinstance(terminal, bool) else classify(exc) == DATA}
+            "terminal": terminal if isinstance(terminal, bool) else isinstance(exc, DeterministicFailure)}
 
 
 def _kind_of(exc: BaseException) -> str:
@@ -200,8 +265,22 @@ LOST_SESSION = {"failure_kind": "session_lost", "failure_reason": "the resources
 """What a verifier reports for a session the seeded fault plan loses (`faults.*` kind `session_lost`)."""
 
 
+def without_result_facts(row: dict) -> dict:
+    """`row` without the result facts a request may carry (a row copied from a rollout dump): an
+    EpisodeFailure `failure`, Gym's `_ng_failure_*` stamps, the verify fields and the legacy
+    `instance_config.mask_sample`. An agent echoes its request into its result, and these there
+    would report a failure (or a mask) that this episode never had."""
+    out = {k: v for k, v in row.items() if k not in RESULT_FACTS and not k.startswith(NG_FAILURE_PREFIX)}
+    legacy = out.get("instance_config")
+    if isinstance(legacy, dict) and MASK_SAMPLE in legacy:
+        out["instance_config"] = {k: v for k, v in legacy.items() if k != MASK_SAMPLE}
+    return out
+
+
 def verified(result: dict, mask: dict | None = None) -> dict:
-    """A `/run` result with Gym 0.7's verify-response fields: `mask_sample` and, when masked, why."""
+    """A `/run` result (the request's row, echoed, plus the episode's) with Gym 0.7's verify-response
+    fields: `mask_sample` and, when masked, why; no result fact echoed from the request."""
+    result = without_result_facts(result)
     if mask is None:
         return {**result, "mask_sample": False, "failure_kind": None, "failure_reason": None}
     return {**result, "mask_sample": True, "failure_kind": mask["failure_kind"], "failure_reason": mask.get("failure_reason")}

@@ -242,20 +242,44 @@ def run_error_status(exc: BaseException) -> int:
     return 400 if classify(exc) == DATA and (isinstance(exc, RolloutDataFailure) or isinstance(exc, ModelCallFailed)) else 500
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (ESC, CR, NUL, BEL, DEL, C1; not tab or newline) written as
+    `\\xNN`: what an agent or environment says can reach a terminal's last line without driving it."""
+    return text.translate(_CONTROL)
+
+
+def short(value) -> str:
+    """A bounded description of any JSON value (a container's repr could recurse past the limit,
+    and an integer's str is refused past 4300 digits)."""
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def parse_error_body(raw: bytes) -> tuple[str, str | None]:
-    """(error text, type) from a `/run` error body: ours, Gym's `{"error": ...}`, or plain text."""
+    """(error text, type) from a `/run` error body: ours, `{"error": ...}`, Gym's middleware body (a
+    JSON string, `repr(e)`: read once, so its text carries no extra level of escaping), or plain
+    text; control characters escaped (`printable`)."""
     text = raw[:ERROR_BODY_LIMIT].decode(errors="replace")
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # an agent's body nested past the parser's limit is text too
-        return text, None
+        return printable(text), None
+    if isinstance(body, str):
+        return printable(body[:ERROR_BODY_LIMIT]), None
     if isinstance(body, dict):
         error, kind = body.get("error"), body.get("type")
         if isinstance(error, dict):  # OpenAI-style {"error": {"message", "type"}}
             error, kind = error.get("message"), kind or error.get("type")
         if error is not None:
-            return str(error)[:ERROR_BODY_LIMIT], kind if isinstance(kind, str) else None
-    return text, None
+            return printable(str(error)[:ERROR_BODY_LIMIT]), kind if isinstance(kind, str) else None
+    return printable(text), None
 
 
 EXTRA_BODY = "responses_create_params.metadata.extra_body"

@@ -19,7 +19,8 @@ As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with
 typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
 4xx) answers 400 instead, so it stays DATA. Every failure body also carries Gym 0.7's facts
 (`failure_kind`, `stage`, `terminal`: a 4xx is terminal, a 500 is not) and every 200 its verify
-fields (`mask_sample`, `failure_kind`, `failure_reason`), as minirl.gym_failures writes them; the
+fields (`mask_sample`, `failure_kind`, `failure_reason`), as minirl.gym_failures writes them (the
+row is echoed without the result facts it may carry: a row copied from a rollout dump); the
 `session_lost` fault makes the verifier report its session lost (`mask_sample: true`). An
 unknown `agent_ref.name` is a 404 and a body over `agent.max_request_bytes` a 413, never a 500.
 The HTTP-layer fault sites fire here: `timeout` (the answer never comes in time), `transport`

@@ -25,7 +25,7 @@ from pathlib import Path
 from minirl.algo.grpo import rollout_votes
 from minirl.gym_failures import MASK_SAMPLE, episode_failure, sample_mask
 from minirl.types import Call, Rollout, Trace
-from minirl.wire import Coords, RolloutDataFailure, is_summary_call
+from minirl.wire import Coords, RolloutDataFailure, is_summary_call, short as _short
 
 FLOAT32_MAX = 3.4028234663852886e38
 ADVANTAGE_EPS = 1e-6
@@ -57,17 +57,6 @@ def split_traces(calls: list[Call], allow_rewrites: bool = True) -> list[Trace]:
             traces.append(Trace(c.prompt + c.gen, [0] * len(c.prompt) + [1] * len(c.gen), [0.0] * len(c.prompt) + list(c.logprobs),
                                 kind=c.kind, compaction=c.compaction))
     return traces
-
-
-def _short(value) -> str:
-    """A bounded description of any JSON value (a container's repr could recurse past the limit,
-    and an integer's str is refused past 4300 digits)."""
-    if isinstance(value, (list, dict)):
-        return f"a {type(value).__name__} of {len(value)} item(s)"
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def reward_bound(normalize_rewards: bool, eps: float = ADVANTAGE_EPS) -> float:

@@ -89,6 +89,7 @@ class GroupRun:
     data: int = 0
     gid: str = ""
     streaks: dict = field(default_factory=dict)  # row -> (its last failure's answer, sends in a row that gave it)
+    final: dict = field(default_factory=dict)  # row -> its failure in this group attempt that will not pass
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -130,6 +131,13 @@ def identical_answer(exc: BaseException) -> tuple[int, str] | None:
     if exc.error_type in ("GenerationUnavailable", "ContextGuardRejected"):
         return None
     return status, str(exc)
+
+
+def will_not_pass(exc: BaseException) -> bool:
+    """Whether sending the row again cannot help: a deterministic failure, or one whose own facts say
+    terminal (Gym's EpisodeFailure, a 4xx of minirl's pool). Such a failure decides its group (DATA:
+    skipped or raised) over a sibling's INFRA failure, so the row is never re-sent."""
+    return isinstance(exc, DeterministicFailure) or getattr(exc, "terminal", None) is True
 
 
 _DIGITS = re.compile(r"\d+")
@@ -255,7 +263,7 @@ class RolloutManager:
             failures = await self._group_attempt(run)
             if not failures:
                 return self._resolved(run)
-            failures.sort(key=lambda f: not isinstance(f[1], DeterministicFailure))  # one that will not pass decides
+            failures.sort(key=lambda f: not will_not_pass(f[1]))  # one that will not pass decides
             kind = classify(failures[0][1])
             ended = await (self._after_infra(run, failures) if kind == INFRA else self._after_data(run, failures))
             if ended is not None:
@@ -285,29 +293,28 @@ class RolloutManager:
         if self.can_redispatch and (run.infra < self.rf.max_infra_attempts_per_prompt or restarting):
             delay = self.backoff(run.infra)
             window = {"restart_window_s": self.rf.agent_restart_window_s} if run.infra >= self.rf.max_infra_attempts_per_prompt else {}
-            self._failed(failures, INFRA, "retried", backoff_s=delay, group_attempt=run.gid, **window)
+            self._failed(failures, "retried", backoff_s=delay, group_attempt=run.gid, **window)
             run.out.backoff_s += delay
             await self.sleep(delay)
             return None
-        self._failed(failures, INFRA, "dropped", group_attempt=run.gid)
+        self._failed(failures, "dropped", group_attempt=run.gid)
         return self._drop(run.step, run.group, run.out, exc, self._exhausted_message(run.step, run.group, run.infra, exc))
 
     async def _after_data(self, run: GroupRun, failures) -> GroupOutcome | None:
         """A DATA failure: retry without backoff (None), skip within the skip budget, or raise."""
-        kind, exc = classify(failures[0][1]), failures[0][1]
+        exc = failures[0][1]
         run.data += 1
-        retry = not isinstance(exc, DeterministicFailure)  # the same answer again would cost attempts and nothing else
-        retry = retry and getattr(exc, "terminal", None) is not True  # Gym's terminal failure: never retried
+        retry = not will_not_pass(exc)  # the same answer again, or Gym's terminal failure: never retried
         if retry and self.can_redispatch and run.data < self.rf.max_data_attempts_per_prompt:
-            self._failed(failures, kind, "retried", backoff_s=0.0, group_attempt=run.gid)
+            self._failed(failures, "retried", backoff_s=0.0, group_attempt=run.gid)
             return None
         if self.skipped < self.rf.max_skipped_prompts:
             self.skipped += 1
-            self._failed(failures, kind, "skipped", group_attempt=run.gid)
+            self._failed(failures, "skipped", group_attempt=run.gid)
             run.out.status, run.out.reason, run.out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
             self.lost.append(run.out.reason)
             return run.out
-        self._failed(failures, kind, "raised", group_attempt=run.gid)
+        self._failed(failures, "raised", group_attempt=run.gid)
         if self.rf.max_skipped_prompts == 0:
             raise exc  # upstream: at a zero skip budget the original failure propagates unchanged
         raise RolloutDataFailure(
@@ -357,9 +364,11 @@ class RolloutManager:
         out.status, out.reason, out.rollouts = "dropped", f"{type(exc).__name__}: {exc}", {}
         return out
 
-    def _failed(self, failures, kind: str, decision: str, **extra) -> None:
+    def _failed(self, failures, decision: str, **extra) -> None:
+        """A `failure` event for each row of a group decision, each with its own class (the decision
+        may be a sibling's: a row that failed INFRA is skipped with a terminal sibling)."""
         for coords, exc in failures:
-            self._failure_event(coords, kind, exc, decision, **extra)
+            self._failure_event(coords, classify(exc), exc, decision, **extra)
 
     def _failure_event(self, coords: Coords, kind: str, exc: BaseException, decision: str, **extra) -> None:
         error_type = getattr(exc, "error_type", None)
@@ -380,6 +389,7 @@ class RolloutManager:
         pending = [r for r in range(G) if r not in out.rollouts]
         deadline = self.rf.nemo_gym.rollout_timeout_s
         before = list(row_attempt)
+        run.final = {}
         try:
             async with asyncio.timeout(deadline):
                 results = await asyncio.gather(*(self._row(run, r) for r in pending), return_exceptions=True)
@@ -387,7 +397,8 @@ class RolloutManager:
             exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {deadline}s")
             for r in pending:  # a row the deadline caught before its first send still gets an attempt id of its own
                 row_attempt[r] += row_attempt[r] == before[r]
-            return [(Coords(step, group, r, row_attempt[r] - 1), exc) for r in range(G) if r not in out.rollouts]
+            # a row that already failed for good keeps its own failure (a terminal one decides the group)
+            return [run.final.get(r, (Coords(step, group, r, row_attempt[r] - 1), exc)) for r in range(G) if r not in out.rollouts]
         failures = []
         for res in results:
             if isinstance(res, BaseException):  # cancellation, or a bug: never a row failure
@@ -417,6 +428,8 @@ class RolloutManager:
                     out.row_retries += 1
                     self._failure_event(coords, INFRA, exc, "retried", scope="row", group_attempt=run.gid)
                     continue
+                if will_not_pass(exc):
+                    run.final[r] = (coords, exc)
                 return coords, exc
             run.streaks.pop(r, None)
             out.rows_returned += 1
