@@ -34,7 +34,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from minirl.agents.process import AgentProcess
-from minirl.config import ConfigError, MinirlConfig, resource_shortfall
+from minirl.config import ConfigError, MinirlConfig, probe_ray_address, resource_shortfall
 from minirl.controller import Controller
 from minirl.generation.router import run_router, write_endpoints
 from minirl.generation.worker import GenerationWorker
@@ -111,6 +111,7 @@ class Cluster:
         env = {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}
         term = signal.getsignal(signal.SIGTERM)
         try:
+            probe_ray_address(self.cfg)  # Ray itself would retry an address that does not answer for minutes
             ray.init(
                 address=cl.ray_address or "local",  # never join a cluster that merely happens to run here
                 num_cpus=cl.num_cpus if cl.ray_address is None else None,
@@ -210,8 +211,7 @@ class Cluster:
         attach = cl.attach_generation_workers
         on = self._placement()
         if attach:  # the shared workers' store, so that one Ray restarts mid-run catches up with this run's weights
-            self.store = ray.get_actor(f"{attach}-store", namespace=NAMESPACE)
-            self.gen = [ray.get_actor(f"{attach}-{i}", namespace=NAMESPACE) for i in range(cl.num_generation_workers)]
+            self.store, *self.gen = attached(attach, cl.num_generation_workers, cl.ray_address)
             model_urls = ray.get([g.reset.remote(cfg) for g in self.gen])
         else:
             self.store = ray.remote(WeightsStore).options(**light).remote()
@@ -274,7 +274,8 @@ class Cluster:
 
     def resume(self) -> int:
         """Load the checkpoint `checkpoint.resume` names; returns the first step to run. Each newer
-        checkpoint `auto` skips because it does not verify is reported in events.jsonl and on stderr."""
+        checkpoint `auto` skips because it does not verify is reported in events.jsonl and on stderr.
+        The resume is one line on stdout and a `resumed` event, naming any change of the prompt stream."""
         path, skipped = checkpoint.select(self.run_dir, self.cfg.checkpoint.resume)
         for bad, reason in skipped:
             print(f"minirl: skipping checkpoint {bad}: {reason}", file=sys.stderr, flush=True)
@@ -286,8 +287,29 @@ class Cluster:
         buffer = path / checkpoint.ASYNC_BUFFER
         ray.get(self.controller.load_state.remote(state["rollout_manager"], buffer.read_bytes() if buffer.exists() else None))
         self.sync_weights(version=state["next_step"])
-        ray.get(self.controller.note.remote({"type": "resumed", "checkpoint": str(path), "from_step": state["next_step"]}))
+        changes = checkpoint.dataset_changes(state.get("config"), self.cfg)
+        print(f"minirl: resumed from {path} at step {state['next_step']}" + (
+            f"; the dataset differs from the checkpoint's ({'; '.join(changes)}): the steps from here draw their prompts "
+            "from the new one" if changes else ""), flush=True)
+        ray.get(self.controller.note.remote({"type": "resumed", "checkpoint": str(path), "from_step": state["next_step"],
+                                             "dataset_changes": changes}))
         return state["next_step"]
+
+
+def attached(name: str, workers: int, address: str | None) -> list:
+    """The detached actors `cluster.attach_generation_workers` names: `<name>-store`, then `<name>-0`
+    .. `<name>-<workers - 1>`. One that is not there is a ConfigError naming the key and what runs
+    (Ray's own ValueError names neither)."""
+    names = [f"{name}-store", *(f"{name}-{i}" for i in range(workers))]
+    try:
+        return [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+    except ValueError:
+        running = sorted(ray.util.list_named_actors())  # this driver's namespace: NAMESPACE
+        missing = next(n for n in names if n not in running)
+        raise ConfigError("cluster.attach_generation_workers", f"no actor {missing!r} in namespace {NAMESPACE!r} of the "
+                          f"cluster at cluster.ray_address={address} (named actors there: {', '.join(running) or 'none'}): "
+                          f"name workers started with start_shared_generation (cluster.num_generation_workers={workers} "
+                          "of them), or set it to null to start this run's own") from None
 
 
 def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:

@@ -21,6 +21,7 @@ import functools
 import json
 import math
 import operator
+import socket
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -72,7 +73,8 @@ class GRPOConfig:
     num_prompts_per_step: int = bounded(8, ge=1)
     """Prompt groups per optimizer step (the step's target before any drop)."""
     num_generations_per_prompt: int = bounded(4, ge=1)
-    """Rollouts per prompt group."""
+    """Rollouts per prompt group; at least 2 (`check`): a rollout's advantage is its reward against its
+    group's, and a group with at most one valid rollout gets advantage 0 (upstream), so 1 trains nothing."""
     max_num_steps: int = bounded(40, ge=1)
     """Optimizer steps to run (a resumed run counts the steps already done)."""
     normalize_rewards: bool = True
@@ -116,6 +118,10 @@ class GRPOConfig:
                  "true needs grpo.baseline_excludes_masked=true: it reinstates the incomplete rows that setting keeps out "
                  "of the baseline, and keeps placeholders out, while baseline_excludes_masked=false puts every masked "
                  "row, placeholders included, in the baseline")
+        n = self.num_generations_per_prompt
+        _require(n >= 2, "num_generations_per_prompt",
+                 f"must be >= 2, got {n}: GRPO's advantage is a rollout's reward against the rest of its group, and a "
+                 "group with at most one valid rollout gets advantage 0 (as upstream), so every step would train nothing")
 
 
 # ------------------------------------------------------------------------------------------- policy
@@ -666,7 +672,9 @@ class DataConfig:
 @dataclass
 class ClusterConfig:
     ray_address: Optional[str] = None
-    """Connect to this Ray cluster (`auto` for a running one); None starts a local one."""
+    """Connect to this Ray cluster: `host:port` of its head (GCS), `ray://host:port` (Ray client) or
+    `auto` (the one running on this machine); None starts a local one. `host:port` is probed (a TCP
+    connect, `RAY_PROBE_TIMEOUT_S`) before Ray starts: one that does not answer is a ConfigError."""
     num_cpus: Optional[int] = bounded(None, ge=1)
     """CPUs a locally started Ray advertises (None: all)."""
     num_gpus: Optional[int] = bounded(None, ge=0)
@@ -676,7 +684,8 @@ class ClusterConfig:
     attach_generation_workers: Optional[str] = None
     """Reuse running detached generation workers named `<this>-<rank>` (namespace `minirl`): they
     are reset to this run's faults and initial weights. For sweeps of short runs, which then skip
-    engine start-up (see minirl/experiments/sweep.py). None starts new ones."""
+    engine start-up (see minirl/experiments/sweep.py). Needs `cluster.ray_address` (the cluster that
+    runs them). None starts new ones."""
     num_policy_workers: int = bounded(1, ge=1)
     """Data-parallel torch policy workers (one torch.distributed group)."""
     num_agent_servers: int = bounded(1, ge=1)
@@ -691,6 +700,14 @@ class ClusterConfig:
     """CPUs Ray reserves per policy worker."""
     host: str = "127.0.0.1"
     """Address HTTP servers bind; `auto` picks the node's IP when the cluster has several nodes."""
+
+    def check(self) -> None:
+        _require(self.attach_generation_workers is None or self.ray_address is not None, "attach_generation_workers",
+                 f"needs cluster.ray_address, the cluster whose workers are named {self.attach_generation_workers!r}: "
+                 "without it a new local Ray starts, which runs no such workers")
+        if self.ray_address not in (None, "auto", "local"):
+            _require(ray_endpoint(self.ray_address) is not None, "ray_address",
+                     f"must be auto, host:port or ray://host:port, got {self.ray_address!r}")
 
 
 @dataclass
@@ -767,6 +784,11 @@ class FaultsConfig:
 class MinirlConfig:
     run_dir: Optional[str] = None
     """Output directory (default runs/<UTC timestamp>)."""
+    run_dir_exists: Literal["error", "overwrite"] = "error"
+    """A fresh run (`checkpoint.resume=none`) into a run_dir that holds an earlier run's records
+    (metrics, events, ledger, validation, checkpoints): `error` refuses it before Ray starts (exit 2,
+    naming the folder); `overwrite` first removes every file a run writes there, so the two runs never
+    mix. A resume (`checkpoint.resume=auto` or a path) continues the earlier run and removes nothing."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     loss_fn: LossConfig = field(default_factory=LossConfig)
@@ -1062,6 +1084,39 @@ def _check_outside(cfg: MinirlConfig) -> None:
         _require(parts.scheme in ("http", "https") and bool(parts.hostname), key,
                  f"must be an http(s) URL with a host, got {one!r}")
     _require(len(set(urls)) == len(urls), "agent.external_url", f"lists a URL twice: {urls}")
+
+
+RAY_PROBE_TIMEOUT_S = 5.0
+"""How long `probe_ray_address` waits for a TCP connection to `cluster.ray_address`."""
+
+
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of `host:port` or `ray://host:port` (`[v6]:port` too); None when it is neither."""
+    try:
+        parts = urlparse(address if "://" in address else f"tcp://{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("tcp", "ray") or not host or port is None or parts.path not in ("", "/"):
+        return None
+    return host, port
+
+
+def probe_ray_address(cfg: MinirlConfig, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+    """Before Ray starts (a network check, so not part of `validate`, which reads saved configs too):
+    `cluster.ray_address` accepts a TCP connection within `timeout_s`, else one ConfigError naming the
+    address as typed. Ray itself keeps retrying one that does not answer (831 s and 61 warnings for
+    `127.0.0.1:1`, the last naming a rewritten host)."""
+    address = cfg.cluster.ray_address
+    endpoint = ray_endpoint(address) if address not in (None, "auto", "local") else None
+    if endpoint is None:
+        return
+    try:
+        socket.create_connection(endpoint, timeout=timeout_s).close()
+    except OSError as exc:
+        why = f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        raise ConfigError("cluster.ray_address", f"nothing answers at {address!r} ({why}): start that cluster "
+                          "(`ray start --head`) or fix the address; null starts a local Ray") from None
 
 
 def to_yaml(cfg: MinirlConfig) -> str:

@@ -2,9 +2,10 @@
 
 With no arguments it trains the default: context-compaction GRPO of the tiny model on the `doors`
 task, on this machine's CPUs, with the review's three fixes on. Exit codes: 0 on success, 2 for a
-bad config key or value (one line naming the key; also a resume that changes the step's shape, a
-checkpoint directory that cannot be written, workers that do not fit in what Ray offers), 1 for a
-run-ending failure. Either way `ExceptionClass: message` is the last line on stderr, and a failure
+bad config key or value (one line naming the key; also a resume that changes the step's shape or
+the model, a checkpoint directory that cannot be written, a fresh run into a run_dir that holds an
+earlier run, a `cluster.ray_address` that does not answer, workers that do not fit in what Ray
+offers), 1 for a run-ending failure. Either way `ExceptionClass: message` is the last line on stderr, and a failure
 after the run directory exists is also a `run_failed` event in events.jsonl.
 
 The loop, one optimizer step per iteration:
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 from minirl import data, shutdown
-from minirl.config import REPO_ROOT, ConfigError, MinirlConfig, load_config, to_yaml
+from minirl.config import REPO_ROOT, ConfigError, MinirlConfig, load_config, probe_ray_address, to_yaml
 from minirl.trainer import checkpoint
 
 
@@ -73,6 +74,7 @@ def prepare_run_dir(cfg: MinirlConfig) -> Path:
     if cfg.run_dir is None:
         cfg.run_dir = str(REPO_ROOT / "runs" / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
     run_dir = Path(cfg.run_dir).resolve()
+    removed = checkpoint.claim_run_dir(cfg, run_dir)  # an earlier run's records there: refused, or removed whole
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -80,6 +82,8 @@ def prepare_run_dir(cfg: MinirlConfig) -> Path:
         raise ConfigError("run_dir", f"cannot write {run_dir}: {exc.strerror or exc}") from None
     if cfg.checkpoint.enabled:
         checkpoint.check_writable(run_dir)
+    if removed:
+        print(f"minirl: run_dir_exists=overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}", flush=True)
     return run_dir
 
 
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         data.prepare(cfg)  # the dataset rows, checked before anything starts
-        checkpoint.check_resume(cfg)  # the checkpoint's step shape and staleness window, before anything is written
+        checkpoint.check_resume(cfg)  # the checkpoint's model, step shape and staleness window, before anything is written
+        probe_ray_address(cfg)  # a cluster to join answers (Ray itself retries one that does not for minutes)
         run_dir = prepare_run_dir(cfg)
     except ConfigError as exc:  # before Ray starts: one line naming the key
         print(f"ConfigError: {exc}", file=sys.stderr)

@@ -170,20 +170,35 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
              "checkpoint.save_period=1", "checkpoint.keep_last_k=0", f"run_dir={tmp_path}", *shared_engine]
     first = run_cli(*small, "grpo.max_num_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} <= set(checkpoint.RUN_OUTPUTS), "run_dir_exists=overwrite removes a run whole"
+    kept = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    # issue 49: a fresh run into it (B) wrote over it; now refused before Ray, and so is a resume under another model
+    for extra, start in ((["grpo.seed=99"], f"ConfigError: run_dir: {tmp_path} holds an earlier run (metrics.jsonl, "
+                          "events.jsonl, ledger, checkpoints/step_0, checkpoints/step_1), and checkpoint.resume=none"),
+                         (["checkpoint.resume=auto", "policy.model_name=models/tiny-summarize"],
+                          f"ConfigError: policy.model_name: {REPO_ROOT / 'models' / 'tiny-summarize'} is not the model of the "
+                          f"checkpoint resumed ({tmp_path / 'checkpoints' / 'step_1'}, written with policy.model_name={MODEL}): "
+                          "vocab_size 512 there, 576 here")):
+        refused = run_cli(*small, "grpo.max_num_steps=1", *extra, timeout=120)
+        assert refused.returncode == 2 and refused.stdout == "" and last_line(refused.stderr).startswith(start), refused.stderr
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == kept, "the earlier run is intact"
     damaged = tmp_path / "checkpoints" / "step_1" / "policy" / "model.safetensors"
     size = damaged.stat().st_size
     with open(damaged, "r+b") as f:
         f.truncate(size // 2)
 
-    second = run_cli(*small, "grpo.max_num_steps=4", "checkpoint.resume=auto")
+    second = run_cli(*small, "grpo.max_num_steps=4", "checkpoint.resume=auto", "env.data_seed=7")
     assert second.returncode == 0, second.stderr[-3000:]
     reason = f"policy/model.safetensors: size {size // 2} != {size}"
     assert f"skipping checkpoint {damaged.parent.parent}: {reason}" in second.stderr
+    assert (f"minirl: resumed from {tmp_path / 'checkpoints' / 'step_0'} at step 1; the dataset differs from the "
+            "checkpoint's (env.data_seed: 1234 -> 7): the steps from here draw their prompts from the new one") in second.stdout
     assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3], "no gap, no duplicate"
     events = rows(tmp_path / "events.jsonl")
     skipped = [(e["checkpoint"], e["reason"]) for e in events if e["type"] == "checkpoint_skipped"]
     assert skipped == [(str(damaged.parent.parent), reason)]
-    assert [e["from_step"] for e in events if e["type"] == "resumed"] == [1], "resumed from step_0"
+    assert [(e["from_step"], e["dataset_changes"]) for e in events if e["type"] == "resumed"] == [
+        (1, ["env.data_seed: 1234 -> 7"])], "resumed from step_0, saying the prompt stream changed"
     assert checkpoint.verify(damaged.parent.parent) is None, "step 1 was written again, whole"
 
     # an explicit path to a damaged checkpoint ends the run naming the path and the file

@@ -92,7 +92,8 @@ def cell_args(mode: str, seed: int, grid: AsyncGrid, run_dir: Path, attach: list
         f"agent.max_steps={grid.max_calls}", f"grpo.max_num_steps={grid.steps}", f"grpo.num_prompts_per_step={grid.prompts}",
         f"grpo.num_generations_per_prompt={grid.generations}", f"grpo.val_period={grid.steps}",
         f"grpo.val_num_prompts={grid.val_prompts}", *THREADS,
-        "checkpoint.enabled=false", "logger.tensorboard=false", "logger.progress=false", f"run_dir={run_dir}", *attach,
+        "checkpoint.enabled=false", "logger.tensorboard=false", "logger.progress=false", f"run_dir={run_dir}",
+        "run_dir_exists=overwrite", *attach,  # a cell not in results.jsonl runs again whole
     ]
 
 

@@ -140,6 +140,6 @@ def cell_args(c: dict, grid: Grid, run_dir: Path, attach: list[str]) -> list[str
         f"grpo.num_generations_per_prompt={grid.generations}",
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=8", "async_rl.rollout_failure.backoff_base_s=0.25",
         "async_rl.rollout_failure.max_backoff_s=2", "checkpoint.enabled=false", "logger.tensorboard=false",
-        "logger.progress=false", f"run_dir={run_dir}",
+        "logger.progress=false", f"run_dir={run_dir}", "run_dir_exists=overwrite",  # a cell not in the results runs again whole
     ]
     return args + attach

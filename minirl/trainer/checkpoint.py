@@ -17,7 +17,12 @@ resuming repeats no step and skips none.
 `state.json` also holds the run's resolved config (`config`). A resume whose config changes the
 step's shape or the staleness window (RESUME_KEYS) is refused before Ray starts, with one
 ConfigError line naming each changed key with its old and new values: the restored data position,
-buffer and cursor are only meaningful under the config that wrote them.
+buffer and cursor are only meaningful under the config that wrote them. So is the weights' shape:
+a checkpoint of another model (its `policy/config.json`) is refused the same way, naming both.
+
+A run_dir belongs to one run: a fresh run (`checkpoint.resume=none`) into a folder that holds an
+earlier run's records is refused before Ray starts, or with `run_dir_exists=overwrite` the earlier
+run's files (RUN_OUTPUTS) are removed first, never mixed (`claim_run_dir`).
 """
 
 from __future__ import annotations
@@ -153,10 +158,11 @@ def _lookup(tree: dict, key: str):
 
 
 def check_resume(cfg) -> None:
-    """Before Ray starts: the checkpoint `checkpoint.resume` would take must have been written under
-    the same RESUME_KEYS (and, async, ASYNC_RESUME_KEYS); else ConfigError naming each changed key.
-    A checkpoint written before configs were saved is not checked. Which checkpoint is taken, and
-    what is skipped on the way, is decided (and reported) again by `select` once the run starts."""
+    """Before Ray starts: the checkpoint `checkpoint.resume` would take must hold weights of the shape
+    of `policy.model_name` (`check_model`), and have been written under the same RESUME_KEYS (and,
+    async, ASYNC_RESUME_KEYS); else ConfigError naming each changed key. A checkpoint written before
+    configs were saved is not checked for those. Which checkpoint is taken, and what is skipped on the
+    way, is decided (and reported) again by `select` once the run starts."""
     from dataclasses import asdict
 
     from minirl.config import ConfigError
@@ -167,7 +173,10 @@ def check_resume(cfg) -> None:
         path, _ = select(Path(cfg.run_dir or "."), cfg.checkpoint.resume)
     except CheckpointError:
         return  # the run reports it, as before
-    old = read_state(path).get("config") if path is not None else None
+    if path is None:
+        return
+    old = read_state(path).get("config")
+    check_model(cfg, path, old if isinstance(old, dict) else {})
     if not isinstance(old, dict):
         return
     new = asdict(cfg)
@@ -177,6 +186,45 @@ def check_resume(cfg) -> None:
         raise ConfigError(changed[0][0], "differs from the checkpoint resumed (" + ", ".join(
             f"{k}: {a!r} -> {b!r}" for k, a, b in changed) + f"; {path}): a resume must keep the step's shape and "
             "the staleness window; set them back, or start a new run_dir")
+
+
+MODEL_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+"""The model config keys a checkpoint's weights must share with `policy.model_name` to load into it."""
+
+
+def check_model(cfg, path: Path, old: dict) -> None:
+    """The checkpoint's `policy/config.json` (written by save_pretrained) against `policy.model_name`'s
+    on MODEL_SHAPE_KEYS; else ConfigError naming both models and each differing key (torch's load
+    would end the run after Ray starts with a tab-indented `size mismatch for ...` line)."""
+    from minirl.config import ConfigError
+
+    try:
+        saved = json.loads((path / "policy" / "config.json").read_text())
+        model = json.loads((Path(cfg.policy.model_name) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # no saved model config to compare (the load then says what it finds)
+    changed = [(k, saved.get(k), model.get(k)) for k in MODEL_SHAPE_KEYS if saved.get(k) != model.get(k)]
+    if changed:
+        raise ConfigError("policy.model_name", f"{cfg.policy.model_name} is not the model of the checkpoint resumed "
+                          f"({path}, written with policy.model_name={_lookup(old, 'policy.model_name')}): " + ", ".join(
+                              f"{k} {a!r} there, {b!r} here" for k, a, b in changed)
+                          + "; resume with that model, or start a new run_dir")
+
+
+DATASET_KEYS = ("data.train_jsonl", "data.shuffle", "env.data_seed", "env.task", "env.num_rooms", "env.num_rooms_choices")
+"""The keys that choose the prompt stream. A resume may change them (the steps to come then draw their
+prompts from the new stream); the resume line and the `resumed` event say which changed."""
+
+
+def dataset_changes(old, cfg) -> list[str]:
+    """`key: old -> new` for each DATASET_KEYS the resumed checkpoint's config (`old`) holds otherwise."""
+    from dataclasses import asdict
+
+    if not isinstance(old, dict):
+        return []
+    new = asdict(cfg)
+    return [f"{k}: {_lookup(old, k)!r} -> {_lookup(new, k)!r}" for k in DATASET_KEYS if _lookup(old, k) != _lookup(new, k)]
 
 
 def check_writable(run_dir: Path) -> None:
@@ -192,3 +240,54 @@ def check_writable(run_dir: Path) -> None:
     except OSError as exc:
         raise ConfigError("checkpoint.enabled", f"checkpoints cannot be written to {root}: {exc.strerror or exc} "
                           "(make it writable, or set checkpoint.enabled=false)") from None
+
+
+RUN_OUTPUTS = ("config.yaml", "endpoints.json", "metrics.jsonl", "events.jsonl", "validation.jsonl", "ledger",
+               "tensorboard", "checkpoints", "eval")
+"""Every entry a run (and `minirl.evaluate` of its checkpoints) writes in its run_dir; a test holds a real
+run to this list. `run_dir_exists=overwrite` removes these and nothing else of the folder."""
+REWRITTEN = ("config.yaml", "endpoints.json")
+"""...of which each run writes these whole: alone, they hold no record of an earlier run."""
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """The records of an earlier run in `run_dir` that a fresh run would write over or mix with: each
+    RUN_OUTPUTS entry holding something (a file with bytes, a folder with a file; checkpoints: its step_N)."""
+    found = []
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if name in REWRITTEN:
+            continue
+        if name == "checkpoints":
+            found += [f"checkpoints/{p.name}" for p in checkpoints(run_dir)]
+        elif (path.is_file() and path.stat().st_size > 0) or (path.is_dir() and any(p.is_file() for p in path.rglob("*"))):
+            found.append(name)
+    return found
+
+
+def claim_run_dir(cfg, run_dir: Path) -> list[str]:
+    """Before anything is written: a fresh run (`checkpoint.resume=none`) into a run_dir that holds an
+    earlier run's records is refused (ConfigError naming the folder, `checkpoint.resume` and
+    `run_dir_exists`), or, with `run_dir_exists=overwrite`, every RUN_OUTPUTS entry there is removed
+    first: the two runs never mix. A resume keeps them. Returns the entries removed."""
+    from minirl.config import ConfigError
+
+    resume = cfg.checkpoint.resume
+    inside = resume == "auto" or (resume != "none" and run_dir in Path(resume).resolve().parents)
+    if cfg.run_dir_exists == "overwrite" and inside:
+        raise ConfigError("run_dir_exists", f"overwrite would remove the checkpoint checkpoint.resume={resume} resumes "
+                          f"from {run_dir}: set run_dir_exists=error to continue that run, or checkpoint.resume=none to replace it")
+    records = earlier_run(run_dir) if resume == "none" and run_dir.is_dir() else []
+    if records and cfg.run_dir_exists == "error":
+        shown = ", ".join(records[:6]) + (f" and {len(records) - 6} more" if len(records) > 6 else "")
+        raise ConfigError("run_dir", f"{run_dir} holds an earlier run ({shown}), and checkpoint.resume=none starts a "
+                          "fresh one that would write over it: continue it with checkpoint.resume=auto, choose another "
+                          "run_dir, or set run_dir_exists=overwrite to remove it first")
+    removed = [name for name in RUN_OUTPUTS if records and (run_dir / name).exists()]
+    for name in removed:
+        path = run_dir / name
+        try:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        except OSError as exc:
+            raise ConfigError("run_dir_exists", f"overwrite cannot remove {path}: {exc.strerror or exc}") from None
+    return removed
