@@ -305,7 +305,7 @@ def attached(name: str, workers: int, address: str | None) -> list:
         return [ray.get_actor(n, namespace=NAMESPACE) for n in names]
     except ValueError:
         running = sorted(ray.util.list_named_actors())  # this driver's namespace: NAMESPACE
-        missing = next(n for n in names if n not in running)
+        missing = next((n for n in names if n not in running), names[0])
         raise ConfigError("cluster.attach_generation_workers", f"no actor {missing!r} in namespace {NAMESPACE!r} of the "
                           f"cluster at cluster.ray_address={address} (named actors there: {', '.join(running) or 'none'}): "
                           f"name workers started with start_shared_generation (cluster.num_generation_workers={workers} "

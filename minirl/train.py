@@ -5,8 +5,8 @@ task, on this machine's CPUs, with the review's three fixes on. Exit codes: 0 on
 bad config key or value (one line naming the key; also a resume that changes the step's shape or
 the model, a checkpoint directory that cannot be written, a fresh run into a run_dir that holds an
 earlier run, a `cluster.ray_address` that does not answer, workers that do not fit in what Ray
-offers), 1 for a run-ending failure. Either way `ExceptionClass: message` is the last line on stderr, and a failure
-after the run directory exists is also a `run_failed` event in events.jsonl.
+offers), 1 for a run-ending failure. Either way `ExceptionClass: message` is the last line on
+stderr, and a failure after the run directory exists is also a `run_failed` event in events.jsonl.
 
 The loop, one optimizer step per iteration:
   1. the controller collects the step's rollouts under the failure policy and assembles the batch;
