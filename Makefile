@@ -47,9 +47,6 @@ GYM_VENV  := .venv-gym
 GYM_STAMP := $(GYM_VENV)/.nemo-gym-installed
 PY312     ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) $(shell pyenv which python3.12 2>/dev/null))
 
-gym-check: $(STAMP) $(GYM_STAMP) $(GYM07_STAMP)
-	$(BIN)/python scripts/gym_check.py --gym-python $(GYM_VENV)/bin/python --gym07-python $(GYM07_VENV)/bin/python
-
 $(GYM_STAMP):
 	test -n "$(PY312)" || { echo "gym-check needs Python 3.12 (set PY312=/path/to/python3.12)"; exit 2; }
 	test -x $(GYM_VENV)/bin/python || $(PY312) -m venv $(GYM_VENV)
@@ -69,6 +66,11 @@ $(GYM07_STAMP):
 	$(GYM07_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(GYM07_VENV)/bin/python -m pip install --quiet --ignore-requires-python nemo-gym==0.7.0
 	touch $(GYM07_STAMP)
+
+# After both side venvs' variables: make expands a rule's prerequisites when it reads the rule, so
+# a variable defined below it would expand to nothing (the 0.7.0 venv never built).
+gym-check: $(STAMP) $(GYM_STAMP) $(GYM07_STAMP)
+	$(BIN)/python scripts/gym_check.py --gym-python $(GYM_VENV)/bin/python --gym07-python $(GYM07_VENV)/bin/python
 
 # slurm/minirl.sbatch under real Slurm (not part of `make test`; needs root): Debian's slurm-wlm,
 # munge, slurmdbd and MariaDB (apt-get when missing), two slurmd nodes in network namespaces made

@@ -584,8 +584,10 @@ class ContextHistoryConfig:
 
 @dataclass
 class AgentConfig:
-    name: Literal["simple_agent", "compaction_agent"] = "compaction_agent"
-    """`compaction_agent` or `simple_agent`; sent as the row's `agent_ref.name`."""
+    name: str = "compaction_agent"
+    """minirl's own agent: `compaction_agent` or `simple_agent`. With `external_url`, the name of any
+    Gym agent instance (Gym's `+agent_name`). Sent as `agent_ref.name` on a row that has no `agent_ref`
+    (a row's own wins); Gym 0.7's `single_agent_turn_legacy` requires its configured agent's name."""
     max_steps: int = bounded(4, ge=1)
     """Model calls per episode at most."""
     external_url: Optional[Union[str, list[str]]] = None
@@ -603,6 +605,12 @@ class AgentConfig:
     max_request_bytes: int = bounded(8_000_000, ge=1)
     """Largest `/run` request body the agent server accepts."""
     context_history: ContextHistoryConfig = field(default_factory=ContextHistoryConfig)
+
+    def check(self) -> None:
+        own = ("simple_agent", "compaction_agent")
+        _require(self.name in own or (self.external_url is not None and self.name.strip() != ""), "name",
+                 f"must be simple_agent or compaction_agent, got {self.name!r}" if self.external_url is None
+                 else f"must name a Gym agent instance, got {self.name!r}")
 
     def external_urls(self) -> list[str]:
         """`external_url` as a list of base URLs (none: minirl's own pool serves)."""

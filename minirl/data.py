@@ -13,8 +13,9 @@ two datasets.
   Gym's collection or the trainer would set: a missing `agent_ref` becomes {"name": agent.name}
   (Gym's `+agent_name`), a missing `temperature` / `top_p` the run's `policy.generation` value
   (the trainer's logprobs are taken at it, so a row that sets another is refused). The rollout
-  manager then adds only the per-rollout seed (in `metadata.extra_body`) and its bookkeeping
-  (`_rowidx`, `_minirl`), repeats the row G times and groups the rollouts by prompt.
+  manager then adds only the per-rollout seed (in `metadata.extra_body`), its bookkeeping
+  (`_rowidx`, `_minirl`) and Gym's collector keys (`_ng_task_index`: `prompt_key`, unless the row
+  has its own; minirl.wire.collector_keys), repeats the row G times and groups the rollouts by prompt.
 
 Nothing above this module reads an environment's fields: `prompt_key` (the prompt's identity in
 its dataset: the doors task seed, or the row's index in the file) and `difficulty` (a doors row's

@@ -56,7 +56,7 @@ from minirl.config import MinirlConfig
 from minirl.data import _seed, dataset_rows, describe, difficulty, task_row, task_seed
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
-from minirl.wire import INFRA, RolloutFailure, RolloutTimeout, classify, with_extra_body
+from minirl.wire import INFRA, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX, RolloutFailure, RolloutTimeout, classify, with_extra_body
 
 
 POLICY_ENDS = {"ContextGuardRejected": "guard_reject", "SummaryFailed": "summary_failed"}
@@ -99,7 +99,8 @@ def held_out_rows(cfg: MinirlConfig) -> list[dict]:
     for i, row in enumerate(held_out_prompts(cfg)):
         for r in range(cfg.grpo.val_num_generations):
             params = with_extra_body(row["responses_create_params"], seed=_seed(cfg.grpo.seed, "val", i, r) % 2**31)
-            rows.append({**row, "responses_create_params": params, "_rowidx": len(rows)})
+            keys = {TASK_INDEX: i, ROLLOUT_INDEX: r, ROLLOUT_ID: f"val.i{i}.r{r}"}  # Gym's collector keys (minirl.wire)
+            rows.append({**row, "responses_create_params": params, "_rowidx": len(rows), **keys})
     return rows
 
 

@@ -24,6 +24,11 @@ Row extras: Gym's `responses_create_params` is the Responses API's create-params
 there, and minirl's own agent reads it from the same place. `with_extra_body` never drops an extra
 or a metadata key that was already there, and `extra_body` returns exactly what `with_extra_body`
 wrote; a malformed `extra_body` raises ValueError naming `responses_create_params.metadata.extra_body`.
+
+Gym's collector keys: minirl is the rollout collector, so each `/run` also carries the keys Gym 0.7's
+collector writes (`collector_keys`), which a flat-row Environment Server
+(`environment_servers/single_agent_turn_legacy`) reads to name the episode: one episode per
+rollout attempt, never shared by two rollouts of a row, nor by the same row at two steps.
 """
 
 from __future__ import annotations
@@ -308,3 +313,16 @@ def with_extra_body(params: dict, **extras) -> dict:
     metadata = dict(params.get("metadata") or {})
     metadata["extra_body"] = json.dumps({**extra_body(params), **extras}, sort_keys=True)
     return {**params, "metadata": metadata}
+
+
+TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX, ROLLOUT_ID = "_ng_task_index", "_ng_rollout_index", "_ng_attempt_index", "_ng_rollout_id"
+"""Gym 0.7's collector keys (`nemo_gym/global_config.py`: TASK_INDEX_KEY_NAME, ...)."""
+
+
+def collector_keys(coords: Coords, task_index: int) -> dict:
+    """The keys Gym's collector puts on a `/run` row, for one attempt of one rollout: the task's index
+    in its dataset, the rollout's index among its row's repeats, the attempt, and an explicit rollout id
+    (`s0.g1.r0`: Gym's `{task}-{rollout}` would repeat when a later step trains the same row). Gym
+    derives the episode id from them: (`_ng_rollout_id`, `_ng_attempt_index`), capture key `s0.g1.r0-a1`."""
+    return {TASK_INDEX: task_index, ROLLOUT_INDEX: coords.rollout, ATTEMPT_INDEX: coords.attempt,
+            ROLLOUT_ID: f"s{coords.step}.g{coords.group}.r{coords.rollout}"}

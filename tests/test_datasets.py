@@ -164,7 +164,10 @@ def test_the_manager_passes_rows_through_but_the_seed_and_its_bookkeeping(base_c
     for body in seen:
         g, r = body["_minirl"]["group"], body["_minirl"]["rollout"]
         assert body["_rowidx"] == r and body["_minirl"]["step"] == 1
-        sent = {k: v for k, v in body.items() if k not in ("_rowidx", "_minirl")}
+        assert {k: body[k] for k in body if k.startswith("_ng_")} == {  # Gym's collector keys (minirl.wire)
+            "_ng_task_index": data.prompt_key(cfg, 1, g), "_ng_rollout_index": r, "_ng_attempt_index": 0,
+            "_ng_rollout_id": f"s1.g{g}.r{r}"}
+        sent = {k: v for k, v in body.items() if k not in ("_rowidx", "_minirl") and not k.startswith("_ng_")}
         params = dict(sent.pop("responses_create_params"))
         extras = extra_body(params)
         assert extras.pop("seed") == data.sampling_seed(cfg, 1, g, r, 0)

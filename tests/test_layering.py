@@ -18,7 +18,8 @@ Floors, from the ground up (a module's floor is that of its longest listed prefi
   5  async_rl/ (buffer, samplers, the train pump and its step source), validation
   6  controller (one optimizer step: source -> check_step -> ledger -> assemble -> stats)
   7  cluster (the Ray actors and placement)
-  8  train, shutdown (what a stopped run says it keeps), evaluate, experiments/ (entry points and the sweep)
+  8  train, shutdown (what a stopped run says it keeps), evaluate, experiments/ (entry points and the sweep),
+     gym_generation (the generation side for a Gym deployment)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ FLOORS = {
     "minirl.controller": 6,
     "minirl.cluster": 7,
     "minirl.train": 8, "minirl.shutdown": 8, "minirl.evaluate": 8, "minirl.experiments": 8,
+    "minirl.gym_generation": 8,  # an entry point: minirl's generation side for a Gym deployment
     "minirl": 8,  # the package's own __init__
 }
 

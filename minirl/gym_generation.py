@@ -1,0 +1,78 @@
+"""minirl's generation side for a Gym deployment, as one command (docs/gym.md, step 1):
+
+    python -m minirl.gym_generation [--config FILE] [key=value ...]
+
+starts a Ray cluster owned by this process, `cluster.num_generation_workers` detached generation
+workers named `minirl-gen-<rank>` (`--name`), and the generation router in front of them, then
+prints what Gym and `minirl.train` need and waits until Ctrl-C or SIGTERM:
+
+    policy_base_url=http://127.0.0.1:6000/v1     Gym's `+policy_base_url`
+    policy_model_name=/abs/path/models/tiny-doors Gym's `+policy_model_name` (the name the server answers to)
+    attach: cluster.ray_address=… cluster.attach_generation_workers=minirl-gen   (for `minirl.train`)
+
+and, last, one machine-readable line `generation-ready {json of the same}` (scripts/gym_check.py reads
+it). The config is the run's own (the same `--config` and overrides go to `minirl.train`): the
+model, the engine and the router come from it. A bad key is a ConfigError naming it, exit 2, before
+Ray starts.
+
+Invariant: nothing is printed as ready before the router answers; on Ctrl-C or SIGTERM the Ray
+cluster this process started (workers, router, weights store) is stopped, and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+
+def start(cfg, name: str) -> dict:
+    """The workers and the router; returns what Gym and `minirl.train` need (module docstring)."""
+    import ray
+
+    from minirl.cluster import NAMESPACE, start_shared_generation
+    from minirl.generation.router import start_router
+
+    attach = start_shared_generation(cfg, name)
+    workers = [ray.get(ray.get_actor(f"{name}-{i}", namespace=NAMESPACE).start.remote())
+               for i in range(cfg.cluster.num_generation_workers)]
+    _router, router = start_router(cfg, workers, cfg.cluster.host, name=name)
+    return {"policy_base_url": router.rstrip("/") + "/v1", "policy_model_name": cfg.policy.model_name,
+            "router": router, "workers": workers, "attach": attach}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minirl.gym_generation", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML file merged over the defaults (the one minirl.train gets)")
+    ap.add_argument("--name", default="minirl-gen", help="the detached workers' name (cluster.attach_generation_workers)")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value, applied last")
+    args = ap.parse_args(argv)
+    from minirl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"ConfigError: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    import ray
+
+    try:
+        ready = start(cfg, args.name)
+        print(f"policy_base_url={ready['policy_base_url']}\npolicy_model_name={ready['policy_model_name']}\n"
+              f"attach: {' '.join(ready['attach'])}\n(router {ready['router']}, workers {ready['workers']}; Ctrl-C stops them)")
+        print("generation-ready " + json.dumps(ready), flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        ray.shutdown()  # the cluster start_shared_generation started: its detached actors go with it
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
