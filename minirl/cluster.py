@@ -212,6 +212,7 @@ class Cluster:
         on = self._placement()
         if attach:  # the shared workers' store, so that one Ray restarts mid-run catches up with this run's weights
             self.store, *self.gen = attached(attach, cl.num_generation_workers, cl.ray_address)
+            check_served_model(cfg, ray.get([g.served_model.remote() for g in self.gen]))
             model_urls = ray.get([g.reset.remote(cfg) for g in self.gen])
         else:
             self.store = ray.remote(WeightsStore).options(**light).remote()
@@ -310,6 +311,16 @@ def attached(name: str, workers: int, address: str | None) -> list:
                           f"cluster at cluster.ray_address={address} (named actors there: {', '.join(running) or 'none'}): "
                           f"name workers started with start_shared_generation (cluster.num_generation_workers={workers} "
                           "of them), or set it to null to start this run's own") from None
+
+
+def check_served_model(cfg: MinirlConfig, served: list[str]) -> None:
+    """Attached workers must serve `policy.model_name`: another model's weights fail vLLM's reload."""
+    want = os.path.realpath(cfg.policy.model_name)
+    wrong = sorted({m for m in served if os.path.realpath(m) != want})
+    if wrong:
+        raise ConfigError("policy.model_name", f"{cfg.policy.model_name} is not the model that the generation workers "
+                          f"cluster.attach_generation_workers={cfg.cluster.attach_generation_workers} serve ({', '.join(wrong)}); "
+                          "attach to workers started for this model, or train theirs")
 
 
 def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:

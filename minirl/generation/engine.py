@@ -11,6 +11,13 @@ Invariant: vLLM's engine is built on the engine thread, and every call that chan
 interleaves with a decoding step; each result records the weight version at its submission and
 at its completion, so a caller can tell if an update fell between. Every accepted request leaves
 `pending` exactly once: finished, aborted, or failed with the engine.
+
+A weight update either lands whole or leaves the engine as it was: the update's names, shapes and
+dtypes are checked against the served checkpoint's (`check_weights`, from its safetensors headers)
+before vLLM's in-place reload starts, since that reload first moves every layer to the meta device
+and a load that fails midway (another model's vocabulary: vLLM asserts) leaves it unable to step.
+An update that fails inside the reload anyway marks the engine dead (`/health` 503, every request
+refused) rather than serving from half-loaded weights; the generation worker restarts it.
 """
 
 from __future__ import annotations
@@ -80,6 +87,52 @@ class GenResult:
     request asked for more than the sampled token's."""
 
 
+def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
+    """The served checkpoint's tensors, name -> shape, from its safetensors headers (no tensor is
+    read); a tied `lm_head.weight` (the policy's state_dict repeats it, vLLM skips it) takes the
+    embedding's shape. None when the checkpoint has no safetensors files: nothing to check against."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(model).glob("*.safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), "np") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    config = json.loads((Path(model) / "config.json").read_text())
+    embed = next((k for k in shapes if k.endswith("embed_tokens.weight")), None)
+    if config.get("tie_word_embeddings") and embed and "lm_head.weight" not in shapes:
+        shapes["lm_head.weight"] = shapes[embed]
+    return shapes
+
+
+def check_weights(named: list, expected: dict[str, tuple[int, ...]] | None, model: str) -> None:
+    """A ValueError naming the first tensor of `named` that does not fit the served checkpoint: a
+    name it lacks, a shape that differs, an array that is not floating point, or a tensor of the
+    checkpoint left out. No-op without `expected` (`checkpoint_shapes` found none)."""
+    if expected is None:
+        return
+    where = f"the served model {model}"
+    seen = set()
+    for name, a in named:
+        a = np.asarray(a)
+        if name not in expected:
+            raise ValueError(f"weight {name!r} is not a tensor of {where} (a policy of another architecture?)")
+        if tuple(a.shape) != expected[name]:
+            raise ValueError(f"weight {name!r} has shape {tuple(a.shape)}, but {where} has {expected[name]} "
+                             "(a policy of another model? policy.model_name must be the model the workers serve)")
+        if not np.issubdtype(a.dtype, np.floating):
+            raise ValueError(f"weight {name!r} is {a.dtype}, not floating point")
+        seen.add(name)
+    missing = sorted(set(expected) - seen - {"lm_head.weight"})
+    if missing:
+        raise ValueError(f"the update lacks {len(missing)} tensor(s) of {where}, e.g. {missing[0]!r}")
+
+
 def _reload_weights(worker, named: list) -> None:
     """Runs inside vLLM's worker (collective_rpc): load new weights in place."""
     import torch
@@ -106,6 +159,8 @@ class VllmEngine:
         generation worker ends its process there. `gather_gap_s` and `gather_max_s`: how an idle CPU
         engine gathers a burst before its first step (`set_gather`)."""
         self.max_model_len = max_model_len
+        self.model = model
+        self.expected = checkpoint_shapes(model)  # what an update must fit (check_weights)
         self.version = 0
         self.busy_s = 0.0  # wall time the engine had work, for overhead accounting
         self.weights_s = 0.0  # wall time it spent loading new weights (minirl.timeline)
@@ -169,16 +224,28 @@ class VllmEngine:
     def update_weights(self, named: list, version: int, drain: bool = False) -> Future:
         """New weights between two engine steps. Requests in flight continue under them (their
         result records both versions), unless `drain`: then the update waits until every request in
-        flight has finished, and requests that arrive meanwhile wait for the update."""
+        flight has finished, and requests that arrive meanwhile wait for the update. Weights that do
+        not fit the served checkpoint fail the future (ValueError naming the tensor) and change nothing."""
+        fut: Future = Future()
+        try:
+            check_weights(named, self.expected, self.model)
+        except ValueError as exc:
+            fut.set_exception(ValueError(f"weights of version {version} refused, the engine keeps serving version "
+                                         f"{self.version}: {exc}"))
+            return fut
 
         def apply(llm):
             t0 = time.monotonic()
-            llm.collective_rpc(_reload_weights, args=(named,))
+            try:
+                llm.collective_rpc(_reload_weights, args=(named,))
+            except BaseException as exc:  # vLLM's layers may sit on the meta device now: serve nothing from them
+                self._fail(RuntimeError(f"the update to weights version {version} failed inside vLLM's reload ({exc!r}); "
+                                        "its weights are partly loaded"))
+                raise
             llm.reset_prefix_cache()
             self.version = version
             self.weights_s += time.monotonic() - t0
 
-        fut: Future = Future()
         self._inbox.put(("drain" if drain else "run", apply, fut))
         return fut
 
@@ -255,11 +322,16 @@ class VllmEngine:
             enable_chunked_prefill=torch.cuda.is_available(),
         )
 
-    def _die(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
+        """The engine serves no more: `check_health` says why, every request in it and after fails."""
         self.dead = exc
         for fut, _ in list(self._pending.values()):
             fut.set_exception(RuntimeError(f"vLLM engine step failed: {exc!r}"))
         self._pending.clear()
+
+    def _die(self, exc: BaseException) -> None:
+        """A step failed: `_fail`, then `on_dead` (the generation worker ends its process)."""
+        self._fail(exc)
         if self.on_dead is not None:
             self.on_dead(exc)
 

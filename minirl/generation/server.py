@@ -12,9 +12,18 @@ vLLM's HTTP 400 "maximum context length" error.
 Errors are vLLM's too: a client error (a body that is not a JSON object or nests too deeply, a
 sampling parameter out of range, vLLM's own validation errors, a bad `required_prefix_token_ids`)
 is a 400 with vLLM's OpenAI-style body `{"error": {"message", "type", "param", "code"}}` naming the
-field, mapped by vLLM's `create_error_response`; a `model` other than the served one (the
-`policy.model_name` the server was started with) is vLLM's 404 "The model `X` does not exist."
-on both routes; only a failure of the server itself is a 5xx.
+field, mapped by vLLM's `create_error_response`; a `model` the server does not answer to is vLLM's
+404 "The model `X` does not exist. Valid aliases: ..." on both routes, naming the served path whole
+(vLLM's sanitiser would print `<path>`); only a failure of the server itself is a 5xx. The server
+answers to `policy.model_name` (the absolute path `load_config` makes of it), to none, and to any
+trailing part of that path: the name as a user wrote it in the config (`models/tiny-doors`) and its
+basename (`served_as`).
+
+Sampling seeds (`call_seed`): a call without the rollout header (an external agent's, e.g. Gym's
+`vllm_model`, which merges the row's `metadata.extra_body` seed into every call of an episode)
+samples with a seed derived from its `seed` and its prompt's token ids, so each turn of a rollout
+draws its own sample, reproducibly. minirl's own agents (the header) already send `seed + call`:
+their seed is used as sent. The call log records the seed the engine sampled with.
 
 minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns' exact tokens (see
 `splice_prefix`; a prefix that is not the messages' earlier turns is a 400 naming it), and a
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+import hashlib
 import json
 import math
 import os
@@ -55,6 +65,9 @@ import signal
 import time
 import uuid
 from http import HTTPStatus
+from pathlib import Path
+
+import numpy as np
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -75,6 +88,7 @@ from minirl.http_thread import INLINE_BYTES, off_loop
 from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
 
 PREFIX_FIELD = "required_prefix_token_ids"
+SEED_SPACE = 2**31  # derived seeds lie in [0, SEED_SPACE), as minirl.data.sampling_seed's do
 CLIENT_LEFT = 499  # nginx's "client closed request": the status recorded when the caller disconnected
 HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine's process (the router's probe_timeout_s is usually shorter)
 
@@ -151,6 +165,26 @@ def input_text_message(max_model_len: int, chars: int, max_chars: int) -> str:
         f"contains {chars} characters (more than {max_chars} characters, which is the upper bound "
         f"for {max_model_len} input tokens). Please reduce the length of the input prompt."
     )
+
+
+def call_seed(seed: int, prompt_token_ids: list[int]) -> int:
+    """The seed a headerless call samples with: a stable hash of the request's seed and its prompt's
+    token ids. An external agent that sends one seed on every call of a rollout gets a new sample
+    each turn (each turn's prompt differs), the same one on a re-run or a retry of the same call."""
+    digest = hashlib.blake2b(int(seed).to_bytes(8, "little", signed=True), digest_size=8)
+    digest.update(np.asarray(prompt_token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little") % SEED_SPACE
+
+
+def served_as(name: str, served: str) -> bool:
+    """Does a request's `model` name the served model: the served path, the same directory by
+    another absolute path, or a trailing part of the path (`models/tiny-doors`, `tiny-doors`)?"""
+    if name == served:
+        return True
+    if os.path.isabs(name):
+        return os.path.realpath(name) == os.path.realpath(served)
+    want, have = Path(os.path.normpath(name)).parts, Path(served).parts
+    return ".." not in want and 0 < len(want) <= len(have) and have[-len(want):] == want
 
 
 CALL_LOG_STEPS = 64
@@ -292,11 +326,15 @@ class ModelServer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _check_model(self, model: str | None) -> None:
-        """vLLM's `_check_model`: a request naming a model this server does not serve is a 404 (none: the served one)."""
-        if model and model != self.model_name:
-            raise HTTPError(create_error_response(
-                f"The model `{model}` does not exist. Valid aliases: {self.model_name}.",
-                err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="model"))
+        """vLLM's `_check_model`: a request naming a model this server does not serve is a 404 (none: the
+        served one); `served_as` says which names it answers to, and the 404 names them, path unsanitised."""
+        if model and not served_as(model, self.model_name):
+            parts = Path(self.model_name).parts
+            examples = ", ".join(dict.fromkeys(str(Path(*parts[-n:])) for n in (2, 1) if len(parts) > n))
+            raise HTTPError(ErrorResponse(error=ErrorInfo(
+                message=f"The model `{model}` does not exist. Valid aliases: {self.model_name}, or a trailing part "
+                        f"of that path ({examples}).",
+                type="NotFoundError", param="model", code=HTTPStatus.NOT_FOUND)))
 
     def _tokenize(self, raw: bytes) -> bytes:
         body = parse_json_object(raw)
@@ -405,6 +443,9 @@ class ModelServer:
         body, req, prompt = await off_loop(self._prepare_chat, await request.read())
         await self._before_engine(fault_site(self.plan, coords, call=call), prompt, record["key"])
         params = self._sampling_params(req, prompt)
+        if coords is None and params.seed is not None:  # an external agent's call: its own sample each turn
+            params.seed = call_seed(params.seed, prompt)
+        record["seed"] = params.seed
         result = await self._generate(prompt, params, record)
         return self._response(body, req, prompt, result)
 

@@ -7,6 +7,10 @@ optimizer step), at a port fixed at creation, so a restarted worker comes back a
 with current weights before it answers anyone. A worker whose engine dies (a step fails, or does
 not return within `vllm_cfg.step_timeout_s`) ends its process, as `vllm serve` exits when its
 engine dies, so Ray restarts it whole rather than keeping a worker that fails or hangs every call.
+A weight update refused before vLLM's reload (weights of another model) leaves the engine serving
+its last good weights; one that fails inside the reload marks the engine dead (`/health` 503, so
+fleet health routes around it) without ending the process, since Ray would re-run the same update
+on the restarted worker; the next run's `reset` then restarts the worker whole.
 """
 
 from __future__ import annotations
@@ -67,9 +71,19 @@ class GenerationWorker:
         """The base URL (the server is already up: it starts in the constructor)."""
         return self.front.url
 
+    def served_model(self) -> str:
+        """The model the engine was built from (`policy.model_name` of the config that started the worker)."""
+        return self.engine.model
+
     def reset(self, cfg: MinirlConfig) -> str:
         """Serve a new run (sweeps reuse workers): its fault plan, reasoning parser and gather, an empty call log. The
-        run then publishes its initial weights before its first step."""
+        run then publishes its initial weights before its first step. A worker whose engine an earlier run left
+        dead (a weight update that failed inside vLLM's reload) ends its process first: Ray restarts it with the
+        model's own weights, catches it up from the weights store, and runs this reset there."""
+        if self.engine.dead is not None:
+            print(f"minirl: generation worker {self.rank}'s engine is dead ({self.engine.dead!r}); restarting the worker "
+                  "for the new run", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         self.drain = not cfg.async_rl.in_flight_weight_updates
         self.engine.set_gather(cfg.policy.generation.vllm_cfg.gather_gap_s, cfg.policy.generation.vllm_cfg.gather_max_s)
         self.engine.unhang()  # an `engine_hang` of the previous run ends with it

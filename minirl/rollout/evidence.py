@@ -333,7 +333,7 @@ class Ledger:
                     counts[f"calls_{status}"] += 1
                     r.mask_reason = r.mask_reason or {"stale": "stale_calls"}.get(status, status)
                 lines.append({**r.coords.as_dict(), "call": i, **{k: rec.get(k) for k in ("finish_reason", "version_start",
-                              "version_end", "generation_token_ids")}, "http_status": 200, "ledger_status": status})
+                              "version_end", "generation_token_ids", "seed")}, "http_status": 200, "ledger_status": status})
         self._write(step, lines)
         return counts, [rec for recs in index.values() for rec in recs]
 
@@ -415,7 +415,7 @@ class Ledger:
                     )
                 counts[f"calls_{status}"] += 1
                 lines.append({**{k: rec.get(k) for k in ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",
-                                                          "version_start", "version_end", "generation_token_ids")},
+                                                          "version_start", "version_end", "generation_token_ids", "seed")},
                               "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")})
         self._write(step, lines)
         return counts
