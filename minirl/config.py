@@ -18,6 +18,7 @@ whose message starts with the offending dotted key; nothing downstream re-valida
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
 import operator
@@ -474,6 +475,24 @@ class AsyncRLConfig:
 
 
 # ------------------------------------------------------------------------------- context compaction
+SELECTION_BUILTINS = ("returned_history", "all_captured", "select_all_captured")
+"""`context_compaction.call_selection`'s built-in policies (upstream's names, and minirl's short one)."""
+
+
+def load_callable(path: str, key: str):
+    """`package.module:function` -> the function, as upstream's `resolve_selection_policy` imports a
+    custom policy; a path that does not import, or names no callable, is a ConfigError naming `key`."""
+    module, sep, name = path.partition(":")
+    _require(bool(sep and module and name), key,
+             f"must be returned_history, all_captured or an importable package.module:function, got {path!r}")
+    try:
+        fn = functools.reduce(getattr, name.split("."), importlib.import_module(module))
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises when imported
+        raise ConfigError(key, f"cannot import {path!r}: {type(exc).__name__}: {exc}") from None
+    _require(callable(fn), key, f"{path!r} is not callable")
+    return fn
+
+
 @dataclass
 class ContextCompactionConfig:
     enabled: bool = True
@@ -482,6 +501,18 @@ class ContextCompactionConfig:
     """Fix 1: a CC step trains on the groups it kept. False reproduces upstream (full count or raise)."""
     redispatch_dropped_groups: bool = True
     """Fix 3: re-run CC groups that failed with INFRA errors. False reproduces upstream (drop at once)."""
+    call_selection: str = "returned_history"
+    """Which captured model calls of a rollout train (NeMo-RL's `nemo_rl.environments.call_selection`):
+    `returned_history` (upstream's default: the calls of the history the agent returned),
+    `all_captured` (upstream's `select_all_captured`, also accepted: every usable captured call of
+    the committed attempt, the summary requests the harness rejected excepted; each sampled token
+    trained once, one reward and advantage per rollout), or a custom `package.module:function` with
+    upstream's signature `(records, result) -> (selected_records, terminal_response_id)`
+    (minirl/rollout/selection.py). Anything but `returned_history` needs minirl's own agents."""
+
+    def check(self) -> None:
+        if self.call_selection not in SELECTION_BUILTINS:
+            load_callable(self.call_selection, "call_selection")
 
 
 @dataclass
@@ -825,6 +856,16 @@ class MinirlConfig:
         if self.agent.context_history.policy.type == "summarize":
             _require(rewrites, "agent.context_history.policy.type",
                      "summarize needs agent.name=compaction_agent with agent.context_history.enabled=true")
+        if cc.call_selection != "returned_history":
+            _require(cc.enabled, "context_compaction.call_selection",
+                     f"{cc.call_selection} needs context_compaction.enabled=true: captured calls outside the returned "
+                     "history need not extend each other")
+            _require(self.agent.external_url is None, "context_compaction.call_selection",
+                     f"{cc.call_selection} needs minirl's own agents: an external agent's calls carry no rollout header, "
+                     "so no captured call can be told apart as its rollout's")
+            _require(self.loss_fn.truncated_importance_sampling_type != "seq-mask-tis", "loss_fn.truncated_importance_sampling_type",
+                     "seq-mask-tis with context_compaction.call_selection other than returned_history: sequence-level "
+                     "correction masks depend on physical trace boundaries and cannot preserve split/merged equivalence")
         if cc.enabled:  # upstream: validate_cc_objective
             _require(self.loss_fn.token_level_loss, "loss_fn.token_level_loss", "context compaction requires token_level_loss=true")
             _require(cc.allow_step_shrink or rf.min_step_batch_fraction == 1, "async_rl.rollout_failure.min_step_batch_fraction",

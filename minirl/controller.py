@@ -4,7 +4,8 @@
 (`SyncSource`: dispatched through the rollout manager and awaited; `BufferSource`
 (minirl/async_rl/source.py): selected from the buffer that the rollout pump fills), under the
 fleet watch (minirl/generation/fleet.py) when fleet health is on; then `check_step`, the ledger
-(the servers' call logs, or for an external agent its calls matched by their tokens), `assemble`,
+(the servers' call logs, or for an external agent its calls matched by their tokens), the call
+selection (`context_compaction.call_selection`: which captured calls train), `assemble`,
 and the step's statistics:
 - floor: a step that lost more groups than `min_step_batch_fraction` allows raises upstream's
   RuntimeError ("training step … lost … below the floor …");
@@ -38,6 +39,7 @@ from minirl.gym_failures import KindCounts, mask_facts
 from minirl.rollout.evidence import Ledger, summary_stats
 from minirl.rollout.manager import RolloutManager, StepTake, dominant_failure
 from minirl.rollout.masking import ScoredGroup, baseline_members, masking_stats, rollout_stats
+from minirl.rollout.selection import select_calls
 from minirl.timeline import clocks, generation_lane
 from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
 
@@ -300,7 +302,11 @@ class Controller:
         check_step(self.cfg, step, take.outcomes)
         kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
         ledger, generated = await self._check_ledger(step, version, take, kept)
+        selection = self.cfg.context_compaction.call_selection  # which captured calls train (rollout/selection.py)
+        reselected = 0 if selection == "returned_history" else select_calls(
+            selection, kept, take.calls, self.cfg.policy.max_total_sequence_length)
         batch, stats = assemble(self.cfg, take.outcomes, self.pad_id)
+        stats["rollouts_reselected"] = reselected
         for r in kept:
             if r.mask_reason:
                 self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
