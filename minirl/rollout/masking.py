@@ -76,7 +76,10 @@ def masking_stats(groups: list[ScoredGroup]) -> dict:
     n = len(rows)
     by_kind = {k: [r.reward for r, kind, _ in rows if kind == k] for k in ("trained", *MASKED_KINDS)}
     masked = [r.reward for r, kind, _ in rows if kind != "trained"]
-    frac = (lambda k: len(by_kind[k]) / n if n else 0.0)
+
+    def frac(kind: str) -> float:
+        return len(by_kind[kind]) / n if n else 0.0
+
     lt2 = sum(sum(row_kind(r) == "trained" for r in g.rollouts) < 2 for g in groups)
     p = "train/masking/"
     return {
