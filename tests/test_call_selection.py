@@ -213,3 +213,52 @@ def test_split_and_merged_traces_train_the_same_loss_and_gradient(monkeypatch):
     twice.loss_mask[row, len(P):len(P) + len(C0.gen)] = 1
     loss_t, grad_t = f64_loss_and_grad(model, twice.count_valid())
     assert abs(loss_t - loss_m) > 1e-4 and max(float((a - b).abs().max()) for a, b in zip(grad_t, grad_m)) > 1e-4
+
+
+# ------------------------------------------------------------------------------ a real stack's records
+def every_usable_record(records, result):
+    """A custom policy that would train the harness's rejected summary requests too."""
+    kept = [rec for rec in records if rec["status"] == 200 and rec.get("generation_token_ids")]
+    return kept, kept[-1]["key"] if kept else None
+
+
+def test_selection_over_a_real_stacks_call_records(stack, base_cfg, tokenizer):
+    """Two summarizing episodes through the real agent server and model server (the tiny model
+    never writes a summary block, so each compaction's 3 requests are rejected, then recency takes
+    over): the servers' records pass the ledger; `all_captured` changes nothing (minirl's agents
+    return every call, the rejected requests stay out); a custom policy that selects a rejected
+    request (which the ledger retired) ends the run naming it; one that picks a subset trains it,
+    each sampled token once."""
+    import asyncio
+
+    from test_summarize import SUMMARY, post, row_of, stack_cfg
+
+    from minirl.rollout.evidence import Ledger, parse_rollout
+    from minirl.wire import is_summary_call
+
+    cfg = stack_cfg(base_cfg, (f"{SUMMARY}.on_summary_failure", "recency_fallback"))
+    max_len = cfg.policy.max_total_sequence_length
+
+    async def go():
+        async with stack(cfg) as s:
+            results = await asyncio.gather(*(post(s.agent_url, row_of(cfg, rollout=r, seed=3)) for r in range(2)))
+            return results, s.model.take_calls(0)
+
+    results, calls = asyncio.run(go())
+
+    def parsed():
+        return [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer), max_len=max_len, overlong_filtering=True)
+                for r, (_, body) in enumerate(results)]
+
+    rollouts = parsed()
+    assert Ledger(None).close_step(0, calls, rollouts, version=0)["calls_unrecorded"] == 0
+    returned = [[c.gen for c in r.calls] for r in rollouts]
+    assert select_calls("all_captured", rollouts, calls, max_len) == 0 and [[c.gen for c in r.calls] for r in rollouts] == returned
+    rejected = [c for c in calls if is_summary_call(c["call"])]
+    assert len(rejected) == 6
+    with pytest.raises(RuntimeError, match=r"every_usable_record selected 3 record\(s\) that are not usable captured calls"):
+        select_calls("test_call_selection:every_usable_record", parsed(), calls, max_len)
+    last = parsed()
+    assert select_calls("test_call_selection:last_call_only", last, calls, max_len) == 2
+    for r, gens in zip(last, returned):  # the last call alone, each of its sampled tokens once
+        assert [c.gen for c in r.calls] == [gens[-1]] and sum(sum(t.loss_mask) for t in r.traces) == len(gens[-1])

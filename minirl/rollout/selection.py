@@ -10,6 +10,8 @@ records. Built-ins: `returned_history` (the returned calls: what parse_rollout a
 the controller does nothing for it) and `all_captured` / `select_all_captured` (every usable
 record: HTTP 200, generated tokens and their logprobs; the summary requests the harness rejected,
 dead leaves no scored call continues, excepted). A custom one is `package.module:function`.
+minirl's own agents return every call they make, so for them `all_captured` trains what
+`returned_history` does; it differs for an agent that returns part of its history.
 
 The policy chooses membership; reconstruction stays minirl's: the selected records, in order,
 become the rollout's calls and `split_traces` builds its physical traces, so each sampled token is
@@ -18,7 +20,8 @@ carries the rollout's one reward and advantage (minirl.controller).
 
 Invariant: a rollout's reward is observed once whatever the selection (the group's baseline counts
 rollouts, not traces); a selected record must be one of the attempt's usable records and the
-terminal response one of the selected ones, or the run ends naming the policy; a rollout that is
+terminal response one of the selected ones, or the run ends naming the policy (so no policy
+trains what the ledger retired: a rejected summary request); a rollout that is
 masked, or one of whose traces is, keeps its returned history (its mask is about those calls).
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 from typing import Callable
 
 from minirl.config import SELECTION_BUILTINS, load_callable
-from minirl.rollout.evidence import SUMMARY_KIND, split_traces
+from minirl.rollout.evidence import SUMMARY_KIND, Ledger, split_traces
 from minirl.types import Call, Rollout
 from minirl.wire import is_summary_call
 
@@ -98,7 +101,11 @@ def select_calls(name: str, rollouts: list[Rollout], server_calls: list[dict], m
 
 
 def _check_selection(name: str, r: Rollout, records: list[dict], selected: list[dict], terminal) -> None:
-    ok = {id(rec) for rec in records if usable(rec)}
+    """Upstream's "shared capture validation remains authoritative": a selected record must be a
+    usable one of the attempt's, and not a summary request the harness rejected (the ledger retires
+    those: they are never trained)."""
+    rejected = Ledger._rejected_summaries(records, r)
+    ok = {id(rec) for rec in records if usable(rec) and id(rec) not in rejected}
     stray = [rec.get("key") for rec in selected if id(rec) not in ok]
     if stray:
         raise RuntimeError(f"context_compaction.call_selection={name} selected {len(stray)} record(s) that are not usable "
