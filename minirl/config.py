@@ -627,8 +627,19 @@ class AgentConfig:
     selection: Literal["least_busy", "round_robin"] = "least_busy"
     """Which agent server (external, or `cluster.num_agent_servers` of minirl's pool) a `/run` goes
     to: `least_busy` (fewest of this run's `/run` requests in flight, ties in turn) or `round_robin`.
-    One that refused or reset a connection is passed over while others answer, and the row is
-    re-sent at once on another (rollout/agent_pool.py)."""
+    One that is down (see `down_retry_s`) is passed over while others are up, and the row is re-sent
+    at once on another (rollout/agent_pool.py)."""
+    down_retry_s: float = bounded(2.0, gt=0)
+    """Seconds an agent server marked down (it refused or reset a connection, or failed
+    `max_server_failures` sends in a row) is passed over before the rollout manager probes it
+    (`GET /health`, any answer below 500 within 5 s brings it up; so does any `/run` it answers).
+    Doubled with each mark that follows no `/run` answer, up to `down_retry_max_s`."""
+    down_retry_max_s: float = bounded(30.0, gt=0)
+    """The longest wait before a down agent server is probed again; must be >= down_retry_s."""
+    max_server_failures: int = bounded(2, ge=1)
+    """Failures of an agent server's own in a row that mark it down: a 200 whose body is not JSON (a
+    proxy's error page), or a send still unanswered at its group's deadline while the server answered
+    nothing else. A refused or reset connection marks it down at once."""
     uses_reasoning_parser: bool = True
     """Gym's `vllm_model` flag of the same name, for minirl's own agent: `false` expects replies with
     the reasoning left in the content (a model server without a reasoning parser), and fails the call
@@ -642,6 +653,8 @@ class AgentConfig:
         _require(self.name in own or (self.external_url is not None and self.name.strip() != ""), "name",
                  f"must be simple_agent or compaction_agent, got {self.name!r}" if self.external_url is None
                  else f"must name a Gym agent instance, got {self.name!r}")
+        _require(self.down_retry_max_s >= self.down_retry_s, "down_retry_max_s",
+                 f"must be >= down_retry_s ({self.down_retry_s}), got {self.down_retry_max_s}")
 
     def external_urls(self) -> list[str]:
         """`external_url` as a list of base URLs (none: minirl's own pool serves)."""
@@ -1132,7 +1145,20 @@ def _check_outside(cfg: MinirlConfig) -> None:
             raise ConfigError(key, f"{one!r} is not a URL: {exc}") from None
         _require(parts.scheme in ("http", "https") and bool(parts.hostname), key,
                  f"must be an http(s) URL with a host, got {one!r}")
-    _require(len(set(urls)) == len(urls), "agent.external_url", f"lists a URL twice: {urls}")
+    seen: dict[tuple, str] = {}
+    for one in urls:
+        first = seen.setdefault(same_server(one), one)
+        _require(first is one, "agent.external_url", f"lists one agent server twice: {first!r} and {one!r}")
+
+
+def same_server(url: str) -> tuple:
+    """What makes two agent URLs one server: scheme, host (`localhost` read as 127.0.0.1, any case),
+    port (the scheme's default when none is given) and path without a trailing slash."""
+    parts = urlparse(url)
+    host = (parts.hostname or "").lower()
+    host = "127.0.0.1" if host == "localhost" else host
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return parts.scheme.lower(), host, port, parts.path.rstrip("/")
 
 
 RAY_PROBE_TIMEOUT_S = 5.0

@@ -365,6 +365,7 @@ class Controller:
             staleness_max=int(max(staleness)),
             **take.counts,
             **self.fleet.stats,
+            **self.manager.agent_stats(),  # agent servers up, and each one's /run sends
             prompt_seeds=[prompt_key(self.cfg, o.step, o.group) for o in outcomes],
         )
 

@@ -149,6 +149,13 @@ class RolloutDataFailure(RolloutFailure):
         self.error_type = error_type
 
 
+class AgentBadAnswer(RolloutDataFailure):
+    """An agent server answered `/run` with 200 and a body that is not JSON (a proxy's error page, a
+    server of another kind): the server's own failure, so the row is re-sent at once on another
+    agent server where one is up, and a server that keeps answering so is marked down. With no
+    other server up it is DATA as any malformed result."""
+
+
 class DeterministicFailure(RolloutDataFailure):
     """A row's `/run` answered the same 5xx and error text on `max_identical_failures` sends in a row:
     it will not pass, so its group is never retried again (skipped as DATA, or the run ends naming it)."""

@@ -37,14 +37,14 @@ def test_the_pool_picks_the_least_busy_up_server_and_passes_over_a_down_one():
     pool = AgentPool(["a", "b", "c"], "least_busy")
     pool.acquire("a")
     assert pool.pick() in ("b", "c") and pool.pick(avoid="b") == "c"
-    pool.acquire("b"), pool.release("b", reached=False)  # b refused a connection: passed over while another is up
+    pool.failed("b", "refused", 0.0)  # b refused a connection: passed over while another is up
     assert {pool.pick() for _ in range(6)} == {"c"}  # a is busy
-    pool.release("a", reached=True)
+    pool.release("a"), pool.answered("a")
     assert {pool.pick() for _ in range(6)} == {"a", "c"}
     for u in ("a", "c"):
-        pool.acquire(u), pool.release(u, reached=False)
+        pool.failed(u, "refused", 0.0)
     assert pool.pick() == "b", "every server down: the one down longest is tried"
-    pool.acquire("b"), pool.release("b", reached=True)
+    pool.answered("b")
     assert pool.down() == ["a", "c"] and pool.pick() == "b" and pool.in_flight == {"a": 0, "b": 0, "c": 0}
     rr = AgentPool(["a", "b"], "round_robin")
     assert [rr.pick() for _ in range(4)] == ["a", "b", "a", "b"]

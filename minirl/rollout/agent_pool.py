@@ -1,34 +1,66 @@
-"""Several agent servers behind one run: which one a `/run` goes to, and which ones to pass over.
+"""Several agent servers behind one run: which one a `/run` goes to, which ones are down, and when a
+down one is looked at again.
 
 `agent.selection`: `least_busy` sends to the server with the fewest of this run's `/run` requests in
-flight (ties: the next in turn), `round_robin` to the next in turn. A server that refused or reset a
-connection (`AgentUnreachable`: down, or restarting at its port) is marked down and passed over
-while another is up; a `/run` it answers clears the mark. A re-send avoids the server its row just
-failed on where another is up. When every server is down, the one marked down longest ago is tried,
-so a restarted server is found again.
+flight (ties: the next in turn), `round_robin` to the next in turn. A re-send avoids the server its
+row just failed on where another is up.
+
+Down: a server is marked down when it refuses or resets a connection (`refused`: down, or
+restarting at its port), or after `agent.max_server_failures` failures of its own in a row: a 200
+whose body is not JSON (`bad_answer`: a proxy's error page) or a send still unanswered at its
+group's deadline while the server answered nothing else (`timeout`). A down server is passed over
+while another is up. After its wait (`agent.down_retry_s`) it is due for a probe (the rollout
+manager's `GET /health`, any answer below 500): a probe that answers brings it back up, one that
+does not renews the mark. The wait doubles with each mark that follows no `/run` answer, up to
+`agent.down_retry_max_s`, and falls back to `down_retry_s` when a `/run` answers; the failure count
+survives a probe too, so a server brought back by its probe that fails its next `/run` goes down
+again at once. A `/run` that any server answers brings it up. When every server is down, the one
+marked down longest ago is tried.
 
 Invariant: `pick` returns one of the pool's URLs; every `acquire` is matched by one `release`, so
-`in_flight` counts only requests still open.
+`in_flight` counts only requests still open; a server is in `downs` exactly while it is marked
+down, and at most one probe of it is out at a time.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
+
+FAILURE_REASONS = ("refused", "bad_answer", "timeout")
+"""What a server's own failed send can be (see the module docstring); `refused` marks it down at once."""
+
+
+@dataclass
+class Down:
+    """A server's down mark: since when, why, and when it is next due for a probe."""
+
+    since: float
+    reason: str
+    retry_at: float
+    probing: bool = False
 
 
 class AgentPool:
-    def __init__(self, urls: list[str], selection: str = "least_busy"):
+    def __init__(self, urls: list[str], selection: str = "least_busy", retry_s: float = 2.0,
+                 max_retry_s: float = 30.0, max_failures: int = 2, clock: Callable[[], float] = time.monotonic):
         if not urls:
             raise ValueError("an agent pool needs at least one URL")
         self.urls, self.selection = list(urls), selection
+        self.retry_s, self.max_retry_s, self.max_failures, self.clock = retry_s, max_retry_s, max_failures, clock
         self.in_flight = dict.fromkeys(self.urls, 0)
-        self.down_since: dict[str, float] = {}  # url -> when it last refused or reset a connection
+        self.downs: dict[str, Down] = {}
+        self.failures = dict.fromkeys(self.urls, 0)  # the server's own failed sends since its last /run answer
+        self.wait = dict.fromkeys(self.urls, retry_s)  # its next down mark's wait before a probe
+        self.answered_at = dict.fromkeys(self.urls, float("-inf"))  # its last /run answer
         self.turn = 0
 
     def pick(self, avoid: str | None = None) -> str:
         """The server for the next send (`avoid`: the one this row just failed on)."""
-        up = [u for u in self.urls if u not in self.down_since]
-        candidates = [u for u in up if u != avoid] or up or [min(self.down_since, key=self.down_since.__getitem__)]
+        up = [u for u in self.urls if u not in self.downs]
+        longest = [min(self.downs, key=lambda u: self.downs[u].since)] if self.downs else []
+        candidates = [u for u in up if u != avoid] or up or longest
         order = [candidates[(self.turn + i) % len(candidates)] for i in range(len(candidates))]
         self.turn += 1
         if self.selection == "round_robin":
@@ -38,13 +70,51 @@ class AgentPool:
     def acquire(self, url: str) -> None:
         self.in_flight[url] += 1
 
-    def release(self, url: str, reached: bool | None) -> None:
-        """The send to `url` ended: `reached` True (it answered), False (refused or reset), None (unknown)."""
+    def release(self, url: str) -> None:
         self.in_flight[url] -= 1
-        if reached is False:
-            self.down_since.setdefault(url, time.monotonic())
-        elif reached:
-            self.down_since.pop(url, None)
+
+    def answered(self, url: str) -> Down | None:
+        """`url` answered a `/run` (any HTTP answer): up, its count and wait reset. Returns the
+        down mark this clears, if it was down."""
+        self.failures[url], self.wait[url], self.answered_at[url] = 0, self.retry_s, self.clock()
+        return self.downs.pop(url, None)
+
+    def failed(self, url: str, reason: str, sent_at: float) -> Down | None:
+        """A send to `url` made at `sent_at` failed by the server's own doing (`reason`, one of
+        FAILURE_REASONS). Returns the down mark when this one sets it."""
+        if reason == "timeout" and self.answered_at[url] >= sent_at:
+            return None  # it answered other sends meanwhile: slow work, not a silent server
+        self.failures[url] += 1
+        if url in self.downs or (reason != "refused" and self.failures[url] < self.max_failures):
+            return None
+        now = self.clock()
+        self.downs[url] = Down(now, reason, now + self._next_wait(url))
+        return self.downs[url]
+
+    def due(self) -> list[str]:
+        """Down servers whose wait is over and that no probe is looking at: each now taken for one probe."""
+        now = self.clock()
+        due = [u for u, d in self.downs.items() if not d.probing and d.retry_at <= now]
+        for u in due:
+            self.downs[u].probing = True
+        return due
+
+    def probed(self, url: str, ok: bool) -> Down | None:
+        """A probe of `url` ended: `ok` brings it up (returns the cleared mark), else it waits again."""
+        down = self.downs.get(url)
+        if down is None:
+            return None  # a /run answered meanwhile
+        if ok:
+            return self.downs.pop(url)
+        down.probing, down.retry_at = False, self.clock() + self._next_wait(url)
+        return None
+
+    def _next_wait(self, url: str) -> float:
+        wait, self.wait[url] = self.wait[url], min(self.wait[url] * 2, self.max_retry_s)
+        return wait
 
     def down(self) -> list[str]:
-        return [u for u in self.urls if u in self.down_since]
+        return [u for u in self.urls if u in self.downs]
+
+    def up_count(self) -> int:
+        return len(self.urls) - len(self.downs)

@@ -46,6 +46,7 @@ from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
     Coords,
     INFRA,
+    AgentBadAnswer,
     AgentUnreachable,
     DeterministicFailure,
     GymTransportError,
@@ -92,9 +93,13 @@ class GroupRun:
     gid: str = ""
     streaks: dict = field(default_factory=dict)  # row -> (its last failure's answer, sends in a row that gave it)
     final: dict = field(default_factory=dict)  # row -> its failure in this group attempt that will not pass
+    sending: dict = field(default_factory=dict)  # row -> (agent server, monotonic time) of its send in flight
+    last_url: dict = field(default_factory=dict)  # row -> the agent server its last failed send went to
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+PROBE_TIMEOUT_S = 5.0
+"""A down agent server's probe (`GET /health`) not answered within this leaves it down."""
 
 
 def run_body(cfg: MinirlConfig, row: dict, coords: Coords, gid: str) -> dict:
@@ -116,21 +121,24 @@ async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     what = f"NeMo-Gym /run for {coords.key if coords else 'row ' + str(row.get('_rowidx'))}"
     try:
         async with session.post(url + "/run", data=jsonio.dumps(row), headers=JSON_HEADERS) as resp:
-            status, body = resp.status, await resp.read()
+            status, body, content_type = resp.status, await resp.read(), resp.headers.get("Content-Type", "")
     except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError) as exc:
         raise AgentUnreachable(f"{what} failed in transport: {exc!r}") from exc  # refused or reset: down or restarting
     except aiohttp.ClientError as exc:
         raise GymTransportError(f"{what} failed in transport: {exc!r}") from exc
     if status != 200:
         error, error_type = parse_error_body(body)
-        message = f"NeMo-Gym /run failed with HTTP {status}: {error}"
+        where = f" (POST {url}/run)" if status in (404, 405) else ""  # a misdirected URL: name it
+        message = f"NeMo-Gym /run failed with HTTP {status}: {error}{where}"
         failure = error_failure(status, body, message, error_type)  # the body's `terminal`, else the status
         failure.status = status  # what the agent server answered (classify reads the class first)
         raise failure
     try:
         return jsonio.loads(body)  # json's results and errors, with msgspec's speed
     except ValueError as exc:
-        raise RolloutDataFailure(f"malformed /run result: {what} returned invalid JSON ({exc})") from exc
+        opening = body[:80].decode("utf-8", "replace")
+        raise AgentBadAnswer(f"malformed /run result: {what} returned invalid JSON from the agent server at {url} "
+                             f"({exc}; Content-Type {content_type!r}, the body opens {opening!r})") from exc
     except RecursionError:  # json's C parser refuses a body nested past the interpreter's limit
         raise RolloutDataFailure(f"malformed /run result: {what} returned JSON nested deeper than it parses") from None
 
@@ -191,7 +199,10 @@ class RolloutManager:
         post: Callable[..., Awaitable[dict]] = post_run,
     ):
         self.cfg, self.agent_urls, self.emit, self.vocab_size = cfg, agent_urls, emit, vocab_size
-        self.pool = AgentPool(agent_urls, cfg.agent.selection)
+        ag = cfg.agent
+        self.pool = AgentPool(agent_urls, ag.selection, ag.down_retry_s, ag.down_retry_max_s, ag.max_server_failures)
+        self.probes: set[asyncio.Task] = set()  # down agent servers' probes in flight
+        self.agent_sends: Counter = Counter()  # /run sends per agent server since the last agent_stats()
         self.lost: deque[str] = deque(maxlen=64)  # the reasons of the groups lost since the last commit
         self.deterministic = 0  # run total of rows whose failure was found deterministic
         self.sleep, self.post = sleep, post
@@ -398,21 +409,20 @@ class RolloutManager:
     async def _attempt(self, run: GroupRun) -> list[tuple[Coords, BaseException]]:
         """Send every row the group still lacks, under the group deadline; return the rows' final
         failures (empty: success). A row that came back stays in `out.rollouts` even past the deadline."""
-        step, group, out, row_attempt = run.step, run.group, run.out, run.row_attempt
+        out, row_attempt = run.out, run.row_attempt
         G = self.cfg.grpo.num_generations_per_prompt
         pending = [r for r in range(G) if r not in out.rollouts]
         deadline = self.rf.nemo_gym.rollout_timeout_s
         before = list(row_attempt)
         run.final = {}
+        run.sending.clear()
         try:
             async with asyncio.timeout(deadline):
                 results = await asyncio.gather(*(self._row(run, r) for r in pending), return_exceptions=True)
         except TimeoutError:
-            exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {deadline}s")
             for r in pending:  # a row the deadline caught before its first send still gets an attempt id of its own
                 row_attempt[r] += row_attempt[r] == before[r]
-            # a row that already failed for good keeps its own failure (a terminal one decides the group)
-            return [run.final.get(r, (Coords(step, group, r, row_attempt[r] - 1), exc)) for r in range(G) if r not in out.rollouts]
+            return self._timed_out(run, [r for r in range(G) if r not in out.rollouts])
         failures = []
         for res in results:
             if isinstance(res, BaseException):  # cancellation, or a bug: never a row failure
@@ -421,10 +431,30 @@ class RolloutManager:
                 failures.append(res)
         return failures
 
+    def _timed_out(self, run: GroupRun, rows: list[int]) -> list[tuple[Coords, BaseException]]:
+        """The group deadline caught `rows`: each a RolloutTimeout naming the agent server its send was
+        on, and each server that held one and answered nothing meanwhile charged a `timeout`."""
+        failures, silent = [], {}
+        for r in rows:
+            if r in run.final:  # a row that already failed for good keeps its own failure (a terminal one decides the group)
+                failures.append(run.final[r])
+                continue
+            exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {self.rf.nemo_gym.rollout_timeout_s}s")
+            coords = Coords(run.step, run.group, r, run.row_attempt[r] - 1)
+            if r in run.sending:
+                url, sent_at = run.sending.pop(r)
+                exc.agent_url = run.last_url[r] = url
+                silent[url] = min(sent_at, silent.get(url, (sent_at, coords))[0]), coords
+            failures.append((coords, exc))
+        for url, (sent_at, coords) in silent.items():
+            self._agent_failed(url, "timeout", sent_at, coords)
+        return failures
+
     async def _row(self, run: GroupRun, r: int):
-        """One row, re-sent alone on INFRA failures (row redispatch), each send to the agent server the
-        pool picks (another than the one it just failed on, where one is up). Returns a Rollout or (coords, exc)."""
-        out, url = run.out, None
+        """One row, re-sent alone on INFRA failures (row redispatch) and on an agent server's bad
+        answer while another is up, each send to the agent server the pool picks (another than the
+        one it last failed on, where one is up). Returns a Rollout or (coords, exc)."""
+        out, url = run.out, run.last_url.get(r)
         max_sends = self.rf.nemo_gym.max_row_attempts if self.can_redispatch else 1
         for sends in range(1, max_sends + 1):
             coords = Coords(run.step, run.group, r, run.row_attempt[r])
@@ -432,19 +462,23 @@ class RolloutManager:
             out.row_sends += 1
             self.sends += 1
             self._planned_faults(coords, difficulty(run.row))
+            self._probe_due(run.step)
             url = self.pool.pick(avoid=url)
             try:
                 rollout = await self._send(run, r, coords, url)
             except RolloutFailure as exc:  # only the taxonomy's failures: a bug in minirl propagates
-                exc.agent_url = url
+                del run.sending[r]
+                exc.agent_url = run.last_url[r] = url
                 exc = self._identical(run, r, coords, exc)
-                if classify(exc) == INFRA and sends < max_sends:
+                elsewhere = isinstance(exc, AgentBadAnswer) and any(u != url for u in self.pool.urls if u not in self.pool.downs)
+                if (classify(exc) == INFRA or elsewhere) and sends < max_sends:
                     out.row_retries += 1
-                    self._failure_event(coords, INFRA, exc, "retried", scope="row", group_attempt=run.gid)
+                    self._failure_event(coords, classify(exc), exc, "retried", scope="row", group_attempt=run.gid)
                     continue
                 if will_not_pass(exc):
                     run.final[r] = (coords, exc)
                 return coords, exc
+            del run.sending[r]
             run.streaks.pop(r, None)
             out.rows_returned += 1
             self.returned += 1
@@ -455,27 +489,74 @@ class RolloutManager:
     async def _send(self, run: GroupRun, r: int, coords: Coords, url: str) -> Rollout:
         """One `/run` of row r to `url`, its result validated; the pool learns whether `url` answered."""
         body = run_body(self.cfg, run.row, coords, run.gid)
-        self.in_flight[coords.key] = time.monotonic()
+        run.sending[r] = (url, time.monotonic())  # _row clears it; a send the deadline cancels keeps it
+        self.in_flight[coords.key] = run.sending[r][1]
         self.occupancy.enter()
         self.pool.acquire(url)
-        reached = None
+        self.agent_sends[url] += 1
         try:
-            result = await self.post(self.session, url, body)
-            reached = True
+            try:
+                result = await self.post(self.session, url, body)
+            except (AgentUnreachable, AgentBadAnswer) as exc:
+                self._agent_failed(url, "refused" if isinstance(exc, AgentUnreachable) else "bad_answer", run.sending[r][1], coords)
+                raise
+            except RolloutFailure as exc:
+                if getattr(exc, "status", None) is not None:  # an HTTP answer: the server is there
+                    self._agent_answered(url, run.step)
+                raise
+            self._agent_answered(url, run.step)
             return parse_rollout(
                 result, coords, vocab_size=self.vocab_size,
                 max_len=self.cfg.policy.max_total_sequence_length,
                 overlong_filtering=self.cfg.grpo.overlong_filtering,
                 allow_rewrites=self.cfg.context_compaction.enabled, max_abs_reward=self.max_abs_reward,
             )
-        except AgentUnreachable:
-            reached = False
-            raise
         finally:
-            self.pool.release(url, reached)
+            self.pool.release(url)
             self.in_flight.pop(coords.key, None)
             self.occupancy.leave()
             self.last_progress = time.monotonic()
+
+    # -- the agent servers' marks -----------------------------------------------------------------
+    def _agent_failed(self, url: str, reason: str, sent_at: float, coords: Coords) -> None:
+        down = self.pool.failed(url, reason, sent_at)
+        if down is not None:
+            self.emit({"type": "agent_down", **coords.as_dict(), "agent": url, "reason": reason,
+                       "retry_in_s": round(down.retry_at - down.since, 3), "agent_servers_up": self.pool.up_count()})
+
+    def _agent_answered(self, url: str, step: int) -> None:
+        down = self.pool.answered(url)
+        if down is not None:
+            self._agent_up(url, down, "run", step)
+
+    def _agent_up(self, url: str, down, via: str, step: int) -> None:
+        self.emit({"type": "agent_up", "step": step, "agent": url, "via": via, "reason": down.reason,
+                   "down_s": round(self.pool.clock() - down.since, 3), "agent_servers_up": self.pool.up_count()})
+
+    def _probe_due(self, step: int) -> None:
+        """Start a probe of each down agent server whose wait is over (in the background: no send waits)."""
+        for url in self.pool.due():
+            task = asyncio.create_task(self._probe(url, step))
+            self.probes.add(task)
+            task.add_done_callback(self.probes.discard)
+
+    async def _probe(self, url: str, step: int) -> None:
+        """`GET /health` of a down agent server: any answer below 500 within PROBE_TIMEOUT_S brings it up."""
+        ok = False
+        try:
+            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                ok = resp.status < 500
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            pass
+        finally:  # cancelled too: the mark waits again rather than stay taken
+            down = self.pool.probed(url, ok)
+        if down is not None:
+            self._agent_up(url, down, "probe", step)
+
+    def agent_stats(self) -> dict:
+        """The agent servers up now and each one's `/run` sends since the last call (metrics.jsonl)."""
+        sends, self.agent_sends = self.agent_sends, Counter()
+        return {"agent_servers_up": self.pool.up_count(), "agent_sends": {u: sends[u] for u in self.pool.urls}}
 
     def _identical(self, run: GroupRun, r: int, coords: Coords, exc: RolloutFailure) -> RolloutFailure:
         """Count row r's identical answers in a row; at `max_identical_failures` its failure is
