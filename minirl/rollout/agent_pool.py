@@ -113,6 +113,10 @@ class AgentPool:
         wait, self.wait[url] = self.wait[url], min(self.wait[url] * 2, self.max_retry_s)
         return wait
 
+    def up_besides(self, url: str) -> bool:
+        """Whether a server other than `url` is up."""
+        return any(u != url and u not in self.downs for u in self.urls)
+
     def down(self) -> list[str]:
         return [u for u in self.urls if u in self.downs]
 

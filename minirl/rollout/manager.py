@@ -470,7 +470,7 @@ class RolloutManager:
                 del run.sending[r]
                 exc.agent_url = run.last_url[r] = url
                 exc = self._identical(run, r, coords, exc)
-                elsewhere = isinstance(exc, AgentBadAnswer) and any(u != url for u in self.pool.urls if u not in self.pool.downs)
+                elsewhere = isinstance(exc, AgentBadAnswer) and self.pool.up_besides(url)
                 if (classify(exc) == INFRA or elsewhere) and sends < max_sends:
                     out.row_retries += 1
                     self._failure_event(coords, classify(exc), exc, "retried", scope="row", group_attempt=run.gid)
@@ -546,7 +546,7 @@ class RolloutManager:
         try:
             async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 ok = resp.status < 500
-        except (aiohttp.ClientError, OSError, TimeoutError):
+        except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError):  # RuntimeError: the session closed
             pass
         finally:  # cancelled too: the mark waits again rather than stay taken
             down = self.pool.probed(url, ok)
