@@ -193,7 +193,7 @@ def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base
                                      "max_skipped_prompts=1; the dataset or sequence-length configuration is likely wrong. ")
     assert "invalid JSON" in str(run.error.__cause__)
     # the cause, named (the two cut bodies may fail to parse at different tokens: one or both count as one failure)
-    assert re.search(r"Dominant failure \((all 2 lost group\(s\)|1 of 2 lost groups)\): RolloutDataFailure: "
+    assert re.search(r"Dominant failure \((all 2 lost group\(s\)|1 of 2 lost groups)\): AgentBadAnswer: "
                      r"malformed /run result: NeMo-Gym /run for s0\.g[01]\.r0\.a0 returned invalid JSON", str(run.error)), run.error
 
 

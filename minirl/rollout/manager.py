@@ -10,6 +10,10 @@ Per group (NeMo-RL's `generate_and_push`, plus minirl's fixes):
 - within a group attempt, a row that failed with INFRA is re-sent alone, up to
   `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch),
   and keep them across group attempts too unless `nemo_gym.keep_returned_rows=false` (upstream);
+- each send goes to the agent server the pool picks (minirl.rollout.agent_pool); a refused
+  connection, a 200 that is not JSON (`AgentBadAnswer`, re-sent at once on another server where one
+  is up) and a send left unanswered at the deadline count against that server, and a down server is
+  probed in the background (`agent_down` / `agent_up` events);
 - `nemo_gym.rollout_timeout_s` is one deadline per group attempt, row re-sends included (upstream's
   "NeMo-Gym prompt group exceeded {s}s"); rows that came back before it keep their results;
 - under context compaction with `redispatch_dropped_groups=false` (upstream), nothing is re-sent:
