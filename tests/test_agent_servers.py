@@ -150,14 +150,16 @@ def test_two_agent_servers_one_killed_mid_step_the_run_goes_on(tmp_path, shared_
     trains its later steps too.
     Issue 51 (Y) item 2: Ray restarts the killed server at its port; it used to get no `/run` again
     while the other was up (0 of 8 later sends). Now its probe finds it back (`agent_up`), and the
-    last step gives it a fair share of the sends with both servers up."""
-    proc = run_cli(*SMALL, "grpo.max_num_steps=4", "cluster.num_agent_servers=2", f"run_dir={tmp_path}", *shared_engine,
+    last step gives it a fair share of the sends with both servers up (probed each second here: Ray's
+    restart takes a few seconds, the steps about two)."""
+    proc = run_cli(*SMALL, "grpo.max_num_steps=6", "cluster.num_agent_servers=2", "agent.down_retry_s=0.5",
+                   "agent.down_retry_max_s=1", f"run_dir={tmp_path}", *shared_engine,
                    "faults.inject=[{kind: agent_kill, step: 0, group: 1, rollout: 0, attempt: 0}]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     agents = json.loads((tmp_path / "endpoints.json").read_text())["agents"]
     assert len(agents) == 2
     rows = jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
     for r in rows:
         assert r["groups_trained"] == 4 and r["dropped_prompt_groups"] == 0 and r["rollouts_masked"] == 0, r
         assert r["calls_unrecorded"] == 0, r
@@ -176,8 +178,8 @@ def test_two_agent_servers_one_killed_mid_step_the_run_goes_on(tmp_path, shared_
     (down,) = [e for e in ev if e["type"] == "agent_down"]
     assert (down["agent"], down["reason"], down["agent_servers_up"]) == (*killed, "refused", 1)
     ups = [e for e in ev if e["type"] == "agent_up"]
+    print([(r["step"], r["agent_servers_up"], r["agent_sends"]) for r in rows], ups)  # pytest -rP shows it
     assert ups and {(e["agent"], e["via"]) for e in ups} <= {(*killed, "probe"), (*killed, "run")}, ups
-    print([(r["step"], r["agent_servers_up"], r["agent_sends"]) for r in rows])  # pytest -rP shows it
     assert rows[0]["agent_sends"][down["agent"]] >= 1 and rows[-1]["agent_servers_up"] == 2
     assert rows[-1]["agent_sends"] == {u: 4 for u in agents}, "back in the last step: its fair share of 8 sends"
 
