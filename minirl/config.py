@@ -23,6 +23,7 @@ import json
 import math
 import operator
 import socket
+import stat
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -552,7 +553,8 @@ class SummarizeConfig:
 
     threshold_tokens: list[int] = field(default_factory=lambda: [256, 384])
     """[lo, hi]: summarize before a call whose prompt tokens + guards.reserved_generation_tokens exceed a
-    threshold drawn uniformly from [lo, hi] per prompt (seeded by the prompt's seed, so a group shares it)."""
+    threshold drawn uniformly from [lo, hi] per prompt (seeded by the prompt's identity: a doors task's seed, a
+    dataset row's input and task; so a group shares it)."""
     max_compactions: int = bounded(4, ge=1)
     """Summaries per rollout at most (verl's max_context_compressions=4); the next trigger ends the
     rollout as truncated (end_reason max_compactions)."""
@@ -717,7 +719,19 @@ class DataConfig:
     def check(self) -> None:
         for key in ("train_jsonl", "validation_jsonl"):
             path = getattr(self, key)
-            _require(path is None or Path(path).is_file(), key, f"no such file: {path}")
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(key, f"{path}: {_not_a_file(Path(path))}")
+
+
+def _not_a_file(path: Path) -> str:
+    """What `path`, which is not a regular file, is instead: for a message that says so."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return "no such file" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc.strerror or exc})"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return f"is {next((name for test, name in kinds if test(mode)), 'a special file')}, not a file of rows"
 
 
 # -------------------------------------------------------------------------------------- placement
@@ -869,6 +883,7 @@ class MinirlConfig:
         if self.agent.context_history.policy.type == "summarize":
             _require(rewrites, "agent.context_history.policy.type",
                      "summarize needs agent.name=compaction_agent with agent.context_history.enabled=true")
+            self._check_summary_reachable()
         if cc.call_selection != "returned_history":
             _require(cc.enabled, "context_compaction.call_selection",
                      f"{cc.call_selection} needs context_compaction.enabled=true: captured calls outside the returned "
@@ -890,6 +905,25 @@ class MinirlConfig:
         fh, workers = self.async_rl.generation_fleet_health, self.cluster.num_generation_workers
         _require(fh.min_healthy_shards <= workers, "async_rl.generation_fleet_health.min_healthy_shards",
                  f"must be at most cluster.num_generation_workers ({workers}), got {fh.min_healthy_shards}")
+
+    def _check_summary_reachable(self) -> None:
+        """Every threshold `summarize.threshold_tokens` may draw can fire: a summary triggers when a
+        prompt's tokens + `reserved_generation_tokens` pass the threshold, but the guard rejects a call
+        past `max_total_tokens` (the summary comes first only at or below it), and the model server
+        refuses a prompt of `max_model_len` tokens or more (lane A)."""
+        ch = self.agent.context_history
+        lo, hi = ch.policy.summarize.threshold_tokens
+        key, guard = "agent.context_history.policy.summarize.threshold_tokens", ch.guards.max_total_tokens
+        _require(guard is None or hi <= guard, key,
+                 f"[{lo}, {hi}] can draw a threshold above the context guard's agent.context_history.guards.max_total_tokens="
+                 f"{guard}: the guard rejects a call before its prompt passes such a threshold, so the summary never "
+                 f"fires there (set threshold_tokens at most {guard})")
+        max_len, reserved = self.policy.generation.vllm_cfg.max_model_len, ch.guards.reserved_generation_tokens
+        reach = max_len - 2 + reserved  # the longest prompt the model server takes (max_model_len - 1) + reserved, less 1
+        _require(hi <= reach, key,
+                 f"[{lo}, {hi}] can draw a threshold no prompt reaches: the model's max length "
+                 f"policy.generation.vllm_cfg.max_model_len={max_len} admits prompts of at most {max_len - 1} tokens, "
+                 f"which with reserved_generation_tokens={reserved} pass thresholds up to {reach} only")
 
     def _check_sampler(self) -> None:
         """What the async sampler needs of the buffer, the loss and the drop policy."""

@@ -12,10 +12,15 @@ two datasets.
   `data.shuffle`, else file order). A row passes through unchanged except where it leaves out what
   Gym's collection or the trainer would set: a missing `agent_ref` becomes {"name": agent.name}
   (Gym's `+agent_name`), a missing `temperature` / `top_p` the run's `policy.generation` value
-  (the trainer's logprobs are taken at it, so a row that sets another is refused). The rollout
-  manager then adds only the per-rollout seed (in `metadata.extra_body`), its bookkeeping
-  (`_rowidx`, `_minirl`) and Gym's collector keys (`_ng_task_index`: `prompt_key`, unless the row
-  has its own; minirl.wire.collector_keys), repeats the row G times and groups the rollouts by prompt.
+  (the trainer's logprobs are taken at it, so a row that sets another is refused), and the fields
+  only a rollout's result carries (`result_fields`: a row copied from a rollout dump) are left out,
+  with one line printed. The rollout manager then adds only the per-rollout seed (in
+  `metadata.extra_body`), its bookkeeping (`_rowidx`, `_minirl`) and Gym's collector keys
+  (`_ng_task_index`: `prompt_key`, unless the row has its own; minirl.wire.collector_keys):
+  `run_body`; it repeats the row G times and groups the rollouts by prompt. When minirl's own agent
+  pool serves (no `agent.external_url`), every row must also pass the agent server's own check
+  (`agents.server.check_row`) and fit in `agent.max_request_bytes`. A process holds each row's place
+  in the file, not the parsed rows (`Rows`), and finds a prompt's row in O(1).
 
 Nothing above this module reads an environment's fields: `prompt_key` (the prompt's identity in
 its dataset: the doors task seed, or the row's index in the file) and `difficulty` (a doors row's
@@ -30,15 +35,20 @@ naming the config key, the file and the line, raised before anything is sent.
 
 from __future__ import annotations
 
-import copy
+import codecs
+import functools
 import hashlib
 import json
 import random
+from array import array
 from pathlib import Path
 
+from minirl import jsonio
 from minirl.agents.env import TASKS, TOOLS, DoorsEnv
+from minirl.agents.server import BadRow, check_row, unknown_agent
 from minirl.config import ConfigError, MinirlConfig
-from minirl.wire import extra_body
+from minirl.gym_failures import MASK_SAMPLE, NG_FAILURE_PREFIX, RESULT_FACTS, without_result_facts
+from minirl.wire import TASK_INDEX, BadCoordinates, Coords, collector_keys, extra_body, with_extra_body
 
 
 def _seed(*parts) -> int:
@@ -62,7 +72,7 @@ def prompt_row(cfg: MinirlConfig, step: int, group: int) -> dict:
     if cfg.data.train_jsonl is None:
         return task_row(cfg, task_seed(cfg, step, group))
     rows = dataset_rows(cfg, "train_jsonl")
-    return copy.deepcopy(rows[_row_index(cfg, len(rows), step, group)])
+    return rows[_row_index(cfg, len(rows), step, group)]
 
 
 def prompt_key(cfg: MinirlConfig, step: int, group: int) -> int:
@@ -78,9 +88,15 @@ def _row_index(cfg: MinirlConfig, n: int, step: int, group: int) -> int:
     epoch, pos = divmod(i, n)
     if not cfg.data.shuffle:
         return pos
+    return _order(cfg.env.data_seed, epoch, n)[pos]
+
+
+@functools.lru_cache(maxsize=4)
+def _order(data_seed: int, epoch: int, n: int) -> array:
+    """Epoch `epoch`'s permutation of n rows, drawn once per process (a lookup is then O(1))."""
     order = list(range(n))
-    random.Random(_seed(cfg.env.data_seed, "epoch", epoch)).shuffle(order)
-    return order[pos]
+    random.Random(_seed(data_seed, "epoch", epoch)).shuffle(order)
+    return array("q", order)
 
 
 def difficulty(row: dict) -> int | None:
@@ -121,49 +137,122 @@ def sampling_seed(cfg: MinirlConfig, step: int, group: int, rollout: int, attemp
     return _seed(cfg.grpo.seed, step, group, rollout, attempt) % (2**31)
 
 
+def run_body(cfg: MinirlConfig, row: dict, coords: Coords, gid: str, task_index: int | None = None) -> dict:
+    """The `/run` body of one rollout attempt of `row`: the row, its sampling seed (in
+    `metadata.extra_body`), minirl's bookkeeping (`_rowidx`, `_minirl`) and Gym's collector keys
+    (`minirl.wire.collector_keys`; a row's own `_ng_task_index` wins, as in Gym, then `task_index`,
+    else the prompt's `prompt_key`)."""
+    if task_index is None:
+        task_index = prompt_key(cfg, coords.step, coords.group)
+    task_index = row.get(TASK_INDEX, task_index)
+    body = {**row, "_rowidx": coords.rollout, "_minirl": {**coords.as_dict(), "group_attempt": gid},
+            **collector_keys(coords, task_index)}
+    body["responses_create_params"] = with_extra_body(
+        row["responses_create_params"], seed=sampling_seed(cfg, coords.step, coords.group, coords.rollout, coords.attempt))
+    return body
+
+
 # -------------------------------------------------------------------------------- JSONL datasets
-_CACHE: dict[tuple, list[dict]] = {}
+class Rows:
+    """The rows of one JSONL file as a sequence, held as each row's byte span in the file (16 bytes a
+    row): a row is read, parsed and completed (`_completed`) when asked for, so a process never holds
+    the parsed dataset, and each lookup costs one row's read. Blank lines are skipped (a row's index
+    counts rows, not lines), and so is a UTF-8 byte order mark."""
+
+    def __init__(self, path: Path, cfg: MinirlConfig):
+        self.path, self.fill = path, _fill(cfg)  # values, not `cfg`: a caller may change its config later
+        self.starts, self.ends = array("q"), array("q")
+        for _, start, end, _raw in _lines(path):
+            self.starts.append(start)
+            self.ends.append(end)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __iter__(self):
+        for _, _, _, raw in _lines(self.path):
+            yield _completed(jsonio.loads(raw), self.fill)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        with open(self.path, "rb") as f:
+            f.seek(self.starts[i])
+            return _completed(jsonio.loads(f.read(self.ends[i] - self.starts[i])), self.fill)
 
 
-def dataset_rows(cfg: MinirlConfig, key: str) -> list[dict]:
-    """The rows of `data.<key>` (`train_jsonl` or `validation_jsonl`), checked and completed as the
-    module docstring says; read once per process and file version. Callers copy before changing one."""
+def _lines(path: Path):
+    """(line number, start, end, bytes) of each non-blank line of the file at `path` (a leading UTF-8
+    byte order mark left out)."""
+    with open(path, "rb") as f:
+        offset = 0
+        for line_no, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, start = raw[len(codecs.BOM_UTF8):], start + len(codecs.BOM_UTF8)
+            if raw.strip():
+                yield line_no, start, offset, raw
+
+
+_CACHE: dict[tuple, Rows] = {}
+
+
+def dataset_rows(cfg: MinirlConfig, key: str) -> Rows:
+    """The rows of `data.<key>` (`train_jsonl` or `validation_jsonl`), completed as the module
+    docstring says (each lookup returns a fresh dict); indexed once per process and file version.
+    `prepare` checked every row before the run started."""
     path = Path(getattr(cfg.data, key))
-    gen = cfg.policy.generation
     try:
         stat = path.stat()
     except OSError as exc:
         raise ConfigError(f"data.{key}", f"cannot read {path}: {exc.strerror or exc}") from None
-    cache_key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, cfg.agent.name, gen.temperature, gen.top_p)
+    cache_key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size, *_fill(cfg))
     if cache_key not in _CACHE:
-        _CACHE[cache_key] = read_rows(path, f"data.{key}", cfg)
+        _CACHE[cache_key] = Rows(path, cfg)
     return _CACHE[cache_key]
 
 
-def read_rows(path: Path, key: str, cfg: MinirlConfig) -> list[dict]:
-    """Every row of the JSONL file at `path`; a line that is not a usable row is a ConfigError naming
-    `key`, the file and the line (a line that is not JSON in Gym's own words)."""
-    rows = []
+def check_rows(cfg: MinirlConfig, key: str) -> str | None:
+    """Every row of `data.<key>` read and checked (`row_problem`; when minirl's own agent pool serves,
+    also `agent_problem`): a line that is not a usable row is a ConfigError naming the key, the file
+    and the line (a line that is not JSON in Gym's own words). Returns a line naming the result
+    fields found (rows copied from a rollout dump), which every lookup leaves out, or None."""
+    path = Path(getattr(cfg.data, key))
+    found: dict[str, None] = {}
+    rows = carrying = 0
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc}") from None
-    for line_no, raw in enumerate(lines, 1):
-        try:
-            row = json.loads(raw)
-        except ValueError as exc:
-            raise ConfigError(key, f"Malformed JSON in '{path}' at line {line_no}: {exc}") from None
-        problem = row_problem(row, cfg)
-        if problem:
-            raise ConfigError(key, f"'{path}' line {line_no}: {problem}")
-        rows.append(_completed(row, cfg))
+        for line_no, _, _, raw in _lines(path):
+            try:
+                row = jsonio.loads(raw.decode("utf-8"))  # json's results and errors (Gym's words), faster
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"data.{key}", f"'{path}' line {line_no} is not UTF-8: {exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"data.{key}", f"Malformed JSON in '{path}' at line {line_no}: {exc}") from None
+            problem = row_problem(row, cfg)
+            if problem is None and not cfg.agent.external_urls():
+                problem = agent_problem(_completed(row, _fill(cfg)), cfg)
+            if problem:
+                raise ConfigError(f"data.{key}", f"'{path}' line {line_no}: {problem}")
+            fields = result_fields(row)
+            found.update(dict.fromkeys(fields))
+            rows, carrying = rows + 1, carrying + bool(fields)
+    except OSError as exc:
+        raise ConfigError(f"data.{key}", f"cannot read {path}: {exc.strerror or exc}") from None
     if not rows:
-        raise ConfigError(key, f"'{path}' holds no rows")
-    return rows
+        raise ConfigError(f"data.{key}", f"'{path}' holds no rows")
+    if not carrying:
+        return None
+    return (f"minirl: data.{key}: left out the result fields of {carrying} of {rows} rows of '{path}' "
+            f"({', '.join(found)}): a row is sent as its prompt, never with a rollout's outcome")
+
+
+def _json_type(value) -> str:
+    names = {str: "a string", bool: "a boolean", list: "an array", dict: "an object", type(None): "null"}
+    return names.get(type(value), "a number")
 
 
 def row_problem(row, cfg: MinirlConfig) -> str | None:
-    """What makes `row` unusable as a `/run` row of this run, or None."""
+    """What makes `row` unusable as a `/run` row of this run (any agent's), or None."""
     if not isinstance(row, dict):
         return f"a row must be a JSON object, got {type(row).__name__}"
     params = row.get("responses_create_params")
@@ -184,24 +273,81 @@ def row_problem(row, cfg: MinirlConfig) -> str | None:
         return f"agent_ref must be an object with a string name, got {json.dumps(agent_ref)[:200]}"
     gen = cfg.policy.generation
     for name, want in (("temperature", gen.temperature), ("top_p", gen.top_p)):
-        if params.get(name) is not None and params[name] != want:
-            return (f"responses_create_params.{name}={params[name]} differs from policy.generation.{name}={want}, "
+        got = params.get(name)
+        if got is not None and (isinstance(got, bool) or not isinstance(got, (int, float))):
+            return f"responses_create_params.{name} must be a number, got {json.dumps(got)[:80]} ({_json_type(got)})"
+        if got is not None and got != want:
+            return (f"responses_create_params.{name}={got} differs from policy.generation.{name}={want}, "
                     f"at which the trainer takes its logprobs (leave it out, or set policy.generation.{name})")
     return None
 
 
-def _completed(row: dict, cfg: MinirlConfig) -> dict:
-    """`row` with what Gym's collection or the trainer would set where the row leaves it out."""
+_WIDEST = Coords(10**9, 10**9, 10**9, 10**9)
+"""Coordinates at least as long as any the rollout manager sends (and a group attempt id longer
+than its `grp-` + 12 hex digits, a task index longer than any seed or row index), for the size bound."""
+
+
+def widest_request(row: dict, cfg: MinirlConfig) -> dict:
+    """The `/run` body of a completed row with the bookkeeping the rollout manager adds, at its longest."""
+    return run_body(cfg, row, _WIDEST, "grp-" + "f" * 32, task_index=2**40)
+
+
+def agent_problem(row: dict, cfg: MinirlConfig) -> str | None:
+    """What makes a completed row one that minirl's own agent pool cannot run, or None: its `/run`
+    request (`widest_request`) over `agent.max_request_bytes`, or refused by the agent server's own
+    check (`check_row`, `unknown_agent`): the server would answer every rollout of it with a 4xx."""
+    body = widest_request(row, cfg)
+    size = len(jsonio.dumps(body))
+    if size > cfg.agent.max_request_bytes:
+        return (f"its /run request is {size} bytes, over agent.max_request_bytes={cfg.agent.max_request_bytes} "
+                "(minirl's agent server would refuse it with 413)")
+    try:
+        name, _ = check_row(body, cfg)
+    except (BadRow, BadCoordinates) as exc:
+        return f"minirl's agent server would refuse it (agent.external_url is unset): {exc}"
+    problem = unknown_agent(name)
+    return f"agent_ref.name: {problem} (minirl's own agent pool serves: agent.external_url is unset)" if problem else None
+
+
+OUTCOME_FIELDS = ("response", "reward", "evidence", "_rowidx", "_minirl")
+"""What a `/run` result adds to its row besides Gym's failure facts (`gym_failures.RESULT_FACTS`,
+the `_ng_failure_*` stamps, `instance_config.mask_sample`): the outcome and minirl's bookkeeping."""
+
+
+def result_fields(row: dict) -> list[str]:
+    """The fields of a dataset row that only a rollout's result carries (a row copied from a rollout
+    dump): `OUTCOME_FIELDS` and the failure facts `gym_failures.without_result_facts` leaves out."""
+    found = [k for k in row if k in OUTCOME_FIELDS or k in RESULT_FACTS or k.startswith(NG_FAILURE_PREFIX)]
+    legacy = row.get("instance_config")
+    return found + ([f"instance_config.{MASK_SAMPLE}"] if isinstance(legacy, dict) and MASK_SAMPLE in legacy else [])
+
+
+def without_results(row: dict) -> dict:
+    """`row` without its `result_fields` (a copy)."""
+    return without_result_facts({k: v for k, v in row.items() if k not in OUTCOME_FIELDS})
+
+
+def _fill(cfg: MinirlConfig) -> tuple[str, float, float]:
+    """What `_completed` fills in: `agent.name`, `policy.generation`'s temperature and top_p."""
+    return cfg.agent.name, cfg.policy.generation.temperature, cfg.policy.generation.top_p
+
+
+def _completed(row: dict, fill: tuple[str, float, float]) -> dict:
+    """`row` with what Gym's collection or the trainer would set where the row leaves it out (`fill`),
+    and without the fields only a rollout's result carries (`wire.result_fields`)."""
+    row = without_results(row)
+    name, temperature, top_p = fill
     params = dict(row["responses_create_params"])
-    for name in ("temperature", "top_p"):
-        if params.get(name) is None:
-            params[name] = getattr(cfg.policy.generation, name)
-    return {**row, "responses_create_params": params, "agent_ref": row.get("agent_ref") or {"name": cfg.agent.name}}
+    for key, value in (("temperature", temperature), ("top_p", top_p)):
+        if params.get(key) is None:
+            params[key] = value
+    return {**row, "responses_create_params": params, "agent_ref": row.get("agent_ref") or {"name": name}}
 
 
 def prepare(cfg: MinirlConfig) -> None:
     """Before a run starts: the dataset paths made absolute (the run's processes may have another
-    working directory), every row read and checked, and the rules that need the rows: a validation
+    working directory), every row read and checked (`check_rows`; one line printed when rows carry
+    result fields, which are left out), and the rules that need the rows: a validation
     on JSONL training rows needs `data.validation_jsonl` with at least `grpo.val_num_prompts` rows,
     and `faults.rate_per_room` needs every training row to have a room count. ConfigError otherwise."""
     g = cfg.grpo
@@ -209,7 +355,9 @@ def prepare(cfg: MinirlConfig) -> None:
     for key in ("train_jsonl", "validation_jsonl"):
         if getattr(cfg.data, key) is not None:
             setattr(cfg.data, key, str(Path(getattr(cfg.data, key)).resolve()))
-            dataset_rows(cfg, key)
+            note = check_rows(cfg, key)
+            if note:
+                print(note, flush=True)
     if validates and cfg.data.train_jsonl is not None and cfg.data.validation_jsonl is None:
         raise ConfigError("data.validation_jsonl", "must be set to validate a run on data.train_jsonl "
                           f"(grpo.val_period={g.val_period}, grpo.val_at_start={g.val_at_start}): "

@@ -48,7 +48,10 @@ def write(path: Path, rows) -> str:
 
 
 def jsonl_cfg(base_cfg, tmp_path, rows, **data_fields):
+    """A config training on `rows`, served by an external Gym agent (minirl's own pool runs only
+    rows it can parse: tests/test_data_checks.py)."""
     cfg = copy.deepcopy(base_cfg)
+    cfg.agent.external_url = "http://127.0.0.1:9"
     cfg.data.train_jsonl = write(tmp_path / "train.jsonl", rows)
     for k, v in data_fields.items():
         setattr(cfg.data, k, v)

@@ -25,7 +25,7 @@ import asyncio
 from minirl.agents import compaction, summarize  # noqa: F401  (summarize registers policy.type=summarize)
 from minirl.agents.compaction import CompactionPolicy
 from minirl.agents.env import DoorsEnv, verify
-from minirl.agents.episode import Episode, Evidence, ModelClient, ModelReply
+from minirl.agents.episode import Episode, Evidence, ModelClient, ModelReply, prompt_identity
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import AgentConfig, ContextHistoryConfig
 from minirl.faults import FaultPlan, fault_site
@@ -83,7 +83,8 @@ def start_episode(row: dict) -> Episode:
     sampling = {k: params[k] for k in ("temperature", "top_p", "max_output_tokens") if k in params}
     sampling.update({k: v for k, v in extra_body(params).items() if k == "seed"})
     history = list(params["input"])
-    return Episode(history=history, tools=tools, initial_len=len(history), sampling=sampling, coords=coords, env=env)
+    return Episode(history=history, tools=tools, initial_len=len(history), prompt=prompt_identity(history, task, env),
+                   sampling=sampling, coords=coords, env=env)
 
 
 def finish_episode(row: dict, ep: Episode) -> dict:

@@ -10,6 +10,8 @@ and None once a compaction rewrote it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -33,6 +35,17 @@ class ModelClient(Protocol):
     ) -> ModelReply: ...
 
     async def count_tokens(self, messages: list[dict], tools: list[dict]) -> int: ...
+
+
+def prompt_identity(items: list[dict], task: dict, env: DoorsEnv) -> int:
+    """The identity of a row's prompt, the same for every rollout and attempt of it (their rows
+    differ only in seed and bookkeeping): the doors task's seed when `items` are that task's own
+    opening (its prompt is a function of the seed), else a digest of the input items and the task
+    (a dataset row: rows may share a task and differ in their input)."""
+    if items == env.initial_input():
+        return env.seed
+    text = json.dumps([items, task], sort_keys=True)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 @dataclass
@@ -77,6 +90,8 @@ class Episode:
     """Chat-completions tools sent with every call."""
     initial_len: int
     """`history[:initial_len]` is the row's input."""
+    prompt: int = 0
+    """The prompt's identity (`prompt_identity`): what a per-prompt draw (summarize's threshold) is seeded by."""
     sampling: dict = field(default_factory=dict)
     """The row's sampling parameters (`seed` is advanced per call)."""
     coords: Coords | None = None

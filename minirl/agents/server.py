@@ -5,15 +5,16 @@ Request: a row (`responses_create_params`, `agent_ref`, `_rowidx`, `task`, and m
 `_minirl` coordinates). Response: the row plus `response` (Responses output items carrying each
 model call's token ids and logprobs), `reward` and the agent's `evidence`.
 
-The row is checked before its episode starts (`parse_row`): a body that is not a JSON object or
-nests too deeply, an `agent_ref` without a string name, a bad `_minirl` block, a `task` without an
-integer `seed` or with `num_rooms` outside [1, env.max_num_rooms], an `input` that is not a list of
-items the agent can read, a `metadata.extra_body` that is not a JSON object in a string (or whose seed is
-not an integer), is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field, so
-the rollout manager reads it as DATA. Parsing and checking cost time linear in the row's size
-and run in a worker thread for a row over `minirl.http_thread.INLINE_BYTES`; an answer that may be
-larger (`_small`) is serialized off the loop too, so a large row does not hold up other requests
-or `/health`.
+The row is checked before its episode starts (`parse_row`, whose `check_row` `minirl.data` also runs
+on a dataset's rows before a run starts): a body that is not a JSON object or nests too deeply, an
+`agent_ref` without a string name, a bad `_minirl` block, a `task` without an integer `seed` or with
+`num_rooms` outside [1, env.max_num_rooms], an `input` that is not a non-empty list of items the
+agent can read, a `max_output_tokens` below 1, a `metadata.extra_body` that is not a JSON object in a
+string (or whose seed is not an integer), is a 400 `{"error", "type"}` (minirl.wire's shape) naming
+the field, so the rollout manager reads it as DATA. Parsing and checking cost time linear in the
+row's size and run in a worker thread for a row over `minirl.http_thread.INLINE_BYTES`; an answer
+that may be larger (`_small`) is serialized off the loop too, so a large row does not hold up other
+requests or `/health`.
 
 As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`, in a
 typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
@@ -70,13 +71,19 @@ def _int(value) -> bool:
 
 def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
     """A `/run` body -> (row, agent name, coordinates), checking everything the episode reads before
-    it starts. Raises BadRow (or BadCoordinates) naming the field. Linear in the body's size."""
+    it starts (`check_row`). Raises BadRow (or BadCoordinates) naming the field. Linear in the body's size."""
     try:
         row = jsonio.loads(raw)
     except RecursionError:
         raise BadRow("request body nests deeper than the server parses") from None
     except ValueError as exc:
         raise BadRow(f"request body is not JSON: {exc}") from None
+    return (row, *check_row(row, cfg))
+
+
+def check_row(row, cfg: MinirlConfig) -> tuple[str, Coords | None]:
+    """A parsed `/run` row -> (agent name, coordinates), or BadRow (BadCoordinates) naming the field:
+    the agent server's own check, which `minirl.data` also runs on a dataset's rows before a run starts."""
     if not isinstance(row, dict):
         raise BadRow(f"a /run row must be a JSON object, got {type(row).__name__}")
     ref = row.get("agent_ref")
@@ -99,6 +106,8 @@ def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
     items = params.get("input")
     if not isinstance(items, list):
         raise BadRow(f"responses_create_params.input must be a list of items, got {type(items).__name__}")
+    if not items:
+        raise BadRow("responses_create_params.input must hold at least one item, got []")
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise BadRow(f"responses_create_params.input[{i}] must be an object, got {_short(item)}")
@@ -113,13 +122,21 @@ def parse_row(raw: bytes, cfg: MinirlConfig) -> tuple[dict, str, Coords | None]:
         raise BadRow(f"responses_create_params.tools must be a list of objects, got {_short(tools)}")
     if "seed" in params and not _int(params["seed"]):
         raise BadRow(f"responses_create_params.seed must be an integer, got {_short(params['seed'])}")
+    cap = params.get("max_output_tokens")
+    if cap is not None and not (_int(cap) and cap >= 1):
+        raise BadRow(f"responses_create_params.max_output_tokens must be an integer >= 1 or null, got {_short(cap)}")
     try:  # Gym's per-request extras: a JSON object written as a string; the agent reads its seed
         extras = extra_body(params)
     except ValueError as exc:
         raise BadRow(str(exc)[:300]) from None
     if "seed" in extras and not _int(extras["seed"]):
         raise BadRow(f"{EXTRA_BODY}.seed must be an integer, got {_short(extras['seed'])}")
-    return row, ref["name"], coords
+    return ref["name"], coords
+
+
+def unknown_agent(name: str) -> str | None:
+    """Why the pool cannot run `agent_ref.name` (answered 404), or None: it runs the `AGENT_NAMES`."""
+    return None if name in AGENT_NAMES else f"unknown agent_ref name {name[:80]!r}; known: {list(AGENT_NAMES)}"
 
 
 def _small(raw: bytes, result: dict) -> bool:
@@ -185,8 +202,7 @@ class AgentServer:
             row, name, coords = await off_loop(parse_row, raw, self.cfg)
         except (BadRow, BadCoordinates) as exc:
             return web.json_response(run_error_body(exc, 400, stage="admission"), status=400)
-        if name not in self.agents:
-            error = f"unknown agent_ref name {name[:80]!r}; known: {list(self.agents)}"
+        if (error := unknown_agent(name)) is not None:
             return web.json_response({"error": error, "type": "UnknownAgent", "failure_kind": "minirl:unknown_agent",
                                       "stage": "admission", "terminal": True}, status=404)
 

@@ -4,7 +4,8 @@ episode continues from the system prompt, the task, the summary and the current 
 (`summary_format.continuation`).
 
 - Trigger: prompt tokens + `guards.reserved_generation_tokens` > a threshold drawn from
-  `summarize.threshold_tokens` by the prompt's seed (`threshold`), so a group's rollouts share it.
+  `summarize.threshold_tokens` by the prompt's identity (`threshold`, `episode.prompt_identity`: a
+  doors task's seed, a dataset row's input and task), so a group's rollouts share it and prompts differ.
 - The summary request is an ordinary sampled call through the generation server: the history plus
   `SUMMARY_REQUEST`, no tools, its own call key `<rollout>.s<k>a<n>` (compaction k, request n).
 - A reply is rejected (`rejection`) when it carries a tool call, has no closed block, an empty one,
@@ -45,7 +46,7 @@ SEED_STRIDE = 1_000_003
 
 
 def threshold(cfg: SummarizeConfig, seed: int) -> int:
-    """The prompt's trigger threshold: uniform in [lo, hi], a function of the prompt's seed alone."""
+    """The prompt's trigger threshold: uniform in [lo, hi], a function of the prompt's identity alone."""
     lo, hi = cfg.threshold_tokens
     return random.Random(f"summarize|{seed}").randint(lo, hi)
 
@@ -114,7 +115,7 @@ class SummarizePolicy:
 
     async def compact(self, ep: Episode, client: ModelClient) -> CompactionResult:
         before = await client.count_tokens(items_to_messages(ep.history), ep.tools)
-        if before + self.cfg.guards.reserved_generation_tokens <= threshold(self.s, ep.env.seed if ep.env else 0):
+        if before + self.cfg.guards.reserved_generation_tokens <= threshold(self.s, ep.prompt):
             return CompactionResult(ep.history)
         k = ep.ev.summaries + ep.ev.summaries_failed
         if k >= self.s.max_compactions:

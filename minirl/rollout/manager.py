@@ -40,7 +40,7 @@ import aiohttp
 
 from minirl import jsonio
 from minirl.config import MinirlConfig
-from minirl.data import difficulty, prompt_key, sampling_seed
+from minirl.data import difficulty, run_body
 from minirl.faults import FAULT_KINDS, FaultPlan
 from minirl.gym_failures import error_failure, failure_facts
 from minirl.rollout.agent_pool import AgentPool
@@ -60,11 +60,8 @@ from minirl.wire import (
     RolloutRedispatchExhausted,
     RolloutStall,
     RolloutTimeout,
-    TASK_INDEX,
     classify,
-    collector_keys,
     parse_error_body,
-    with_extra_body,
 )
 
 Emit = Callable[[dict], None]
@@ -104,18 +101,6 @@ class GroupRun:
 JSON_HEADERS = {"Content-Type": "application/json"}
 PROBE_TIMEOUT_S = 5.0
 """A down agent server's probe (`GET /health`) not answered within this leaves it down."""
-
-
-def run_body(cfg: MinirlConfig, row: dict, coords: Coords, gid: str) -> dict:
-    """The `/run` body of one rollout attempt of `row`: the row, its sampling seed (in
-    `metadata.extra_body`), minirl's bookkeeping (`_rowidx`, `_minirl`) and Gym's collector keys
-    (`minirl.wire.collector_keys`; a row's own `_ng_task_index` wins, as in Gym)."""
-    task_index = row.get(TASK_INDEX, prompt_key(cfg, coords.step, coords.group))
-    body = {**row, "_rowidx": coords.rollout, "_minirl": {**coords.as_dict(), "group_attempt": gid},
-            **collector_keys(coords, task_index)}
-    body["responses_create_params"] = with_extra_body(
-        row["responses_create_params"], seed=sampling_seed(cfg, coords.step, coords.group, coords.rollout, coords.attempt))
-    return body
 
 
 async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
