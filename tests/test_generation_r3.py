@@ -86,6 +86,33 @@ def test_another_models_weights_are_refused_and_the_shared_worker_serves_on(shar
         ray.shutdown()
 
 
+def test_an_update_failing_inside_vllms_reload_marks_the_engine_dead_and_the_next_reset_restarts_it(shared_engine, base_cfg):
+    """The fallback behind the check: weights that pass it but fail inside vLLM's reload (here a float
+    dtype torch cannot hold) leave no engine serving from half-loaded layers: /health is 503 and a chat
+    request is refused, the process lives on (Ray would re-run the same update on a restarted worker),
+    and the next run's `reset` restarts the worker, which then serves."""
+    from safetensors.numpy import load_file
+
+    odd = [(k, a.astype(np.longdouble)) for k, a in load_file(f"{base_cfg.policy.model_name}/model.safetensors").items()]
+    ray = connect(shared_engine)
+    try:
+        worker = ray.get_actor("shared-gen-1")
+        url, pid = ray.get(worker.start.remote()), ray.get(worker.pid.remote())
+        with pytest.raises(Exception) as failed:
+            ray.get(worker.update_weights.remote(odd, 10_001))
+        assert "failed inside vLLM's reload" in str(failed.value), str(failed.value)[-800:]
+        status, body, chat = served_ok(url)
+        assert status == 503 and "vLLM engine is dead" in body["error"] and chat >= 500, (status, body, chat)
+        assert ray.get(worker.pid.remote()) == pid
+        assert ray.get(worker.reset.remote(base_cfg)) == url  # the worker restarted at the same port
+        assert ray.get(worker.pid.remote()) != pid
+        status, body, chat = served_ok(url)
+        assert (status, body["status"], chat) == (200, "ok", 200)
+        assert ray.get(worker.weights_finite.remote())
+    finally:
+        ray.shutdown()
+
+
 def test_a_run_of_another_model_attached_is_a_config_error_before_any_publish(tmp_path, shared_engine):
     proc = run_cli("--config", "configs/summarize.yaml", "grpo.max_num_steps=1", "grpo.num_prompts_per_step=2",
                    "grpo.num_generations_per_prompt=2", f"run_dir={tmp_path}", *shared_engine)

@@ -239,9 +239,10 @@ class VllmEngine:
             try:
                 llm.collective_rpc(_reload_weights, args=(named,))
             except BaseException as exc:  # vLLM's layers may sit on the meta device now: serve nothing from them
-                self._fail(RuntimeError(f"the update to weights version {version} failed inside vLLM's reload ({exc!r}); "
-                                        "its weights are partly loaded"))
-                raise
+                failed = RuntimeError(f"the update to weights version {version} failed inside vLLM's reload ({exc!r}); "
+                                      "its weights are partly loaded, so the engine serves no more")
+                self._fail(failed)
+                raise failed from exc
             llm.reset_prefix_cache()
             self.version = version
             self.weights_s += time.monotonic() - t0
