@@ -1,12 +1,12 @@
 """The single controller (a Ray actor): the only place where optimizer steps are assembled.
 
-`collect(step, version)` reads one line: the step source hands over the step's prompt groups
-(`SyncSource`: dispatched through the rollout manager and awaited; `BufferSource`
-(minirl/async_rl/source.py): selected from the buffer that the rollout pump fills), under the
-fleet watch (minirl/generation/fleet.py) when fleet health is on; then `check_step`, the ledger
-(the servers' call logs, or for an external agent its calls matched by their tokens), the call
-selection (`context_compaction.call_selection`: which captured calls train), `assemble`,
-and the step's statistics:
+`collect(step, version)` reads one line: the step source (a `types.StepSource`) hands over the
+step's prompt groups (`SyncSource` (minirl/rollout/source.py): dispatched through the rollout
+manager and awaited; `BufferSource` (minirl/async_rl/source.py): selected from the buffer that the
+rollout pump fills), under the fleet watch (minirl/generation/fleet.py) when fleet health is on;
+then `check_step`, the ledger (the servers' call logs, or for an external agent its calls matched
+by their tokens), the call selection (`context_compaction.call_selection`: which captured calls
+train), `assemble`, and the step's statistics:
 - floor: a step that lost more groups than `min_step_batch_fraction` allows raises upstream's
   RuntimeError ("training step … lost … below the floor …");
 - context compaction: every kept group must hold all its rollouts (masked ones with mask 0); with
@@ -20,28 +20,29 @@ and the step's statistics:
 
 Invariant: a batch holds every rollout of every kept group and nothing else, each from the one
 attempt that succeeded, all generated under the step's policy version (async: within the
-staleness window), with finite advantages.
+staleness window), with finite advantages; a step's counters are sums over the group outcomes it
+took, lost or evicted, never another step's.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Awaitable, Callable
 
 import numpy as np
 
 from minirl.algo.grpo import group_advantages, rollout_votes, segment_weights
-from minirl.async_rl.source import ASYNC_COUNTS, BufferSource
+from minirl.async_rl.source import BufferSource
 from minirl.config import MinirlConfig, step_floor
-from minirl.data import prompt_key, prompt_row
+from minirl.data import prompt_key
 from minirl.generation.fleet import FleetWatch
 from minirl.gym_failures import KindCounts, mask_facts
 from minirl.rollout.evidence import Ledger, summary_stats
-from minirl.rollout.manager import RolloutManager, StepTake, dominant_failure
+from minirl.rollout.manager import RolloutManager, dominant_failure
 from minirl.rollout.masking import ScoredGroup, baseline_members, masking_stats, rollout_stats
 from minirl.rollout.selection import select_calls
+from minirl.rollout.source import SyncSource
 from minirl.timeline import clocks, generation_lane
-from minirl.types import GroupOutcome, Rollout, Trace, TrainBatch
+from minirl.types import GroupOutcome, Rollout, StepSource, StepTake, Trace, TrainBatch
 
 
 def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> None:
@@ -173,34 +174,6 @@ def _in_order(o: GroupOutcome) -> list[Rollout]:
     return [o.rollouts[r] for r in sorted(o.rollouts)]
 
 
-class SyncSource:
-    """Sync (`async_rl.enabled=false`): the step's prompt groups, dispatched through the rollout
-    manager and awaited, with the servers' call records of the step. Nothing outlives a step."""
-
-    window = 0  # every trained call runs under the step's own version
-
-    def __init__(self, cfg: MinirlConfig, manager: RolloutManager, drain: Callable[[int | None], Awaitable[list[dict]]]):
-        self.cfg, self.manager, self.drain = cfg, manager, drain
-
-    def snapshot(self) -> None:
-        return None  # a sync checkpoint holds no buffer
-
-    def restore(self, buffer: bytes | None) -> None:
-        pass
-
-    def published(self, version: int) -> None:
-        pass
-
-    def syncing(self) -> None:
-        pass
-
-    async def take(self, step: int, version: int) -> StepTake:
-        since = time.perf_counter()
-        rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
-        outcomes = await self.manager.run_step(step, rows)
-        return StepTake(outcomes, [version] * len(outcomes), await self.drain(step), since, dict.fromkeys(ASYNC_COUNTS, 0))
-
-
 class Controller:
     """Composes the step source (sync dispatch, or the async train pump's half), the fleet watch,
     the ledger (with an external agent's pool of call records not matched yet) and `assemble`."""
@@ -216,15 +189,12 @@ class Controller:
         self.ledger = Ledger(Path(run_dir) / "ledger", cfg.grpo.segment_validity)
         self.kinds = KindCounts(self.events.write)  # failures and masks by Gym's failure_kind, per step
         self.manager = RolloutManager(cfg, agent_urls, self.kinds.emit, vocab_size)
-        self.source = (BufferSource if cfg.async_rl.enabled else SyncSource)(cfg, self.manager, self._drain)
+        self.source: StepSource = (BufferSource if cfg.async_rl.enabled else SyncSource)(cfg, self.manager, self._drain)
         # `fleet`: the generation router's actor when fleet health is on, else None (then nothing is watched)
         self.fleet = FleetWatch(fleet, cfg.async_rl.generation_fleet_health.probe_interval_s, self.events.write)
         self.pool: list[dict] = []  # external agents: headerless records not matched yet
-        self.counters = (0, 0, 0)  # the manager's run totals (sends, returned, guard rejections) at the last step
-        self.deterministic_seen = 0  # the manager's run total of deterministic failures at the last step
         self.step: int | None = None  # the step last collected (a later failure is that step's)
         self.failed = False  # the run's run_failed event is written
-        self.summary_failures = 0  # the manager's run total of SummaryFailed attempts at the last step
         self.mark: tuple | None = None  # minirl.timeline's clocks at the last publish (the cycle's start)
 
     async def snapshot(self) -> dict:
@@ -278,7 +248,7 @@ class Controller:
         if self.failed:
             return
         self.failed = True
-        sends, returned, _ = self._step_counters()
+        sends, returned = self.manager.spent()  # the groups no step's metrics counted yet
         self.events.write({"type": "run_failed", "step": self.step, "error": error,
                            "rollout_attempts": sends, "rollouts_generated": returned})
 
@@ -318,16 +288,16 @@ class Controller:
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
         stats["timing/train/exposed_generation"] = waited
         stats.update(self.kinds.take(kept))
-        stats["summaries_failed"] += self.manager.summary_failures - self.summary_failures  # raised: failed attempts
-        self.summary_failures = self.manager.summary_failures
+        spent = take.outcomes + take.evicted
+        stats["summaries_failed"] += sum(o.summaries_failed for o in spent)  # raised: failed attempts
+        self.manager.settle(spent)
         return batch, stats
 
     async def _check_ledger(self, step: int, version: int, take: StepTake, kept: list[Rollout]) -> tuple[dict, int]:
         """The kept rollouts against the ledger: the servers' call logs, or for an external agent (no
         rollout header) its calls matched by their tokens. Returns the ledger's counts and the tokens generated."""
         window = self.source.window
-        # the oldest weights a trained call may have run under: the window's, or an older group's start (ready_first)
-        oldest = min([version - window] + [w for o, w in zip(take.outcomes, take.start_weights) if o.status == "committed"])
+        oldest = take.oldest(version, window)
         if not self.cfg.agent.external_url:
             ledger = self.ledger.close_step(step, take.calls, kept, version, oldest=oldest)
             return ledger, sum(len(c.get("generation_token_ids") or []) for c in take.calls)
@@ -339,22 +309,21 @@ class Controller:
 
     def _step_stats(self, version: int, take: StepTake, kept: list[Rollout], ledger: dict, generated: int,
                     gen_s: float, engine_busy_s: float, engine_gather_s: float) -> dict:
-        """The step's counters beyond `assemble`'s: sends, the ledger's counts, timing, staleness."""
-        outcomes = take.outcomes
+        """The step's counters beyond `assemble`'s: sends, the ledger's counts, timing, staleness.
+        What its groups cost counts the groups it evicted too (async)."""
+        outcomes, spent = take.outcomes, take.outcomes + take.evicted
         staleness = [version - w for o, w in zip(outcomes, take.start_weights) if o.status == "committed"] or [0]
-        _, _, guard_failed = self._step_counters()
-        self.counters = (self.manager.sends, self.manager.returned, self.manager.guard_rejections)
-        deterministic, self.deterministic_seen = self.manager.deterministic - self.deterministic_seen, self.manager.deterministic
         return dict(
-            rollout_attempts=sum(o.row_sends for o in outcomes),
-            rollouts_generated=sum(o.rows_returned for o in outcomes),
-            guard_rejections=guard_failed + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
+            rollout_attempts=sum(o.row_sends for o in spent),
+            rollouts_generated=sum(o.rows_returned for o in spent),
+            guard_rejections=sum(o.guard_rejections for o in spent)
+            + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
             calls_retired=ledger.get("calls_retired", 0),
             calls_unrecorded=ledger.get("calls_unrecorded", 0),
             calls_stale=ledger.get("calls_stale", 0),  # external agents: masked, see Ledger.match_external
             calls_logprob_mismatch=ledger.get("calls_logprob_mismatch", 0),
             calls_matched=ledger.get("calls_matched", 0),
-            deterministic_failures=deterministic,  # rows found to fail the same way every time (skipped as DATA)
+            deterministic_failures=sum(o.deterministic_failures for o in spent),  # rows found to fail the same way every time (skipped as DATA)
             gen_time_s=gen_s,
             engine_busy_s=engine_busy_s,
             engine_gather_s=engine_gather_s,  # the engines holding a burst before their first step (vllm_cfg.gather_gap_s)
@@ -368,7 +337,3 @@ class Controller:
             **self.manager.agent_stats(),  # agent servers up, and each one's /run sends
             prompt_seeds=[prompt_key(self.cfg, o.step, o.group) for o in outcomes],
         )
-
-    def _step_counters(self) -> tuple[int, int, int]:
-        sends, returned, guard = self.counters
-        return self.manager.sends - sends, self.manager.returned - returned, self.manager.guard_rejections - guard

@@ -1,26 +1,28 @@
 """What an optimizer step is made of, in one ground-floor module (prime-rl's `orchestrator/types.py`
 and slime's `Sample.Status` are the models): a model `Call`, the physical `Trace`s it builds, a
-validated `Rollout`, a prompt group's `GroupOutcome`, and the `TrainBatch` the controller hands the
-policy workers.
+validated `Rollout`, a prompt group's `GroupOutcome`, the `StepTake` a `StepSource` hands the
+controller, and the `TrainBatch` the controller hands the policy workers.
 
 Invariant: these are plain carriers; they check nothing and import nothing of minirl's but
-`wire.Coords`. A `GroupOutcome.status` is one of `GroupStatus`; a `TrainBatch` holds numpy arrays
-only (cheap to pickle through Ray), one row per trace, and its `global_valid_*` totals are those of
-`valid_mask()`.
+`wire.Coords`. A `GroupOutcome.status` is one of `GroupStatus`, and its counters count that group's
+sends and failures only, so a step's counters are sums over the outcomes it took; a `TrainBatch`
+holds numpy arrays only (cheap to pickle through Ray), one row per trace, and its `global_valid_*`
+totals are those of `valid_mask()`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 
 from minirl.wire import Coords
 
-GroupStatus = Literal["committed", "dropped", "skipped"]
+GroupStatus = Literal["committed", "dropped", "skipped", "replaced"]
 """committed: trained (its masked rollouts too); dropped: an INFRA budget ran out, the step goes on
-without it; skipped: a DATA failure under `on_rollout_data_error=skip`."""
+without it; skipped: a DATA failure under `on_rollout_data_error=skip`; replaced: async
+`on_dropped_prompt=replace`, a lost prompt whose place a spare filled (counted, never a group)."""
 
 
 @dataclass
@@ -87,10 +89,62 @@ class GroupOutcome:
     row_retries: int = 0
     backoff_s: float = 0.0
     step: int = 0
+    guard_rejections: int = 0  # failed sends answered with a context guard's rejection (on_reject=raise)
+    summaries_failed: int = 0  # failed sends answered SummaryFailed (on_summary_failure=raise)
+    deterministic_failures: int = 0  # rows whose failure was found deterministic (max_identical_failures)
 
     @property
     def redispatched(self) -> bool:
         return self.group_attempts > 1 or self.row_retries > 0
+
+
+SOURCE_COUNTS = ("stale_groups_evicted", "promoted_prompt_groups", "replaced_prompt_groups")
+"""The per-step counters a step source keeps of its own (the async buffer's; zero in a sync run)."""
+
+
+class StepTake(NamedTuple):
+    """What a step source hands the controller for one optimizer step."""
+
+    outcomes: list[GroupOutcome]  # the groups the step trains or lost (replaced prompts too)
+    start_weights: list[int]  # per outcome: the oldest policy version its kept rows' attempts started under
+    calls: list[dict]  # the generation servers' call records of these groups (async: and orphans)
+    since: float  # perf_counter when the step's generation began (async: the previous hand-over)
+    counts: dict  # the source's own per-step counters, keyed by SOURCE_COUNTS
+    evicted: list[GroupOutcome] = []  # async: groups this step's wait evicted as stale (their cost is the step's)
+
+    def oldest(self, version: int, window: int) -> int:
+        """The oldest weights a trained call may have run under: the window's, or an older kept
+        group's start (ready_first evicts nothing)."""
+        return min([version - window] + [w for o, w in zip(self.outcomes, self.start_weights) if o.status == "committed"])
+
+
+class StepSource(Protocol):
+    """Where a step's prompt groups come from: `SyncSource` (minirl/rollout/source.py: dispatched
+    and awaited per step) or `BufferSource` (minirl/async_rl/source.py: selected from the buffer
+    the rollout pump fills). `window` is how many versions older than the step's a trained call
+    may be (0 in sync)."""
+
+    window: int
+
+    async def take(self, step: int, version: int) -> StepTake:
+        """The groups of optimizer step `step`, trained at policy `version`."""
+        ...
+
+    def published(self, version: int) -> None:
+        """The generation workers now serve `version`."""
+        ...
+
+    def syncing(self) -> None:
+        """A weight sync begins."""
+        ...
+
+    def snapshot(self) -> bytes | None:
+        """What a checkpoint keeps of the source (None: nothing)."""
+        ...
+
+    def restore(self, buffer: bytes | None) -> None:
+        """Resume from a checkpoint's `snapshot`."""
+        ...
 
 
 @dataclass

@@ -246,7 +246,7 @@ def test_guard_rejections_are_counted_from_the_typed_error_body(stack, base_cfg)
     cfg = policy_cfg(base_cfg, [reject])
     cfg.agent.context_history.guards.on_reject = "raise"
     run = run_step(stack, cfg)
-    assert run.error is None and run.manager.guard_rejections == 1
+    assert run.error is None and [o.guard_rejections for o in run.outcomes] == [0, 1]
     (failure,) = run.failures()
     assert failure["error_type"] == "ContextGuardRejected"
 

@@ -52,12 +52,14 @@ def test_weight_fifo_is_gated_and_takes_one_weight_per_step_oldest_first():
     assert s.stale(2, ready[1:], Counter()) == []  # the current weight can still grow
 
 
-def test_ready_first_takes_the_first_ready_groups_of_any_age_and_evicts_nothing():
+def test_ready_first_takes_the_first_ready_groups_of_any_age_in_dispatch_order_and_evicts_nothing():
+    """Upstream's reservation order (issue 50, item 6): the slow group (0, 0), dispatched first and
+    committed after (1, 0), trains first; before, commit order put (1, 0) first."""
     s = make_sampler("ready_first", 2, 0)
     assert s.admit(2, 2) and not s.admit(3, 2)  # gated as in_order
     ready = [rec(1, 0, 3), rec(0, 0, 0), rec(1, 1, 2)]  # commit order; weight 0 is 3 versions old
     assert s.stale(3, ready) == []
-    assert [(r.step, r.group) for r in s.select(0, 3, ready, Counter())] == [(1, 0), (0, 0)]
+    assert [(r.step, r.group) for r in s.select(0, 3, ready, Counter())] == [(0, 0), (1, 0)]
     assert s.select(0, 2, ready, Counter()) == [ready[1], ready[2]]  # never a group from a newer weight
     assert s.select(0, 1, ready, Counter()) is None
 

@@ -337,7 +337,7 @@ def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tok
             finally:
                 await manager.session.close()
             direct = await post(s.agent_url, row_of(cfg, attempt=9, seed=3))
-            return outcome, manager.summary_failures, direct
+            return outcome, outcome.summaries_failed, direct
 
     outcome, failures, (status, body) = asyncio.run(go())
     assert status == 500 and body["type"] == "SummaryFailed"

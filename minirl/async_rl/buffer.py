@@ -1,8 +1,9 @@
 """The buffer of finished prompt groups that the rollout pump fills and the train pump drains.
 
 Each entry is one prompt group's resolution (committed, dropped or skipped) with `start_weight`,
-the policy version when its last group attempt started (re-stamped on every attempt, as upstream
-reserves each attempt under the current version), and `end_weight`, the version when it resolved.
+the oldest policy version any of its kept rows' group attempts started under (re-stamped on every
+attempt, as upstream reserves each attempt under the current version, but never younger than a row
+kept from an earlier attempt), and `end_weight`, the version when it resolved.
 
 Invariant: a group enters the buffer once, and leaves it once: consumed by exactly one optimizer
 step, or evicted as stale (counted, never trained). At most `capacity` unconsumed groups are held;

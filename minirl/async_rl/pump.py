@@ -7,7 +7,10 @@ dispatches the next group once the sampler admits it at the current policy versi
 sync is under way (`pause` .. `set_version`: the version changes only after the new weights are
 served). Each group runs through `RolloutManager.run_group`: the whole failure policy (retry,
 backoff, row and group redispatch, drop budget) applies unchanged, and every group attempt is
-stamped with the version current at its start (`start_weight`), as upstream reserves each attempt.
+stamped with the version current at its start, as upstream reserves each attempt; a group's
+`start_weight` is the oldest version any of its kept rows' attempts started under (a retry keeps
+the rows that came back, `nemo_gym.keep_returned_rows`, so a row generated under v0 keeps the
+group at v0 however late its last attempt starts): it sorts, counts and is evicted by its true age.
 
 A dispatched group holds one *place* of its step (and one buffer place) until a record commits.
 `on_dropped_prompt: replace` (a sampler that stamps target steps), as upstream's pump runs it: when
@@ -263,11 +266,14 @@ class RolloutPump:
         it, until a record commits (or the run ends)."""
         lost, start, dispatched = [], [], time.monotonic()
 
-        def attempt() -> None:  # a group attempt starts: stamp it with the version served now
+        def attempt(kept: int | None) -> int:
+            """A group attempt starts under the version served now; the place's stamp is the oldest
+            version its rows ran under: this one, or an older kept row's (keep_returned_rows)."""
             if start:
                 self.inflight[start.pop()] -= 1
-            start.append(self.version)
-            self.inflight[self.version] += 1
+            start.append(self.version if kept is None else min(kept, self.version))
+            self.inflight[start[0]] += 1
+            return self.version
 
         try:
             while True:

@@ -20,9 +20,11 @@ buffer the sampler needs, or the pumps deadlock.
   mixes versions. A weight below w that can no longer fill a step (nothing of it in flight, fewer
   than a step's groups ready: a batch split across a version change by the in-flight cap or by a
   retry's re-stamp) is evicted whole, where upstream's select would wait for it.
-- `ready_first` (gated): a step takes the first `num_prompts_per_step` ready groups (commit order)
-  with start weight <= w, however old: nothing is evicted, so the config requires the importance
-  sampling correction with it.
+- `ready_first` (gated): a step takes the first `num_prompts_per_step` ready groups with start
+  weight <= w, however old, in dispatch order (upstream's reservation order: the prompt stream's
+  (step, group); it stamps no target step, so it has no spares out of that order): a slow group
+  trains as soon as it is ready, before groups dispatched after it. Nothing is evicted, so the
+  config requires the importance sampling correction with it.
 
 Invariant: `select` returns the records of one optimizer step or None (wait), and never a
 committed record outside the sampler's window; `stale` names exactly the committed records that
@@ -125,7 +127,7 @@ class ReadyFirst(Sampler):
         return []  # every admitted group stays selectable
 
     def select(self, step, version, ready, inflight):
-        ok = [r for r in ready if r.start_weight <= version]
+        ok = sorted((r for r in ready if r.start_weight <= version), key=lambda r: (r.step, r.group))
         return ok[: self.n] if len(ok) >= self.n else None
 
 

@@ -1,5 +1,6 @@
 """The train pump's half of async GRPO: `BufferSource.take(step, version)` hands the controller one
-optimizer step's prompt groups from the buffer that the rollout pump (pump.py) fills.
+optimizer step's prompt groups from the buffer that the rollout pump (pump.py) fills. It is a
+`types.StepSource`, as the synchronous `SyncSource` (minirl/rollout/source.py) is.
 
 On the first `take` it opens the manager and starts the pump (from a resumed checkpoint's buffer if
 there is one). Each `take` evicts the committed groups the sampler can no longer select (an `evict`
@@ -7,7 +8,8 @@ event each, written at once even if the wait goes on or ends the run), waits unt
 selects the step's groups, and takes them with their servers' call records. Call records are moved
 from the generation workers as each group resolves (`resolved`) and kept by (step, group) until
 their group is taken; records of groups already taken or evicted (late records of retired
-attempts) are orphans, handed to the next step's ledger, which retires them.
+attempts) are orphans, handed to the next step's ledger, which retires them. The groups a `take`
+evicted ride on its StepTake (`evicted`), so the step that lost them counts what they cost.
 
 Invariant: every buffered group is taken by exactly one step or evicted once; every call record
 drained from the servers reaches exactly one step's ledger (with its group, or as an orphan); the
@@ -25,10 +27,8 @@ from minirl.async_rl.buffer import GroupBuffer, GroupRecord
 from minirl.async_rl.pump import RolloutPump
 from minirl.async_rl.samplers import make_sampler
 from minirl.config import MinirlConfig
-from minirl.rollout.manager import RolloutManager, StepTake
-
-ASYNC_COUNTS = ("stale_groups_evicted", "promoted_prompt_groups", "replaced_prompt_groups")
-"""The per-step counters of the train pump (zero in a sync run)."""
+from minirl.rollout.manager import RolloutManager
+from minirl.types import SOURCE_COUNTS, StepTake
 
 
 def _keys(record: GroupRecord) -> list[tuple[int, int]]:
@@ -37,6 +37,8 @@ def _keys(record: GroupRecord) -> list[tuple[int, int]]:
 
 
 class BufferSource:
+    """Async (`async_rl.enabled=true`): the step's groups, as the sampler selects them from the buffer."""
+
     def __init__(self, cfg: MinirlConfig, manager: RolloutManager, drain: Callable[[int | None], Awaitable[list[dict]]]):
         self.cfg, self.manager, self.drain = cfg, manager, drain
         self.window = cfg.async_rl.sampler.max_staleness_versions
@@ -90,15 +92,16 @@ class BufferSource:
         self.pump.selected = version  # the step at `version` has its groups (pacing counts on it)
         # upstream's counters: a place whose spare committed is replaced (counted in the step it filled),
         # a group re-stamped into the step promoted; `dropped_prompt_groups` is the shortfall left
-        counts = dict(zip(ASYNC_COUNTS, (len(stale), sum(r.promoted for r in chosen),
+        counts = dict(zip(SOURCE_COUNTS, (len(stale), sum(r.promoted for r in chosen),
                                          sum(r.replacement and r.outcome.status == "committed" for r in chosen))))
         self.consumed.update(key for r in stale + chosen for key in _keys(r))
         calls, self.orphans = [c for r in chosen for key in _keys(r) for c in self.calls.pop(key, [])] + self.orphans, []
         # the prompts a place gave up on (replaced): counted in the step's attempts and costs, never as groups
         lost = [dataclasses.replace(o, status="replaced") for r in chosen for o in r.lost]
         since, self.handed_over = self.handed_over, time.perf_counter()  # generation overlaps training
+        evicted = [o for r in stale for o in [r.outcome, *r.lost]]
         return StepTake([r.outcome for r in chosen] + lost, [r.start_weight for r in chosen] + [version] * len(lost),
-                        calls, since, counts)
+                        calls, since, counts, evicted)
 
     def _pick(self, step: int, version: int, ready: list[GroupRecord]):
         self.pump.check()

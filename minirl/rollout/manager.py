@@ -34,7 +34,7 @@ import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, NamedTuple
+from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -67,17 +67,6 @@ from minirl.wire import (
 Emit = Callable[[dict], None]
 
 
-class StepTake(NamedTuple):
-    """What a step source (the controller's sync dispatch, the async train pump's buffer) hands the
-    controller for one optimizer step."""
-
-    outcomes: list[GroupOutcome]
-    start_weights: list[int]  # the policy version each outcome's group attempt started under
-    calls: list[dict]  # the generation servers' call records of these groups (async: and orphans)
-    since: float  # perf_counter when the step's generation began (async: the previous hand-over)
-    counts: dict  # the source's own per-step counters (async: evictions, promotions, replacements)
-
-
 @dataclass
 class GroupRun:
     """One prompt group's run under the failure policy: the outcome being built, each row's send
@@ -88,7 +77,7 @@ class GroupRun:
     row: dict
     out: GroupOutcome
     row_attempt: list[int]
-    on_attempt: Callable[[], None] | None = None
+    on_attempt: Callable[[int | None], int] | None = None
     infra: int = 0
     data: int = 0
     gid: str = ""
@@ -96,6 +85,12 @@ class GroupRun:
     final: dict = field(default_factory=dict)  # row -> its failure in this group attempt that will not pass
     sending: dict = field(default_factory=dict)  # row -> (agent server, monotonic time) of its send in flight
     last_url: dict = field(default_factory=dict)  # row -> the agent server its last failed send went to
+    weight: int | None = None  # async: the policy version the current group attempt started under
+    row_weight: dict = field(default_factory=dict)  # row -> `weight` of the attempt its kept result came from
+
+    def oldest_kept(self) -> int | None:
+        """The oldest attempt version among the rows kept so far (None: none kept, or sync)."""
+        return min((self.row_weight[r] for r in self.out.rollouts if r in self.row_weight), default=None)
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -193,7 +188,6 @@ class RolloutManager:
         self.probes: set[asyncio.Task] = set()  # down agent servers' probes in flight
         self.agent_sends: Counter = Counter()  # /run sends per agent server since the last agent_stats()
         self.lost: deque[str] = deque(maxlen=64)  # the reasons of the groups lost since the last commit
-        self.deterministic = 0  # run total of rows whose failure was found deterministic
         self.sleep, self.post = sleep, post
         self.rf = cfg.async_rl.rollout_failure
         cc = cfg.context_compaction
@@ -205,10 +199,7 @@ class RolloutManager:
         self.in_flight: dict[str, float] = {}
         self.occupancy = Occupancy()  # wall time with any rollout in flight (minirl.timeline)
         self.last_progress = time.monotonic()
-        self.guard_rejections = 0  # run total of guard rejections that failed an attempt (on_reject=raise)
-        self.summary_failures = 0  # run total of attempts failed by SummaryFailed (on_summary_failure=raise)
-        self.sends = 0  # run total of /run requests (rollout attempts)
-        self.returned = 0  # run total of valid /run results (rollouts generated)
+        self.unsettled: dict[tuple[int, int], GroupOutcome] = {}  # (step, group) -> begun, in no step's metrics yet
         self.session: aiohttp.ClientSession | None = None
         self.max_abs_reward = reward_bound(cfg.grpo.normalize_rewards)
 
@@ -221,6 +212,16 @@ class RolloutManager:
 
     def load_state(self, state: dict) -> None:
         self.consecutive_drops, self.skipped = state["consecutive_drops"], state["skipped"]
+
+    def settle(self, outcomes: list[GroupOutcome]) -> None:
+        """These groups are counted in a step's metrics: they leave `unsettled`."""
+        for o in outcomes:
+            self.unsettled.pop((o.step, o.group), None)
+
+    def spent(self) -> tuple[int, int]:
+        """(sends, valid results) of every group begun and not yet in a step's metrics: what a run
+        that ends now spent since its last step's metrics (run_failed)."""
+        return sum(o.row_sends for o in self.unsettled.values()), sum(o.rows_returned for o in self.unsettled.values())
 
     # -- a step ----------------------------------------------------------------------------------
     def open(self) -> None:
@@ -268,11 +269,16 @@ class RolloutManager:
                 self.last_progress = time.monotonic()
 
     # -- a group ---------------------------------------------------------------------------------
-    async def run_group(self, step: int, group: int, row: dict, on_attempt: Callable[[], None] | None = None) -> GroupOutcome:
-        """One prompt group under the failure policy; `on_attempt` (the async pump's) is called as
-        each group attempt starts, where upstream reserves the attempt under the current version."""
+    async def run_group(self, step: int, group: int, row: dict,
+                        on_attempt: Callable[[int | None], int] | None = None) -> GroupOutcome:
+        """One prompt group under the failure policy. `on_attempt` (the async pump's) is called as
+        each group attempt starts, where upstream reserves the attempt under the current version,
+        with the oldest version among the rows kept from earlier attempts (None: none), and returns
+        the version the attempt starts under; the outcome's `start_weight` is then the oldest
+        version any of its kept rows' attempts started under."""
         run = GroupRun(step, group, row, GroupOutcome(group, "committed", step=step),
                        [0] * self.cfg.grpo.num_generations_per_prompt, on_attempt)
+        self.unsettled[step, group] = run.out
         while True:
             failures = await self._group_attempt(run)
             if not failures:
@@ -292,7 +298,7 @@ class RolloutManager:
         self.reservations[run.gid] = (run.step, run.group)
         out.group_attempts += 1
         if run.on_attempt is not None:
-            run.on_attempt()
+            run.weight = run.on_attempt(run.oldest_kept())
         try:
             return await self._attempt(run)
         finally:
@@ -307,11 +313,11 @@ class RolloutManager:
         if self.can_redispatch and (run.infra < self.rf.max_infra_attempts_per_prompt or restarting):
             delay = self.backoff(run.infra)
             window = {"restart_window_s": self.rf.agent_restart_window_s} if run.infra >= self.rf.max_infra_attempts_per_prompt else {}
-            self._failed(failures, "retried", backoff_s=delay, group_attempt=run.gid, **window)
+            self._failed(run.out, failures, "retried", backoff_s=delay, group_attempt=run.gid, **window)
             run.out.backoff_s += delay
             await self.sleep(delay)
             return None
-        self._failed(failures, "dropped", group_attempt=run.gid)
+        self._failed(run.out, failures, "dropped", group_attempt=run.gid)
         return self._drop(run.step, run.group, run.out, exc, self._exhausted_message(run.step, run.group, run.infra, exc))
 
     async def _after_data(self, run: GroupRun, failures) -> GroupOutcome | None:
@@ -320,15 +326,15 @@ class RolloutManager:
         run.data += 1
         retry = not will_not_pass(exc)  # the same answer again, or Gym's terminal failure: never retried
         if retry and self.can_redispatch and run.data < self.rf.max_data_attempts_per_prompt:
-            self._failed(failures, "retried", backoff_s=0.0, group_attempt=run.gid)
+            self._failed(run.out, failures, "retried", backoff_s=0.0, group_attempt=run.gid)
             return None
         if self.skipped < self.rf.max_skipped_prompts:
             self.skipped += 1
-            self._failed(failures, "skipped", group_attempt=run.gid)
+            self._failed(run.out, failures, "skipped", group_attempt=run.gid)
             run.out.status, run.out.reason, run.out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
             self.lost.append(run.out.reason)
             return run.out
-        self._failed(failures, "raised", group_attempt=run.gid)
+        self._failed(run.out, failures, "raised", group_attempt=run.gid)
         if self.rf.max_skipped_prompts == 0:
             raise exc  # upstream: at a zero skip budget the original failure propagates unchanged
         raise RolloutDataFailure(
@@ -378,21 +384,22 @@ class RolloutManager:
         out.status, out.reason, out.rollouts = "dropped", f"{type(exc).__name__}: {exc}", {}
         return out
 
-    def _failed(self, failures, decision: str, **extra) -> None:
+    def _failed(self, out: GroupOutcome, failures, decision: str, **extra) -> None:
         """A `failure` event for each row of a group decision, each with its own class (the decision
         may be a sibling's: a row that failed INFRA is skipped with a terminal sibling)."""
         for coords, exc in failures:
-            self._failure_event(coords, classify(exc), exc, decision, **extra)
+            self._failure_event(out, coords, classify(exc), exc, decision, **extra)
 
-    def _failure_event(self, coords: Coords, kind: str, exc: BaseException, decision: str, **extra) -> None:
+    def _failure_event(self, out: GroupOutcome, coords: Coords, kind: str, exc: BaseException, decision: str, **extra) -> None:
+        """A row's failed send: its `failure` event, counted on its group's outcome."""
         error_type = getattr(exc, "error_type", None)
-        self.guard_rejections += error_type == "ContextGuardRejected"
+        out.guard_rejections += error_type == "ContextGuardRejected"
         agent = {"agent": exc.agent_url} if getattr(exc, "agent_url", None) else {}  # the agent server that failed it
         self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
                    "error_type": error_type, "error": str(exc)[:ERROR_BODY_LIMIT], "decision": decision,
                    **failure_facts(exc), **agent, **extra})
         if error_type == "SummaryFailed":  # a harness failure (INFRA): retried as any other, never a reward of 0
-            self.summary_failures += 1
+            out.summaries_failed += 1
             self.emit({"type": "summary_failed", **coords.as_dict(), "class": kind, "decision": decision})
 
     async def _attempt(self, run: GroupRun) -> list[tuple[Coords, BaseException]]:
@@ -449,7 +456,6 @@ class RolloutManager:
             coords = Coords(run.step, run.group, r, run.row_attempt[r])
             run.row_attempt[r] += 1
             out.row_sends += 1
-            self.sends += 1
             self._planned_faults(coords, difficulty(run.row))
             self._probe_due(run.step)
             url = self.pool.pick(avoid=url)
@@ -462,7 +468,7 @@ class RolloutManager:
                 elsewhere = isinstance(exc, AgentBadAnswer) and self.pool.up_besides(url)
                 if (classify(exc) == INFRA or elsewhere) and sends < max_sends:
                     out.row_retries += 1
-                    self._failure_event(coords, classify(exc), exc, "retried", scope="row", group_attempt=run.gid)
+                    self._failure_event(out, coords, classify(exc), exc, "retried", scope="row", group_attempt=run.gid)
                     continue
                 if will_not_pass(exc):
                     run.final[r] = (coords, exc)
@@ -470,9 +476,10 @@ class RolloutManager:
             del run.sending[r]
             run.streaks.pop(r, None)
             out.rows_returned += 1
-            self.returned += 1
             self._agent_events(rollout)
             out.rollouts[r] = rollout
+            if run.weight is not None:
+                run.row_weight[r] = run.weight
             return rollout
 
     async def _send(self, run: GroupRun, r: int, coords: Coords, url: str) -> Rollout:
@@ -556,7 +563,7 @@ class RolloutManager:
         run.streaks[r] = (answer, count)
         if answer is None or n == 0 or count < n:
             return exc
-        self.deterministic += 1
+        run.out.deterministic_failures += 1
         self.emit({"type": "deterministic", **coords.as_dict(), "status": answer[0], "sends": count,
                    "agent": exc.agent_url, "error": answer[1][:ERROR_BODY_LIMIT]})
         det = DeterministicFailure(
