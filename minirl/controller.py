@@ -288,7 +288,7 @@ class Controller:
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
         stats["timing/train/exposed_generation"] = waited
         stats.update(self.kinds.take(kept))
-        spent = take.outcomes + take.evicted
+        spent = [*take.outcomes, *take.evicted]
         stats["summaries_failed"] += sum(o.summaries_failed for o in spent)  # raised: failed attempts
         self.manager.settle(spent)
         return batch, stats
@@ -311,7 +311,7 @@ class Controller:
                     gen_s: float, engine_busy_s: float, engine_gather_s: float) -> dict:
         """The step's counters beyond `assemble`'s: sends, the ledger's counts, timing, staleness.
         What its groups cost counts the groups it evicted too (async)."""
-        outcomes, spent = take.outcomes, take.outcomes + take.evicted
+        outcomes, spent = take.outcomes, [*take.outcomes, *take.evicted]
         staleness = [version - w for o, w in zip(outcomes, take.start_weights) if o.status == "committed"] or [0]
         return dict(
             rollout_attempts=sum(o.row_sends for o in spent),

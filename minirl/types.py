@@ -110,7 +110,7 @@ class StepTake(NamedTuple):
     calls: list[dict]  # the generation servers' call records of these groups (async: and orphans)
     since: float  # perf_counter when the step's generation began (async: the previous hand-over)
     counts: dict  # the source's own per-step counters, keyed by SOURCE_COUNTS
-    evicted: list[GroupOutcome] = []  # async: groups this step's wait evicted as stale (their cost is the step's)
+    evicted: tuple[GroupOutcome, ...] = ()  # async: groups this step's wait evicted as stale (their cost is the step's)
 
     def oldest(self, version: int, window: int) -> int:
         """The oldest weights a trained call may have run under: the window's, or an older kept

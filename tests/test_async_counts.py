@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import os
+from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from minirl.config import FaultSpec
 
@@ -57,7 +61,7 @@ async def train_steps(s, engine, weights, cfg, steps: int, until=None):
             kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
             counts = ledger.close_step(step, take.calls, kept, version, oldest=take.oldest(version, source.window))
             takes.append((take, counts))
-            manager.settle(take.outcomes + take.evicted)
+            manager.settle([*take.outcomes, *take.evicted])
             source.syncing()
             await asyncio.wrap_future(engine.update_weights(weights, version=version + 1))
             source.published(version + 1)
@@ -119,3 +123,93 @@ def test_a_retry_that_keeps_an_old_row_is_stamped_with_that_rows_version(stack, 
         assert o.group_attempts == 2 and sorted(o.rollouts) == [0, 1]
         assert o.rollouts[0].coords.attempt == 0 and o.rollouts[1].coords.attempt == 1
     assert all(counts.get("calls_trained", 0) > 0 for _, counts in takes)
+
+
+SYNC_RUN = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3", "checkpoint.enabled=false",
+            "logger.tensorboard=false", "faults.rate={agent_exception: 0.15, guard_reject: 0.1}", "faults.seed=5",
+            "agent.context_history.guards.on_reject=raise"]
+SYNC_BEFORE = Path(__file__).parent / "data" / "sync_metrics_before_counts_from_outcomes.json"
+"""The run's per-step metrics as main's code wrote them before the counters came from the outcomes
+(d8fb756), less what a rerun does not reproduce (`comparable`). Rewrite it with MINIRL_RECORD_SYNC=1."""
+
+
+def comparable(row: dict) -> dict:
+    """A metrics line without its clocks (timing, rates, seconds)."""
+    return {k: v for k, v in row.items() if not (k.startswith("timing/") or k.endswith(("_s", "_per_s")))}
+
+
+@pytest.mark.slow
+def test_a_seeded_sync_run_writes_the_same_metrics_as_before(tmp_path, shared_engine):
+    """Issue 52, item 1: the step's counters now come from its group outcomes; in a sync run (a
+    step's groups are all its own) every metric stays what main's code wrote, faults included
+    (guard rejections raised as failures, agent exceptions re-sent)."""
+    proc = run_cli(*SYNC_RUN, f"run_dir={tmp_path}", *shared_engine)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [comparable(json.loads(line)) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
+    if os.environ.get("MINIRL_RECORD_SYNC"):
+        SYNC_BEFORE.parent.mkdir(exist_ok=True)
+        SYNC_BEFORE.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+    assert sum(r["guard_rejections"] for r in rows) > 0 and sum(r["rollout_attempts"] > r["rollouts_generated"] for r in rows) > 0
+    assert rows == json.loads(SYNC_BEFORE.read_text())
+
+
+def test_a_spare_prompts_drop_message_names_the_spare_not_the_next_steps_group(stack, base_cfg):
+    """Issue 50, item 9: spare batch 0 is the groups N..2N-1 of prompt step 0 (`spare_groups`); its
+    group N + 1, given up on, is named by its own coordinates. Before, the message said `prompt
+    idx=3`, the stream index of step 1's group 1, another prompt."""
+    from minirl.data import prompt_row
+    from minirl.rollout.manager import RolloutManager
+    from minirl.wire import RolloutRedispatchExhausted
+
+    cfg = async_cfg(base_cfg, "in_order", [{"kind": "agent_exception", "step": 0, "group": 3, "rollout": 0}], prompts=2)
+    cfg.context_compaction.redispatch_dropped_groups = False  # upstream under CC: the first failure drops the group
+
+    async def go():
+        async with stack(cfg) as s:
+            manager = RolloutManager(cfg, [s.agent_url], [].append, VOCAB)
+            manager.open()
+            try:
+                await manager.run_group(0, 3, prompt_row(cfg, 0, 3))
+            except RolloutRedispatchExhausted as exc:
+                return str(exc)
+            finally:
+                await manager.session.close()
+
+    message = asyncio.run(go())
+    assert message.startswith("spare prompt (step 0, group 3) exhausted its infrastructure retry budget after 1 attempt(s)"), message
+
+
+@pytest.mark.slow
+def test_an_async_steps_counters_cover_its_own_groups_and_sum_to_the_runs(tmp_path, shared_engine):
+    """Issue 50 item 11, issue 52 item 1. `windowed` dispatches ungated, 8 groups in flight for
+    steps of 2: groups of later steps fail (guard rejections raised as HTTP 500, re-sent) while a
+    step is taken. Each step's `guard_rejections` is exactly the rejections of the groups it took,
+    lost or evicted (their `failure` events, by prompt), and the steps' counts add up to the
+    run's over the groups the steps consumed. Before, the counters were the rollout manager's run
+    totals diffed between steps: a step counted the failures of whatever groups the pump had
+    running meanwhile."""
+    from minirl.config import load_config
+    from minirl.data import prompt_key
+
+    args = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=4",
+            "checkpoint.enabled=false", "logger.tensorboard=false", "async_rl.enabled=true",
+            "loss_fn.use_importance_sampling_correction=true", "async_rl.sampler.name=windowed",
+            "async_rl.max_inflight_prompts=8", "async_rl.max_buffered_rollouts=8",
+            "async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+            "agent.context_history.guards.on_reject=raise", "faults.rate={guard_reject: 0.15}", "faults.seed=2"]
+    proc = run_cli(*args, f"run_dir={tmp_path}", *shared_engine)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
+    evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if line]
+    cfg = load_config(None, args)
+    seed = lambda e: prompt_key(cfg, e["step"], e["group"])
+    rejected = [seed(e) for e in evs if e["type"] == "failure" and e.get("error_type") == "ContextGuardRejected"]
+    per_step, consumed = [], set()
+    for r in rows:
+        mine = set(r["prompt_seeds"]) | {seed(e) for e in evs if e["type"] == "evict" and e["train_version"] == r["policy_version"]}
+        consumed |= mine
+        per_step.append((r["guard_rejections"], sum(s in mine for s in rejected)))
+    assert [got for got, _ in per_step] == [want for _, want in per_step], per_step
+    assert sum(got for got, _ in per_step) == sum(s in consumed for s in rejected) > 0
+    ahead = [e for e in evs if e["type"] == "dispatch" and e["step"] > e["start_weight"] + 1]
+    assert ahead, "the pump ran more than a step ahead"

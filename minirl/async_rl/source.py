@@ -99,7 +99,7 @@ class BufferSource:
         # the prompts a place gave up on (replaced): counted in the step's attempts and costs, never as groups
         lost = [dataclasses.replace(o, status="replaced") for r in chosen for o in r.lost]
         since, self.handed_over = self.handed_over, time.perf_counter()  # generation overlaps training
-        evicted = [o for r in stale for o in [r.outcome, *r.lost]]
+        evicted = tuple(o for r in stale for o in [r.outcome, *r.lost])
         return StepTake([r.outcome for r in chosen] + lost, [r.start_weight for r in chosen] + [version] * len(lost),
                         calls, since, counts, evicted)
 

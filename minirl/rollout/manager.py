@@ -350,7 +350,7 @@ class RolloutManager:
             # upstream under CC: a group with no valid owner is dropped, against the same budget
             reasons = sorted({r.mask_reason for r in out.rollouts.values()})
             exc = RolloutDataFailure(f"no valid owner: every rollout of the group is masked ({', '.join(reasons)})")
-            message = (f"prompt idx={self.prompt_idx(step, group)} has no valid owner (every rollout masked: {', '.join(reasons)}), and this was "
+            message = (f"{self.prompt_name(step, group)} has no valid owner (every rollout masked: {', '.join(reasons)}), and this was "
                        f"drop {self.consecutive_drops + 1} with no rollout committed in between, exceeding "
                        f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}")
             return self._drop(step, group, out, exc, message)
@@ -358,14 +358,17 @@ class RolloutManager:
         self.lost.clear()
         return out
 
-    def prompt_idx(self, step: int, group: int) -> int:
-        """Upstream's `idx`: the prompt's position in the prompt stream (its dataset index), not its
-        slot in the step: group g of step s is prompt s * num_prompts_per_step + g."""
-        return step * self.cfg.grpo.num_prompts_per_step + group
+    def prompt_name(self, step: int, group: int) -> str:
+        """Upstream's `prompt idx={idx}`: the prompt's position in the prompt stream (its dataset
+        index), not its slot in the step: group g of step s is prompt s * num_prompts_per_step + g.
+        A spare (async `replacement_prompt_source=spare_groups`: group N + g of prompt step b) is in
+        no step's stream, so it is named by its own coordinates, never as step b + 1's group g."""
+        n = self.cfg.grpo.num_prompts_per_step
+        return f"prompt idx={step * n + group}" if group < n else f"spare prompt (step {step}, group {group})"
 
     def _exhausted_message(self, step: int, group: int, attempts: int, exc: BaseException) -> str:
         return (
-            f"prompt idx={self.prompt_idx(step, group)} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
+            f"{self.prompt_name(step, group)} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
             f"(max_infra_attempts_per_prompt={self.rf.max_infra_attempts_per_prompt}), and this was drop "
             f"{self.consecutive_drops + 1} with no rollout committed in between, exceeding "
             f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}; the generation fleet is not "

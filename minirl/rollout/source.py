@@ -10,7 +10,7 @@ by step s's `take`, under the step's own policy version, so no trained call is o
 from __future__ import annotations
 
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from minirl.config import MinirlConfig
 from minirl.data import prompt_row
