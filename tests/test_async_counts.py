@@ -134,8 +134,8 @@ SYNC_BEFORE = Path(__file__).parent / "data" / "sync_metrics_before_counts_from_
 
 
 def comparable(row: dict) -> dict:
-    """A metrics line without its clocks (timing, rates, seconds)."""
-    return {k: v for k, v in row.items() if not (k.startswith("timing/") or k.endswith(("_s", "_per_s")))}
+    """A metrics line without its clocks (timing, rates, seconds), a NaN as "nan" (NaN != NaN)."""
+    return {k: "nan" if v != v else v for k, v in row.items() if not (k.startswith("timing/") or k.endswith(("_s", "_per_s")))}
 
 
 @pytest.mark.slow
