@@ -41,6 +41,12 @@ from dataclasses import dataclass
 ROLLOUT_HEADER = "X-Minirl-Rollout"
 """HTTP header carrying a model call's coordinates (`s0.g1.r0.a0.c2`) from the agent to the model server."""
 
+SEED_HEADER = "X-Minirl-Seed"
+"""HTTP header by which minirl's own agents (`SEED_AS_SENT`) tell the model server that a call's seed
+already differs per call (`seed + call`), so it samples with it as sent; any other headerless call's
+seed is made per call by the server (minirl.generation.server.call_seed)."""
+SEED_AS_SENT = "per-call"
+
 _KEY = re.compile(r"^s(\d{1,9})\.g(\d{1,9})\.r(\d{1,9})\.a(\d{1,9})$")
 _CALL_KEY = re.compile(r"^(s\d{1,9}\.g\d{1,9}\.r\d{1,9}\.a\d{1,9})\.(c\d{1,9}|s\d{1,9}a\d{1,9})$")
 COORD_FIELDS = ("step", "group", "rollout", "attempt")

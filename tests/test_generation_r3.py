@@ -22,10 +22,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-
 from helpers import connect, last_line, run_cli
-from minirl.config import REPO_ROOT
 from test_bad_input import CHAT, GOOD_CHAT, post
+
+from minirl.config import REPO_ROOT
 
 SUMMARIZE = REPO_ROOT / "models" / "tiny-summarize"
 
@@ -159,9 +159,10 @@ def test_the_model_is_served_by_the_name_as_written_and_its_basename(stack, base
 def test_a_headerless_call_samples_with_a_seed_of_its_own_and_a_keyed_one_as_sent(stack):
     """Three turns of one external rollout, all sent with seed 7 and no rollout header: each samples
     with call_seed(7, its prompt); the same turn again gives the same seed and the same reply. A call
-    with minirl's rollout header keeps its seed (minirl's agents send seed + call themselves)."""
+    with minirl's rollout header keeps its seed (minirl's agents send seed + call themselves), and so
+    does a headerless one marked `X-Minirl-Seed: per-call` (minirl's agent in a held-out validation)."""
     from minirl.generation.server import call_seed
-    from minirl.wire import ROLLOUT_HEADER
+    from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER
 
     async def go():
         async with stack() as s, aiohttp.ClientSession() as http:
@@ -176,10 +177,13 @@ def test_a_headerless_call_samples_with_a_seed_of_its_own_and_a_keyed_one_as_sen
             again = await post(http, s.model_url + CHAT, {**GOOD_CHAT, "seed": 7, "max_completion_tokens": 8, "return_token_ids": True})
             keyed = await post(http, s.model_url + CHAT, {**GOOD_CHAT, "seed": 7, "max_completion_tokens": 8},
                                headers={ROLLOUT_HEADER: "s0.g0.r0.a0.c0"})
-            return replies, again, keyed, s.model.take_calls(None), s.model.take_calls(0)
+            marked = await post(http, s.model_url + CHAT, {**GOOD_CHAT, "seed": 7, "max_completion_tokens": 8},
+                                headers={SEED_HEADER: SEED_AS_SENT})
+            return replies, again, keyed, marked, s.model.take_calls(None), s.model.take_calls(0)
 
-    replies, again, keyed, unkeyed, calls = asyncio.run(go())
-    seeds = [rec["seed"] for rec in unkeyed]
+    replies, again, keyed, marked, unkeyed, calls = asyncio.run(go())
+    assert marked[0] == 200 and unkeyed[-1]["seed"] == 7
+    seeds = [rec["seed"] for rec in unkeyed[:-1]]
     assert len(seeds) == 4 and len(set(seeds[:3])) == 3, seeds
     assert seeds == [call_seed(7, r["prompt_token_ids"]) for r in [*replies, again[1]]]
     assert seeds[3] == seeds[0] and again[1]["choices"][0]["token_ids"] == replies[0]["choices"][0]["token_ids"]

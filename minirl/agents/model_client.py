@@ -19,7 +19,7 @@ import yarl
 
 from minirl import jsonio
 from minirl.agents.episode import ModelReply
-from minirl.wire import ROLLOUT_HEADER, GenerationUnavailable, ModelCallFailed
+from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, GenerationUnavailable, ModelCallFailed
 
 LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
 GYM_NO_REASONING_PARSER = (
@@ -81,7 +81,9 @@ class HttpModelClient:
 
     async def _post(self, url: str, path: str, body: dict, key: str | None) -> tuple[int, dict | str]:
         """(status, parsed JSON body, or the raw text when the body is not JSON)."""
-        headers = {ROLLOUT_HEADER: key} if key and key.startswith("s") else {}
+        headers = {SEED_HEADER: SEED_AS_SENT}  # the agent already sends seed + call: sample with it as sent
+        if key and key.startswith("s"):
+            headers[ROLLOUT_HEADER] = key
         try:
             endpoint = self._endpoints.get(url + path) or self._endpoint(url + path)
             async with self.session.post(endpoint, data=jsonio.dumps(body), headers={**headers, "Content-Type": "application/json"}) as resp:

@@ -22,8 +22,9 @@ basename (`served_as`).
 Sampling seeds (`call_seed`): a call without the rollout header (an external agent's, e.g. Gym's
 `vllm_model`, which merges the row's `metadata.extra_body` seed into every call of an episode)
 samples with a seed derived from its `seed` and its prompt's token ids, so each turn of a rollout
-draws its own sample, reproducibly. minirl's own agents (the header) already send `seed + call`:
-their seed is used as sent. The call log records the seed the engine sampled with.
+draws its own sample, reproducibly. minirl's own agents already send `seed + call` (with the rollout
+header, or `X-Minirl-Seed: per-call` on a held-out validation's headerless calls): their seed is
+used as sent. The call log records the seed the engine sampled with.
 
 minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns' exact tokens (see
 `splice_prefix`; a prefix that is not the messages' earlier turns is a 400 naming it), and a
@@ -85,7 +86,7 @@ from minirl.faults import FaultPlan, fault_site
 from minirl.generation.chat_format import PrefixMismatch, normalize_content, parse_reply, rendered_chars, splice_prefix
 from minirl.generation.segments import SegmentEncoder
 from minirl.http_thread import INLINE_BYTES, off_loop
-from minirl.wire import ROLLOUT_HEADER, BadCoordinates, Coords, parse_call_key
+from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, BadCoordinates, Coords, parse_call_key
 
 PREFIX_FIELD = "required_prefix_token_ids"
 SEED_SPACE = 2**31  # derived seeds lie in [0, SEED_SPACE), as minirl.data.sampling_seed's do
@@ -443,7 +444,8 @@ class ModelServer:
         body, req, prompt = await off_loop(self._prepare_chat, await request.read())
         await self._before_engine(fault_site(self.plan, coords, call=call), prompt, record["key"])
         params = self._sampling_params(req, prompt)
-        if coords is None and params.seed is not None:  # an external agent's call: its own sample each turn
+        as_sent = coords is not None or request.headers.get(SEED_HEADER) == SEED_AS_SENT  # minirl's agents: seed + call
+        if params.seed is not None and not as_sent:  # an external agent's call: its own sample each turn
             params.seed = call_seed(params.seed, prompt)
         record["seed"] = params.seed
         result = await self._generate(prompt, params, record)
