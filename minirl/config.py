@@ -664,6 +664,10 @@ class AgentConfig:
         return [u.rstrip("/") for u in ([url] if isinstance(url, str) else url or [])]
 
 
+TASK_MIN_ROOMS = {"doors": 1, "doors_memory": 3, "doors_notes": 7}
+"""The fewest rooms each `env.task` allows (agents/env.py: where its notes and hidden doors lie)."""
+
+
 @dataclass
 class EnvConfig:
     num_rooms: int = bounded(2, ge=1)
@@ -681,16 +685,18 @@ class EnvConfig:
     """Largest `num_rooms` a `/run` row may ask for; the agent server refuses larger."""
     data_seed: int = bounded(1234, ge=0)
     """Seeds the prompt stream: the prompt of (step, group) depends on this and nothing else."""
-    task: Literal["doors", "doors_memory"] = "doors"
+    task: Literal["doors", "doors_memory", "doors_notes"] = "doors"
     """`doors`, or `doors_memory`: the last room hides its door, whose code a note in the second
     room's picture (a tool reply) showed, so recency compaction can drop what the end needs
-    (agents/env.py). Needs every room count >= 3."""
+    (agents/env.py); needs every room count >= 3. `doors_notes`: two needed notes and a distractor
+    in rooms drawn per prompt, needed by the last two rooms; needs every room count >= 7."""
 
     def check(self) -> None:
-        if self.task == "doors_memory":
+        least = TASK_MIN_ROOMS[self.task]
+        if least > 1:
             counts = [(f"num_rooms_choices[{i}]", n) for i, n in enumerate(self.num_rooms_choices or [])]
             for key, n in counts or [("num_rooms", self.num_rooms)]:
-                _require(n >= 3, key, f"must be >= 3 for env.task=doors_memory, got {n}")
+                _require(n >= least, key, f"must be >= {least} for env.task={self.task}, got {n}")
         _require(self.num_rooms <= self.max_num_rooms, "num_rooms",
                  f"must be <= env.max_num_rooms ({self.max_num_rooms}), got {self.num_rooms}")
         for i, n in enumerate(self.num_rooms_choices or []):

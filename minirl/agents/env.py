@@ -14,8 +14,17 @@ comes back from a tool call (the second room's). Recency compaction drops that p
 codes and `verify` are the same as `doors`'s for the same seed; only the pictures differ.
 `DoorsEnv.memory_facts()` names the facts a later room needs, for a summary's recall.
 
-Invariant: an episode is a pure function of its task spec (`{"env": "doors" | "doors_memory",
-"seed", "num_rooms"}`) and the agent's calls, and `verify` recomputes the reward from the transcript
+The `doors_notes` variant (issue 54) needs several facts and a choice of what to keep: three notes
+`noteA<d>`, `noteB<d>`, `noteC<d>` are shown in three rooms drawn per prompt among rooms 1..n-4
+(one note a picture, in a drawn order); the last two rooms hide their doors as `doorA?` and
+`doorB?` (which one needs A is drawn too), whose codes notes A and B carry; note C is a distractor
+that no room needs. So a note is at least two rooms older than the room that needs it, recency
+keeping 2 pictures drops every note, and a summary that copies one fixed slot (the first or last
+note shown) carries a needed note a third of the time. The draws use their own generator
+(`note_layout`), so rooms, codes and `verify` stay `doors`'s for the same seed.
+
+Invariant: an episode is a pure function of its task spec (`{"env": "doors" | "doors_memory" |
+"doors_notes", "seed", "num_rooms"}`) and the agent's calls, and `verify` recomputes the reward from the transcript
 alone, never from the live environment's state.
 """
 
@@ -26,11 +35,15 @@ import random
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from minirl.config import TASK_MIN_ROOMS
+
 OBJECTS = ("lamp", "rug", "box", "desk", "vase", "bell", "coat", "sofa", "clock", "plant")
 COLORS = ("red", "blue", "gray", "green", "white", "black", "brown", "gold")
 TOOL_NAME = "open_door"
-TASKS = ("doors", "doors_memory")
+TASKS = ("doors", "doors_memory", "doors_notes")
 """The `task.env` values an episode may have (`env.task`)."""
+MIN_ROOMS = TASK_MIN_ROOMS
+"""The fewest rooms each task's episode may have (config.py's table)."""
 ALL_OPEN = "All doors are open."
 """The environment's reply to the call that opens the last door, and to any call after it."""
 NOTE_ROOM = 1
@@ -60,7 +73,7 @@ class Room:
     objects: tuple[tuple[str, int], ...]
     pixels: tuple[str, ...]
 
-    def picture(self, note: int | None = None, hide_door: bool = False) -> str:
+    def picture(self, note: int | str | None = None, hide_door: bool = False, tag: str = "") -> str:
         """Pixels, then one label per line, the door's last (`red blue …\nlamp3\nrug5\ndoor7`).
 
         Built for a tiny model to read: a name tokenizes the same here as in the agent's reasoning
@@ -69,11 +82,11 @@ class Room:
         (learned within a few hundred SFT steps) while reading another object needs a content
         lookup the 2-layer warm start barely learns. GRPO then has one clear thing to learn.
 
-        `doors_memory` only: `note` adds a `note<digit>` label first; `hide_door` shows `door?`.
+        Memory tasks only: `note` adds a `note<note>` label first; `hide_door` shows `door<tag>?`.
         """
         labels = [f"note{note}"] if note is not None else []
         labels += [f"{name}{num}" for name, num in self.objects if name != "door"]
-        labels.append("door?" if hide_door else f"door{self.code}")
+        labels.append(f"door{tag}?" if hide_door else f"door{self.code}")
         return " ".join(self.pixels) + "\n" + "\n".join(labels)
 
 
@@ -96,6 +109,34 @@ def _rooms(seed: int, num_rooms: int, distractors: int, pixels: int) -> tuple[Ro
     return tuple(rooms)
 
 
+@dataclass(frozen=True)
+class Note:
+    """`doors_notes`: one note, shown as `note<tag><code>` in room `shown_in_room`; `needed_in_room`
+    shows `door<tag>?` (None: the distractor, which no room needs)."""
+
+    tag: str
+    code: int
+    shown_in_room: int
+    needed_in_room: int | None
+
+    @property
+    def text(self) -> str:
+        return f"note{self.tag}{self.code}"
+
+
+@lru_cache(maxsize=4096)
+def note_layout(seed: int, num_rooms: int) -> tuple[Note, ...]:
+    """`doors_notes`' notes A, B (needed by the last two rooms, in a drawn order) and C (the
+    distractor), shown in three distinct rooms drawn from 1..num_rooms-4; from `seed` alone, by a
+    generator of their own (the rooms' draws are `doors`'s)."""
+    rooms = _rooms(seed, num_rooms, 3, 12)
+    rng = random.Random(f"doors_notes|{seed}")
+    shown = rng.sample(range(1, num_rooms - 3), 3)
+    needed = rng.sample([num_rooms - 2, num_rooms - 1], 2)
+    return (Note("A", rooms[needed[0]].code, shown[0], needed[0]), Note("B", rooms[needed[1]].code, shown[1], needed[1]),
+            Note("C", rng.randrange(10), shown[2], None))
+
+
 def image_part(text: str) -> dict:
     """A media content part: a text stand-in for an image, as a Responses `input_image`."""
     return {"type": "input_image", "image_url": "data:text/plain," + text, "detail": "auto"}
@@ -108,22 +149,26 @@ class DoorsEnv:
     seed: int
     num_rooms: int = 2
     task: str = "doors"
-    """`doors`, or `doors_memory` (needs `num_rooms >= 3`: the note's room lies between the first and the last)."""
+    """`doors`, `doors_memory` (needs `num_rooms >= 3`: the note's room lies between the first and the last)
+    or `doors_notes` (needs `num_rooms >= 7`: three note rooms, then a gap of one, then the two that need them)."""
     rooms: list[Room] = field(init=False)
     room: int = 0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        if self.task == "doors_memory" and self.num_rooms < NOTE_ROOM + 2:
-            raise ValueError(f"doors_memory needs num_rooms >= {NOTE_ROOM + 2}, got {self.num_rooms}")
+        if self.num_rooms < MIN_ROOMS[self.task]:
+            raise ValueError(f"{self.task} needs num_rooms >= {MIN_ROOMS[self.task]}, got {self.num_rooms}")
         self.rooms = make_rooms(self.seed, self.num_rooms)
 
     def memory_facts(self) -> list[dict]:
         """The facts a later room needs that an earlier observation showed once: for `doors_memory`
         `[{"text": "note<code>", "shown_in_room": 1, "needed_in_room": num_rooms - 1}]` (0-based
         rooms; `text` is what the picture shows, so a summary that keeps it verbatim recalls it);
-        `[]` for `doors`."""
+        for `doors_notes` notes A and B (never the distractor C); `[]` for `doors`."""
+        if self.task == "doors_notes":
+            return [{"text": n.text, "shown_in_room": n.shown_in_room, "needed_in_room": n.needed_in_room}
+                    for n in note_layout(self.seed, self.num_rooms) if n.needed_in_room is not None]
         if self.task != "doors_memory":
             return []
         last = self.num_rooms - 1
@@ -131,6 +176,11 @@ class DoorsEnv:
 
     def picture(self, room: int) -> str:
         """The picture of room `room` as this task shows it."""
+        if self.task == "doors_notes":
+            notes = note_layout(self.seed, self.num_rooms)
+            note = next((f"{n.tag}{n.code}" for n in notes if n.shown_in_room == room), None)
+            need = next((n.tag for n in notes if n.needed_in_room == room), None)
+            return self.rooms[room].picture(note=note, hide_door=need is not None, tag=need or "")
         if self.task != "doors_memory":
             return self.rooms[room].picture()
         note = self.rooms[-1].code if room == NOTE_ROOM else None

@@ -44,7 +44,7 @@ from aiohttp import web
 
 from minirl import jsonio
 from minirl.agents.agent import run_episode
-from minirl.agents.env import TASKS
+from minirl.agents.env import MIN_ROOMS, TASKS
 from minirl.agents.items import TOKEN_FIELDS, items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
@@ -98,8 +98,9 @@ def check_row(row, cfg: MinirlConfig) -> tuple[str, Coords | None]:
             raise BadRow(f"task.{key} must be an integer, got {_short(task.get(key))}")
     if not 1 <= task["num_rooms"] <= cfg.env.max_num_rooms:
         raise BadRow(f"task.num_rooms must be in [1, {cfg.env.max_num_rooms}] (env.max_num_rooms), got {task['num_rooms']}")
-    if task.get("env", "doors") not in TASKS or (task.get("env") == "doors_memory" and task["num_rooms"] < 3):
-        raise BadRow(f"task.env must be one of {list(TASKS)} (doors_memory with num_rooms >= 3), got {_short(task.get('env'))}")
+    if task.get("env", "doors") not in TASKS or task["num_rooms"] < MIN_ROOMS[task.get("env", "doors")]:
+        raise BadRow(f"task.env must be one of {list(TASKS)} (doors_memory with num_rooms >= 3, doors_notes with "
+                     f"num_rooms >= 7), got {_short(task.get('env'))}")
     params = row.get("responses_create_params")
     if not isinstance(params, dict):
         raise BadRow(f"responses_create_params must be an object, got {_short(params)}")
