@@ -129,7 +129,7 @@ def note_layout(seed: int, num_rooms: int) -> tuple[Note, ...]:
     """`doors_notes`' notes A, B (needed by the last two rooms, in a drawn order) and C (the
     distractor), shown in three distinct rooms drawn from 1..num_rooms-4; from `seed` alone, by a
     generator of their own (the rooms' draws are `doors`'s)."""
-    rooms = _rooms(seed, num_rooms, 3, 12)
+    rooms = make_rooms(seed, num_rooms)
     rng = random.Random(f"doors_notes|{seed}")
     shown = rng.sample(range(1, num_rooms - 3), 3)
     needed = rng.sample([num_rooms - 2, num_rooms - 1], 2)
