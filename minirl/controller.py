@@ -35,7 +35,7 @@ from minirl.async_rl.source import BufferSource
 from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_key
 from minirl.generation.fleet import FleetWatch
-from minirl.gym_failures import KindCounts, mask_facts
+from minirl.gym_failures import kind_counts, mask_facts
 from minirl.rollout.evidence import Ledger, summary_stats
 from minirl.rollout.manager import RolloutManager, dominant_failure
 from minirl.rollout.masking import ScoredGroup, baseline_members, masking_stats, rollout_stats
@@ -187,8 +187,7 @@ class Controller:
         self.cfg, self.gen_workers, self.pad_id = cfg, gen_workers, pad_id
         self.events = EventLog(Path(run_dir) / "events.jsonl")
         self.ledger = Ledger(Path(run_dir) / "ledger", cfg.grpo.segment_validity)
-        self.kinds = KindCounts(self.events.write)  # failures and masks by Gym's failure_kind, per step
-        self.manager = RolloutManager(cfg, agent_urls, self.kinds.emit, vocab_size)
+        self.manager = RolloutManager(cfg, agent_urls, self.events.write, vocab_size)
         self.source: StepSource = (BufferSource if cfg.async_rl.enabled else SyncSource)(cfg, self.manager, self._drain)
         # `fleet`: the generation router's actor when fleet health is on, else None (then nothing is watched)
         self.fleet = FleetWatch(fleet, cfg.async_rl.generation_fleet_health.probe_interval_s, self.events.write)
@@ -287,8 +286,8 @@ class Controller:
                                        "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
         stats["timing/train/exposed_generation"] = waited
-        stats.update(self.kinds.take(kept))
         spent = [*take.outcomes, *take.evicted]
+        stats.update(kind_counts(spent, kept))
         stats["summaries_failed"] += sum(o.summaries_failed for o in spent)  # raised: failed attempts
         self.manager.settle(spent)
         return batch, stats

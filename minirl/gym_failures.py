@@ -286,25 +286,16 @@ def verified(result: dict, mask: dict | None = None) -> dict:
     return {**result, "mask_sample": True, "failure_kind": mask["failure_kind"], "failure_reason": mask.get("failure_reason")}
 
 
-class KindCounts:
-    """The step's counters by `failure_kind`: every `failure` event passed through `emit` (then
-    written by `write`), and the step's masked rollouts; `take` hands them over and starts afresh."""
-
-    def __init__(self, write):
-        self.write, self.failures = write, {}
-
-    def emit(self, event: dict) -> None:
-        if event.get("type") == "failure":
-            kind = event.get("failure_kind") or "unknown"
-            self.failures[kind] = self.failures.get(kind, 0) + 1
-        self.write(event)
-
-    def take(self, kept) -> dict:
-        """`failures_by_kind` (failure events since the last take) and `masked_by_kind` (of `kept` rollouts)."""
-        masked: dict[str, int] = {}
-        for r in kept:
-            if r.mask_reason:
-                kind = mask_facts(r.mask_reason, r.evidence)["failure_kind"]
-                masked[kind] = masked.get(kind, 0) + 1
-        out, self.failures = {"failures_by_kind": dict(sorted(self.failures.items())), "masked_by_kind": dict(sorted(masked.items()))}, {}
-        return out
+def kind_counts(outcomes, kept) -> dict:
+    """The step's `failures_by_kind` (the `failure` events of the groups it took, lost or evicted,
+    summed over their outcomes) and `masked_by_kind` (its `kept` rollouts that are masked)."""
+    failures: dict[str, int] = {}
+    for o in outcomes:
+        for kind, n in o.failures_by_kind.items():
+            failures[kind] = failures.get(kind, 0) + n
+    masked: dict[str, int] = {}
+    for r in kept:
+        if r.mask_reason:
+            kind = mask_facts(r.mask_reason, r.evidence)["failure_kind"]
+            masked[kind] = masked.get(kind, 0) + 1
+    return {"failures_by_kind": dict(sorted(failures.items())), "masked_by_kind": dict(sorted(masked.items()))}

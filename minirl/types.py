@@ -92,6 +92,7 @@ class GroupOutcome:
     guard_rejections: int = 0  # failed sends answered with a context guard's rejection (on_reject=raise)
     summaries_failed: int = 0  # failed sends answered SummaryFailed (on_summary_failure=raise)
     deterministic_failures: int = 0  # rows whose failure was found deterministic (max_identical_failures)
+    failures_by_kind: dict[str, int] = field(default_factory=dict)  # its `failure` events by Gym's failure_kind
 
     @property
     def redispatched(self) -> bool:

@@ -193,10 +193,10 @@ def test_an_async_steps_counters_cover_its_own_groups_and_sum_to_the_runs(tmp_pa
     """Issue 50 item 11, issue 52 item 1. `windowed` dispatches ungated, 8 groups in flight for
     steps of 2: groups of later steps fail (guard rejections raised as HTTP 500, re-sent) while a
     step is taken. Each step's `guard_rejections` is exactly the rejections of the groups it took,
-    lost or evicted (their `failure` events, by prompt), and the steps' counts add up to the
-    run's over the groups the steps consumed. Before, the counters were the rollout manager's run
-    totals diffed between steps: a step counted the failures of whatever groups the pump had
-    running meanwhile."""
+    lost or evicted (their `failure` events, by prompt), so is its `failures_by_kind`, and the
+    steps' counts add up to the run's over the groups the steps consumed. Before, the counters were
+    run totals (the rollout manager's, the failure-kind tally's) taken between steps: a step
+    counted the failures of whatever groups the pump had running meanwhile."""
     from minirl.config import load_config
     from minirl.data import prompt_key
 
@@ -213,12 +213,15 @@ def test_an_async_steps_counters_cover_its_own_groups_and_sum_to_the_runs(tmp_pa
     cfg = load_config(None, args)
     seed = lambda e: prompt_key(cfg, e["step"], e["group"])
     rejected = [seed(e) for e in evs if e["type"] == "failure" and e.get("error_type") == "ContextGuardRejected"]
+    failed = [seed(e) for e in evs if e["type"] == "failure"]
     per_step, consumed = [], set()
     for r in rows:
         mine = set(r["prompt_seeds"]) | {seed(e) for e in evs if e["type"] == "evict" and e["train_version"] == r["policy_version"]}
         consumed |= mine
-        per_step.append((r["guard_rejections"], sum(s in mine for s in rejected)))
+        per_step.append(((r["guard_rejections"], sum(r["failures_by_kind"].values())),
+                         (sum(s in mine for s in rejected), sum(s in mine for s in failed))))
     assert [got for got, _ in per_step] == [want for _, want in per_step], per_step
-    assert sum(got for got, _ in per_step) == sum(s in consumed for s in rejected) > 0
+    assert sum(got[0] for got, _ in per_step) == sum(s in consumed for s in rejected) > 0
+    assert sum(got[1] for got, _ in per_step) == sum(s in consumed for s in failed)
     ahead = [e for e in evs if e["type"] == "dispatch" and e["step"] > e["start_weight"] + 1]
     assert ahead, "the pump ran more than a step ahead"

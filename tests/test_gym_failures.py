@@ -18,12 +18,12 @@ from minirl.controller import assemble
 from minirl.data import prompt_row
 from minirl.gym_failures import (
     FAILURE_KINDS,
-    KindCounts,
     EpisodeFailed,
     EpisodeFailedTerminal,
     episode_failure,
     error_failure,
     failure_facts,
+    kind_counts,
     known_kind,
     run_error_body,
     sample_mask,
@@ -117,11 +117,10 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
     rf.max_data_attempts_per_prompt, rf.max_skipped_prompts, rf.nemo_gym.max_row_attempts = 3, 1, 2
     rf.max_infra_attempts_per_prompt, rf.max_consecutive_dropped_prompts = 2, 1
     events: list[dict] = []
-    kinds = KindCounts(events.append)
 
     async def go():
         runner, url = await serve_run(run_handler)
-        m = RolloutManager(cfg, [url], kinds.emit, VOCAB, sleep=lambda s: asyncio.sleep(0))
+        m = RolloutManager(cfg, [url], events.append, VOCAB, sleep=lambda s: asyncio.sleep(0))
         try:
             return await m.run_step(0, [prompt_row(cfg, 0, g) for g in range(4)])
         finally:
@@ -149,9 +148,10 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
     assert np.allclose(batch.advantages[g0], 0.0)
     assert stats["rollouts_masked"] == 1 and stats["rollouts_trained"] == 3
     kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
-    assert kinds.take(kept) == {"failures_by_kind": {"agent_run_error": 2, "provider_oom_killed": 1 + 8},
-                                "masked_by_kind": {"session_lost": 1}}
-    assert kinds.take([]) == {"failures_by_kind": {}, "masked_by_kind": {}}
+    assert kind_counts(outcomes, kept) == {"failures_by_kind": {"agent_run_error": 2, "provider_oom_killed": 1 + 8},
+                                           "masked_by_kind": {"session_lost": 1}}
+    assert [o.failures_by_kind for o in outcomes] == [{}, {"agent_run_error": 2}, {"provider_oom_killed": 1}, {"provider_oom_killed": 8}]
+    assert kind_counts([], []) == {"failures_by_kind": {}, "masked_by_kind": {}}
 
 
 def test_minirls_agent_server_speaks_gyms_failure_shapes(stack, base_cfg):

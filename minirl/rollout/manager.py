@@ -398,9 +398,12 @@ class RolloutManager:
         error_type = getattr(exc, "error_type", None)
         out.guard_rejections += error_type == "ContextGuardRejected"
         agent = {"agent": exc.agent_url} if getattr(exc, "agent_url", None) else {}  # the agent server that failed it
+        facts = failure_facts(exc)
+        failure_kind = facts.get("failure_kind") or "unknown"
+        out.failures_by_kind[failure_kind] = out.failures_by_kind.get(failure_kind, 0) + 1
         self.emit({"type": "failure", **coords.as_dict(), "class": kind, "reason": type(exc).__name__,
                    "error_type": error_type, "error": str(exc)[:ERROR_BODY_LIMIT], "decision": decision,
-                   **failure_facts(exc), **agent, **extra})
+                   **facts, **agent, **extra})
         if error_type == "SummaryFailed":  # a harness failure (INFRA): retried as any other, never a reward of 0
             out.summaries_failed += 1
             self.emit({"type": "summary_failed", **coords.as_dict(), "class": kind, "decision": decision})
