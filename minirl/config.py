@@ -546,7 +546,7 @@ class CompactionPolicyOptions:
 
 @dataclass
 class SummarizeConfig:
-    """`policy.type=summarize` (agents/summarize.py): the model writes a summary of its history when the
+    """`policy.type=summarize` (agents/compaction/summarize.py): the model writes a summary of its history when the
     context fills, and the episode continues from the system prompt, the task, the summary and the
     current observation. No upstream NeMo-RL/Gym summarizer exists; the knobs follow prime-rl/verifiers
     and verl's recipe."""

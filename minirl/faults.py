@@ -43,7 +43,7 @@ AGENT = "agent episode (agents/agent.py)"
 """The agent's context guard and loop, per model call."""
 AGENT_HTTP = "agent server's HTTP layer (agents/server.py)"
 """The agent server's `/run` handler, around the whole episode."""
-SUMMARIZE = "summarizing compaction (agents/summarize.py)"
+SUMMARIZE = "summarizing compaction (agents/compaction/summarize.py)"
 """The summarizing policy's summary requests, per compaction of the episode."""
 VERIFY = "the verifier, after the episode (agents/server.py)"
 """Where a finished episode is scored (also the Gym 0.7 doors server's `/verify`, minirl/gym/v07.py):
@@ -68,7 +68,7 @@ SITES: dict[str, str] = {
     "summary_overflow": SUMMARIZE,
 }
 """Every fault kind and the site that fires it (the order is the kinds' order in messages and events).
-The summary kinds fire in the summarizing policy (agents/summarize.py) at the rollout's compaction
+The summary kinds fire in the summarizing policy (agents/compaction/summarize.py) at the rollout's compaction
 number `call` (from 0): `summary_empty` and `summary_tool_call` on every attempt of that compaction (the
 real reply, recorded by the server, is read as an empty block / as carrying a tool call: rejected, so
 the attempts run out), `summary_overflow` on its first, untrimmed request (read as the server's

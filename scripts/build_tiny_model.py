@@ -19,7 +19,7 @@
 
 With `--task doors_memory --summarize` (models/tiny-summarize, configs/summarize.yaml) the teacher
 plays the memory task through the agent loop with summarizing compaction (`SummarizingTeacher`): on
-the summary request (agents/summary_format.py) it writes a `<summary>` block that carries the note's
+the summary request (agents/compaction/summary_format.py) it writes a `<summary>` block that carries the note's
 fact (`note7`) only with probability `--p-recall`, else the newest picture's door label (a noisy
 summarizer that drops the fact that matters); in the last room (`door?`) it answers from a note in
 its context, and guesses when there is none. The episodes are played twice: once with a rough token
@@ -87,7 +87,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from minirl.agents.agent import ModelReply, run_episode
 from minirl.agents.env import COLORS, OBJECTS, TOOLS, DoorsEnv
 from minirl.agents.items import parts_text
-from minirl.agents.summary_format import SUMMARY_CLOSE, SUMMARY_OPEN, SUMMARY_REQUEST, summary_text
+from minirl.agents.compaction.summary_format import SUMMARY_CLOSE, SUMMARY_OPEN, SUMMARY_REQUEST, summary_text
 from minirl.config import AgentConfig
 from minirl.generation.chat_format import (
     ADDED_TOKENS,

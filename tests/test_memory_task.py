@@ -70,6 +70,8 @@ class OracleSummary:
     """Test-only policy: recency, plus a summary message (after the initial context) that keeps every
     `memory_facts()` text the history showed and the rewrite dropped; an oracle summarizer."""
 
+    COUNTERS = RewritePolicy.COUNTERS
+
     def __init__(self, cfg) -> None:
         self.recency = RewritePolicy(cfg)
 

@@ -129,7 +129,7 @@ def test_summarizing_teacher_drops_the_fact_sometimes_and_answers_from_its_summa
     kinds = [b.example_kind(p, r) for p, r in teacher.examples]
     assert kinds.count("summary") == 150 and kinds.count("hidden_door") == 150
 def test_committed_summarize_model_covers_the_protocol_and_is_a_noisy_summarizer():
-    from minirl.agents.summary_format import SUMMARY_REQUEST, handoff_text
+    from minirl.agents.compaction.summary_format import SUMMARY_REQUEST, handoff_text
 
     hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
     raw = Tokenizer.from_file(str(SUMMARIZE_DIR / "tokenizer.json"))

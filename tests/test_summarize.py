@@ -24,8 +24,8 @@ import aiohttp
 import pytest
 
 from minirl.agents.agent import ModelReply, run_episode
-from minirl.agents.summarize import SUMMARY_KIND, threshold, trim_middle
-from minirl.agents.summary_format import HANDOFF_PREFIX, SUMMARY_REQUEST, summary_text
+from minirl.agents.compaction.summarize import SUMMARY_KIND, threshold, trim_middle
+from minirl.agents.compaction.summary_format import HANDOFF_PREFIX, SUMMARY_REQUEST, summary_text
 from minirl.config import ConfigError, FaultSpec, load_config
 from minirl.controller import assemble
 from minirl.data import prompt_row

@@ -3,13 +3,13 @@
 
 Loop: [compact on schedule] -> [guard] -> model call -> tool calls -> ... -> verify.
 It ends when a reply is cut off (`finish_reason == "length"`), has no tool call, the environment is
-done, `max_steps` calls were made, the model refused an over-long prompt (lane A: the overflow reply
-carries no tokens), the guard rejected a call under `on_reject=end_episode` (fix 2), or a compaction
-ended it (summarize: `max_compactions` reached, or a failed summary under `end_episode`). Any other
-model error is not absorbed, as in Gym's `simple_agent`: it fails the episode (HTTP 500, INFRA).
+done, `max_steps` calls were made, the model server refused an over-long prompt (its reply carries no
+tokens), the guard rejected a call under `on_reject=end_episode`, or a compaction ended it
+(summarize: `max_compactions` reached, or a failed summary under `end_episode`). Any other model
+error is not absorbed, as in Gym's `simple_agent`: it fails the episode (HTTP 500, INFRA).
 
 The episode's state (history, output, evidence, token prefix) is an `Episode` (agents/episode.py);
-compaction runs through the policy interface of agents/compaction.py, on schedule and from the guard.
+compaction runs through the policy interface of agents/compaction/, on schedule and from the guard.
 
 Invariant: the response's output holds every item the episode produced, in order, with each model
 call's token evidence on exactly one item; `evidence.capture_failed` is true iff some model call
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 
-from minirl.agents import compaction, summarize  # noqa: F401  (summarize registers policy.type=summarize)
+from minirl.agents import compaction
 from minirl.agents.compaction import CompactionPolicy
 from minirl.agents.env import DoorsEnv, verify
 from minirl.agents.episode import Episode, Evidence, ModelClient, ModelReply, prompt_identity
@@ -84,7 +84,8 @@ def start_episode(row: dict) -> Episode:
     sampling.update({k: v for k, v in extra_body(params).items() if k == "seed"})
     history = list(params["input"])
     return Episode(history=history, tools=tools, initial_len=len(history), prompt=prompt_identity(history, task, env),
-                   sampling=sampling, coords=coords, env=env)
+                   sampling=sampling, coords=coords, env=env,
+                   ev=Evidence(counters=dict.fromkeys(compaction.counter_names(), 0)))
 
 
 def finish_episode(row: dict, ep: Episode) -> dict:
@@ -99,7 +100,7 @@ def finish_episode(row: dict, ep: Episode) -> dict:
         "output": ep.output,
         "incomplete_details": {"reason": ep.ev.end_reason} if status == "incomplete" else None,
     }
-    return {**row, "response": response, "reward": reward, "evidence": ep.ev.__dict__}
+    return {**row, "response": response, "reward": reward, "evidence": ep.ev.as_dict()}
 
 
 async def _admit(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy | None, model: ModelClient,

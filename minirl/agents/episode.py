@@ -1,5 +1,5 @@
 """One episode's state, shared by the agent's loop (agents/agent.py) and the compaction policies
-(agents/compaction.py): the history the model sees, the output the response returns, the evidence
+(agents/compaction/): the history the model sees, the output the response returns, the evidence
 (calls, counters, the guard's decisions) and the token prefix of the last call. Also the model client's
 interface, so that a policy can call the model.
 
@@ -21,7 +21,8 @@ from minirl.wire import Coords
 
 @dataclass
 class ModelReply:
-    """One model call's outcome. `evidence` is None when the call produced no tokens (lane A)."""
+    """One model call's outcome. `evidence` is None when the call produced no tokens (the server refused
+    an over-long prompt)."""
 
     message: dict
     finish_reason: str
@@ -50,34 +51,32 @@ def prompt_identity(items: list[dict], task: dict, env: DoorsEnv) -> int:
 
 @dataclass
 class Evidence:
-    """What the agent saw and decided, returned beside the output for the controller's ledger. A
-    compaction policy's counters (`CompactionResult.counters`) are added here by name."""
+    """What the agent saw and decided, returned beside the output for the controller's ledger
+    (`as_dict`: the rollout's `evidence`, the counters flat beside the other fields)."""
 
     calls: int = 0
     compactions: int = 0
-    images_dropped: int = 0
-    reasoning_dropped: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    """The compaction policies' counters by name (each policy declares its own `COUNTERS`; the agent
+    starts every counter the registry declares at 0, agents/compaction/__init__.py)."""
     guard: list[dict] = field(default_factory=list)
-    summaries: int = 0
-    """Summaries accepted (summarizing compaction, agents/summarize.py); the counters below are its too."""
-    summary_attempts_rejected: int = 0
-    summaries_failed: int = 0
-    """Compactions whose attempts ran out and that went on (`on_summary_failure` end_episode or
-    recency_fallback; under `raise` the episode fails instead)."""
-    summary_tokens: int = 0
-    """Generated tokens of the accepted summaries."""
-    summary_tokens_before: int = 0
-    summary_tokens_after: int = 0
-    """Prompt tokens before and after the accepted summaries, summed (their ratio: compaction_ratio)."""
-    summary_facts_needed: int = 0
-    summary_facts_recalled: int = 0
-    """`DoorsEnv.memory_facts()` shown before and needed at or after each accepted summary, and those
-    of them the summary carries (their ratio: summary_recall)."""
     summary: list[dict] = field(default_factory=list)
     """One flat record per summary request: compaction, request, decision, reason, tokens."""
     capture_failed: bool = False
     end_reason: str = "max_steps"
     errors: list[str] = field(default_factory=list)
+
+    def add(self, counters: dict[str, int]) -> None:
+        for name, n in counters.items():
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def count(self, name: str) -> int:
+        return self.counters.get(name, 0)
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "compactions": self.compactions, **self.counters, "guard": self.guard,
+                "summary": self.summary, "capture_failed": self.capture_failed, "end_reason": self.end_reason,
+                "errors": self.errors}
 
 
 @dataclass

@@ -22,6 +22,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from minirl.agents.compaction import counter_names
+from minirl.agents.compaction.summarize import SUMMARY_COUNTERS
 from minirl.algo.grpo import rollout_votes
 from minirl.gym_failures import MASK_SAMPLE, episode_failure, sample_mask
 from minirl.types import Call, Rollout, Trace
@@ -112,12 +114,12 @@ def _reward(reward, bound: float) -> float:
     return float(reward)  # within the bound: an integer converts exactly enough, and never overflows
 
 
-SUMMARY_COUNTS = ("summaries", "summary_attempts_rejected", "summaries_failed", "summary_tokens", "summary_tokens_before",
-                  "summary_tokens_after", "summary_facts_needed", "summary_facts_recalled")
-"""The summarizing compaction's counters (agents/episode.py's Evidence), summed by `summary_stats`."""
-EVIDENCE_COUNTS = ("calls", "compactions", "images_dropped", "reasoning_dropped", *SUMMARY_COUNTS)
+SUMMARY_COUNTS = SUMMARY_COUNTERS
+"""The summarizing compaction's counters (declared by its policy), summed by `summary_stats`."""
+EVIDENCE_COUNTS = ("calls", "compactions", *counter_names())
+"""The evidence's integer counts: the agent loop's two and every compaction policy's declared counters."""
 SUMMARY_KIND = "compaction_summary"
-"""An output item's `trace_kind` for a summary call (agents/summarize.py writes it)."""
+"""An output item's `trace_kind` for a summary call (agents/compaction/summarize.py writes it)."""
 _SCALARS = (str, int, float, bool, type(None))
 
 
@@ -378,7 +380,7 @@ class Ledger:
         [oldest, version] (`oldest` defaults to `version`: synchronous, one version per step), it
         raises RuntimeError. A call may span versions (an in-flight weight update) within the window.
         A committed attempt's summary requests that no trained call is (rejected, or refused as too
-        long: agents/summarize.py) are retired: never trained, never a mismatch, never a mask.
+        long: agents/compaction/summarize.py) are retired: never trained, never a mismatch, never a mask.
         """
         oldest = version if oldest is None else oldest
         by_attempt: dict[tuple, list[dict]] = {}

@@ -1,6 +1,6 @@
 """The summarizing compaction's text protocol, in one place: the request the agent appends when the
 context fills, the marked block the model's reply must carry, and the handoff message the episode
-continues from. The summarizing policy (agents/compaction.py), the tiny model's warm start
+continues from. The summarizing policy (summarize.py, beside this module), the tiny model's warm start
 (scripts/build_tiny_model.py) and the metrics' recall all read these, so they cannot drift apart.
 
 After an accepted summary the episode continues from `continuation(history, initial_len, s)`: the

@@ -1,4 +1,4 @@
-"""Summarizing compaction (`agent.context_history.policy.type=summarize`, issue 30): when the prompt
+"""Summarizing compaction (`agent.context_history.policy.type=summarize`): when the prompt
 plus the reserved output would pass a threshold, the model writes a summary of its history, and the
 episode continues from the system prompt, the task, the summary and the current observation
 (`summary_format.continuation`).
@@ -10,8 +10,8 @@ episode continues from the system prompt, the task, the summary and the current 
   `SUMMARY_REQUEST`, no tools, its own call key `<rollout>.s<k>a<n>` (compaction k, request n).
 - A reply is rejected (`rejection`) when it carries a tool call, has no closed block, an empty one,
   or more than `max_summary_tokens` generated tokens; it is resampled, up to
-  `max_summary_attempts` rejections. A request the server refuses as too long (lane A) trims the
-  middle of the history (`trim_middle`: system prompt and task kept, the oldest half of the turns
+  `max_summary_attempts` rejections. A request the server refuses as too long (a reply with no
+  tokens) trims the middle of the history (`trim_middle`: system prompt and task kept, the oldest half of the turns
   dropped) and is sent again; that costs no attempt, and a history that cannot shrink fails.
 - Attempts exhausted: `on_summary_failure` (`raise`: SummaryFailed, an INFRA failure of the
   attempt; `end_episode`: the rollout ends masked; `recency_fallback`: the recency rewrite).
@@ -31,11 +31,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from minirl.agents.compaction import CompactionResult, RewritePolicy, register
+from minirl.agents.compaction.base import CompactionResult
+from minirl.agents.compaction.rewrite import RewritePolicy
+from minirl.agents.compaction.summary_format import SUMMARY_REQUEST, continuation, summary_text
 from minirl.agents.env import DoorsEnv
 from minirl.agents.episode import Episode, ModelClient, ModelReply
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
-from minirl.agents.summary_format import SUMMARY_REQUEST, continuation, summary_text
 from minirl.config import ContextHistoryConfig, SummarizeConfig
 from minirl.wire import SummaryFailed
 
@@ -43,6 +44,13 @@ SUMMARY_KIND = "compaction_summary"
 """The trace kind of a summary call (upstream's segment branch's name)."""
 SEED_STRIDE = 1_000_003
 """Summary requests sample with the row's seed + SEED_STRIDE * (k + 1) + n: apart from the turn calls'."""
+SUMMARY_COUNTERS = ("summaries", "summary_attempts_rejected", "summaries_failed", "summary_tokens", "summary_tokens_before",
+                    "summary_tokens_after", "summary_facts_needed", "summary_facts_recalled")
+"""This policy's own counters: summaries accepted; rejected attempts; compactions whose attempts ran
+out and that went on (`end_episode`, `recency_fallback`; under `raise` the episode fails instead);
+generated tokens of the accepted summaries; prompt tokens before and after them (their ratio:
+compaction_ratio); the `DoorsEnv.memory_facts()` shown before and needed at or after each accepted
+summary, and those of them it carries (their ratio: summary_recall)."""
 
 
 def threshold(cfg: SummarizeConfig, seed: int) -> int:
@@ -105,9 +113,11 @@ class Requests:
     rejected: list[str] = field(default_factory=list)
 
 
-@register("summarize")
 class SummarizePolicy:
     """The model summarizes its history when the context fills (module docstring)."""
+
+    COUNTERS: tuple[str, ...] = (*RewritePolicy.COUNTERS, *SUMMARY_COUNTERS)
+    """Its own, and the recency rewrite's (`recency_fallback`)."""
 
     def __init__(self, cfg: ContextHistoryConfig) -> None:
         self.cfg, self.s = cfg, cfg.policy.summarize
@@ -117,7 +127,7 @@ class SummarizePolicy:
         before = await client.count_tokens(items_to_messages(ep.history), ep.tools)
         if before + self.cfg.guards.reserved_generation_tokens <= threshold(self.s, ep.prompt):
             return CompactionResult(ep.history)
-        k = ep.ev.summaries + ep.ev.summaries_failed
+        k = ep.ev.count("summaries") + ep.ev.count("summaries_failed")
         if k >= self.s.max_compactions:
             ep.ev.summary.append({"compaction": k, "request": None, "decision": "max_compactions", "reason": None,
                                   "tokens": 0, "injected": False})
