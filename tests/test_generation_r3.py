@@ -190,6 +190,31 @@ def test_a_headerless_call_samples_with_a_seed_of_its_own_and_a_keyed_one_as_sen
     assert keyed[0] == 200 and [rec["seed"] for rec in calls] == [7]
 
 
+def test_the_router_forwards_the_seed_mark_so_a_validation_through_it_samples_as_before(stack):
+    """With fleet health on, minirl's agents call through the generation router: it forwards
+    `X-Minirl-Seed` as it forwards the rollout header, or a held-out validation's seeds would change."""
+    from minirl.config import GenerationRouterConfig
+    from minirl.generation.router import GenerationRouter
+    from minirl.wire import SEED_AS_SENT, SEED_HEADER
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        async with stack() as s, aiohttp.ClientSession() as http:
+            cfg = GenerationRouterConfig(port_range_low=6000, port_range_high=6099)
+            router = await loop.run_in_executor(None, GenerationRouter, cfg, [s.model_url])
+            try:
+                body = {**GOOD_CHAT, "seed": 11, "max_completion_tokens": 4}
+                marked = await post(http, router.url + CHAT, body, headers={SEED_HEADER: SEED_AS_SENT})
+                plain = await post(http, router.url + CHAT, body)
+            finally:
+                await loop.run_in_executor(None, router.stop)
+            return marked, plain, s.model.take_calls(None)
+
+    marked, plain, calls = asyncio.run(go())
+    assert marked[0] == plain[0] == 200
+    assert [rec["seed"] for rec in calls][0] == 11 and calls[1]["seed"] != 11, calls
+
+
 def gym_like_agent(model_url: str, turns: int = 3):
     """An external agent as Gym's simple_agent + vllm_model behave: the row's extra_body seed merged
     into every chat call of the episode, no rollout header; an aiohttp `/run` served on its own loop."""

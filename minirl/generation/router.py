@@ -42,9 +42,9 @@ from aiohttp import web
 
 from minirl.config import GenerationFleetHealthConfig, GenerationRouterConfig
 from minirl.http_thread import HttpThread
-from minirl.wire import ROLLOUT_HEADER
+from minirl.wire import ROLLOUT_HEADER, SEED_HEADER
 
-FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER)
+FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER, SEED_HEADER)
 MAX_BODY_BYTES = 64 * 2**20  # above every worker's vllm_cfg.max_request_bytes: the worker answers a too-large body
 
 
