@@ -330,9 +330,10 @@ def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:
     it, so a worker Ray restarts mid-run catches up with that run's weights, as an owned worker does.
     Returns the overrides that attach a run; `ray.shutdown()` stops this cluster and nothing else."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, namespace=NAMESPACE, include_dashboard=False,
-             logging_level="error", log_to_driver=False,
-             runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    if not ray.is_initialized():  # a second model's workers join the same cluster (the switch matrix's)
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus, namespace=NAMESPACE, include_dashboard=False,
+                 logging_level="error", log_to_driver=False,
+                 runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
     store = ray.remote(WeightsStore).options(num_cpus=0, name=f"{name}-store", namespace=NAMESPACE, lifetime="detached").remote()
     ray.get([w.start.remote() for w in start_generation_workers(cfg, "127.0.0.1", store, name=name)])
     return [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", f"cluster.attach_generation_workers={name}"]

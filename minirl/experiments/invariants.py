@@ -1,0 +1,151 @@
+"""The switch matrix's books: what every run must balance, read only from the run's own files
+(metrics.jsonl, events.jsonl, ledger/, checkpoints/) and its exit.
+
+Invariant: `check_run` names the first broken invariant of a run in one line, or returns None; it
+never reads the process that ran (a run's files are its only testimony, as for a user).
+
+The invariants, in the order they are checked:
+- exit: 0, or 1 with a budget's run-ending error (BUDGET_ERRORS) where every lost group (dropped or
+  skipped) had an injected fault: the faults, not something else, used the budget up;
+- finite: every step's loss and grad_norm are finite;
+- target: every step reports `groups_target` = grpo.num_prompts_per_step and trains at least the floor;
+- fates: in a step that stamps its groups (sync, `in_order`), every target group has exactly one fate:
+  trained + dropped + skipped = target; under the other samplers a step trains at most its target;
+- events: the run's drop, evict and mask events number what its metrics count (the died step's drops too);
+- ledger: no call of an attempt is trained twice, every ledger line has a known status, and every trained
+  call ran under a version in its step's window [v - S, v];
+- resume: the steps in metrics.jsonl run 0..n-1, and a step appears twice only when a resume re-ran it
+  (it is newer than the checkpoint the resume started from).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+BUDGET_ERRORS = (
+    "RolloutRedispatchExhausted:",  # max_consecutive_dropped_prompts
+    "RuntimeError: training step",  # the floor (min_step_batch_fraction)
+    "RolloutDataFailure:",          # max_skipped_prompts (upstream's text, or the original DATA failure at 0)
+    "ValueError: CC optimizer step requires",  # CC without fix 1: the full count, or every rollout of every kept group
+)
+"""Run-ending errors a budget raises: a run may end with one of these when the cell's injected faults
+used the budget up. Anything else that ends a run is a bug the matrix found."""
+
+LEDGER_STATUSES = {"trained", "masked", "retired", "matched", "stale", "logprob_mismatch"}
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def check_run(run_dir: Path, rc: int, last_line: str, cfg, resumed_from: int | None = None) -> str | None:
+    """The first broken invariant of the run in `run_dir` (one line), or None. `cfg` is the run's
+    resolved MinirlConfig; `resumed_from`: the step the last resume started at, if the run was killed
+    and resumed."""
+    rows = _jsonl(run_dir / "metrics.jsonl")
+    events = _jsonl(run_dir / "events.jsonl")
+    for check in (_exit, _finite, _target, _fates, _events, _ledger, _resume):
+        problem = check(run_dir, rc, last_line, cfg, rows, events, resumed_from)
+        if problem:
+            return f"{check.__name__.strip('_')}: {problem}"
+    return None
+
+
+def _exit(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    if rc == 0:
+        return None
+    faulted = {(e.get("step"), e.get("group")) for e in events if e.get("type") == "fault"}
+    lost = {(e.get("step"), e.get("group")) for e in events
+            if e.get("type") == "drop" or (e.get("type") == "failure" and e.get("decision") == "skipped")}
+    if rc == 1 and last_line.startswith(BUDGET_ERRORS) and faulted and lost <= faulted:
+        return None
+    unexplained = sorted(lost - faulted, key=str)
+    return (f"exit {rc} ({len(faulted)} groups with injected faults"
+            + (f"; lost groups without one: {unexplained[:4]}" if unexplained else "") + f"): {last_line[:300]}")
+
+
+def _finite(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    for r in rows:
+        for key in ("loss", "grad_norm"):
+            if not isinstance(r.get(key), (int, float)) or not math.isfinite(r[key]):
+                return f"step {r['step']}: {key} = {r.get(key)!r}"
+    return None
+
+
+def _target(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    from minirl.config import step_floor
+
+    n, floor = cfg.grpo.num_prompts_per_step, step_floor(cfg)
+    for r in rows:
+        if r["groups_target"] != n:
+            return f"step {r['step']}: groups_target {r['groups_target']}, the config says {n}"
+        if r["groups_trained"] < floor:
+            return f"step {r['step']}: trained {r['groups_trained']} groups, under the floor {floor}"
+    return None
+
+
+def _stamps(cfg) -> bool:
+    return not cfg.async_rl.enabled or cfg.async_rl.sampler.name == "in_order"
+
+
+def _fates(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    for r in rows:
+        fates = r["groups_trained"] + r["dropped_prompt_groups"] + r.get("skipped_prompt_groups", 0)
+        if _stamps(cfg) and fates != r["groups_target"]:
+            return (f"step {r['step']}: trained {r['groups_trained']} + dropped {r['dropped_prompt_groups']} + "
+                    f"skipped {r.get('skipped_prompt_groups', 0)} = {fates}, target {r['groups_target']}")
+        if r["groups_trained"] > r["groups_target"]:
+            return f"step {r['step']}: trained {r['groups_trained']} groups, more than its target {r['groups_target']}"
+    return None
+
+
+def _events(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    died = {e.get("step") for e in events if e.get("type") == "run_failed"}
+    kept = {r["step"] for r in rows} | died
+    count = {kind: sum(e.get("type") == kind and e.get("step") in kept for e in events) for kind in ("drop", "mask")}
+    want = {"drop": sum(r["dropped_prompt_groups"] for r in rows), "mask": sum(r["rollouts_masked"] for r in rows)}
+    if rc != 0:  # the step that ended the run wrote no metrics line, but its drops are events
+        want["drop"] += sum(e.get("type") == "drop" and e.get("step") in died for e in events)
+        count["mask"] -= sum(e.get("type") == "mask" and e.get("step") in died for e in events)
+    if resumed_from is not None:  # a re-run step's first events stand beside its second's
+        return None
+    for kind in ("drop", "mask"):
+        if count[kind] != want[kind]:
+            return f"{count[kind]} {kind} events, the metrics count {want[kind]}"
+    evicted = sum(e.get("type") == "evict" for e in events)
+    if evicted < sum(r.get("stale_groups_evicted", 0) for r in rows):
+        return f"{evicted} evict events, the metrics count {sum(r.get('stale_groups_evicted', 0) for r in rows)}"
+    return None
+
+
+def _ledger(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    s = cfg.async_rl.sampler.max_staleness_versions if cfg.async_rl.enabled else 0
+    trained: set = set()
+    for r in {r["step"]: r for r in rows}.values():  # a re-run step's ledger replaced the first run's
+        version = r["policy_version"]
+        for line in _jsonl(run_dir / "ledger" / f"step_{r['step']}.jsonl"):
+            status = line.get("ledger_status")
+            if status not in LEDGER_STATUSES:
+                return f"step {r['step']}: a ledger line with status {status!r}"
+            if status not in ("trained", "matched"):
+                continue
+            key = tuple(line.get(k) for k in ("step", "group", "rollout", "attempt", "call"))
+            if key in trained:
+                return f"call {key} is trained twice"
+            trained.add(key)
+            versions = {line.get("version_start"), line.get("version_end")} - {None}
+            if versions and not (version - s <= min(versions) and max(versions) <= version):
+                return f"step {r['step']} (version {version}, S={s}) trained call {key} of versions {sorted(versions)}"
+    return None
+
+
+def _resume(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    steps = [r["step"] for r in rows]
+    if sorted(set(steps)) != list(range(len(set(steps)))):
+        return f"the steps in metrics.jsonl are {steps}, not 0..n-1"
+    twice = sorted({s for s in steps if steps.count(s) > 1})
+    if twice and (resumed_from is None or min(twice) < resumed_from):
+        return f"steps {twice} appear twice in metrics.jsonl, resumed from {resumed_from}"
+    return None
