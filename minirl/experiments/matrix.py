@@ -187,7 +187,8 @@ def run_cell(cell: dict, out: Path, steps: int, attach: dict[str, list[str]], se
     except ConfigError as exc:
         return {**cell, "rc": 2, "verdict": f"table: the config refuses a cell the table allows: {exc}"}
     resumed_from = None
-    rc, last, killed = _train(args, run_dir / "checkpoints" / "step_1" / "state.json" if cell["kill"] else None)
+    rc, last, killed = _train([*args, "run_dir_exists=overwrite"],  # a cell re-run replaces its earlier files
+                              run_dir / "checkpoints" / "step_1" / "state.json" if cell["kill"] else None)
     if killed:
         rc, last, _ = _train([*args, "checkpoint.resume=auto"])
         resumed = [e for e in _events(run_dir) if e.get("type") == "resumed"]
