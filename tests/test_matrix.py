@@ -128,20 +128,23 @@ sys.stdin.read()
 
 @pytest.mark.slow
 def test_the_risky_cells_keep_their_books(tmp_path, shared_engine):
-    """Each async sampler with kept rows at staleness >= 1, summarize under faults in async mode, a driver
-    SIGKILLed after a checkpoint and resumed, a wedged worker: every invariant holds in every cell."""
+    """The two samplers that re-stamp a retried group with kept rows at staleness >= 1 (windowed at 2,
+    ready_first), summarize under faults in async mode, a driver SIGKILLed after a checkpoint and resumed:
+    every invariant holds in every cell. (The other risky cells run in the whole matrix.)"""
     child = subprocess.Popen([sys.executable, "-c", SUMMARIZE_WORKERS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, cwd=REPO_ROOT)
     try:
         attach = {"doors": shared_engine, "summarize": child.stdout.readline().split()}
         assert attach["summarize"], "the summarize workers did not start"
-        rows = matrix.run_matrix(matrix.risky_cells(), tmp_path, 3, 0, attach)
+        cells = [c for c in matrix.risky_cells() if c["cell"] in matrix.SUITE_CELLS]
+        rows = matrix.run_matrix(cells, tmp_path, 3, 0, attach)
     finally:
         child.stdin.close()
         child.wait(timeout=120)
     verdicts = {r["cell"]: r["verdict"] for r in rows}
     assert all(v == "ok" for v in verdicts.values()), verdicts
-    assert all(int(r["steps"]) >= 1 for r in rows), [(r["cell"], r["steps"], r["rc"]) for r in rows]
+    assert len(rows) == len(matrix.SUITE_CELLS) and all(int(r["steps"]) >= 1 for r in rows), [
+        (r["cell"], r["steps"], r["rc"]) for r in rows]
     assert any(r["resumed_from"] not in ("", "None") for r in rows if r["cell"] == "risky-in_order-kill")
     assert sum(int(r["faults_fired"]) for r in rows) > 0
     cell = next(c for c in matrix.risky_cells() if c["cell"] == "risky-windowed-kept-S2")

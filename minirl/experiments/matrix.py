@@ -2,7 +2,7 @@
 its books balanced, or refused up front.
 
     python -m minirl.experiments.matrix                      # the whole matrix -> docs/experiments/matrix/
-    python -m minirl.experiments.matrix --subset risky       # the risky cells only (what `make test` runs)
+    python -m minirl.experiments.matrix --subset risky       # the risky cells only (`--subset suite`: the four `make test` runs)
 
 The cells: a pairwise covering set of the switch table (minirl/experiments/switches.py; every pair of
 values of every two switches in at least one cell, `allpairspy` generating it, the table's refusals
@@ -122,6 +122,11 @@ def risky_cells() -> list[dict]:
     out.append(_default_cell() | {"cell": "risky-worker-hang", "mode": "in_order", "staleness": 1, "kill": False,
                                   "hang": True})
     return out
+
+
+SUITE_CELLS = ("risky-windowed-kept-S2", "risky-ready_first-kept-S1", "risky-summarize-async", "risky-in_order-kill")
+"""The risky cells `make test` runs (tests/test_matrix.py): kept rows under the two samplers that re-stamp,
+summarize under faults in async mode, a kill and a resume. The rest run in the whole matrix."""
 
 
 def coverage(cells: list[dict]) -> tuple[int, int, list[tuple]]:
@@ -274,13 +279,14 @@ def run_matrix(cells: list[dict], out: Path, steps: int, seed: int, attach: dict
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "experiments" / "matrix"))
-    parser.add_argument("--subset", choices=("all", "risky", "pairwise"), default="all")
+    parser.add_argument("--subset", choices=("all", "risky", "pairwise", "suite"), default="all")
     parser.add_argument("--cells", nargs="*", help="run only these cell names")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     pairwise = pairwise_cells()
-    cells = {"all": pairwise + risky_cells(), "risky": risky_cells(), "pairwise": pairwise}[args.subset]
+    cells = {"all": pairwise + risky_cells(), "risky": risky_cells(), "pairwise": pairwise,
+             "suite": [c for c in risky_cells() if c["cell"] in SUITE_CELLS]}[args.subset]
     if args.cells:
         cells = [c for c in cells if c["cell"] in args.cells]
     t0 = time.time()
