@@ -205,7 +205,6 @@ def error_failure(status: int, raw: bytes, message: str, error_type: str | None)
     data = terminal if terminal is not None else http_class(status) == DATA
     exc = (RolloutDataFailure if data else GymTransportError)(message, error_type)
     exc.failure_kind, exc.stage, exc.terminal = _kind(facts.get("failure_kind"), default), facts.get("stage"), terminal
-    exc.http_status = status
     return exc
 
 

@@ -66,7 +66,6 @@ class Rollout:
     calls: list[Call]
     traces: list[Trace]
     capture_failed: bool
-    truncated: bool
     evidence: dict = field(default_factory=dict)
     mask_reason: str | None = None
 

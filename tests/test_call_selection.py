@@ -50,7 +50,7 @@ def records() -> list[dict]:
 
 def rollout(calls, traces=None, reward=1.0, r=0, mask=None) -> Rollout:
     return Rollout(Coords(0, 0, r, 0), reward, list(calls), traces if traces is not None else split_traces(list(calls)), False,
-                   False, {}, mask)
+                   {}, mask)
 
 
 # ------------------------------------------------------------------------------------ the policies

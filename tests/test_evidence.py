@@ -83,11 +83,11 @@ def test_lane_a_empty_reply_without_tokens_masks_the_rollout():
 def test_overlong_filtering_masks_only_rollouts_that_reach_the_sequence_limit():
     capped = result([item([1, 2], [3])])  # a reply cut by the per-call cap: not truncated (upstream)
     capped["response"]["incomplete_details"] = {"reason": "length"}
-    assert not parse(capped, overlong=True).truncated and parse(capped, overlong=True).sample_mask == 1
+    assert parse(capped, overlong=True).mask_reason is None and parse(capped, overlong=True).sample_mask == 1
     full = result([item(list(range(1, 41)), [3] * 60)])  # 100 tokens = max_len
-    assert parse(full).truncated and parse(full).sample_mask == 1
+    assert parse(full).mask_reason is None and parse(full).sample_mask == 1  # truncated, but not filtered
     assert parse(full, overlong=True).mask_reason == "overlong"
-    assert not parse(result([item(list(range(1, 41)), [3] * 59)]), overlong=True).truncated
+    assert parse(result([item(list(range(1, 41)), [3] * 59)]), overlong=True).mask_reason is None
 
 
 def test_without_compaction_a_rewritten_history_is_upstreams_non_contiguous_failure():

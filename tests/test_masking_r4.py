@@ -58,7 +58,7 @@ def rollout(g: int, r: int, reward: float, lengths=(3,), reason=None) -> Rollout
     """A rollout of len(lengths) traces (each a rewritten history), generating lengths[k] tokens after a 3-token prompt."""
     calls = [Call([100 + k, 7, 8], [10 + j % 50 for j in range(n)], [-0.5] * n) for k, n in enumerate(lengths)]
     traces = [t for c in calls for t in split_traces([c])]
-    return Rollout(Coords(0, g, r, 0), reward, calls, traces, reason == "capture_failed", reason == "overlong", {}, reason)
+    return Rollout(Coords(0, g, r, 0), reward, calls, traces, reason == "capture_failed", {}, reason)
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from minirl.rollout.manager import GroupOutcome
 
 
 def rec(step, group, start, status="committed"):
-    return GroupRecord(step, group, start, start, GroupOutcome(group, status, step=step), target_step=step)
+    return GroupRecord(step, group, start, GroupOutcome(group, status, step=step), target_step=step)
 
 
 def test_in_order_admits_within_the_lookahead_and_takes_its_own_step_once_resolved():
@@ -85,7 +85,7 @@ def test_buffer_holds_capacity_places_and_evicts_while_waiting():
         await buf.commit(new)
         s = make_sampler("windowed", 1, 0)
         stale, chosen = await buf.take_when(lambda ready: (s.stale(1, ready), s.select(0, 1, ready, Counter())))
-        assert stale == [old] and chosen == [new] and buf.evicted == 1
+        assert stale == [old] and chosen == [new] and buf.ready == []
         await asyncio.wait_for(blocked, 1)  # places freed
         assert buf.free == 1
 

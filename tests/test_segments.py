@@ -108,7 +108,7 @@ def rollout(g: int, r: int, reward: float, lengths: list[int], masked_segments=(
         t.mask_reason = "unrecorded_calls" if k in masked_segments else None
         t.kind = (kinds or {}).get(k, "turns")
         traces.append(t)
-    return Rollout(Coords(0, g, r, 0), reward, calls, traces, False, False, {}, rollout_mask)
+    return Rollout(Coords(0, g, r, 0), reward, calls, traces, False, {}, rollout_mask)
 
 
 def config(validity="all", weighting="token_mean", exclude=True, groups=1, g=4):
@@ -242,7 +242,7 @@ def test_a_summary_trace_trains_with_its_rollouts_advantage_every_token_once(val
              Call([1, 2, 6, 30, 31, 7], [40], [-0.5]), Call([1, 2, 6, 30, 31, 7, 40, 8], [41, 42], [-0.6] * 2)]
     traces = [*split_traces(calls[:2]), *split_traces(calls[2:3]), *split_traces(calls[3:])]
     traces[1].kind = "compaction_summary"
-    r0 = Rollout(Coords(0, 0, 0, 0), 1.0, calls, traces, False, False, {"compactions": 1})
+    r0 = Rollout(Coords(0, 0, 0, 0), 1.0, calls, traces, False, {"compactions": 1})
     outcome = GroupOutcome(0, "committed", {0: r0, 1: rollout(0, 1, 0.0, [3]), 2: rollout(0, 2, 0.5, [3, 9])})
     batch, stats = assemble(config(validity, weighting, g=3), [outcome], pad_id=0)
     rows = np.flatnonzero(batch.rollout == 0)

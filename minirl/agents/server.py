@@ -169,9 +169,6 @@ class AgentServer:
     def stop(self) -> None:
         self.http.stop(self.session.close)
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def _agent_config(self, name: str) -> AgentConfig:
         agent = copy.deepcopy(self.cfg.agent)
         agent.name = name

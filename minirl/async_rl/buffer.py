@@ -3,7 +3,7 @@
 Each entry is one prompt group's resolution (committed, dropped or skipped) with `start_weight`,
 the oldest policy version any of its kept rows' group attempts started under (re-stamped on every
 attempt, as upstream reserves each attempt under the current version, but never younger than a row
-kept from an earlier attempt), and `end_weight`, the version when it resolved.
+kept from an earlier attempt).
 
 Invariant: a group enters the buffer once, and leaves it once: consumed by exactly one optimizer
 step, or evicted as stale (counted, never trained). At most `capacity` unconsumed groups are held;
@@ -25,7 +25,6 @@ class GroupRecord:
     step: int  # the prompt's step in the prompt stream (its coordinates)
     group: int
     start_weight: int
-    end_weight: int
     outcome: GroupOutcome
     target_step: int  # the optimizer step it is stamped for (a sampler that stamps_target_steps); else the prompt step
     replacement: bool = False  # a spare prompt that stood in for a lost one (on_dropped_prompt=replace)
@@ -38,7 +37,6 @@ class GroupBuffer:
         self.capacity = capacity
         self.ready: list[GroupRecord] = []
         self.reserved = 0  # places held by groups in flight
-        self.evicted = 0  # run total of stale groups evicted
         self.changed = asyncio.Condition()
 
     @property
@@ -73,7 +71,7 @@ class GroupBuffer:
         """Wait until `pick(ready)` -> (stale, chosen) chooses; remove both; returns (stale, chosen).
 
         `pick` runs under the buffer's lock after every change; the stale records it names are
-        evicted (counted) at once, even while it keeps waiting (chosen None); an exception it
+        evicted at once (returned, for the step source to count), even while it keeps waiting (chosen None); an exception it
         raises (the pump's failure) propagates."""
         evicted: list[GroupRecord] = []
         async with self.changed:
@@ -81,7 +79,6 @@ class GroupBuffer:
                 stale, chosen = pick(self.ready)
                 for r in stale:
                     self.ready.remove(r)
-                self.evicted += len(stale)
                 evicted += stale
                 if chosen is not None:
                     break

@@ -299,8 +299,7 @@ class RolloutPump:
         step, group, target, replacement, _ = job
         if self.pacer is not None and outcome.status == "committed":
             self.pacer.observed(prompt_class(prompt_row(self.cfg, step, group)), time.monotonic() - dispatched)
-        record = GroupRecord(step, group, start[0], self.version, outcome, target_step=target, replacement=replacement,
-                             lost=lost)
+        record = GroupRecord(step, group, start[0], outcome, target_step=target, replacement=replacement, lost=lost)
         await self.buffer.commit(record)
 
     def _substitute(self, job: list, outcome) -> bool:

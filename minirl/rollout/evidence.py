@@ -233,7 +233,7 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
     if gym_mask is not None:
         mask_reason = MASK_SAMPLE
         evidence.update(gym_mask)
-    return Rollout(coords, reward, calls, traces, capture_failed, truncated, evidence, mask_reason)
+    return Rollout(coords, reward, calls, traces, capture_failed, evidence, mask_reason)
 
 
 def _trace_kind(item: dict, where: str) -> tuple[str, dict | None]:
