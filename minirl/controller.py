@@ -251,7 +251,7 @@ class Controller:
         self.events.write({"type": "run_failed", "step": self.step, "error": error,
                            "rollout_attempts": sends, "rollouts_generated": returned})
 
-    async def collect(self, step: int, version: int) -> tuple[dict, dict]:
+    async def collect(self, step: int, version: int) -> tuple[TrainBatch, dict]:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats. Any
         failure on the way (the rollouts, the step checks, the ledger, the assembly) writes run_failed."""
         self.step = step
@@ -261,7 +261,7 @@ class Controller:
             self.run_failed(f"{type(exc).__name__}: {exc}")
             raise
 
-    async def _collect(self, step: int, version: int) -> tuple[dict, dict]:
+    async def _collect(self, step: int, version: int) -> tuple[TrainBatch, dict]:
         busy0, gather0 = await self._engine_s()
         self.mark = self.mark or await self._clocks()  # the first cycle starts here
         waited = time.perf_counter()
