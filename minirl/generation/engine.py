@@ -392,14 +392,29 @@ class VllmEngine:
         self.gather_s += time.monotonic() - t0
 
     def _loop(self, *build) -> None:
+        """The engine's thread: build the engine, then forever take requests and step it."""
+        if not self._start(*build):
+            return
+        engine = self.llm.llm_engine
+        while True:
+            if self._held is not None and not self._pending:  # drained: apply the update, then the waiting requests
+                self._apply_held()
+            idle = not self._pending
+            self._take_inbox(block=idle)
+            if idle and self._pending:
+                self._gather()
+            if self._pending:
+                self._finish(self._step(engine))
+
+    def _start(self, *build) -> bool:
+        """Build the engine and compile its sampler. False: the build failed (the constructor raises it)."""
         try:
             self._build(*build)
         except BaseException as exc:  # the constructor raises it
             self._build_error = exc
-            return
+            return False
         finally:
             self._built.set()
-        engine = self.llm.llm_engine
         try:
             _compile_sampler(self.llm)
         except BaseException as exc:  # as a failed step: the engine is unusable
@@ -407,56 +422,64 @@ class VllmEngine:
             raise
         finally:
             self.sampler_compiled.set()
-        while True:
-            if self._held is not None and not self._pending:  # drained: apply the update, then the waiting requests
-                (fn, fut, since), self._held = self._held, None
-                self.drain_s += time.monotonic() - since
-                self._accept("run", fn, fut)
-                deferred, self._deferred = self._deferred, []
-                for job in deferred:
-                    self._accept(*job)
-            idle = not self._pending
-            try:
-                self._accept(*self._inbox.get(block=idle))
-                while True:
-                    self._accept(*self._inbox.get_nowait())
-            except queue.Empty:
-                pass
-            if idle and self._pending:
-                self._gather()
-            if not self._pending:
-                continue
-            self._step_t0 = t0 = time.monotonic()
-            try:
-                if self._crash:
-                    raise RuntimeError("injected engine_crash")
-                self._unwedged.wait()
-                outputs = engine.step()
-            except BaseException as exc:  # the engine is unusable: fail everything, loudly
-                self._die(exc)
-                raise
-            self._step_t0 = None
-            took = time.monotonic() - t0
-            self.busy_s += took
-            self.steps += 1
-            self.step_log.append((t0, took, len(self._pending)))
-            for out in outputs:
-                if not out.finished:
-                    continue
+        return True
+
+    def _apply_held(self) -> None:
+        """Run the held update (nothing is in flight), then accept the requests deferred behind it."""
+        (fn, fut, since), self._held = self._held, None
+        self.drain_s += time.monotonic() - since
+        self._accept("run", fn, fut)
+        deferred, self._deferred = self._deferred, []
+        for job in deferred:
+            self._accept(*job)
+
+    def _take_inbox(self, block: bool) -> None:
+        """Accept everything the inbox holds; with `block`, wait for the first item."""
+        try:
+            self._accept(*self._inbox.get(block=block))
+            while True:
+                self._accept(*self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _step(self, engine) -> list:
+        """One engine step, timed (the watchdog reads `_step_t0`); a failure fails everything, loudly."""
+        self._step_t0 = t0 = time.monotonic()
+        try:
+            if self._crash:
+                raise RuntimeError("injected engine_crash")
+            self._unwedged.wait()
+            outputs = engine.step()
+        except BaseException as exc:  # the engine is unusable
+            self._die(exc)
+            raise
+        self._step_t0 = None
+        took = time.monotonic() - t0
+        self.busy_s += took
+        self.steps += 1
+        self.step_log.append((t0, took, len(self._pending)))
+        return outputs
+
+    def _finish(self, outputs: list) -> None:
+        """Resolve the futures of the requests this step finished."""
+        for out in outputs:
+            if out.finished:
                 fut, version = self._pending.pop(out.request_id)
-                comp = out.outputs[0]
-                sampled = [lp[tok] for lp, tok in zip(comp.logprobs or [], comp.token_ids)]
-                wide = any(len(lp) > 1 for lp in comp.logprobs or [])
-                fut.set_result(
-                    GenResult(
-                        prompt_token_ids=list(out.prompt_token_ids),
-                        token_ids=list(comp.token_ids),
-                        logprobs=[lp.logprob for lp in sampled],
-                        decoded=[lp.decoded_token for lp in sampled],
-                        text=comp.text,
-                        finish_reason=comp.finish_reason or "stop",
-                        version_start=version,
-                        version_end=self.version,
-                        top=[[(t, e.logprob, e.decoded_token) for t, e in lp.items()] for lp in comp.logprobs] if wide else None,
-                    )
-                )
+                fut.set_result(self._result(out, version))
+
+    def _result(self, out, version: int) -> GenResult:
+        """A finished vLLM output as a `GenResult`, started under `version`, ended under the current one."""
+        comp = out.outputs[0]
+        sampled = [lp[tok] for lp, tok in zip(comp.logprobs or [], comp.token_ids)]
+        wide = any(len(lp) > 1 for lp in comp.logprobs or [])
+        return GenResult(
+            prompt_token_ids=list(out.prompt_token_ids),
+            token_ids=list(comp.token_ids),
+            logprobs=[lp.logprob for lp in sampled],
+            decoded=[lp.decoded_token for lp in sampled],
+            text=comp.text,
+            finish_reason=comp.finish_reason or "stop",
+            version_start=version,
+            version_end=self.version,
+            top=[[(t, e.logprob, e.decoded_token) for t, e in lp.items()] for lp in comp.logprobs] if wide else None,
+        )
