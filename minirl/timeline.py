@@ -1,4 +1,4 @@
-"""Where an optimizer step's wall time goes (issue 35 item 4): the `timing/*` fields of metrics.jsonl.
+"""Where an optimizer step's wall time goes: the `timing/*` fields of metrics.jsonl.
 
 Two lanes over the same wall clock, named as NeMo-RL's timer names them (`timing/train/...`, in
 seconds) where it has the concept:

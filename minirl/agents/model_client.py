@@ -1,12 +1,13 @@
 """The agent's side of the model server: chat completions with token evidence, and `/tokenize`.
 
 Like Gym's model proxy, it asks for `logprobs=true, top_logprobs=0` and token ids, and maps
-vLLM's HTTP 400 for an over-long prompt to an empty reply with `finish_reason="length"` (lane A).
+vLLM's HTTP 400 for an over-long prompt to an empty reply with `finish_reason="length"`.
 
 Invariant: only the context-length 400 becomes a failed call (a reply without token evidence:
-the agent ends the episode and the rollout is masked, lane A). Any other HTTP error answered by the
-model server raises ModelCallFailed carrying that status, whatever the body (JSON or plain text),
-so a 4xx stays DATA and a 5xx INFRA; a server that cannot be reached raises GenerationUnavailable.
+the agent ends the episode and the rollout is masked; docs/failure-policy.md's lane A). Any other
+HTTP error answered by the model server raises ModelCallFailed carrying that status, whatever the
+body (JSON or plain text), so a 4xx stays DATA and a 5xx INFRA; a server that cannot be reached
+raises GenerationUnavailable.
 Either fails the whole `/run`, as in Gym's `simple_agent`.
 """
 

@@ -1,5 +1,4 @@
-"""Does async's discard-and-requeue starve slow rollouts, and does admission pacing remove the skew
-(issue 35 items 1 and 3)?
+"""Does async's discard-and-requeue starve slow rollouts, and does admission pacing remove the skew?
 
     python -m minirl.experiments.async_bias --out docs/experiments/async          # the committed report
     python -m minirl.experiments.async_bias --seeds 1 --steps 3 --out /tmp/ab     # a smoke run

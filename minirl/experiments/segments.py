@@ -1,4 +1,4 @@
-"""Experiment 2 of issue 30: segment weighting (three ways) and segment validity (two ways) on the
+"""The segments experiment: segment weighting (three ways) and segment validity (two ways) on the
 sweep's harness, with what each one does to the difficulty of what is trained and to held-out reward.
 
     python -m minirl.experiments.segments --out runs/segments      # 9 cells, ~8 min on 2 CPU cores (45 s a cell)

@@ -5,7 +5,7 @@ the first free port of `async_rl.generation_router.port_range_low..high`.
 Every request (`/v1/chat/completions`, `/tokenize`, `/v1/models`, `/health`) is forwarded unchanged,
 with minirl's rollout header, to the eligible worker with the fewest requests outstanding; the
 worker's answer comes back unchanged (status, body, content type), so vLLM's 400 for an over-long
-prompt still reaches Gym as Gym's lane A. A worker that refuses the connection or does not connect
+prompt still reaches Gym, which ends that episode with the rollout masked. A worker that refuses the connection or does not connect
 within `connect_timeout_s` is ineligible for `connect_timeout_s` and the request goes to the next
 one. A request that outlives `backend_timeout_s` gets 504, a worker lost mid-answer 502 (both ones
 Gym retries). With no eligible worker the answer is `no_healthy_backend_status` (409 by default),
