@@ -36,8 +36,13 @@ def say(msg: str) -> None:
     print(f"gym-check {VERSION}: {msg}", flush=True)
 
 
+CHECKED: list[tuple[str, bool]] = []
+"""Each check this half ran, and whether it held (gym_check's closing summary)."""
+
+
 def _check(ok: bool, what: str, failures: list, name: str) -> None:
     say(("PASS " if ok else "FAIL ") + what)
+    CHECKED.append((name, ok))
     ok or failures.append(f"{VERSION} {name}")
 
 
@@ -69,7 +74,7 @@ def check_training(urls: dict, attach: list, overrides: list, work: Path, env: d
     say(f"train exit {train.returncode} in {time.time() - t0:.0f}s; stdout tail:\n" + "\n".join(train.stdout.splitlines()[-6:]))
     if train.returncode != 0:
         say("stderr tail:\n" + "\n".join(train.stderr.splitlines()[-15:]))
-        failures.append(f"{VERSION} train")
+        _check(False, "training run", failures, "train")
         return
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     err = [s.get("logprob_abs_error") for s in steps]
@@ -135,8 +140,7 @@ def run(post, start_gym, stop_gym, python: str, cfg, router: str, attach: list, 
         check_episode_failures(urls["failing_episodes"], cfg, failures)
         check_training(urls, attach, overrides, work, env, failures)
     except Exception as exc:  # report, then stop the Gym process
-        say(f"FAIL {type(exc).__name__}: {exc}")
-        failures.append(f"{VERSION} {type(exc).__name__}")
+        _check(False, f"{type(exc).__name__}: {exc}", failures, type(exc).__name__)
     finally:
         stop_gym(gym)
     return failures
