@@ -15,7 +15,9 @@ Per version, in a scratch directory:
      capture on (`+observability_enabled=true`): one file per episode, named by its capture key;
 3. the dataset: the environment's own `data/example.jsonl`, from the installed package;
 4. `python -m minirl.train` for 2 steps through it (0.7.0: `agent.external_url` = the Environment
-   Server, `agent.name` = its session agent), checked as gym_check's other runs are.
+   Server, `agent.name` = its session agent), checked as gym_check's other runs are, and, from the
+   run's ledger, that no two calls of one rollout sampled with the same seed (the tiny model calls
+   the tool, then answers: several calls per rollout).
 0.7.0 also sends one row through the Environment Server with minirl's rollout manager first, and
 checks Gym's capture: each rollout of the run is its own episode (a capture file of its own).
 
@@ -153,6 +155,22 @@ def check_episodes(run_dir: Path, captures: Path, check, failures: list) -> None
           f"{len(want)} rollouts, {sum(files.values())} captured model calls, {matched} matched in the ledger", failures, "episodes")
 
 
+def check_seeds(run_dir: Path, check, failures: list) -> None:
+    """Issue 51's acceptance for a Gym multi-turn run: no two calls of one rollout share a sampling seed
+    (Gym's `vllm_model` sends the row's one seed on every call; the generation server derives each
+    call's own, and the ledger records what each call sampled with)."""
+    by_rollout: dict[tuple, list] = {}
+    for path in sorted((run_dir / "ledger").glob("step_*.jsonl")):
+        for line in path.read_text().splitlines():
+            c = json.loads(line)
+            by_rollout.setdefault((c["step"], c["group"], c["rollout"], c["attempt"]), []).append(c.get("seed"))
+    multi = {k: v for k, v in by_rollout.items() if len(v) > 1}
+    shared = {k: v for k, v in multi.items() if None in v or len(set(v)) < len(v)}
+    check(bool(multi) and not shared, f"[{ENV}] a seed per call: {len(multi)} of {len(by_rollout)} rollouts made "
+          f"{sum(map(len, multi.values()))} calls between them, no two calls of one rollout with one seed "
+          f"(shared: {shared or 'none'})", failures, "seed per call")
+
+
 def walk(version: str, python: str, gen: dict, work: Path, check, check_training, attach: list, env: dict,
          overrides: list, failures: list) -> None:
     """Steps 2-4 for `version`'s side venv (`python`); the ng_run process is stopped whatever happens."""
@@ -173,6 +191,8 @@ def walk(version: str, python: str, gen: dict, work: Path, check, check_training
             one_environment_server_row(urls[spec["target"]], cfg, captures, check, failures)
         label = f"{ENV}-ng_run"
         check_training(label, urls[spec["target"]], train, attach, scratch, env, failures, version)
+        if (scratch / f"run-{label}" / "ledger").is_dir():
+            check_seeds(scratch / f"run-{label}", check, failures)
         if spec["agent_name"] and (scratch / f"run-{label}" / "metrics.jsonl").exists():
             check_episodes(scratch / f"run-{label}", captures, check, failures)
     except Exception as exc:  # report it as a failed check; the other version's half still runs
