@@ -195,12 +195,11 @@ def check_training(label: str, agent_url: str, extra: list, attach: list, work: 
 
 
 def sent_rows(cfg, example: str) -> tuple[list[dict], list[dict]]:
-    """The rows minirl sends at step 0 for each environment (the rollout manager's `run_body`): doors,
+    """The rows minirl sends at step 0 for each environment (`minirl.data.run_body`, as the rollout manager sends them): doors,
     and the example's own rows."""
     import copy
 
-    from minirl.data import prompt_row
-    from minirl.rollout.manager import run_body
+    from minirl.data import prompt_row, run_body
     from minirl.wire import Coords
 
     ex = copy.deepcopy(cfg)
