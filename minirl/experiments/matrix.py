@@ -47,9 +47,11 @@ HANG = ["cluster.num_generation_workers=2", "async_rl.generation_fleet_health.en
         "async_rl.generation_fleet_health.probe_interval_s=1", "async_rl.generation_fleet_health.probe_timeout_s=0.5",
         "faults.inject=[{kind: worker_hang, step: 1, group: 0, rollout: 0, attempt: 0}]"]
 """The worker-hang cell: one of two generation workers wedged at step 1, the fleet routing around it."""
-WORKERS = ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5"]
-"""The matrix's shared workers per model: two, half a CPU each (a cell attaches to the first; the hang
-cell to both), as the test suite's shared cluster."""
+WORKERS = {"doors": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5", "cluster.num_cpus=4"],
+           "summarize": ["cluster.num_generation_workers=1", "cluster.cpus_per_generation_worker=0.5"]}
+"""The matrix's shared workers per model, half a CPU each: two of the tiny-doors model (a cell attaches to
+the first; the hang cell to both), one of tiny-summarize. The cluster advertises 4 CPUs (the first model's
+config starts it), so a cell's own actors still fit beside 1.5 CPUs of workers."""
 KILL_EVERY = 4
 """Every 4th cell is SIGKILLed after its first checkpoint and resumed."""
 COLUMNS = ["cell", *[s.name for s in switches()], "kill", "rc", "steps", "groups_trained", "groups_dropped",
@@ -240,10 +242,10 @@ def shared_workers(names: set[str]):
 
     from minirl.cluster import start_shared_generation
 
-    configs = {"doors": load_config(None, WORKERS),
-               "summarize": load_config(str(REPO_ROOT / "configs" / "summarize.yaml"), WORKERS)}
+    configs = {"doors": load_config(None, WORKERS["doors"]),
+               "summarize": load_config(str(REPO_ROOT / "configs" / "summarize.yaml"), WORKERS["summarize"])}
     try:
-        yield {name: start_shared_generation(configs[name], f"matrix-{name}") for name in sorted(names)}
+        yield {name: start_shared_generation(configs[name], f"matrix-{name}") for name in sorted(names)}  # doors first
     finally:
         ray.shutdown()
 
