@@ -1,4 +1,4 @@
-"""Issue M's four questions (does shrink's dropping skew training toward easy prompts, does
+"""The sweep's four questions (does shrink's dropping skew training toward easy prompts, does
 end_episode's masking, does redispatch avoid it, does `grpo.baseline_excludes_masked` change the
 outcome) and the pick per fault mode, answered from the estimates. Invariant: an answer says Yes or
 No only where its estimate's interval excludes 0; otherwise it says not resolvable."""

@@ -1,7 +1,7 @@
 """report.md of a sweep: the method, a table per fault mode (mean ± 95% interval over seeds), the
-answers to issue M's questions, which differences are real (paired by seed), the skew verdicts, what
-to pick, why runs died, and the plots. Invariant: the report is a function of results.csv's rows and
-the cells' run directories only, so a resumed sweep writes the same report."""
+answers to the four questions (questions.py), which differences are real (paired by seed), the
+skew verdicts, what to pick, why runs died, and the plots. Invariant: the report is a function of
+results.csv's rows and the cells' run directories only, so a resumed sweep writes the same report."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ The report gives each cell as mean ± the 95% t-interval over seeds, compares po
 per-seed (paired) differences (minirl.stats.paired_ci), measures the difficulty skew of what each
 policy trained (minirl.stats: the room mix of rollouts that reached the optimizer against the mix
 dispatched, recomputed from the prompt stream and events.jsonl, which assumes sync steps: every
-group of step s is a prompt (s, k) of minirl.data), answers issue M's four questions for each
+group of step s is a prompt (s, k) of minirl.data), answers the four questions (questions.py) for each
 mode (does shrink's dropping skew training toward easy prompts, does end_episode's masking, does
 redispatch avoid it, does `grpo.baseline_excludes_masked` change the outcome), and draws validation
 learning curves with seed bands, the skew, and the estimates behind the answers.
