@@ -6,7 +6,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.minirl-installed
 
-.PHONY: train test setup setup-gpu bench-quick clean gym-check slurm-check
+
+.PHONY: train test lint setup setup-gpu bench-quick clean gym-check slurm-check
 
 train: $(STAMP)
 	$(BIN)/python -m minirl.train
@@ -19,6 +20,10 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
+
+# ruff with the rules pyproject.toml selects ([tool.ruff.lint]); .ci/run runs it before the suite.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 setup: $(STAMP)
 

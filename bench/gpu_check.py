@@ -64,7 +64,6 @@ def rollouts(model_dir: str, cfg, prompts: int, gens: int, use_vllm: bool):
 
 
 def batch_of(seqs, plens, rewards, gens):
-    import numpy as np
 
     from minirl.algo.grpo import group_advantages
     from minirl.types import TrainBatch

@@ -49,7 +49,7 @@ in a 4-room episode (no picture dropped), and keeping 2 drops the note's picture
 FAULT_RATE = 0.05
 SUMMARY_FAULTS = ("summary_empty", "summary_tool_call", "summary_overflow")
 ARMS = {
-    "recency": [f"agent.context_history.policy.type=recency",
+    "recency": ["agent.context_history.policy.type=recency",
                 f"agent.context_history.policy.config.images.keep_last_groups={KEEP}"],
     "summarize": [],
     "summarize+faults, redispatch": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]

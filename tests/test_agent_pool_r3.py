@@ -133,7 +133,7 @@ def test_an_agent_server_answering_html_beside_a_healthy_one_is_passed_over_and_
     cfg.async_rl.rollout_failure.max_skipped_prompts = 1
     ((error, stats, _),), events, (html,) = steps(cfg, [html_run], 1)
     assert isinstance(error, RolloutDataFailure) and str(error).startswith("skipped 1 prompts")
-    assert f"Dominant failure (all 2 lost group(s)): AgentBadAnswer: malformed /run result" in str(error)
+    assert "Dominant failure (all 2 lost group(s)): AgentBadAnswer: malformed /run result" in str(error)
     assert f"returned invalid JSON from the agent server at {html}" in str(error)
     assert stats["agent_servers_up"] == 0
 

@@ -211,7 +211,10 @@ def test_an_async_steps_counters_cover_its_own_groups_and_sum_to_the_runs(tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
     evs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if line]
     cfg = load_config(None, args)
-    seed = lambda e: prompt_key(cfg, e["step"], e["group"])
+
+    def seed(e):
+        return prompt_key(cfg, e["step"], e["group"])
+
     rejected = [seed(e) for e in evs if e["type"] == "failure" and e.get("error_type") == "ContextGuardRejected"]
     failed = [seed(e) for e in evs if e["type"] == "failure"]
     per_step, consumed = [], set()

@@ -4,7 +4,6 @@ docstring (the module map's home now), and every docs/ or bench/ link in the REA
 
 import ast
 import re
-from pathlib import Path
 
 from test_layering import FLOORS
 

@@ -214,7 +214,10 @@ def _totals(run_dir: Path) -> dict:
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     rows = list({r["step"]: r for r in rows}.values())
-    total = lambda key: sum(r.get(key, 0) for r in rows)  # noqa: E731
+
+    def total(key: str) -> int:
+        return sum(r.get(key, 0) for r in rows)
+
     return {"steps": len(rows), "groups_trained": total("groups_trained"), "groups_dropped": total("dropped_prompt_groups"),
             "groups_skipped": total("skipped_prompt_groups"), "groups_evicted": total("stale_groups_evicted"),
             "rollouts_masked": total("rollouts_masked"), "redispatched": total("redispatched_groups"),
