@@ -33,6 +33,7 @@ generation side) whatever happens.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -277,7 +278,7 @@ def main() -> int:
             gym07 = str(Path(args.gym07_python).absolute())
             failures += gym07_check.run(post, start_gym, stop_gym, gym07, cfg, ready["router"], ready["attach"],
                                         TRAIN_OVERRIDES, rows, work, env)
-            check07 = lambda ok, what, failures, name: check(ok, what, failures, name, "0.7.0")
+            check07 = functools.partial(check, version="0.7.0")
             gym_walk.walk("0.7.0", gym07, ready, work, check07, check_training, ready["attach"], env, TRAIN_OVERRIDES, failures)
     except Exception as exc:  # report, then stop everything below
         check(False, f"{type(exc).__name__}: {exc}", failures, type(exc).__name__)
