@@ -150,3 +150,18 @@ def test_the_risky_cells_keep_their_books(tmp_path, shared_engine):
     cell = next(c for c in matrix.risky_cells() if c["cell"] == "risky-windowed-kept-S2")
     assert "async_rl.rollout_failure.nemo_gym.keep_returned_rows=true" in cell_overrides(
         {k: v for k, v in cell.items() if k not in ("cell", "kill")})
+
+
+def test_async_events_named_by_prompt_step_still_balance(tmp_path):
+    """The pump runs ahead: a group of prompt step 15 trains at step 2, so its `mask` event names step 15
+    (found by the whole matrix's first run, where the sync rule read 0 mask events against 2 counted)."""
+    cfg = load_config(None, ["grpo.num_prompts_per_step=4", "async_rl.enabled=true", "async_rl.sampler.name=windowed",
+                             "loss_fn.use_importance_sampling_correction=true",
+                             "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+                             "async_rl.rollout_failure.max_skipped_prompts=0"])
+    rows = [_row(0), _row(1, rollouts_masked=1, policy_version=1)]
+    ledger = {0: [_call(0, 0, 0)], 1: [_call(15, 3, 1)]}
+    _write(tmp_path, rows, [{"type": "mask", "step": 15, "group": 3}], ledger)
+    assert check_run(tmp_path, 0, "", cfg) is None
+    _write(tmp_path / "lost", rows, [], ledger)  # a counted mask without its event is still caught
+    assert check_run(tmp_path / "lost", 0, "", cfg) == "events: 0 mask events, the metrics count 1"
