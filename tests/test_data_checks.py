@@ -82,7 +82,7 @@ UNRUNNABLE = [  # (path, value, what the message names): AA item 4's cases as th
 ]
 
 
-@pytest.mark.parametrize("path,value,message", UNRUNNABLE, ids=[f"{p}={v!r}"[:40] for p, v, _ in UNRUNNABLE])
+@pytest.mark.parametrize("path,value,message", UNRUNNABLE, ids=[f"{p}={'(deleted)' if v is DELETE else repr(v)}"[:40] for p, v, _ in UNRUNNABLE])
 def test_a_row_minirls_agents_cannot_run_is_refused_before_ray(base_cfg, tmp_path, path, value, message):
     good = doors_rows(base_cfg, 2)
     cfg = own_pool_cfg(base_cfg, tmp_path, [good[0], changed(good[1], path, value), good[0]])
