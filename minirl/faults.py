@@ -74,8 +74,9 @@ real reply, recorded by the server, is read as an empty block / as carrying a to
 the attempts run out), `summary_overflow` on its first, untrimmed request (read as the server's
 context-length refusal, so the middle of the history is trimmed and the request retried)."""
 FAULT_KINDS = tuple(SITES)
-AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items() if site in (AGENT, AGENT_HTTP, SUMMARIZE))
-"""Kinds that fire in the agent pool, where the row (and so its task's room count) is known."""
+AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items() if site in (AGENT, AGENT_HTTP, SUMMARIZE, VERIFY))
+"""Kinds that fire in the agent pool, where the row (and so its task's room count) is known (minirl's own
+verifier included; the Gym 0.7 doors server takes `session_lost` by rate only)."""
 
 
 def _uniform(seed: int, kind: str, c: Coords) -> float:

@@ -278,11 +278,13 @@ def without_result_facts(row: dict) -> dict:
 
 def verified(result: dict, mask: dict | None = None) -> dict:
     """A `/run` result (the request's row, echoed, plus the episode's) with Gym 0.7's verify-response
-    fields: `mask_sample` and, when masked, why; no result fact echoed from the request."""
+    fields: `mask_sample` and, when masked, why, with reward 0.0 as Gym's failsafes report it (the score
+    is not a measurement); no result fact echoed from the request."""
     result = without_result_facts(result)
     if mask is None:
         return {**result, "mask_sample": False, "failure_kind": None, "failure_reason": None}
-    return {**result, "mask_sample": True, "failure_kind": mask["failure_kind"], "failure_reason": mask.get("failure_reason")}
+    return {**result, "reward": 0.0, "mask_sample": True, "failure_kind": mask["failure_kind"],
+            "failure_reason": mask.get("failure_reason")}
 
 
 def kind_counts(outcomes, kept) -> dict:

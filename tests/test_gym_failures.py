@@ -189,6 +189,7 @@ def test_minirls_agent_server_speaks_gyms_failure_shapes(stack, base_cfg):
     assert out["r0"][0] == out["r1"][0] == 200
     assert (plain["mask_sample"], plain["failure_kind"], plain["failure_reason"]) == (False, None, None)
     assert lost["mask_sample"] is True and lost["failure_kind"] == "session_lost" and "session_lost" in lost["failure_reason"]
+    assert lost["reward"] == 0.0, "a lost session's score is no measurement: 0.0, as Gym's failsafes report it"
     kw = dict(vocab_size=10**6,
               max_len=cfg.policy.max_total_sequence_length, overlong_filtering=False)
     assert parse_rollout(plain, Coords(0, 0, 0, 0), **kw).mask_reason is None

@@ -23,6 +23,7 @@ POLICIES = {
     ],
     "minirl defaults": [],
     "minirl defaults (masked in baseline)": ["grpo.baseline_excludes_masked=false"],
+    "minirl defaults (masked rewards in baseline)": ["grpo.masked_sample_rewards_in_baseline=true"],
     # issue 30's experiment 2 (minirl.experiments.segments): the shipped config, one segment switch moved
     "segments rollout_equal": ["loss_fn.segment_weighting=rollout_equal"],
     "segments length_ratio": ["loss_fn.segment_weighting=length_ratio"],
@@ -31,7 +32,8 @@ POLICIES = {
 SEGMENT_POLICIES = ("segments rollout_equal", "segments length_ratio", "segments any")
 DEFAULTS = "minirl defaults"  # no preset: `python -m minirl.train` as shipped (fixes on, its own budgets)
 MASKED_IN_BASELINE = "minirl defaults (masked in baseline)"  # the same, but upstream's baseline (issue I)
-ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE, *SEGMENT_POLICIES}  # built on the shipped config rather than the preset
+MASKED_REWARDS = "minirl defaults (masked rewards in baseline)"  # the same, NeMo's third baseline policy
+ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE, MASKED_REWARDS, *SEGMENT_POLICIES}  # built on the shipped config rather than the preset
 SHRINKS = {"+shrink", "all fixes"} | ON_DEFAULTS  # upstream forces the floor to 100% without fix 1
 
 COLUMNS = [
@@ -112,8 +114,8 @@ def kind_args(kind: str, rate: float) -> list[str]:
     """The overrides of a fault mode (see the module docstring)."""
     if kind == "overflow":
         return [f"agent.context_history.guards.max_total_tokens={OVERFLOW_TOKENS}"]
-    if kind.endswith("@room"):
-        return [f"faults.rate_per_room.{kind[:-len('@room')]}={rate}"]
+    if kind.endswith("@room"):  # `a+b@room`: each kind with the same per-room hazard
+        return [f"faults.rate_per_room.{k}={rate}" for k in kind[:-len('@room')].split("+")]
     return [f"faults.rate.{kind}={rate}"]
 
 

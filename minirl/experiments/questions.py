@@ -6,7 +6,7 @@ No only where its estimate's interval excludes 0; otherwise it says not resolvab
 from __future__ import annotations
 
 from minirl.experiments.estimates import Estimate, _ci, _level, _mean, _paired, _rate
-from minirl.experiments.grid import DEFAULTS, MASKED_IN_BASELINE, Grid
+from minirl.experiments.grid import DEFAULTS, MASKED_IN_BASELINE, MASKED_REWARDS, Grid
 
 Question = tuple[str, list[str], list[Estimate]]
 """(question, answer lines, the estimates drawn in four_questions.png)"""
@@ -17,7 +17,8 @@ def four_questions(here: dict[str, list[dict]]) -> list[Question]:
     for the policies of one mode and rate that the grid ran; a question whose policies are missing
     is left out."""
     shift = {p: _level(rs, "rooms_shift", f"{p}: rooms trained − dispatched") for p, rs in here.items()}
-    asked = (_shrink(here, shift), _end_episode(here, shift), _redispatch(here, shift), _baseline_flag(here))
+    asked = (_shrink(here, shift), _end_episode(here, shift), _redispatch(here, shift), _baseline_flag(here),
+             _third_baseline(here))
     return [q for q in asked if q is not None]
 
 
@@ -114,6 +115,27 @@ def _baseline_flag(here: dict[str, list[dict]]) -> Question | None:
                      f"{w.resolved()}.")
         ests.append(w)
     return "Does `grpo.baseline_excludes_masked` change the outcome?", lines, ests
+
+
+def _third_baseline(here: dict[str, list[dict]]) -> Question | None:
+    """NeMo's third policy (`grpo.masked_sample_rewards_in_baseline`) against the two others, paired by seed:
+    final held-out reward and success, and the trained-difficulty skew."""
+    if MASKED_REWARDS not in here:
+        return None
+    a, lines, ests = here[MASKED_REWARDS], [], []
+    for other, flag in ((DEFAULTS, "masked rows out of the baseline"), (MASKED_IN_BASELINE, "every masked row in it")):
+        if other not in here:
+            continue
+        v = _paired(a, here[other], "val_reward_final", f"val reward: third − {other}")
+        succ = _paired(a, here[other], "val_success_final", f"val success: third − {other}")
+        sk = _paired(a, here[other], "rooms_shift", f"skew: third − {other}")
+        lines.append(f"Against {other} ({flag}): final held-out reward {v.resolved()}, success {succ.resolved()}, "
+                     f"skew {sk.resolved()}.")
+        ests += [v, succ, sk]
+    lines.append(f"The third policy keeps an environment-flagged or truncated row's reward in its siblings' baseline "
+                 f"and a placeholder's out; its runs masked {_mean(a, 'rollouts_masked'):.1f} rollouts a run.")
+    ans = "**Yes**" if any(e.sign != 0 for e in ests[:2] + ests[3:5]) else "**Not resolvably**"
+    return "Does NeMo's third baseline policy change the outcome?", [f"{ans}. " + lines[0], *lines[1:]], ests
 
 
 def what_to_pick(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:

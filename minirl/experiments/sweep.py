@@ -79,9 +79,10 @@ def main(argv=None) -> int:
     from minirl.faults import AGENT_SIDE_KINDS, FAULT_KINDS
 
     for kind in grid.kinds:
-        if not (kind == "overflow" or kind in FAULT_KINDS or kind.endswith("@room") and kind[:-5] in AGENT_SIDE_KINDS):
+        if not (kind == "overflow" or kind in FAULT_KINDS or kind.endswith("@room") and all(
+                k in AGENT_SIDE_KINDS for k in kind[:-5].split("+"))):
             ap.error(f"unknown fault mode {kind!r}: overflow, one of {', '.join(FAULT_KINDS)}, "
-                     f"or KIND@room for one of {', '.join(AGENT_SIDE_KINDS)}")
+                     f"or KIND@room (KIND+KIND@room for several) for one of {', '.join(AGENT_SIDE_KINDS)}")
     out = Path(args.out or REPO / "runs" / f"compare-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     t0 = time.time()
     attach = [f"cluster.ray_address={args.attach[0]}", f"cluster.attach_generation_workers={args.attach[1]}"] if args.attach else None
