@@ -5,6 +5,8 @@ policy keeps one marker and dash in every plot."""
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import math
 from pathlib import Path
@@ -15,7 +17,8 @@ from minirl.experiments.grid import ON_DEFAULTS, POLICIES, Grid
 from minirl.stats import mean_ci
 
 # a marker and dash per policy, so that policies with equal results stay visible on top of each other
-STYLES = dict(zip(POLICIES, [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--"), ("P", "-.")]))
+STYLES = dict(zip(POLICIES, itertools.cycle([("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--"), ("P", "-.")])))
+"""A marker and a dash per policy (cycled: the policies outnumber the markers)."""
 
 
 def _style(policy: str) -> dict:
