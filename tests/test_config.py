@@ -228,7 +228,7 @@ def test_every_fault_kind_fires_at_the_site_its_table_names():
         assert kind in asked[site], (kind, site)
     assert set().union(*asked.values()) == set(FAULT_KINDS)
     assert AGENT_SIDE_KINDS == ("guard_reject", "agent_exception", "timeout", "transport", "bad_output", "agent_kill",
-                                "summary_empty", "summary_tool_call", "summary_overflow")
+                                "session_lost", "summary_empty", "summary_tool_call", "summary_overflow")
 
 
 def test_one_fault_site_predicate_per_attempt():
