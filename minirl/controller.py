@@ -54,12 +54,12 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
     floor = step_floor(cfg)
     if len(kept) < floor:
         fraction = cfg.async_rl.rollout_failure.min_step_batch_fraction
-        raise RuntimeError(
+        raise RuntimeError(  # upstream's text, with the cause named before upstream's guess at it
             f"training step {step} lost {lost} of {n} prompt group(s), leaving {len(kept)}, below the floor of "
-            f"{floor} set by async_rl.rollout_failure.min_step_batch_fraction={fraction}. Either the generation "
-            "fleet is failing a whole step's worth of prompts, or the drop budgets are set too high to catch it: "
-            "they are run-scoped and cannot bound how short a single step gets. "
-            + dominant_failure([o.reason or o.status for o in outcomes if o.status != "committed"])
+            f"{floor} set by async_rl.rollout_failure.min_step_batch_fraction={fraction}. "
+            + dominant_failure([o.reason or o.status for o in outcomes if o.status != "committed"]).rstrip(".")
+            + ". Either the generation fleet is failing a whole step's worth of prompts, or the drop budgets are "
+            "set too high to catch it: they are run-scoped and cannot bound how short a single step gets."
         )
     cc = cfg.context_compaction
     if not cc.enabled:
