@@ -113,7 +113,7 @@ def test_an_update_failing_inside_vllms_reload_marks_the_engine_dead_and_the_nex
         ray.shutdown()
 
 
-def test_a_run_of_another_model_attached_is_a_config_error_before_any_publish(tmp_path, shared_engine):
+def test_a_run_of_another_model_attached_is_a_config_error_before_any_publish(tmp_path, shared_engine, base_cfg):
     proc = run_cli("--config", "configs/summarize.yaml", "grpo.max_num_steps=1", "grpo.num_prompts_per_step=2",
                    "grpo.num_generations_per_prompt=2", f"run_dir={tmp_path}", *shared_engine)
     line = last_line(proc.stderr)
@@ -122,9 +122,11 @@ def test_a_run_of_another_model_attached_is_a_config_error_before_any_publish(tm
                            "cluster.attach_generation_workers=shared-gen serve"), line
     assert str(REPO_ROOT / "models" / "tiny-doors") in line, line
     ray = connect(shared_engine)
-    try:  # the worker the run attached to still serves the next run
-        worker = ray.get_actor("shared-gen-0")
-        status, body, chat = served_ok(ray.get(worker.start.remote()))
+    try:  # the worker the run attached to still serves the next run, which resets it as it attaches (an earlier
+        worker = ray.get_actor("shared-gen-0")  # test of the session, the fleet-health one, may have left it hung)
+        url = ray.get(worker.start.remote())
+        assert ray.get(worker.reset.remote(base_cfg)) == url
+        status, body, chat = served_ok(url)
         assert (status, body["status"], chat) == (200, "ok", 200)
         assert ray.get(worker.weights_finite.remote())
     finally:
