@@ -4,9 +4,11 @@ module and conftest.py imports this file as `helpers`. Fixtures stay in conftest
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 
 from minirl.config import REPO_ROOT
 
@@ -28,6 +30,22 @@ async def serve_run(handler, **app_kwargs):
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def serve_run_in_thread(handler) -> tuple[str, asyncio.AbstractEventLoop]:
+    """`serve_run` on an event loop of its own in a daemon thread, for a stand-in agent that a `minirl.train`
+    subprocess calls while the test waits -> (url, loop); stop it with `loop.call_soon_threadsafe(loop.stop)`."""
+    loop, started, holder = asyncio.new_event_loop(), threading.Event(), {}
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        _, holder["url"] = loop.run_until_complete(serve_run(handler))
+        started.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    started.wait(10)
+    return holder["url"], loop
 
 
 def connect(shared_engine: list[str]):

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
-from helpers import connect, last_line, run_cli
+from helpers import connect, last_line, run_cli, serve_run_in_thread
 from test_bad_input import CHAT, GOOD_CHAT, post
 
 from minirl.config import REPO_ROOT
@@ -244,23 +243,7 @@ def gym_like_agent(model_url: str, turns: int = 3):
         reward = float(len({tuple(o["generation_token_ids"]) for o in output})) / turns  # distinct replies: a reward that varies
         return web.json_response({**row, "response": {"output": output}, "reward": reward})
 
-    loop, started, holder = asyncio.new_event_loop(), threading.Event(), {}
-
-    def serve():
-        asyncio.set_event_loop(loop)
-        app = web.Application()
-        app.router.add_post("/run", run)
-        runner = web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        holder["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    started.wait(10)
-    return holder["url"], loop
+    return serve_run_in_thread(run)
 
 
 def test_an_external_agent_sending_one_seed_gets_a_seed_per_call_and_reruns_identically(tmp_path, shared_engine):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from helpers import serve_run
 from minirl.config import ConfigError, load_config
 from minirl.data import prompt_row
 from minirl.gym.shapes import RunRequest
@@ -58,13 +59,7 @@ def _serve_rows(cfg, rows_per_step: list[list[dict]], fail_first: set) -> list[d
         return web.json_response({**row, "response": {"output": [item]}, "reward": 1.0})
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/run", run)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await serve_run(run)
         manager = RolloutManager(cfg, [url], lambda event: None, vocab_size=100)
         try:
             return [await manager.run_step(step, rows) for step, rows in enumerate(rows_per_step)]

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
+from helpers import serve_run
 from minirl import data
 from minirl.agents.env import ALL_OPEN, TOOL_NAME, DoorsEnv, verify
 from minirl.agents.items import parts_text
@@ -65,13 +66,7 @@ def test_rows_the_manager_sends_pass_the_gym_shape(base_cfg):
         return web.json_response({**row, "response": {"output": [item]}, "reward": 1.0})
 
     async def go():
-        app = web.Application()
-        app.router.add_post("/run", run)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await serve_run(run)
         manager = RolloutManager(cfg, [url], lambda event: None, vocab_size=100)
         try:
             return await manager.run_step(0, [prompt_row(cfg, 0, 0)])

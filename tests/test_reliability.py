@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import connect, run_cli
+from helpers import connect, run_cli, serve_run_in_thread
 from minirl.config import REPO_ROOT, load_config
 from minirl.data import prompt_row
 
@@ -144,8 +144,6 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
     """Issue N: an external agent answers group 1 with reward=1e39, group 2 with +inf logprobs and
     group 3 with positive logprobs (group 0 is good). The run never trains on them: each is a DATA
     failure naming the field, no metrics row has a null loss, and the engine's weights stay finite."""
-    import asyncio
-    import threading
 
     from aiohttp import web
 
@@ -165,26 +163,9 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
     async def run_handler(request):  # json.dumps writes inf as Infinity, which Python's json reads back
         return web.Response(text=json.dumps(answer(await request.json())), content_type="application/json")
 
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    holder = {}
-
-    def serve():
-        asyncio.set_event_loop(loop)
-        app = web.Application()
-        app.router.add_post("/run", run_handler)
-        runner = web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        holder["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    started.wait(10)
+    url, loop = serve_run_in_thread(run_handler)
     try:
-        proc = run_cli(*SMALL, "grpo.max_num_steps=2", "checkpoint.enabled=false", f"agent.external_url={holder['url']}",
+        proc = run_cli(*SMALL, "grpo.max_num_steps=2", "checkpoint.enabled=false", f"agent.external_url={url}",
                        "async_rl.rollout_failure.max_skipped_prompts=6", "async_rl.rollout_failure.max_data_attempts_per_prompt=1",
                        "async_rl.rollout_failure.min_step_batch_fraction=0.25", f"run_dir={tmp_path}", *shared_engine)
     finally:
