@@ -19,11 +19,6 @@ from minirl.experiments.invariants import check_run
 from minirl.experiments.switches import cell_overrides, choices, refusal_examples, refused, switches
 
 
-def _load(args: list[str]):
-    return load_config(args[args.index("--config") + 1] if "--config" in args else None,
-                       [a for a in args if "=" in a and not a.startswith("cluster.")])
-
-
 def test_the_table_reads_the_configs_own_values():
     table = {s.name: s.values for s in switches()}
     assert table["mode"] == ("sync", *SAMPLER_TRAITS)
@@ -39,7 +34,7 @@ def test_the_pairwise_cells_cover_every_allowed_pair_and_each_loads():
     for cell in cells:
         assert refused(cell) is None, cell
         args = matrix.cell_args(cell, Path("/nonexistent"), 3, [], 0)
-        cfg = _load(args)  # the table lets no cell through that the config refuses
+        cfg = matrix.cell_config(args)  # the table lets no cell through that the config refuses
         assert cfg.async_rl.enabled == (cell["mode"] != "sync")
 
 
@@ -48,7 +43,7 @@ def test_every_refusal_is_a_config_error_naming_its_key():
     assert len(examples) >= 9
     for overrides, key, _ in examples:
         with pytest.raises(ConfigError) as err:
-            _load(overrides)
+            matrix.cell_config(overrides)
         assert err.value.key == key, (overrides, str(err.value))
     overrides, key, _ = examples[0]  # and through the CLI: exit 2 before Ray, the key on the last line
     proc = subprocess.run([sys.executable, "-m", "minirl.train", *overrides], cwd=REPO_ROOT, capture_output=True,

@@ -37,7 +37,8 @@ used the budget up. Anything else that ends a run is a bug the matrix found."""
 LEDGER_STATUSES = {"trained", "masked", "retired", "matched", "stale", "logprob_mismatch"}
 
 
-def _jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """A run file's lines as dicts ([] when the file is absent)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
@@ -45,8 +46,8 @@ def check_run(run_dir: Path, rc: int, last_line: str, cfg, resumed_from: int | N
     """The first broken invariant of the run in `run_dir` (one line), or None. `cfg` is the run's
     resolved MinirlConfig; `resumed_from`: the step the last resume started at, if the run was killed
     and resumed."""
-    rows = _jsonl(run_dir / "metrics.jsonl")
-    events = _jsonl(run_dir / "events.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
     for check in (_exit, _finite, _target, _fates, _events, _ledger, _resume):
         problem = check(run_dir, rc, last_line, cfg, rows, events, resumed_from)
         if problem:
@@ -128,7 +129,7 @@ def _ledger(run_dir, rc, last_line, cfg, rows, events, resumed_from):
     trained: set = set()
     for r in {r["step"]: r for r in rows}.values():  # a re-run step's ledger replaced the first run's
         version = r["policy_version"]
-        for line in _jsonl(run_dir / "ledger" / f"step_{r['step']}.jsonl"):
+        for line in read_jsonl(run_dir / "ledger" / f"step_{r['step']}.jsonl"):
             status = line.get("ledger_status")
             if status not in LEDGER_STATUSES:
                 return f"step {r['step']}: a ledger line with status {status!r}"

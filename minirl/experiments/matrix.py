@@ -22,18 +22,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections import OrderedDict
 from itertools import combinations
 from pathlib import Path
 
 from minirl.config import REPO_ROOT, ConfigError, load_config
-from minirl.experiments.invariants import check_run
+from minirl.experiments.invariants import check_run, read_jsonl
 from minirl.experiments.switches import cell_overrides, refusal_examples, refused, switches
 
 FAULT_RATE = 0.0125
@@ -68,9 +66,8 @@ def pairwise_cells() -> list[dict]:
 
     table = switches()
     names = [s.name for s in table]
-    params = OrderedDict((s.name, list(s.values)) for s in table)
     rows = [_row_dict(row, names) for row in
-            AllPairs(list(params.values()), filter_func=lambda row: refused(_row_dict(row, names)) is None)]
+            AllPairs([list(s.values) for s in table], filter_func=lambda row: refused(_row_dict(row, names)) is None)]
     rows += _completion(coverage(rows)[2])  # a filter can leave pairs out of allpairspy's greedy cover
     return [{"cell": f"pw{i:02d}", **row, "kill": i % KILL_EVERY == KILL_EVERY - 1} for i, row in enumerate(rows)]
 
@@ -161,6 +158,13 @@ def cell_args(cell: dict, run_dir: Path, steps: int, attach: list[str], seed: in
             f"run_dir={run_dir}", *attach, *(HANG if cell.get("hang") else [])]
 
 
+def cell_config(args: list[str]):
+    """The MinirlConfig a cell's `minirl.train` arguments resolve to, loaded without Ray (its attach
+    overrides left out: they name a cluster, not a setting the books read)."""
+    return load_config(args[args.index("--config") + 1] if "--config" in args else None,
+                       [a for a in args if "=" in a and not a.startswith("cluster.")])
+
+
 def _last_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
@@ -189,8 +193,7 @@ def run_cell(cell: dict, out: Path, steps: int, attach: dict[str, list[str]], se
     args = cell_args(cell, run_dir, steps, attach[model], seed)
     t0 = time.time()
     try:
-        cfg = load_config(args[args.index("--config") + 1] if "--config" in args else None,
-                          [a for a in args if "=" in a and not a.startswith("cluster.")])
+        cfg = cell_config(args)
     except ConfigError as exc:
         return {**cell, "rc": 2, "verdict": f"table: the config refuses a cell the table allows: {exc}"}
     resumed_from = None
@@ -198,22 +201,15 @@ def run_cell(cell: dict, out: Path, steps: int, attach: dict[str, list[str]], se
                               run_dir / "checkpoints" / "step_1" / "state.json" if cell["kill"] else None)
     if killed:
         rc, last, _ = _train([*args, "checkpoint.resume=auto"])
-        resumed = [e for e in _events(run_dir) if e.get("type") == "resumed"]
+        resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "resumed"]
         resumed_from = resumed[-1]["from_step"] if resumed else None
     verdict = check_run(run_dir, rc, last, cfg, resumed_from) or "ok"
     return {**{k: cell[k] for k in cell}, "rc": rc, **_totals(run_dir), "resumed_from": resumed_from,
             "verdict": verdict, "wall_s": round(time.time() - t0, 1)}
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def _totals(run_dir: Path) -> dict:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    rows = list({r["step"]: r for r in rows}.values())
+    rows = list({r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}.values())
 
     def total(key: str) -> int:
         return sum(r.get(key, 0) for r in rows)
@@ -221,7 +217,7 @@ def _totals(run_dir: Path) -> dict:
     return {"steps": len(rows), "groups_trained": total("groups_trained"), "groups_dropped": total("dropped_prompt_groups"),
             "groups_skipped": total("skipped_prompt_groups"), "groups_evicted": total("stale_groups_evicted"),
             "rollouts_masked": total("rollouts_masked"), "redispatched": total("redispatched_groups"),
-            "faults_fired": sum(e.get("type") == "fault" for e in _events(run_dir))}
+            "faults_fired": sum(e.get("type") == "fault" for e in read_jsonl(run_dir / "events.jsonl"))}
 
 
 def check_refusals() -> list[dict]:
