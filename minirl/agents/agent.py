@@ -1,15 +1,5 @@
 """The episode loop behind `POST /run`: Gym's `simple_agent`, and the compaction agent
-(`simple_agent_with_compaction`) that rewrites its history and guards its context before calls.
-
-Loop: [compact on schedule] -> [guard] -> model call -> tool calls -> ... -> verify.
-It ends when a reply is cut off (`finish_reason == "length"`), has no tool call, the environment is
-done, `max_steps` calls were made, the model server refused an over-long prompt (its reply carries no
-tokens), the guard rejected a call under `on_reject=end_episode`, or a compaction ended it
-(summarize: `max_compactions` reached, or a failed summary under `end_episode`). Any other model
-error is not absorbed, as in Gym's `simple_agent`: it fails the episode (HTTP 500, INFRA).
-
-The episode's state (history, output, evidence, token prefix) is an `Episode` (agents/episode.py);
-compaction runs through the policy interface of agents/compaction/, on schedule and from the guard.
+(`simple_agent_with_compaction`) that compacts its history and guards its context before model calls.
 
 Invariant: the response's output holds every item the episode produced, in order, with each model
 call's token evidence on exactly one item; `evidence.capture_failed` is true iff some model call
@@ -54,7 +44,16 @@ async def run_episode(
     plan: FaultPlan | None = None,
     tool_latency_s: float = 0.0,
 ) -> dict:
-    """Run one `/run` row to completion; returns the row plus `response`, `reward` and `evidence`."""
+    """Run one `/run` row to completion; returns the row plus `response`, `reward` and `evidence`.
+
+    Loop: [compact on schedule] -> [guard] -> model call -> tool calls -> ... -> verify. It ends when a
+    reply is cut off (`finish_reason == "length"`), has no tool call, the environment is done, `max_steps`
+    calls were made, the model server refused an over-long prompt (its reply carries no tokens), the
+    guard rejected a call under `on_reject=end_episode`, or a compaction ended it (summarize:
+    `max_compactions` reached, or a failed summary under `end_episode`). Any other model error is not
+    absorbed, as in Gym's `simple_agent`: it fails the episode (HTTP 500, INFRA). The episode's state
+    is an `Episode` (agents/episode.py); compaction runs through agents/compaction/'s policies.
+    """
     ep = start_episode(row)
     ch = cfg.context_history
     policy = compaction.policy_for(ch) if cfg.name == "compaction_agent" and ch.enabled else None
@@ -120,7 +119,8 @@ async def _admit(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy
         return True
     names = "max_total_tokens"
     if ch.guards.on_reject == "raise":
-        raise ContextGuardRejected(f"Context guard rejected model call at complete action boundary: step={call} guards={names}")
+        raise ContextGuardRejected(
+            f"Context guard rejected model call at complete action boundary: step={call} guards={names}")
     ep.ev.capture_failed, ep.ev.end_reason = True, "guard_reject"
     return False
 
@@ -154,7 +154,8 @@ async def _ended(ep: Episode, reply: ModelReply, items: list[dict], tool_latency
     for fc in tool_calls:
         if tool_latency_s > 0:
             await asyncio.sleep(tool_latency_s)  # env.tool_latency_s: a real tool's time outside the model
-        obs = {"type": "function_call_output", "call_id": fc["call_id"], "output": ep.env.step(fc["name"], fc["arguments"])}
+        obs = {"type": "function_call_output", "call_id": fc["call_id"],
+               "output": ep.env.step(fc["name"], fc["arguments"])}
         ep.history.append(obs)
         ep.output.append(obs)
     if ep.env.done:

@@ -1,31 +1,13 @@
 """The `doors` task: a multi-turn, verifiable environment whose observations carry bulky media.
 
 An episode walks through `num_rooms` rooms. Each room is shown as a picture (a text stand-in for an
-image) listing objects with numbers; the agent reads the number next to the door and calls
-`open_door(code)`. A right code opens the door and shows the next room; a wrong one shows the same
-room again. So the context grows with every call, and old pictures and old `<think>` blocks pile up:
-exactly what context compaction drops.
+image) listing objects with numbers; the agent reads the door's number and calls `open_door(code)`:
+a right code shows the next room, a wrong one the same room again. So old pictures and `<think>`
+blocks pile up in the context: exactly what context compaction drops. The `doors_memory` and
+`doors_notes` variants (`env.task`, see `DoorsEnv`) hide a door's code in an earlier picture.
 
-The `doors_memory` variant (`env.task`) makes memory matter: the last room's picture hides its
-door (`door?`), and its code is shown once, early, as a `note<code>` label in the first picture that
-comes back from a tool call (the second room's). Recency compaction drops that picture once
-`keep_last_groups` later pictures follow it (with `num_rooms >= keep_last_groups + 2`), and
-`protect_initial_context` does not keep it (it is not in the initial input). The rooms, their
-codes and `verify` are the same as `doors`'s for the same seed; only the pictures differ.
-`DoorsEnv.memory_facts()` names the facts a later room needs, for a summary's recall.
-
-The `doors_notes` variant (issue 54) needs several facts and a choice of what to keep: three notes
-`noteA<d>`, `noteB<d>`, `noteC<d>` are shown in three rooms drawn per prompt among rooms 1..n-4
-(one note a picture, in a drawn order); the last two rooms hide their doors as `doorA?` and
-`doorB?` (which one needs A is drawn too), whose codes notes A and B carry; note C is a distractor
-that no room needs. So a note is at least two rooms older than the room that needs it, recency
-keeping 2 pictures drops every note, and a summary that copies one fixed slot (the first or last
-note shown) carries a needed note a third of the time. The draws use their own generator
-(`note_layout`), so rooms, codes and `verify` stay `doors`'s for the same seed.
-
-Invariant: an episode is a pure function of its task spec (`{"env": "doors" | "doors_memory" |
-"doors_notes", "seed", "num_rooms"}`) and the agent's calls, and `verify` recomputes the reward from the transcript
-alone, never from the live environment's state.
+Invariant: an episode is a pure function of its task spec (`{"env", "seed", "num_rooms"}`) and the
+agent's calls, and `verify` recomputes the reward from the transcript alone, never from live state.
 """
 
 from __future__ import annotations
@@ -128,12 +110,17 @@ class Note:
 def note_layout(seed: int, num_rooms: int) -> tuple[Note, ...]:
     """`doors_notes`' notes A, B (needed by the last two rooms, in a drawn order) and C (the
     distractor), shown in three distinct rooms drawn from 1..num_rooms-4; from `seed` alone, by a
-    generator of their own (the rooms' draws are `doors`'s)."""
+    generator of their own (the rooms' draws are `doors`'s).
+
+    The last two rooms hide their doors as `doorA?` / `doorB?`. So a note is at least two rooms older
+    than the room that needs it, recency keeping 2 pictures drops every note, and a summary that copies
+    one fixed slot (the first or last note shown) carries a needed note a third of the time."""
     rooms = make_rooms(seed, num_rooms)
     rng = random.Random(f"doors_notes|{seed}")
     shown = rng.sample(range(1, num_rooms - 3), 3)
     needed = rng.sample([num_rooms - 2, num_rooms - 1], 2)
-    return (Note("A", rooms[needed[0]].code, shown[0], needed[0]), Note("B", rooms[needed[1]].code, shown[1], needed[1]),
+    return (Note("A", rooms[needed[0]].code, shown[0], needed[0]),
+            Note("B", rooms[needed[1]].code, shown[1], needed[1]),
             Note("C", rng.randrange(10), shown[2], None))
 
 
@@ -144,7 +131,15 @@ def image_part(text: str) -> dict:
 
 @dataclass
 class DoorsEnv:
-    """Live state of one episode; `step` answers one tool call with the observation parts."""
+    """Live state of one episode; `step` answers one tool call with the observation parts.
+
+    `doors_memory` makes memory matter: the last room's picture hides its door (`door?`), and its
+    code is shown once, early, as a `note<code>` label in the first picture a tool call returns (the
+    second room's). Recency compaction drops that picture once `keep_last_groups` later pictures follow
+    it (with `num_rooms >= keep_last_groups + 2`), and `protect_initial_context` does not keep it (it
+    is not in the initial input). `doors_notes` needs several facts and a choice (`note_layout`). For
+    the same seed, every variant has `doors`'s rooms, codes and `verify`; only the pictures differ.
+    """
 
     seed: int
     num_rooms: int = 2

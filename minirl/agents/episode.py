@@ -1,7 +1,6 @@
-"""One episode's state, shared by the agent's loop (agents/agent.py) and the compaction policies
-(agents/compaction/): the history the model sees, the output the response returns, the evidence
-(calls, counters, the guard's decisions) and the token prefix of the last call. Also the model client's
-interface, so that a policy can call the model.
+"""One episode's state, shared by the agent's loop (agents/agent.py) and the compaction policies:
+the history the model sees, the output the response returns, the evidence (calls, counters, the
+guard's decisions) and the token prefix of the last call; also the model client's interface.
 
 Invariant: `history[:initial_len]` is the episode's initial context; `output` only grows; `prefix` is
 the last call's prompt + reply tokens while the history since that call has only been appended to,

@@ -1,14 +1,11 @@
 """The agent's side of the model server: chat completions with token evidence, and `/tokenize`.
+Like Gym's model proxy, it asks for `logprobs=true, top_logprobs=0` and token ids.
 
-Like Gym's model proxy, it asks for `logprobs=true, top_logprobs=0` and token ids, and maps
-vLLM's HTTP 400 for an over-long prompt to an empty reply with `finish_reason="length"`.
-
-Invariant: only the context-length 400 becomes a failed call (a reply without token evidence:
-the agent ends the episode and the rollout is masked; docs/failure-policy.md's lane A). Any other
-HTTP error answered by the model server raises ModelCallFailed carrying that status, whatever the
-body (JSON or plain text), so a 4xx stays DATA and a 5xx INFRA; a server that cannot be reached
-raises GenerationUnavailable.
-Either fails the whole `/run`, as in Gym's `simple_agent`.
+Invariant: only vLLM's context-length HTTP 400 becomes a failed call (an empty reply with
+`finish_reason="length"` and no token evidence: the agent ends the episode and the rollout is masked,
+"lane A" of docs/failure-policy.md). Any other HTTP error raises ModelCallFailed carrying its status,
+whatever the body, so a 4xx stays DATA and a 5xx INFRA; an unreachable server raises
+GenerationUnavailable. Either fails the whole `/run`, as in Gym's `simple_agent`.
 """
 
 from __future__ import annotations
@@ -32,7 +29,9 @@ GYM_NO_REASONING_PARSER = (
 carries `reasoning_content` / `reasoning` under `uses_reasoning_parser: false`; Gym's middleware makes it a 500."""
 
 
-def chat_body(model: str, messages: list[dict], tools: list[dict] | None, params: dict, required_prefix: list[int] | None = None) -> dict:
+def chat_body(
+    model: str, messages: list[dict], tools: list[dict] | None, params: dict, required_prefix: list[int] | None = None
+) -> dict:
     """The chat-completions body an agent's model call sends: token evidence asked for as Gym's
     model proxy asks, and the row's sampling params (`responses_create_params` names) under
     vLLM's names."""
@@ -74,7 +73,8 @@ class HttpModelClient:
         return self.urls[zlib.crc32(rollout.encode()) % len(self.urls)]
 
     def _endpoint(self, url: str) -> yarl.URL | str:
-        """`url` parsed once, as aiohttp parses it (one it cannot parse stays a str, for aiohttp to refuse as before)."""
+        """`url` parsed once, as aiohttp parses it (one it cannot parse stays a str, for aiohttp to refuse
+        as before)."""
         try:
             return self._endpoints.setdefault(url, yarl.URL(url))
         except ValueError:
@@ -82,12 +82,13 @@ class HttpModelClient:
 
     async def _post(self, url: str, path: str, body: dict, key: str | None) -> tuple[int, dict | str]:
         """(status, parsed JSON body, or the raw text when the body is not JSON)."""
-        headers = {SEED_HEADER: SEED_AS_SENT}  # the agent already sends seed + call: sample with it as sent
+        # the agent already sends seed + call: sample with it as sent
+        headers = {SEED_HEADER: SEED_AS_SENT, "Content-Type": "application/json"}
         if key and key.startswith("s"):
             headers[ROLLOUT_HEADER] = key
         try:
             endpoint = self._endpoints.get(url + path) or self._endpoint(url + path)
-            async with self.session.post(endpoint, data=jsonio.dumps(body), headers={**headers, "Content-Type": "application/json"}) as resp:
+            async with self.session.post(endpoint, data=jsonio.dumps(body), headers=headers) as resp:
                 status, raw, encoding = resp.status, await resp.read(), resp.get_encoding()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
             raise GenerationUnavailable(f"model server {url} unreachable: {exc!r}") from exc
@@ -95,7 +96,8 @@ class HttpModelClient:
             return status, jsonio.loads_body(raw, encoding)  # loads(resp.text(errors="replace")), without the decode
         except ValueError:
             if status == 200:
-                raise ModelCallFailed(f"model server {url}{path} answered 200 with a body that is not JSON", 502) from None
+                raise ModelCallFailed(
+                    f"model server {url}{path} answered 200 with a body that is not JSON", 502) from None
             return status, raw.decode(encoding, errors="replace")
 
     @staticmethod

@@ -1,32 +1,9 @@
 """The agent pool's HTTP server: Gym's `POST /run` (one rollout row per request), served in a
 process of its own behind a Ray actor (minirl.agents.process).
 
-Request: a row (`responses_create_params`, `agent_ref`, `_rowidx`, `task`, and minirl's
-`_minirl` coordinates). Response: the row plus `response` (Responses output items carrying each
-model call's token ids and logprobs), `reward` and the agent's `evidence`.
-
-The row is checked before its episode starts (`parse_row`, whose `check_row` `minirl.data` also runs
-on a dataset's rows before a run starts): a body that is not a JSON object or nests too deeply, an
-`agent_ref` without a string name, a bad `_minirl` block, a `task` without an integer `seed` or with
-`num_rooms` outside [1, env.max_num_rooms], an `input` that is not a non-empty list of items the
-agent can read, a `max_output_tokens` below 1, a `metadata.extra_body` that is not a JSON object in a
-string (or whose seed is not an integer), is a 400 `{"error", "type"}` (minirl.wire's shape) naming
-the field, so the rollout manager reads it as DATA. Parsing and checking cost time linear in the
-row's size and run in a worker thread for a row over `minirl.http_thread.INLINE_BYTES`; an answer
-that may be larger (`_small`) is serialized off the loop too, so a large row does not hold up other
-requests or `/health`.
-
-As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)`, in a
-typed body `{"error", "type"}` (minirl.wire); a failure known to be the data's (a model server's
-4xx) answers 400 instead, so it stays DATA. Every failure body also carries Gym 0.7's facts
-(`failure_kind`, `stage`, `terminal`: a 4xx is terminal, a 500 is not) and every 200 its verify
-fields (`mask_sample`, `failure_kind`, `failure_reason`), as minirl.gym_failures writes them (the
-row is echoed without the result facts it may carry: a row copied from a rollout dump); the
-`session_lost` fault makes the verifier report its session lost (`mask_sample: true`). An
-unknown `agent_ref.name` is a 404 and a body over `agent.max_request_bytes` a 413, never a 500.
-The HTTP-layer fault sites fire here: `timeout` (the answer never comes in time), `transport`
-(the connection drops mid-response), `bad_output` (a malformed 200) and `agent_kill` (the server's
-process dies, taking every row in flight with it; Ray restarts it at the same port).
+Request: a row (`responses_create_params`, `agent_ref`, `_rowidx`, `task`, and minirl's `_minirl`
+coordinates), checked by `parse_row` before its episode starts. Response: the row plus `response`
+(Responses output items carrying each model call's token ids and logprobs), `reward` and `evidence`.
 
 Invariant: every request gets exactly one of: a well-formed 200, a 4xx naming the problem, a 500
 carrying the agent's exception, or (only under an injected fault) a hang, a cut or a bad body; a
@@ -97,7 +74,8 @@ def check_row(row, cfg: MinirlConfig) -> tuple[str, Coords | None]:
         if not _int(task.get(key)):
             raise BadRow(f"task.{key} must be an integer, got {_short(task.get(key))}")
     if not 1 <= task["num_rooms"] <= cfg.env.max_num_rooms:
-        raise BadRow(f"task.num_rooms must be in [1, {cfg.env.max_num_rooms}] (env.max_num_rooms), got {task['num_rooms']}")
+        raise BadRow(f"task.num_rooms must be in [1, {cfg.env.max_num_rooms}] (env.max_num_rooms), "
+                     f"got {task['num_rooms']}")
     if task.get("env", "doors") not in TASKS or task["num_rooms"] < MIN_ROOMS[task.get("env", "doors")]:
         raise BadRow(f"task.env must be one of {list(TASKS)} (doors_memory with num_rooms >= 3, doors_notes with "
                      f"num_rooms >= 7), got {_short(task.get('env'))}")
@@ -195,6 +173,24 @@ class AgentServer:
         return web.json_response({"status": "ok", "in_flight": self.in_flight})
 
     async def run(self, request: web.Request) -> web.StreamResponse:
+        """One `/run` row: parse and check it, run its episode, answer.
+
+        A row `parse_row` refuses is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field,
+        so the rollout manager reads it as DATA. Parsing runs in a worker thread for a row over
+        `minirl.http_thread.INLINE_BYTES`, and an answer that may be larger (`_small`) is serialized off
+        the loop too, so a large row does not hold up other requests or `/health`.
+
+        As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)` in a
+        typed body; a failure known to be the data's (a model server's 4xx) answers 400, so it stays
+        DATA. Every failure body also carries Gym 0.7's facts (`failure_kind`, `stage`, `terminal`: a
+        4xx is terminal, a 500 is not) and every 200 its verify fields (`mask_sample`, `failure_kind`,
+        `failure_reason`), as `verified` and `run_error_body` write them (the row is echoed without result facts
+        it may carry, e.g. a row copied from a rollout dump). An unknown `agent_ref.name` is a 404 and a
+        body over `agent.max_request_bytes` a 413, never a 500. Fault sites here: `session_lost` (the
+        verifier reports its session lost), `timeout` (the answer never comes in time), `transport`
+        (the connection drops mid-response), `bad_output` (a malformed 200) and `agent_kill` (the
+        server's process dies with every row in flight; Ray restarts it at the same port).
+        """
         raw = await request.read()
         try:
             row, name, coords = await off_loop(parse_row, raw, self.cfg)
@@ -213,8 +209,9 @@ class AgentServer:
             if fires("timeout"):
                 await asyncio.sleep(self.cfg.faults.hang_s)
             try:
-                result = await run_episode(row, self.agents[name], self.client, self.plan,
-                                           self.cfg.env.tool_latency_s + self.cfg.env.tool_latency_per_room_s * (rooms or 0))
+                env = self.cfg.env
+                latency = env.tool_latency_s + env.tool_latency_per_room_s * (rooms or 0)
+                result = await run_episode(row, self.agents[name], self.client, self.plan, latency)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Gym's error middleware: an agent exception is a 500 (data's: 400)
@@ -224,7 +221,8 @@ class AgentServer:
             if fires("bad_output"):
                 return web.Response(body=body[: len(body) // 2], status=200, content_type="application/json")
             if fires("transport"):
-                resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json", "Content-Length": str(len(body))})
+                headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+                resp = web.StreamResponse(status=200, headers=headers)
                 await resp.prepare(request)
                 await resp.write(body[: len(body) // 2])
                 request.transport.close()  # the connection drops mid-response

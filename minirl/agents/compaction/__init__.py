@@ -1,16 +1,13 @@
 """Context compaction: the policies that rewrite or summarize an agent's history before model calls,
-selected by `agent.context_history.policy.type`, and the registry that names them.
+selected by `agent.context_history.policy.type`, and the registry `POLICIES` that names them.
+rewrite.py holds `identity` and `recency`, summarize.py `summarize`, base.py what they all implement.
+A new policy is a class in a module here, one entry in `POLICIES`, and its name in the `Literal` of
+`CompactionPolicyConfig.type` (minirl/config.py).
 
-One module per policy: rewrite.py (`identity`, `recency`), summarize.py (`summarize`, with its text
-protocol in summary_format.py); base.py holds what they all implement (`CompactionPolicy`,
-`CompactionResult`), `compact_episode` (the one place a result reaches the episode) and the schedule.
-A new policy is a class in a module here, one entry in `POLICIES` below, and its name in the
-`Literal` of `CompactionPolicyConfig.type` (minirl/config.py).
-
-Invariant: `POLICIES` is built here from explicit imports (importing a policy module registers
-nothing), and its names are exactly those `CompactionPolicyConfig.type` accepts; `counter_names()`
-is every counter a registered policy declares, each once, so every episode's evidence carries the
-same counter keys whatever its policy.
+Invariant: `POLICIES` is built from explicit imports (importing a policy module registers nothing),
+and its names are exactly those `CompactionPolicyConfig.type` accepts; `counter_names()` is every
+counter a registered policy declares, each once, so every episode's evidence carries the same
+counter keys whatever its policy.
 """
 
 from __future__ import annotations

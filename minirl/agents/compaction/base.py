@@ -1,9 +1,6 @@
-"""What every compaction policy implements, the one place its result reaches the episode, and the
-schedule that decides when the agent compacts.
-
-A policy is a class with a `COUNTERS` tuple (the counter names it may add to the episode's
-evidence) and an async `compact(episode, client)` returning a `CompactionResult`, as Gym's
-`ContextCompactionObservation` carries its own counters; it may call the model through `client`.
+"""What every compaction policy implements (`CompactionPolicy`: a `COUNTERS` tuple and an async
+`compact(episode, client)` returning a `CompactionResult`), the one place its result reaches the
+episode (`compact_episode`), and the schedule that decides when the agent compacts.
 
 Invariant: `compact_episode` is the only writer of a policy's result into the episode. A result whose
 `changed` is false leaves the history, the token prefix and the compaction count untouched (its
@@ -41,6 +38,9 @@ class CompactionResult:
 
 
 class CompactionPolicy(Protocol):
+    """A compaction policy: it declares its counters (as Gym's `ContextCompactionObservation` carries
+    its own) and may call the model through `client` while it compacts."""
+
     COUNTERS: ClassVar[tuple[str, ...]]
     """The counter names this policy's results may carry (they become keys of the rollout's evidence)."""
 

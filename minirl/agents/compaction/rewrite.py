@@ -1,13 +1,6 @@
 """The rewriting compaction policies, plain data surgery that never calls the model: `recency`
-(Gym's `simple_agent_with_compaction` history rewrite, applied by `compact`) and `identity` (never
-rewrites: the compaction agent's loop and context guard with the history left whole).
-
-`compact` under `policy.config`:
-- images: keep the pictures of the last `keep_last_groups` items that carry any; older pictures
-  become an `omission_marker` text part. Items of the initial context are exempt when
-  `protect_initial_context` is set.
-- reasoning: drop reasoning items except the last `keep_last_blocks` (and the first, if
-  `keep_first_block`).
+(Gym's `simple_agent_with_compaction` history rewrite, by `compact`: old pictures and reasoning
+dropped) and `identity` (never rewrites: the compaction agent's loop and guard with the history whole).
 
 Invariant: `compact` never reorders, adds or alters anything but the dropped parts and items, and
 compacting an already compacted history with the same settings changes nothing (it is idempotent).
@@ -70,7 +63,14 @@ def _image_parts(item: dict) -> list[dict]:
 
 
 def compact(items: list[dict], cfg: ContextHistoryConfig, initial_len: int) -> Rewrite:
-    """Rewrite `items` under `cfg.policy.config`; `items[:initial_len]` is the episode's initial context."""
+    """Rewrite `items` under `cfg.policy.config`; `items[:initial_len]` is the episode's initial context.
+
+    - images: keep the pictures of the last `keep_last_groups` items that carry any; older pictures
+      become an `omission_marker` text part. Items of the initial context are exempt when
+      `protect_initial_context` is set.
+    - reasoning: drop reasoning items except the last `keep_last_blocks` (and the first, if
+      `keep_first_block`).
+    """
     items = copy.deepcopy(items)
     result = Rewrite(items)
 

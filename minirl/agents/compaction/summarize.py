@@ -1,23 +1,7 @@
-"""Summarizing compaction (`agent.context_history.policy.type=summarize`): when the prompt
-plus the reserved output would pass a threshold, the model writes a summary of its history, and the
-episode continues from the system prompt, the task, the summary and the current observation
-(`summary_format.continuation`).
-
-- Trigger: prompt tokens + `guards.reserved_generation_tokens` > a threshold drawn from
-  `summarize.threshold_tokens` by the prompt's identity (`threshold`, `episode.prompt_identity`: a
-  doors task's seed, a dataset row's input and task), so a group's rollouts share it and prompts differ.
-- The summary request is an ordinary sampled call through the generation server: the history plus
-  `SUMMARY_REQUEST`, no tools, its own call key `<rollout>.s<k>a<n>` (compaction k, request n).
-- A reply is rejected (`rejection`) when it carries a tool call, has no closed block, an empty one,
-  or more than `max_summary_tokens` generated tokens; it is resampled, up to
-  `max_summary_attempts` rejections. A request the server refuses as too long (a reply with no
-  tokens) trims the middle of the history (`trim_middle`: system prompt and task kept, the oldest half of the turns
-  dropped) and is sent again; that costs no attempt, and a history that cannot shrink fails.
-- Attempts exhausted: `on_summary_failure` (`raise`: SummaryFailed, an INFRA failure of the
-  attempt; `end_episode`: the rollout ends masked; `recency_fallback`: the recency rewrite).
-- `max_compactions` summaries done: the next trigger ends the rollout as truncated.
-- Faults (faults.py): `summary_empty` / `summary_tool_call` at compaction k read every reply of it
-  as empty / as carrying a tool call; `summary_overflow` reads its first request as refused.
+"""Summarizing compaction (`agent.context_history.policy.type=summarize`): when the prompt plus the
+reserved output would pass a threshold, the model writes a summary of its history, and the episode
+continues from the system prompt, the task, the summary and the current observation
+(`summary_format.continuation`). `SummarizePolicy` spells out the trigger, rejection and failure rules.
 
 Invariant: only an accepted summary reaches the output: its reply items, the token evidence on the
 last one marked `trace_kind: compaction_summary` with the compaction record (outcome, tokens_before,
@@ -44,8 +28,9 @@ SUMMARY_KIND = "compaction_summary"
 """The trace kind of a summary call (upstream's segment branch's name)."""
 SEED_STRIDE = 1_000_003
 """Summary requests sample with the row's seed + SEED_STRIDE * (k + 1) + n: apart from the turn calls'."""
-SUMMARY_COUNTERS = ("summaries", "summary_attempts_rejected", "summaries_failed", "summary_tokens", "summary_tokens_before",
-                    "summary_tokens_after", "summary_facts_needed", "summary_facts_recalled")
+SUMMARY_COUNTERS = ("summaries", "summary_attempts_rejected", "summaries_failed", "summary_tokens",
+                    "summary_tokens_before", "summary_tokens_after", "summary_facts_needed",
+                    "summary_facts_recalled")
 """This policy's own counters: summaries accepted; rejected attempts; compactions whose attempts ran
 out and that went on (`end_episode`, `recency_fallback`; under `raise` the episode fails instead);
 generated tokens of the accepted summaries; prompt tokens before and after them (their ratio:
@@ -114,7 +99,24 @@ class Requests:
 
 
 class SummarizePolicy:
-    """The model summarizes its history when the context fills (module docstring)."""
+    """The model summarizes its history when the context fills.
+
+    - Trigger: prompt tokens + `guards.reserved_generation_tokens` > a threshold drawn from
+      `summarize.threshold_tokens` by the prompt's identity (`threshold`, `episode.prompt_identity`: a
+      doors task's seed, a dataset row's input and task), so a group's rollouts share it and prompts differ.
+    - The summary request is an ordinary sampled call through the generation server: the history plus
+      `SUMMARY_REQUEST`, no tools, its own call key `<rollout>.s<k>a<n>` (compaction k, request n).
+    - A reply is rejected (`rejection`) when it carries a tool call, has no closed block, an empty one,
+      or more than `max_summary_tokens` generated tokens; it is resampled, up to
+      `max_summary_attempts` rejections. A request the server refuses as too long (a reply with no
+      tokens) is sent again with the middle of the history trimmed (`trim_middle`); that costs no
+      attempt, and a history that cannot shrink fails.
+    - Attempts exhausted: `on_summary_failure` (`raise`: SummaryFailed, an INFRA failure of the
+      attempt; `end_episode`: the rollout ends masked; `recency_fallback`: the recency rewrite).
+    - `max_compactions` summaries done: the next trigger ends the rollout as truncated.
+    - Faults (faults.py): `summary_empty` / `summary_tool_call` at compaction k read every reply of it
+      as empty / as carrying a tool call; `summary_overflow` reads its first request as refused.
+    """
 
     COUNTERS: tuple[str, ...] = (*RewritePolicy.COUNTERS, *SUMMARY_COUNTERS)
     """Its own, and the recency rewrite's (`recency_fallback`)."""
@@ -202,8 +204,8 @@ class SummarizePolicy:
                                 f"{run.sent} request(s) (max_summary_attempts={self.s.max_summary_attempts}; "
                                 f"rejected: {', '.join(run.rejected)})")
         counters = {"summaries_failed": 1, "summary_attempts_rejected": len(run.rejected)}
-        ep.ev.summary.append({"compaction": run.k, "request": None, "decision": "failed", "reason": self.s.on_summary_failure,
-                              "tokens": 0, "injected": False})
+        ep.ev.summary.append({"compaction": run.k, "request": None, "decision": "failed",
+                              "reason": self.s.on_summary_failure, "tokens": 0, "injected": False})
         if self.s.on_summary_failure == "end_episode":
             return CompactionResult(ep.history, outcome="failed", tokens_before=before, model_calls=run.sent,
                                     counters=counters, end_reason="summary_failed")

@@ -1,13 +1,7 @@
 """The summarizing compaction's text protocol, in one place: the request the agent appends when the
 context fills, the marked block the model's reply must carry, and the handoff message the episode
-continues from. The summarizing policy (summarize.py, beside this module), the tiny model's warm start
+continues from (`continuation`). The summarizing policy, the tiny model's warm start
 (scripts/build_tiny_model.py) and the metrics' recall all read these, so they cannot drift apart.
-
-After an accepted summary the episode continues from `continuation(history, initial_len, s)`: the
-initial context (`history[:initial_len]`: system prompt and task), the handoff user message
-`handoff_text(s)`, then the current observation re-rendered as a user message: the content parts of
-the newest tool reply (e.g. "Opened. Room 4." and that room's picture), verbatim, when the history
-ends in one (it does before every model call after the first).
 
 Invariant: `summary_text(reply)` returns the text of exactly one closed block, or None; a handoff
 built by `handoff_text(s)` parses back to `s` with `summary_text`.
@@ -41,7 +35,11 @@ def handoff_text(summary: str) -> str:
 
 
 def continuation(history: list[dict], initial_len: int, summary: str) -> list[dict]:
-    """The history an accepted summary leaves: initial context, handoff, current observation."""
+    """The history an accepted summary leaves: the initial context (`history[:initial_len]`: system
+    prompt and task), the handoff user message `handoff_text(summary)`, then the current observation
+    re-rendered as a user message: the content parts of the newest tool reply (e.g. "Opened. Room 4."
+    and that room's picture), verbatim, when the history ends in one (it does before every model call
+    after the first)."""
     items = list(history[:initial_len])
     items.append({"type": "message", "role": "user", "content": handoff_text(summary)})
     last = history[-1] if len(history) > initial_len else None
