@@ -1,28 +1,12 @@
-"""GRPO math as pure functions: per-group advantages and the clipped policy-gradient loss.
-
-Matches NeMo-RL's `calculate_baseline_and_std_per_prompt` (leave-one-out baseline, unbiased std
-over the same leave-one-out set, divide by std + 1e-6 only where std > 0, a group with at most one
-member gets advantage 0; a constant comparison set has std exactly 0, see `group_advantages`;
-`exclude_masked` keeps masked rollouts out of the baseline and out of that count, minirl's default,
-`in_baseline` lets some back in, NeMo's `masked_sample_rewards_in_baseline`; without it every
-rollout is a member, as upstream's GRPO passes `valid_mask = ones`) and
-`ClippedPGLossFn` (ratio clipped to [1 - lo, 1 + hi], per-token max(-A r, -A clip(r)), the k3 KL
-weighted by exp(curr - curr.detach()) inside upstream's `calculate_kl`, before its output clamp,
-optional truncated importance sampling against the generator's logprobs, token-level
-normalisation by the global valid-token count).
-
-Segments (the physical traces of one rollout, e.g. under compaction) follow two switches where
-upstream's branches disagree: `rollout_votes` (`grpo.segment_validity`: NeMo-RL #4124 takes the
-amin of a rollout's segment masks, the segment-rows branch the amax) and `segment_weights`
-(`loss_fn.segment_weighting`: every token once, verl #7580's 1/N per rollout, or a segment's
-length over its rollout's mean), applied to every term of the per-token loss.
+"""GRPO math as pure functions: per-group advantages (NeMo-RL's leave-one-out baseline and std,
+`group_advantages`) and the clipped policy-gradient loss (NeMo-RL's `ClippedPGLossFn`,
+`clipped_pg_loss`), with switches for a rollout split into several traces (segments, e.g. under
+compaction) where upstream's branches disagree (`rollout_votes`, `segment_weights`).
 
 Invariant: nothing here depends on how many groups or rollouts a step holds: the advantage is per
-group and the token-level loss is divided by the tokens actually trained, so a shrunk step (fix 1)
-is exactly the same objective over fewer samples.
-
-The advantages are numpy and the loss is torch, imported where it is used: the controller, which
-computes advantages, never loads torch (2 s of CPU in every run's start-up on this machine).
+group and the token-level loss is divided by the tokens actually trained, so a step shrunk by
+dropped groups is exactly the same objective over fewer samples. The advantages are numpy and the
+loss is torch, imported where used: the controller never loads torch (2 s of CPU at start-up here).
 """
 
 from __future__ import annotations
@@ -179,15 +163,15 @@ def clipped_pg_loss(
     (token_mask * sample_mask). `normalizer` is the global count of valid tokens (token-level)
     or of valid samples (sequence-level), so micro-batch losses add up to the step's loss.
 
-    The KL term is upstream's: kl_penalty * clamp(w * k3) with w = exp(curr - curr.detach()) (value
-    1, non-finite -> 0), which keeps the score-function gradient of the sampled tokens where no
-    clamp binds (see `k3_kl`). With top-p filtering (policy.generation.top_p < 1) the KL takes
-    `curr_logprobs_unfiltered`, as upstream's does: the reference's logprobs are unfiltered. With
-    `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is
-    weighted by `importance_weights`; `is_oob_ratio` counts tokens, or sequences for
-    `seq-mask-tis`. `weights` ([B], `segment_weights`) scale each row's per-token loss, the
-    policy-gradient and the KL term alike, as verl #7580 weights every loss term; the normaliser
-    stays the unweighted count."""
+    As NeMo-RL's `ClippedPGLossFn`: the ratio clipped to [1 - ratio_clip_min, 1 + ratio_clip_max],
+    per token max(-A r, -A clip(r)). The KL term is upstream's: kl_penalty * clamp(w * k3) with
+    w = exp(curr - curr.detach()) (value 1, non-finite -> 0), which keeps the score-function gradient of the
+    sampled tokens where no clamp binds (see `k3_kl`). With top-p filtering (policy.generation.top_p < 1) the
+    KL takes `curr_logprobs_unfiltered`, as upstream's does: the reference's logprobs are unfiltered. With
+    `generation_logprobs` (use_importance_sampling_correction), the clipped term of each token is weighted by
+    `importance_weights`; `is_oob_ratio` counts tokens, or sequences for `seq-mask-tis`. `weights` ([B],
+    `segment_weights`) scale each row's per-token loss, the policy-gradient and the KL term alike, as verl
+    #7580 weights every loss term; the normaliser stays the unweighted count."""
     import torch
 
     if advantages.dim() == 1:
@@ -201,7 +185,8 @@ def clipped_pg_loss(
         per_token = per_token * w
     kl = torch.zeros_like(per_token)
     if reference_logprobs is not None and kl_penalty > 0:
-        kl = _weighted_kl(curr_logprobs if curr_logprobs_unfiltered is None else curr_logprobs_unfiltered, reference_logprobs)
+        kl_logprobs = curr_logprobs if curr_logprobs_unfiltered is None else curr_logprobs_unfiltered
+        kl = _weighted_kl(kl_logprobs, reference_logprobs)
         per_token = per_token + kl_penalty * kl
     if weights is not None:
         per_token = per_token * weights[:, None]
