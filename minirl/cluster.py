@@ -1,20 +1,9 @@
-"""Placement and start-up: Ray, then the generation workers, the agent pool, the policy workers
-and the controller, each a Ray actor with the resources `cluster.*` gives it.
+"""Start-up and placement: Ray, then the generation workers, the agent pool, the policy workers
+and the controller, each a Ray actor with the resources `cluster.*` gives it (docs/scale-out.md).
 
-Generation and policy workers take the real CPUs (or GPUs); the controller, the agent servers and
-the weights store are light (`num_cpus=0`): on a 2-core machine four actors asking for a CPU each
-would leave some pending forever. A placement group reserves all the heavy actors' bundles at once
-(STRICT_PACK on one node, PACK across several) so a run never starts half-placed.
-
-Invariant: after `__enter__` every server answers on its URL and every generation worker serves
-the policy's current weights; `__exit__` always shuts Ray down. A run that ends with an exception,
-wherever it is raised (start-up, the step path, the update, the weight sync, a checkpoint), leaves
-exactly one `run_failed` event naming it in events.jsonl: the controller writes it (once), or the
-driver when the controller cannot.
-
-Resources are checked before anything is placed: the workers' bundles must fit in what Ray offers
-(else ConfigError naming the keys and numbers), and a placement group that still does not become
-ready says what it asked for and what was free.
+Invariant: after `Cluster.__enter__` every server answers on its URL and every generation worker
+serves the policy's current weights; `__exit__` always shuts Ray down. A run that ends with an
+exception, wherever it is raised, leaves exactly one `run_failed` event naming it in events.jsonl.
 """
 
 from __future__ import annotations
@@ -101,6 +90,21 @@ def describe(exc: BaseException) -> str:
 
 
 class Cluster:
+    """The run's actors, started in `__enter__` and shut down (with Ray) in `__exit__`.
+
+    Generation and policy workers take the real CPUs (or GPUs); the controller, the agent servers and
+    the weights store are light (`num_cpus=0`): on a 2-core machine four actors asking for a CPU each
+    would leave some pending forever. One placement group reserves all the heavy actors' bundles at
+    once (STRICT_PACK on one node, PACK across several), so a run never starts half-placed.
+    Resources are checked before anything is placed: the workers' bundles must fit in what Ray offers
+    (else a ConfigError naming the keys and numbers), and a placement group that still does not
+    become ready says what it asked for and what was free.
+
+    A run that ends with an exception (start-up, the step path, the update, the weight sync, a
+    checkpoint) gets its one `run_failed` event from the controller (which writes it once), or from
+    the driver when the controller cannot (`_run_failed`).
+    """
+
     def __init__(self, cfg: MinirlConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
         self.controller = None
@@ -123,7 +127,8 @@ class Cluster:
                 log_to_driver=True,
             )
             if callable(term) and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, term)  # ray.init put its own in (a stack dump, then death): keep the caller's
+                # ray.init put its own in (a stack dump, then death): keep the caller's
+                signal.signal(signal.SIGTERM, term)
             self._start()
         except BaseException as exc:
             self._run_failed(exc)
@@ -158,7 +163,8 @@ class Cluster:
         """What the workers need against what Ray offers (ConfigError naming the keys and numbers)."""
         total = ray.cluster_resources()
         for res in ("CPU", "GPU"):
-            problem = resource_shortfall(self.cfg, res, total.get(res, 0.0), f"ray.cluster_resources() {total.get(res, 0.0):g}")
+            have = total.get(res, 0.0)
+            problem = resource_shortfall(self.cfg, res, have, f"ray.cluster_resources() {have:g}")
             if problem is not None:
                 raise ConfigError(f"cluster.num_{res.lower()}s", problem)
 
@@ -177,12 +183,14 @@ class Cluster:
         try:
             ray.get(self.pg.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"the workers' placement group ({strategy}, bundles {bundles}) was not ready within 120 s: "
+            raise RuntimeError(f"the workers' placement group ({strategy}, bundles {bundles}) "
+                               "was not ready within 120 s: "
                                f"Ray has {ray.available_resources()} free of {ray.cluster_resources()} "
                                "(another job holds them, or no single node fits the bundles)") from None
 
         def on(bundle: int) -> dict:
-            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
+            return {"scheduling_strategy":
+                    PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)}
 
         return on
 
@@ -268,7 +276,8 @@ class Cluster:
                 (Path(d) / checkpoint.ASYNC_BUFFER).write_bytes(snap["async_buffer"])
 
         try:
-            checkpoint.save(self.run_dir, step, state, write, self.cfg.policy.model_name, self.cfg.checkpoint.keep_last_k)
+            checkpoint.save(self.run_dir, step, state, write, self.cfg.policy.model_name,
+                            self.cfg.checkpoint.keep_last_k)
         except OSError as exc:
             raise checkpoint.CheckpointError(f"cannot write the checkpoint of step {step} under "
                                              f"{checkpoint.directory(self.run_dir)}: {exc}") from exc
@@ -280,20 +289,22 @@ class Cluster:
         path, skipped = checkpoint.select(self.run_dir, self.cfg.checkpoint.resume)
         for bad, reason in skipped:
             print(f"minirl: skipping checkpoint {bad}: {reason}", file=sys.stderr, flush=True)
-            ray.get(self.controller.note.remote({"type": "checkpoint_skipped", "checkpoint": str(bad), "reason": reason}))
+            ray.get(self.controller.note.remote(
+                {"type": "checkpoint_skipped", "checkpoint": str(bad), "reason": reason}))
         if path is None:
             return 0
         state = checkpoint.read_state(path)
         ray.get([w.load.remote(str(path)) for w in self.policy])
         buffer = path / checkpoint.ASYNC_BUFFER
-        ray.get(self.controller.load_state.remote(state["rollout_manager"], buffer.read_bytes() if buffer.exists() else None))
+        buffered = buffer.read_bytes() if buffer.exists() else None
+        ray.get(self.controller.load_state.remote(state["rollout_manager"], buffered))
         self.sync_weights(version=state["next_step"])
         changes = checkpoint.dataset_changes(state.get("config"), self.cfg)
         print(f"minirl: resumed from {path} at step {state['next_step']}" + (
-            f"; the dataset differs from the checkpoint's ({'; '.join(changes)}): the steps from here draw their prompts "
-            "from the new one" if changes else ""), flush=True)
-        ray.get(self.controller.note.remote({"type": "resumed", "checkpoint": str(path), "from_step": state["next_step"],
-                                             "dataset_changes": changes}))
+            f"; the dataset differs from the checkpoint's ({'; '.join(changes)}): "
+            "the steps from here draw their prompts from the new one" if changes else ""), flush=True)
+        ray.get(self.controller.note.remote({"type": "resumed", "checkpoint": str(path),
+                                             "from_step": state["next_step"], "dataset_changes": changes}))
         return state["next_step"]
 
 
@@ -307,10 +318,12 @@ def attached(name: str, workers: int, address: str | None) -> list:
     except ValueError:
         running = sorted(ray.util.list_named_actors())  # this driver's namespace: NAMESPACE
         missing = next((n for n in names if n not in running), names[0])
-        raise ConfigError("cluster.attach_generation_workers", f"no actor {missing!r} in namespace {NAMESPACE!r} of the "
-                          f"cluster at cluster.ray_address={address} (named actors there: {', '.join(running) or 'none'}): "
-                          f"name workers started with start_shared_generation (cluster.num_generation_workers={workers} "
-                          "of them), or set it to null to start this run's own") from None
+        raise ConfigError("cluster.attach_generation_workers",
+                          f"no actor {missing!r} in namespace {NAMESPACE!r} of the cluster at "
+                          f"cluster.ray_address={address} (named actors there: {', '.join(running) or 'none'}): "
+                          "name workers started with start_shared_generation "
+                          f"(cluster.num_generation_workers={workers} of them), "
+                          "or set it to null to start this run's own") from None
 
 
 def check_served_model(cfg: MinirlConfig, served: list[str]) -> None:
@@ -318,9 +331,10 @@ def check_served_model(cfg: MinirlConfig, served: list[str]) -> None:
     want = os.path.realpath(cfg.policy.model_name)
     wrong = sorted({m for m in served if os.path.realpath(m) != want})
     if wrong:
-        raise ConfigError("policy.model_name", f"{cfg.policy.model_name} is not the model that the generation workers "
-                          f"cluster.attach_generation_workers={cfg.cluster.attach_generation_workers} serve ({', '.join(wrong)}); "
-                          "attach to workers started for this model, or train theirs")
+        raise ConfigError("policy.model_name",
+                          f"{cfg.policy.model_name} is not the model that the generation workers "
+                          f"cluster.attach_generation_workers={cfg.cluster.attach_generation_workers} "
+                          f"serve ({', '.join(wrong)}); attach to workers started for this model, or train theirs")
 
 
 def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:
@@ -334,7 +348,8 @@ def start_shared_generation(cfg: MinirlConfig, name: str) -> list[str]:
         ray.init(address="local", num_cpus=cfg.cluster.num_cpus, namespace=NAMESPACE, include_dashboard=False,
                  logging_level="error", log_to_driver=False,
                  runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
-    store = ray.remote(WeightsStore).options(num_cpus=0, name=f"{name}-store", namespace=NAMESPACE, lifetime="detached").remote()
+    store = (ray.remote(WeightsStore)
+             .options(num_cpus=0, name=f"{name}-store", namespace=NAMESPACE, lifetime="detached").remote())
     ray.get([w.start.remote() for w in start_generation_workers(cfg, "127.0.0.1", store, name=name)])
     return [f"cluster.ray_address={ray.get_runtime_context().gcs_address}", f"cluster.attach_generation_workers={name}"]
 
@@ -358,7 +373,8 @@ def engine_env(cfg: MinirlConfig) -> dict[str, str]:
     threads = cfg.policy.generation.vllm_cfg.omp_threads
     env = {"OMP_NUM_THREADS": str(threads)}
     spin = os.environ.get("GOMP_SPINCOUNT")
-    if spin is None and cfg.cluster.ray_address is None and cfg.cluster.num_generation_workers * threads > (os.cpu_count() or 1):
+    oversubscribed = cfg.cluster.num_generation_workers * threads > (os.cpu_count() or 1)
+    if spin is None and cfg.cluster.ray_address is None and oversubscribed:
         spin = THROTTLED_SPIN
     if spin is not None:
         env["GOMP_SPINCOUNT"] = spin
@@ -373,8 +389,8 @@ def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement
     for i in range(cl.num_generation_workers):
         # a call while the actor restarts waits for it (with fleet health the run goes on meanwhile, and the
         # controller drains its call log and publishes weights to every worker)
-        options = {"num_cpus": cl.cpus_per_generation_worker, "num_gpus": cl.gpus_per_generation_worker, "max_restarts": -1,
-                   "max_task_retries": -1, "runtime_env": {"env_vars": engine_env(cfg)}}
+        options = {"num_cpus": cl.cpus_per_generation_worker, "num_gpus": cl.gpus_per_generation_worker,
+                   "max_restarts": -1, "max_task_retries": -1, "runtime_env": {"env_vars": engine_env(cfg)}}
         if placement is not None:
             options.update(placement(i))
         if name is not None:

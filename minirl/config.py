@@ -1,15 +1,9 @@
-"""Typed configuration: dataclasses merged by OmegaConf, then validated.
+"""Typed configuration: a dataclass per section, a docstring per field, merged by OmegaConf
+(`load_config`) and then checked (`validate`).
 
-Names and defaults mirror NeMo-RL (`grpo.*`, `policy.*`, `loss_fn.*`, `async_rl.rollout_failure.*`)
-and Gym's `context_history` where the concept exists there. minirl's own switches for the review's
-fixes default to the fix. Layering: dataclass defaults, then `configs/default.yaml` (the default
-run: the tiny task and minirl's budgets), then the `--config` YAML, then `key=value` overrides.
-
-Each rule sits on what it checks: a choice is a `Literal` field type, a range is the field's
-`bounded(...)` metadata, a rule between fields of one section is that section's `check()`, and a
-rule across sections is `MinirlConfig.check()`. `validate` walks every field (choices, finite
-floats, bounds), then calls each section's `check()`, innermost first. This module imports
-nothing of minirl's but the fault table (minirl.faults), so checking a config loads no runtime code.
+Names and defaults follow NeMo-RL (`grpo.*`, `policy.*`, `loss_fn.*`, `async_rl.rollout_failure.*`)
+and Gym's `context_history` where they have the setting; where minirl's default differs, see
+docs/deviations.md. Imports nothing of minirl's but the fault table, so checking loads no runtime code.
 
 Invariant: `load_config` returns a config that passed every check here, or raises `ConfigError`
 whose message starts with the offending dotted key; nothing downstream re-validates.
@@ -117,13 +111,14 @@ class GRPOConfig:
     def check(self) -> None:
         _require(self.baseline_excludes_masked or not self.masked_sample_rewards_in_baseline,
                  "masked_sample_rewards_in_baseline",
-                 "true needs grpo.baseline_excludes_masked=true: it reinstates the incomplete rows that setting keeps out "
-                 "of the baseline, and keeps placeholders out, while baseline_excludes_masked=false puts every masked "
-                 "row, placeholders included, in the baseline")
+                 "true needs grpo.baseline_excludes_masked=true: it reinstates the incomplete rows that setting "
+                 "keeps out of the baseline, and keeps placeholders out, while baseline_excludes_masked=false puts "
+                 "every masked row, placeholders included, in the baseline")
         n = self.num_generations_per_prompt
         _require(n >= 2, "num_generations_per_prompt",
-                 f"must be >= 2, got {n}: GRPO's advantage is a rollout's reward against the rest of its group, and a "
-                 "group with at most one valid rollout gets advantage 0 (as upstream), so every step would train nothing")
+                 f"must be >= 2, got {n}: GRPO's advantage is a rollout's reward against the rest of its group, "
+                 "and a group with at most one valid rollout gets advantage 0 (as upstream), so every step would "
+                 "train nothing")
 
 
 # ------------------------------------------------------------------------------------------- policy
@@ -256,7 +251,8 @@ class LossConfig:
         _require(self.use_importance_sampling_correction, "truncated_importance_sampling_type",
                  "needs loss_fn.use_importance_sampling_correction=true")
         _require(ratio is not None and ratio > 0, "truncated_importance_sampling_ratio", f"must be > 0, got {ratio}")
-        _require(lo is not None or kind == "tis", "truncated_importance_sampling_ratio_min", "is required for icepop and seq-mask-tis")
+        _require(lo is not None or kind == "tis", "truncated_importance_sampling_ratio_min",
+                 "is required for icepop and seq-mask-tis")
         _require(lo is None or 0 <= lo <= ratio, "truncated_importance_sampling_ratio_min",
                  f"must be in [0, truncated_importance_sampling_ratio], got {lo}")
 
@@ -359,8 +355,8 @@ class GenerationRouterConfig:
                  f"must be a port >= port_range_low ({self.port_range_low})")
         status = self.no_healthy_backend_status
         _require(400 <= status <= 599 and status not in GYM_RETRIED_STATUSES, "no_healthy_backend_status",
-                 f"must be an HTTP error status that Gym does not retry (not {', '.join(map(str, GYM_RETRIED_STATUSES))}), "
-                 f"got {status}")
+                 "must be an HTTP error status that Gym does not retry "
+                 f"(not {', '.join(map(str, GYM_RETRIED_STATUSES))}), got {status}")
 
 
 @dataclass
@@ -369,8 +365,9 @@ class GenerationFleetHealthConfig:
     """Probe every generation worker from the router, quarantine the sick ones, and send minirl's own
     agents through the router. Off by default: the default run has one worker, where a quarantine
     cannot route around anything but only end the run (a worker Ray restarts after `worker_kill` is
-    down for its engine start-up, 15 s or more: three failed probes), and the agents keep their rollout-sticky routing (prefix
-    cache), so the default run's rewards stay as they were. Turn it on with two or more workers."""
+    down for its engine start-up, 15 s or more: three failed probes), and the agents keep their
+    rollout-sticky routing (prefix cache), so the default run's rewards stay as they were. Turn it on
+    with two or more workers."""
     probe_interval_s: float = bounded(5.0, gt=0)
     """Seconds between two probes (`GET /health`) of one worker."""
     probe_timeout_s: float = bounded(2.0, gt=0)
@@ -469,10 +466,14 @@ class AsyncRLConfig:
     generation_fleet_health: GenerationFleetHealthConfig = field(default_factory=GenerationFleetHealthConfig)
 
     def check(self) -> None:
-        _require(self.rollout_failure.on_dropped_prompt != "replace" or self.enabled, "rollout_failure.on_dropped_prompt",
-                 "replace needs async_rl.enabled=true with a sampler that stamps target steps (async_rl.sampler.name=in_order)")
-        _require(self.generation_router.enabled or not self.generation_fleet_health.enabled, "generation_fleet_health.enabled",
-                 "needs async_rl.generation_router.enabled=true: the router probes the workers and routes around the sick")
+        _require(self.rollout_failure.on_dropped_prompt != "replace" or self.enabled,
+                 "rollout_failure.on_dropped_prompt",
+                 "replace needs async_rl.enabled=true with a sampler that stamps target steps "
+                 "(async_rl.sampler.name=in_order)")
+        _require(self.generation_router.enabled or not self.generation_fleet_health.enabled,
+                 "generation_fleet_health.enabled",
+                 "needs async_rl.generation_router.enabled=true: the router probes the workers and routes around "
+                 "the sick")
 
 
 # ------------------------------------------------------------------------------- context compaction
@@ -593,7 +594,8 @@ class ScheduleConfig:
     """Actions per chunk for `turn_chunked_recency`; must be 1 for `rolling_recency`."""
 
     def check(self) -> None:
-        _require(self.type != "rolling_recency" or self.actions_per_chunk == 1, "actions_per_chunk", "must be 1 for rolling_recency")
+        _require(self.type != "rolling_recency" or self.actions_per_chunk == 1, "actions_per_chunk",
+                 "must be 1 for rolling_recency")
 
 
 @dataclass
@@ -843,12 +845,14 @@ class FaultsConfig:
             _require(0 <= p <= 1, f"rate.{kind}", f"must be a probability in [0, 1], got {p}")
         for kind, q in self.rate_per_room.items():
             _require(kind in AGENT_SIDE_KINDS, f"rate_per_room.{kind}",
-                     f"needs the row's room count, which only agent-side kinds see; one of {', '.join(AGENT_SIDE_KINDS)}")
+                     "needs the row's room count, which only agent-side kinds see; "
+                     f"one of {', '.join(AGENT_SIDE_KINDS)}")
             _require(0 <= q <= 1, f"rate_per_room.{kind}", f"must be a probability in [0, 1], got {q}")
 
     def uses(self, kind: str) -> bool:
         """Whether any fault of `kind` may fire (an injected one, or a rate above 0)."""
-        return any(s.kind == kind for s in self.inject) or any(r.get(kind, 0) > 0 for r in (self.rate, self.rate_per_room))
+        return (any(s.kind == kind for s in self.inject)
+                or any(r.get(kind, 0) > 0 for r in (self.rate, self.rate_per_room)))
 
 
 # ------------------------------------------------------------------------------------------- root
@@ -884,8 +888,9 @@ class MinirlConfig:
                  f"(one optimizer step per RL step), got {self.policy.train_global_batch_size}")
         rewrites = self.agent.name == "compaction_agent" and self.agent.context_history.enabled
         _require(cc.enabled or self.agent.external_url is not None or not rewrites, "context_compaction.enabled",
-                 "is false, but agent.name=compaction_agent with agent.context_history.enabled=true rewrites its history; "
-                 "without compaction every call must extend the previous one (use agent.name=simple_agent, see configs/plain.yaml)")
+                 "is false, but agent.name=compaction_agent with agent.context_history.enabled=true rewrites its "
+                 "history; without compaction every call must extend the previous one (use agent.name=simple_agent, "
+                 "see configs/plain.yaml)")
         if self.agent.context_history.policy.type == "summarize":
             _require(rewrites, "agent.context_history.policy.type",
                      "summarize needs agent.name=compaction_agent with agent.context_history.enabled=true")
@@ -895,17 +900,22 @@ class MinirlConfig:
                      f"{cc.call_selection} needs context_compaction.enabled=true: captured calls outside the returned "
                      "history need not extend each other")
             _require(self.agent.external_url is None, "context_compaction.call_selection",
-                     f"{cc.call_selection} needs minirl's own agents: an external agent's calls carry no rollout header, "
-                     "so no captured call can be told apart as its rollout's")
-            _require(self.loss_fn.truncated_importance_sampling_type != "seq-mask-tis", "loss_fn.truncated_importance_sampling_type",
-                     "seq-mask-tis with context_compaction.call_selection other than returned_history: sequence-level "
-                     "correction masks depend on physical trace boundaries and cannot preserve split/merged equivalence")
+                     f"{cc.call_selection} needs minirl's own agents: an external agent's calls carry no rollout "
+                     "header, so no captured call can be told apart as its rollout's")
+            _require(self.loss_fn.truncated_importance_sampling_type != "seq-mask-tis",
+                     "loss_fn.truncated_importance_sampling_type",
+                     "seq-mask-tis with context_compaction.call_selection other than returned_history: "
+                     "sequence-level correction masks depend on physical trace boundaries and cannot preserve "
+                     "split/merged equivalence")
         if cc.enabled:  # upstream: validate_cc_objective
-            _require(self.loss_fn.token_level_loss, "loss_fn.token_level_loss", "context compaction requires token_level_loss=true")
-            _require(cc.allow_step_shrink or rf.min_step_batch_fraction == 1, "async_rl.rollout_failure.min_step_batch_fraction",
+            _require(self.loss_fn.token_level_loss, "loss_fn.token_level_loss",
+                     "context compaction requires token_level_loss=true")
+            _require(cc.allow_step_shrink or rf.min_step_batch_fraction == 1,
+                     "async_rl.rollout_failure.min_step_batch_fraction",
                      "context compaction requires min_step_batch_fraction=1")
         _require(not self.faults.uses("timeout") or rf.nemo_gym.rollout_timeout_s is not None,
-                 "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "a `timeout` fault needs a rollout timeout, or /run would hang")
+                 "async_rl.rollout_failure.nemo_gym.rollout_timeout_s",
+                 "a `timeout` fault needs a rollout timeout, or /run would hang")
         if self.async_rl.enabled:
             self._check_sampler()
         fh, workers = self.async_rl.generation_fleet_health, self.cluster.num_generation_workers
@@ -916,16 +926,18 @@ class MinirlConfig:
         """Every threshold `summarize.threshold_tokens` may draw can fire: a summary triggers when a
         prompt's tokens + `reserved_generation_tokens` pass the threshold, but the guard rejects a call
         past `max_total_tokens` (the summary comes first only at or below it), and the model server
-        refuses a prompt of `max_model_len` tokens or more (lane A)."""
+        refuses a prompt of `max_model_len` tokens or more."""
         ch = self.agent.context_history
         lo, hi = ch.policy.summarize.threshold_tokens
         key, guard = "agent.context_history.policy.summarize.threshold_tokens", ch.guards.max_total_tokens
         _require(guard is None or hi <= guard, key,
-                 f"[{lo}, {hi}] can draw a threshold above the context guard's agent.context_history.guards.max_total_tokens="
-                 f"{guard}: the guard rejects a call before its prompt passes such a threshold, so the summary never "
+                 f"[{lo}, {hi}] can draw a threshold above the context guard's "
+                 f"agent.context_history.guards.max_total_tokens={guard}: "
+                 "the guard rejects a call before its prompt passes such a threshold, so the summary never "
                  f"fires there (set threshold_tokens at most {guard})")
         max_len, reserved = self.policy.generation.vllm_cfg.max_model_len, ch.guards.reserved_generation_tokens
-        reach = max_len - 2 + reserved  # the longest prompt the model server takes (max_model_len - 1) + reserved, less 1
+        # the longest prompt the model server takes (max_model_len - 1) + reserved, less 1
+        reach = max_len - 2 + reserved
         _require(hi <= reach, key,
                  f"[{lo}, {hi}] can draw a threshold no prompt reaches: the model's max length "
                  f"policy.generation.vllm_cfg.max_model_len={max_len} admits prompts of at most {max_len - 1} tokens, "
@@ -941,15 +953,19 @@ class MinirlConfig:
                  f"must hold the sampler's window of {window} prompt groups, got {ar.max_buffered_rollouts}")
         _require(s == 0 or lf.use_importance_sampling_correction, "loss_fn.use_importance_sampling_correction",
                  "must be true when async_rl.sampler.max_staleness_versions > 0: rollouts come from older weights")
-        _require(not traits.needs_is_correction or lf.use_importance_sampling_correction, "loss_fn.use_importance_sampling_correction",
+        _require(not traits.needs_is_correction or lf.use_importance_sampling_correction,
+                 "loss_fn.use_importance_sampling_correction",
                  f"must be true with async_rl.sampler.name={name}: it trains groups of any age")
-        budgets = f"max_skipped_prompts={rf.max_skipped_prompts}, max_consecutive_dropped_prompts={rf.max_consecutive_dropped_prompts}"
+        budgets = (f"max_skipped_prompts={rf.max_skipped_prompts}, "
+                   f"max_consecutive_dropped_prompts={rf.max_consecutive_dropped_prompts}")
         _require(traits.stamps_target_steps or not (rf.max_skipped_prompts or rf.max_consecutive_dropped_prompts),
                  "async_rl.sampler.name",
-                 f"{name!r} stamps no target step, so the drop budget ({budgets}) cannot be honoured: a prompt that is "
-                 "given up on is never subtracted from the step waiting for it. Set async_rl.sampler.name=in_order to get the "
-                 "tolerance these budgets promise, or set both budgets to 0 to end the run on the first dropped prompt instead")
-        _require(traits.stamps_target_steps or rf.on_dropped_prompt == "shrink", "async_rl.rollout_failure.on_dropped_prompt",
+                 f"{name!r} stamps no target step, so the drop budget ({budgets}) cannot be honoured: a prompt "
+                 "that is given up on is never subtracted from the step waiting for it. Set "
+                 "async_rl.sampler.name=in_order to get the tolerance these budgets promise, or set both budgets "
+                 "to 0 to end the run on the first dropped prompt instead")
+        _require(traits.stamps_target_steps or rf.on_dropped_prompt == "shrink",
+                 "async_rl.rollout_failure.on_dropped_prompt",
                  f"replace needs a sampler that stamps target steps (in_order); {name} stamps none")
 
     def _check_resources(self) -> None:
@@ -1061,7 +1077,11 @@ def step_floor(cfg: MinirlConfig) -> int:
 
 def validate(cfg: MinirlConfig) -> None:
     """Every field's type, finiteness and bounds, then each section's `check()` (innermost first,
-    the root's cross-section rules last), then what the config points at; each failure names its key."""
+    the root's cross-section rules last), then what the config points at; each failure names its key.
+
+    Each rule sits on what it checks: a choice is a `Literal` field type, a range is the field's
+    `bounded(...)` metadata, a rule between fields of one section is that section's `check()`, and a
+    rule across sections is `MinirlConfig.check()`."""
     _check_fields(cfg, "", Any, {})
     for key, section in _sections(cfg, ""):
         try:
@@ -1073,7 +1093,8 @@ def validate(cfg: MinirlConfig) -> None:
 
 def _sections(node: Any, key: str) -> Iterator[tuple[str, Any]]:
     """(dotted key, section) for every dataclass with a `check()` in the config, children before parents."""
-    children = ([(f"{key}.{f.name}" if key else f.name, getattr(node, f.name)) for f in fields(node)] if is_dataclass(node)
+    children = ([(f"{key}.{f.name}" if key else f.name, getattr(node, f.name)) for f in fields(node)]
+                if is_dataclass(node)
                 else [(f"{key}[{i}]", v) for i, v in enumerate(node)] if isinstance(node, list) else [])
     for child_key, child in children:
         yield from _sections(child, child_key)
@@ -1120,7 +1141,8 @@ def _choice_problem(choices: tuple, value: Any) -> str:
     return f"must be {', '.join(rest) + ' or ' if rest else ''}{last}, got {value!r}"
 
 
-_BOUNDS = {"ge": (operator.ge, ">=", "["), "gt": (operator.gt, ">", "("), "le": (operator.le, "<=", "]"), "lt": (operator.lt, "<", ")")}
+_BOUNDS = {"ge": (operator.ge, ">=", "["), "gt": (operator.gt, ">", "("),
+           "le": (operator.le, "<=", "]"), "lt": (operator.lt, "<", ")")}
 
 
 def _bounds_problem(meta: Any, value: Any) -> str:
@@ -1134,7 +1156,8 @@ def _bounds_problem(meta: Any, value: Any) -> str:
 
 
 def _merge_error(exc: OmegaConfBaseException, key: str) -> ConfigError:
-    """OmegaConf's error as one line naming the key; a value outside a Literal's choices reads as `validate` words it."""
+    """OmegaConf's error as one line naming the key; a value outside a Literal's choices reads as
+    `validate` words it."""
     where = getattr(exc, "full_key", None) or key or "config"
     owner, name = getattr(exc, "object_type", None), getattr(exc, "key", None)
     choices = _choices(_hints(owner).get(name)) if isinstance(owner, type) and is_dataclass(owner) else None
@@ -1151,9 +1174,9 @@ def resource_shortfall(cfg: MinirlConfig, res: str, have: float | None, where: s
     need = gen * per_gen + cl.num_policy_workers * per_pol
     if have is None or need <= have + 1e-9:
         return None
-    return (f"the workers need {need:g} {res}s (cluster.num_generation_workers={gen} x cluster.{key}_per_generation_worker="
-            f"{per_gen:g} + cluster.num_policy_workers={cl.num_policy_workers} x cluster.{key}_per_policy_worker={per_pol:g}), "
-            f"more than Ray offers ({where})")
+    return (f"the workers need {need:g} {res}s (cluster.num_generation_workers={gen} "
+            f"x cluster.{key}_per_generation_worker={per_gen:g} + cluster.num_policy_workers={cl.num_policy_workers} "
+            f"x cluster.{key}_per_policy_worker={per_pol:g}), more than Ray offers ({where})")
 
 
 def _check_outside(cfg: MinirlConfig) -> None:

@@ -1,22 +1,8 @@
-"""The single controller (a Ray actor): the only place where optimizer steps are assembled.
+"""The single controller (a Ray actor): the only place where an optimizer step's batch is assembled.
 
-`collect(step, version)` reads one line: the step source (a `types.StepSource`) hands over the
-step's prompt groups (`SyncSource` (minirl/rollout/source.py): dispatched through the rollout
-manager and awaited; `BufferSource` (minirl/async_rl/source.py): selected from the buffer that the
-rollout pump fills), under the fleet watch (minirl/generation/fleet.py) when fleet health is on;
-then `check_step`, the ledger (the servers' call logs, or for an external agent its calls matched
-by their tokens), the call selection (`context_compaction.call_selection`: which captured calls
-train), `assemble`, and the step's statistics:
-- floor: a step that lost more groups than `min_step_batch_fraction` allows raises upstream's
-  RuntimeError ("training step … lost … below the floor …");
-- context compaction: every kept group must hold all its rollouts (masked ones with mask 0); with
-  `allow_step_shrink=false` (upstream) the step must hold the full logical sample count;
-- advantages per group (over the valid rollouts only with `grpo.baseline_excludes_masked`, the
-  default, plus the incomplete ones with `grpo.masked_sample_rewards_in_baseline`; over all of them
-  as upstream otherwise: minirl/rollout/masking.py), shared by all the physical traces of a rollout;
-- segments: a masked trace masks its rollout (`grpo.segment_validity=all`) or only itself (`any`,
-  while another segment is valid), and `loss_fn.segment_weighting` gives each trained trace its
-  loss weight (none under `token_mean`, the default arithmetic).
+`Controller.collect` takes the step's prompt groups from the step source (sync dispatch, or the
+async rollout buffer), checks them (the floor, the ledger), selects the calls that train, computes
+each group's advantages and packs the batch (`assemble`).
 
 Invariant: a batch holds every rollout of every kept group and nothing else, each from the one
 attempt that succeeded, all generated under the step's policy version (async: within the
@@ -46,7 +32,12 @@ from minirl.types import GroupOutcome, Rollout, StepSource, StepTake, Trace, Tra
 
 
 def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> None:
-    """Upstream's step checks, in upstream's order: the floor, then the CC sample count."""
+    """Upstream's step checks, in upstream's order: the floor, then the CC sample count.
+
+    A step that lost more groups than `min_step_batch_fraction` allows raises upstream's RuntimeError
+    ("training step … lost … below the floor …"). Under context compaction every kept group must
+    hold all its rollouts (masked ones with mask 0), and with `allow_step_shrink=false` (upstream)
+    the step must hold the full logical sample count."""
     n = cfg.grpo.num_prompts_per_step
     g = cfg.grpo.num_generations_per_prompt
     kept = [o for o in outcomes if o.status == "committed"]
@@ -73,12 +64,18 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
 
 
 def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tuple[TrainBatch, dict]:
-    """Kept groups -> padded training arrays + the step's rollout statistics."""
+    """Kept groups -> padded training arrays + the step's rollout statistics.
+
+    Advantages are per group (`_scored`), shared by all the physical traces of a rollout. A masked
+    trace masks its rollout (`grpo.segment_validity=all`) or only itself (`any`, while another
+    segment is valid), and `loss_fn.segment_weighting` gives each trained trace its loss weight
+    (none under `token_mean`, the default arithmetic)."""
     kept = [o for o in outcomes if o.status == "committed"]
     for r in (r for o in kept for r in o.rollouts.values()):
         settle_segments(r, cfg.grpo.segment_validity)
     scored = [_scored(cfg, o) for o in kept]
-    batch = _pack([(r, t, float(a)) for g in scored for r, a in zip(g.rollouts, g.advantages) for t in r.traces], pad_id)
+    rows = [(r, t, float(a)) for g in scored for r, a in zip(g.rollouts, g.advantages) for t in r.traces]
+    batch = _pack(rows, pad_id)
     if cfg.loss_fn.segment_weighting != "token_mean":
         _weigh(batch, cfg.loss_fn.segment_weighting)
     stats = _rollout_stats(cfg, outcomes, kept, batch)
@@ -106,11 +103,14 @@ def _weigh(batch: TrainBatch, weighting: str) -> None:
 
 def _scored(cfg: MinirlConfig, o: GroupOutcome) -> ScoredGroup:
     """One kept group's rollouts in index order, their baseline membership (the three baseline
-    policies, `baseline_members`) and advantages; every trace of a rollout carries its advantage."""
+    policies, `baseline_members`: the valid rollouts only with `grpo.baseline_excludes_masked`, the
+    default, plus the incomplete ones with `grpo.masked_sample_rewards_in_baseline`; all of them as
+    upstream otherwise) and advantages; every trace of a rollout carries its advantage."""
     g, rollouts = cfg.grpo, _in_order(o)
     members = baseline_members(rollouts, g.baseline_excludes_masked, g.masked_sample_rewards_in_baseline)
     adv = group_advantages([r.reward for r in rollouts], [r.sample_mask for r in rollouts],
-                           g.use_leave_one_out_baseline, g.normalize_rewards, g.baseline_excludes_masked, in_baseline=members)
+                           g.use_leave_one_out_baseline, g.normalize_rewards, g.baseline_excludes_masked,
+                           in_baseline=members)
     if not np.isfinite(adv).all():  # parse_rollout bounds rewards, so this is a bug, never data to train on
         raise RuntimeError(f"group {o.group}: non-finite advantages {adv.tolist()} from rewards "
                            f"{[r.reward for r in rollouts]}")
@@ -133,7 +133,8 @@ def _pack(rows: list[tuple[Rollout, Trace, float]], pad_id: int) -> TrainBatch:
     return batch.count_valid()
 
 
-def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[GroupOutcome], batch: TrainBatch) -> dict:
+def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[GroupOutcome],
+                   batch: TrainBatch) -> dict:
     """The step's group and rollout counters, from its group outcomes."""
     all_rollouts = [r for o in kept for r in o.rollouts.values()]
     trained = [r for r in all_rollouts if r.sample_mask]
@@ -178,8 +179,8 @@ class Controller:
     """Composes the step source (sync dispatch, or the async train pump's half), the fleet watch,
     the ledger (with an external agent's pool of call records not matched yet) and `assemble`."""
 
-    def __init__(self, cfg: MinirlConfig, run_dir: str, agent_urls: list[str], gen_workers: list, vocab_size: int, pad_id: int,
-                 fleet=None):
+    def __init__(self, cfg: MinirlConfig, run_dir: str, agent_urls: list[str], gen_workers: list, vocab_size: int,
+                 pad_id: int, fleet=None):
         from pathlib import Path
 
         from minirl.metrics import EventLog
@@ -253,7 +254,14 @@ class Controller:
 
     async def collect(self, step: int, version: int) -> tuple[TrainBatch, dict]:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats. Any
-        failure on the way (the rollouts, the step checks, the ledger, the assembly) writes run_failed."""
+        failure on the way (the rollouts, the step checks, the ledger, the assembly) writes run_failed.
+
+        In order: the step source hands over the step's prompt groups (`SyncSource`, rollout/source.py:
+        dispatched through the rollout manager and awaited; `BufferSource`, async_rl/source.py: selected
+        from the buffer the rollout pump fills), under the fleet watch (generation/fleet.py) when fleet
+        health is on; then `check_step`, the ledger (`_check_ledger`), the call selection
+        (`context_compaction.call_selection`: which captured calls train), `assemble`, and the step's
+        statistics."""
         self.step = step
         try:
             return await self._collect(step, version)
@@ -300,7 +308,8 @@ class Controller:
         if not self.cfg.agent.external_url:
             ledger = self.ledger.close_step(step, take.calls, kept, version, oldest=oldest)
             return ledger, sum(len(c.get("generation_token_ids") or []) for c in take.calls)
-        ledger, left = self.ledger.match_external(step, self.pool + await self._drain(None), kept, version, oldest=oldest)
+        records = self.pool + await self._drain(None)
+        ledger, left = self.ledger.match_external(step, records, kept, version, oldest=oldest)
         keep = step - 1 - window  # a record is kept for the window's steps (async runs ahead), then retired
         self.pool = [rec for rec in left if rec.setdefault("drained_step", step) >= keep]
         ledger["calls_retired"] = len(left) - len(self.pool)
@@ -322,10 +331,12 @@ class Controller:
             calls_stale=ledger.get("calls_stale", 0),  # external agents: masked, see Ledger.match_external
             calls_logprob_mismatch=ledger.get("calls_logprob_mismatch", 0),
             calls_matched=ledger.get("calls_matched", 0),
-            deterministic_failures=sum(o.deterministic_failures for o in spent),  # rows found to fail the same way every time (skipped as DATA)
+            # rows found to fail the same way every time (skipped as DATA)
+            deterministic_failures=sum(o.deterministic_failures for o in spent),
             gen_time_s=gen_s,
             engine_busy_s=engine_busy_s,
-            engine_gather_s=engine_gather_s,  # the engines holding a burst before their first step (vllm_cfg.gather_gap_s)
+            # the engines holding a burst before their first step (vllm_cfg.gather_gap_s)
+            engine_gather_s=engine_gather_s,
             gen_tokens=generated,
             gen_tokens_per_s=generated / gen_s if gen_s > 0 else 0.0,
             policy_version=version,

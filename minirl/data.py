@@ -1,31 +1,7 @@
-"""The prompt stream: the `/run` row of prompt group (step, group), as a pure function, from one of
-two datasets.
-
-- doors (the default, `data.train_jsonl` unset): the row of the task whose seed is drawn from
-  (`env.data_seed`, step, group); its room count (its difficulty) is a function of that seed too
-  (`env.num_rooms_choices`), so the mix of any set of prompts can be recomputed from their
-  coordinates. Held-out prompts (minirl.validation) never use a training seed.
-- a JSONL file of NeMo Gym rows (`data.train_jsonl`, `data.validation_jsonl`), as Gym's rollout
-  collection takes them: `responses_create_params`, `agent_ref`, and any fields of the environment
-  (its resources server reads them). Prompt group (step, group) is row i = step * P + group of the
-  epoch i // N's order (N rows; a permutation drawn from `env.data_seed` and the epoch when
-  `data.shuffle`, else file order). A row passes through unchanged except where it leaves out what
-  Gym's collection or the trainer would set: a missing `agent_ref` becomes {"name": agent.name}
-  (Gym's `+agent_name`), a missing `temperature` / `top_p` the run's `policy.generation` value
-  (the trainer's logprobs are taken at it, so a row that sets another is refused), and the fields
-  only a rollout's result carries (`result_fields`: a row copied from a rollout dump) are left out,
-  with one line printed. The rollout manager then adds only the per-rollout seed (in
-  `metadata.extra_body`), its bookkeeping (`_rowidx`, `_minirl`) and Gym's collector keys
-  (`_ng_task_index`: `prompt_key`, unless the row has its own; minirl.wire.collector_keys):
-  `run_body`; it repeats the row G times and groups the rollouts by prompt. When minirl's own agent
-  pool serves (no `agent.external_url`), every row must also pass the agent server's own check
-  (`agents.server.check_row`) and fit in `agent.max_request_bytes`. A process holds each row's place
-  in the file, not the parsed rows (`Rows`), and finds a prompt's row in O(1).
-
-Nothing above this module reads an environment's fields: `prompt_key` (the prompt's identity in
-its dataset: the doors task seed, or the row's index in the file) and `difficulty` (a doors row's
-room count, which scales `faults.rate_per_room`; None for any other environment's row) are the
-accessors the manager, the controller and validation use.
+"""The prompt stream: the `/run` row of prompt group (step, group), as a pure function, from the
+doors task (the default: a task seed and room count drawn from `env.data_seed`, step and group) or
+from a JSONL file of NeMo Gym rows (`data.train_jsonl`; docs/gym.md, "Datasets of Gym rows").
+Nothing above this module reads an environment's fields: it asks `prompt_key` and `difficulty`.
 
 Invariant: the prompt of (step, group) depends on `env.*`, `data.*` and the dataset file and nothing
 else (not on earlier drops, retries or a resume), so a resumed run sees exactly the prompts it would
@@ -148,7 +124,8 @@ def run_body(cfg: MinirlConfig, row: dict, coords: Coords, gid: str, task_index:
     body = {**row, "_rowidx": coords.rollout, "_minirl": {**coords.as_dict(), "group_attempt": gid},
             **collector_keys(coords, task_index)}
     body["responses_create_params"] = with_extra_body(
-        row["responses_create_params"], seed=sampling_seed(cfg, coords.step, coords.group, coords.rollout, coords.attempt))
+        row["responses_create_params"],
+        seed=sampling_seed(cfg, coords.step, coords.group, coords.rollout, coords.attempt))
     return body
 
 
@@ -198,8 +175,8 @@ _CACHE: dict[tuple, Rows] = {}
 
 
 def dataset_rows(cfg: MinirlConfig, key: str) -> Rows:
-    """The rows of `data.<key>` (`train_jsonl` or `validation_jsonl`), completed as the module
-    docstring says (each lookup returns a fresh dict); indexed once per process and file version.
+    """The rows of `data.<key>` (`train_jsonl` or `validation_jsonl`), completed (`_completed`; each
+    lookup returns a fresh dict); indexed once per process and file version.
     `prepare` checked every row before the run started."""
     path = Path(getattr(cfg.data, key))
     try:
@@ -306,7 +283,9 @@ def agent_problem(row: dict, cfg: MinirlConfig) -> str | None:
     except (BadRow, BadCoordinates) as exc:
         return f"minirl's agent server would refuse it (agent.external_url is unset): {exc}"
     problem = unknown_agent(name)
-    return f"agent_ref.name: {problem} (minirl's own agent pool serves: agent.external_url is unset)" if problem else None
+    if not problem:
+        return None
+    return f"agent_ref.name: {problem} (minirl's own agent pool serves: agent.external_url is unset)"
 
 
 OUTCOME_FIELDS = ("response", "reward", "evidence", "_rowidx", "_minirl")
@@ -365,10 +344,12 @@ def prepare(cfg: MinirlConfig) -> None:
     if validates and cfg.data.validation_jsonl is not None:
         n = len(dataset_rows(cfg, "validation_jsonl"))
         if n < g.val_num_prompts:
-            raise ConfigError("data.validation_jsonl", f"holds {n} rows, fewer than grpo.val_num_prompts={g.val_num_prompts}")
+            raise ConfigError("data.validation_jsonl",
+                              f"holds {n} rows, fewer than grpo.val_num_prompts={g.val_num_prompts}")
     if any(q > 0 for q in cfg.faults.rate_per_room.values()) and cfg.data.train_jsonl is not None:
         rows = dataset_rows(cfg, "train_jsonl")
         lacking = [i for i, row in enumerate(rows) if difficulty(row) is None]
         if lacking:
-            raise ConfigError("faults.rate_per_room", f"scales with a row's room count, and rows {lacking[:5]} (0-based) of "
+            raise ConfigError("faults.rate_per_room",
+                              f"scales with a row's room count, and rows {lacking[:5]} (0-based) of "
                               f"data.train_jsonl have none (only doors rows do)")

@@ -1,18 +1,12 @@
 """Evaluate a saved checkpoint: `python -m minirl.evaluate --checkpoint PATH [dotted.key=value ...]`.
 
-Starts the cluster as training does (minirl.cluster.Cluster), under the config of the run that
-wrote the checkpoint (`<run_dir>/config.yaml`, so the held-out prompts are disjoint from that run's
-training prompts) with the overrides applied last; loads the checkpoint as a resume does (its
-manifest verified first), which puts its policy weights into every generation worker; runs the
-validation of minirl.validation (no fault injection); prints the metrics as one JSON object on
-stdout and writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, a directory that
-also takes the evaluation's own events, so the training run's logs are left as they were).
-
-A run that attached to a sweep's engines saved that cluster's address: once it is gone, evaluate with
-`cluster.ray_address=null cluster.attach_generation_workers=null` to start a cluster of its own.
-
-Exit codes as `minirl.train`: 0 on success, 2 for a bad config key or value, 1 for a failure, whose
-`ExceptionClass: message` is the last line on stderr.
+Runs minirl.validation (no fault injection) on the checkpoint's weights, loaded as a resume loads
+them, under the config of the run that wrote it (`<run_dir>/config.yaml`, so the held-out prompts
+stay disjoint from its training prompts), the overrides applied last. Prints the metrics as one JSON
+object and writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, beside the
+evaluation's own events: the training run's logs stay as they were). Exit codes as `minirl.train`.
+A run that attached to a sweep's engines, once they are gone, needs
+`cluster.ray_address=null cluster.attach_generation_workers=null`.
 """
 
 from __future__ import annotations

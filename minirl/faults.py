@@ -1,29 +1,12 @@
-"""Seeded fault injection: the fault kinds, the site that fires each, and which fault fires at which
-rollout coordinates.
+"""Seeded fault injection: the fault kinds, the site that fires each (`SITES`), and which fault fires
+at which rollout coordinates (`FaultPlan`; docs/faults.md). This module only decides *whether* and
+*where*: the real components fire at their named sites, each asking `fault_site` once per rollout
+attempt. A new kind is a row of `SITES` and its `if fires(...)` at its site. Imports nothing of
+minirl's at run time (minirl.config reads the table to check `faults.*`).
 
-Faults fire only at named sites in the real components (`SITES`: the generation server's engine
-boundary, the generation worker's process, the agent's guard and loop, the summarizing policy, the agent server's HTTP
-layer); this module only decides *whether* and *where*. Each site asks through `fault_site`, one
-predicate per rollout attempt. A rate draw is a pure function of (faults.seed, kind, step, group,
-rollout, attempt), never of how many draws came before.
-
-Two kinds of rate:
-- `faults.rate.{kind}` = p: a coin per rollout attempt, independent of the episode;
-- `faults.rate_per_room.{kind}` = q: correlated with difficulty. Each room of the episode carries
-  an independent hazard q, so a rollout attempt of an n-room episode fails with
-  p_n = 1 - (1 - q)**n: a 4-room episode fails about four times as often as a 1-room one while q
-  is small, and p_n stays a probability however many rooms there are. n is the row's
-  `task.num_rooms`, so only the agent-side kinds (AGENT_SIDE_KINDS), whose sites see the row,
-  take a per-room rate. With both rates set, the attempt fails with 1 - (1 - p)(1 - q)**n.
-Either way one uniform draw per (kind, attempt) decides, so a fault that fires at rate r also fires
-at every higher rate.
-
-A new fault kind is a row of `SITES` and its `if fires(...)` at that site. This module imports
-nothing of minirl's at run time (minirl.config reads the table to check `faults.*`).
-
-Invariant: the same FaultsConfig gives the same fault stream under every training policy, because
-coordinates (dispatch order, counted from 0) and a prompt's room count (a function of its seed) do
-not depend on what earlier rollouts did.
+Invariant: a draw is a pure function of (faults.seed, kind, step, group, rollout, attempt) and the
+prompt's room count, never of earlier draws or what earlier rollouts did, so the same FaultsConfig
+gives the same fault stream under every training policy.
 """
 
 from __future__ import annotations
@@ -67,16 +50,18 @@ SITES: dict[str, str] = {
     "summary_tool_call": SUMMARIZE,
     "summary_overflow": SUMMARIZE,
 }
-"""Every fault kind and the site that fires it (the order is the kinds' order in messages and events).
-The summary kinds fire in the summarizing policy (agents/compaction/summarize.py) at the rollout's compaction
-number `call` (from 0): `summary_empty` and `summary_tool_call` on every attempt of that compaction (the
-real reply, recorded by the server, is read as an empty block / as carrying a tool call: rejected, so
-the attempts run out), `summary_overflow` on its first, untrimmed request (read as the server's
-context-length refusal, so the middle of the history is trimmed and the request retried)."""
+"""Every fault kind and the site that fires it (the order is the kinds' order in messages and
+events). The summary kinds fire in the summarizing policy (agents/compaction/summarize.py) at the
+rollout's compaction number `call` (from 0): `summary_empty` and `summary_tool_call` on every
+attempt of that compaction (the real reply, recorded by the server, is read as an empty block / as
+carrying a tool call: rejected, so the attempts run out), `summary_overflow` on its first, untrimmed
+request (read as the server's context-length refusal, so the middle of the history is trimmed and
+the request retried)."""
 FAULT_KINDS = tuple(SITES)
-AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items() if site in (AGENT, AGENT_HTTP, SUMMARIZE, VERIFY))
-"""Kinds that fire in the agent pool, where the row (and so its task's room count) is known (minirl's own
-verifier included; the Gym 0.7 doors server takes `session_lost` by rate only)."""
+AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items()
+                         if site in (AGENT, AGENT_HTTP, SUMMARIZE, VERIFY))
+"""Kinds that fire in the agent pool, where the row (and so its task's room count) is known
+(minirl's own verifier included; the Gym 0.7 doors server takes `session_lost` by rate only)."""
 
 
 def _uniform(seed: int, kind: str, c: Coords) -> float:
@@ -85,7 +70,17 @@ def _uniform(seed: int, kind: str, c: Coords) -> float:
 
 
 class FaultPlan:
-    """Answers `call_of(kind, coords)`: the model-call index at which `kind` fires, or None."""
+    """Answers `call_of(kind, coords)`: the model-call index at which `kind` fires, or None.
+
+    Two kinds of rate:
+    - `faults.rate.{kind}` = p: a coin per rollout attempt, independent of the episode;
+    - `faults.rate_per_room.{kind}` = q: correlated with difficulty. Each room of the episode carries
+      an independent hazard q, so an attempt of an n-room episode fails with p_n = 1 - (1 - q)**n: a
+      4-room episode fails about four times as often as a 1-room one while q is small, and p_n stays
+      a probability however many rooms there are. n is the row's `task.num_rooms`, so only the
+      agent-side kinds (AGENT_SIDE_KINDS), whose sites see the row, take a per-room rate.
+    With both set, the attempt fails with 1 - (1 - p)(1 - q)**n. Either way one uniform draw per
+    (kind, attempt) decides, so a fault that fires at rate r also fires at every higher rate."""
 
     def __init__(self, cfg: Any):
         """`cfg`: the run's `faults` section (minirl.config.FaultsConfig, which imports this module's table)."""

@@ -1,22 +1,11 @@
-"""Where an optimizer step's wall time goes: the `timing/*` fields of metrics.jsonl.
+"""Where an optimizer step's wall time goes: the `timing/*` fields of metrics.jsonl, named as
+NeMo-RL's timer names them (`TIMING_FIELDS` says what each measures; docs/contracts.md). Two lanes
+over the same wall clock: the trainer's (the driver's loop: the wait for the step's groups, their
+processing, the update, the weight sync) and the generation lane (the engines, from one weight
+publish to the next). A sync run's lanes take turns; an async run's overlap.
 
-Two lanes over the same wall clock, named as NeMo-RL's timer names them (`timing/train/...`, in
-seconds) where it has the concept:
-- the trainer's lane, the driver's loop, splits `step_time_s` (= `timing/train/total_step_time`)
-  into the wait for the step's prompt groups, their processing in the controller, the policy
-  update and the weight sync;
-- the generation lane splits the step's *cycle*, from the previous step's weight publish to this
-  one's (the step plus the loop's own work between steps: logging, checkpoints, validation), into
-  the engines stepping, loading weights, gathering a burst before stepping, waiting on rollouts
-  (tools, agents, HTTP), and idle.
-
-In a sync run the two lanes take turns (the engine idles while the trainer trains); in an async run
-they overlap, and what is left exposed on the trainer's lane, `exposed_generation`, is the
-trainer's idle wait on the buffer.
-
-Invariant: only clock reads (time.perf_counter / time.monotonic deltas) and totals the components
-keep anyway; nothing here waits on a device or adds a round trip of its own. Each lane's parts
-add up to its whole.
+Invariant: only clock reads (perf_counter / monotonic deltas) and totals the components keep anyway;
+nothing here waits on a device or adds a round trip of its own. Each lane's parts add up to its whole.
 """
 
 from __future__ import annotations
@@ -29,7 +18,8 @@ TIMING_FIELDS = {
                                        "generation; async, the train pump's wait on the buffer (the trainer idle)",
     "timing/train/data_processing": "the rest of the collect: step checks, ledger, assembly, events, the hand-over "
                                     "of the stats (rollout_time_s minus exposed_generation)",
-    "timing/train/policy_training": "the policy update, the batch's transfer to the policy workers included (= train_time_s)",
+    "timing/train/policy_training": "the policy update, the batch's transfer to the policy workers included "
+                                    "(= train_time_s)",
     "timing/train/policy_compute": "of policy_training, rank 0's forward, backward and optimizer step",
     "timing/train/weight_sync": "the weight sync: the pump paused, the weights to every generation worker, "
                                 "served (= sync_time_s)",
@@ -39,12 +29,13 @@ TIMING_FIELDS = {
     "timing/generation/weight_load": "the engines loading new weights (mean over the workers)",
     "timing/generation/gather": "idle engines holding a burst's first requests before their first step "
                                 "(vllm_cfg.gather_gap_s; mean over the workers)",
-    "timing/generation/rollout_wait": "rollouts in flight while the engines neither step, load nor gather: tool latency, "
-                                      "agent servers, HTTP hops",
+    "timing/generation/rollout_wait": "rollouts in flight while the engines neither step, load nor gather: "
+                                      "tool latency, agent servers, HTTP hops",
     "timing/generation/idle": "no rollout in flight and the engines idle (sync: training and syncing; async: "
                               "the pump held by the staleness gate, the buffer or a weight sync)",
     "timing/generation/weight_drain": "weight updates waiting for the requests in flight to finish "
-                                      "(async_rl.in_flight_weight_updates=false); inside weight_sync, overlaps engine_busy",
+                                      "(async_rl.in_flight_weight_updates=false); inside weight_sync, "
+                                      "overlaps engine_busy",
 }
 """Every `timing/*` metric, with what it measures (seconds per step)."""
 
@@ -82,14 +73,18 @@ def clocks(engines: list[dict], active_s: float) -> tuple[float, ...]:
     """One reading of the run's totals: (now, engine busy, weight load, weight drain, gather: means
     over the workers' `GenerationWorker.clock`, rollouts-in-flight occupancy)."""
     n = max(len(engines), 1)
-    return (time.monotonic(), *(sum(e[k] for e in engines) / n for k in ("busy_s", "weights_s", "drain_s", "gather_s")), active_s)
+    means = (sum(e[k] for e in engines) / n for k in ("busy_s", "weights_s", "drain_s", "gather_s"))
+    return (time.monotonic(), *means, active_s)
 
 
 def generation_lane(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
     """The generation lane between two `clocks` readings. Engine time is counted as taken inside the
-    time rollouts are in flight (a gather too: it holds their calls), so rollout_wait is what is left of that time."""
+    time rollouts are in flight (a gather too: it holds their calls), so rollout_wait is what is left of
+    that time."""
     cycle, busy, load, drain, gather, active = (b - a for a, b in zip(before, after))
     wait = max(active - busy - load - gather, 0.0)
-    return {"timing/generation/cycle": cycle, "timing/generation/engine_busy": busy, "timing/generation/weight_load": load,
-            "timing/generation/gather": gather, "timing/generation/rollout_wait": wait,
-            "timing/generation/idle": max(cycle - busy - load - gather - wait, 0.0), "timing/generation/weight_drain": drain}
+    return {"timing/generation/cycle": cycle, "timing/generation/engine_busy": busy,
+            "timing/generation/weight_load": load, "timing/generation/gather": gather,
+            "timing/generation/rollout_wait": wait,
+            "timing/generation/idle": max(cycle - busy - load - gather - wait, 0.0),
+            "timing/generation/weight_drain": drain}

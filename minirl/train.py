@@ -1,18 +1,12 @@
 """Entry point: `python -m minirl.train [--config PATH] [dotted.key=value ...]`.
 
 With no arguments it trains the default: context-compaction GRPO of the tiny model on the `doors`
-task, on this machine's CPUs, with the review's three fixes on. Exit codes: 0 on success, 2 for a
-bad config key or value (one line naming the key; also a resume that changes the step's shape or
-the model, a checkpoint directory that cannot be written, a fresh run into a run_dir that holds an
-earlier run, a `cluster.ray_address` that does not answer, workers that do not fit in what Ray
-offers), 1 for a run-ending failure. Either way `ExceptionClass: message` is the last line on
-stderr, and a failure after the run directory exists is also a `run_failed` event in events.jsonl.
-
-The loop, one optimizer step per iteration:
-  1. the controller collects the step's rollouts under the failure policy and assembles the batch;
-  2. the policy workers take one GRPO step on it;
-  3. the new weights go to every generation worker;
-  4. metrics are logged, and a checkpoint is written when due.
+task, on this machine's CPUs. Each iteration is one optimizer step: the controller collects the
+step's rollouts and assembles the batch, the policy workers take one GRPO step on it, the new
+weights go to every generation worker, then metrics are logged and a checkpoint written when due.
+Exit codes: 0 on success; 2 for a bad config key or value, or surroundings the config cannot use
+(one line naming the key; docs/contracts.md lists the cases); 1 for a run-ending failure. Either way
+`ExceptionClass: message` is the last stderr line, and once the run directory exists, a `run_failed` event.
 """
 
 from __future__ import annotations
@@ -83,7 +77,8 @@ def prepare_run_dir(cfg: MinirlConfig) -> Path:
     if cfg.checkpoint.enabled:
         checkpoint.check_writable(run_dir)
     if removed:
-        print(f"minirl: run_dir_exists=overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}", flush=True)
+        print(f"minirl: run_dir_exists=overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}",
+              flush=True)
     return run_dir
 
 
@@ -96,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         data.prepare(cfg)  # the dataset rows, checked before anything starts
-        checkpoint.check_resume(cfg)  # the checkpoint's model, step shape and staleness window, before anything is written
+        # the checkpoint's model, step shape and staleness window, before anything is written
+        checkpoint.check_resume(cfg)
         probe_ray_address(cfg)  # a cluster to join answers (Ray itself retries one that does not for minutes)
         run_dir = prepare_run_dir(cfg)
     except ConfigError as exc:  # before Ray starts: one line naming the key

@@ -1,13 +1,12 @@
-"""What an optimizer step is made of, in one ground-floor module (prime-rl's `orchestrator/types.py`
-and slime's `Sample.Status` are the models): a model `Call`, the physical `Trace`s it builds, a
-validated `Rollout`, a prompt group's `GroupOutcome`, the `StepTake` a `StepSource` hands the
-controller, and the `TrainBatch` the controller hands the policy workers.
+"""What an optimizer step is made of (prime-rl's `orchestrator/types.py` is the model): a model
+`Call`, the physical `Trace`s it builds, a validated `Rollout`, a prompt group's `GroupOutcome`, the
+`StepTake` a `StepSource` hands the controller, and the `TrainBatch` the controller hands the
+policy workers.
 
 Invariant: these are plain carriers; they check nothing and import nothing of minirl's but
-`wire.Coords`. A `GroupOutcome.status` is one of `GroupStatus`, and its counters count that group's
-sends and failures only, so a step's counters are sums over the outcomes it took; a `TrainBatch`
-holds numpy arrays only (cheap to pickle through Ray), one row per trace, and its `global_valid_*`
-totals are those of `valid_mask()`.
+`wire.Coords`. A `GroupOutcome`'s counters count that group's sends and failures only, so a step's
+counters are sums over the outcomes it took; a `TrainBatch` holds numpy arrays only (cheap to
+pickle through Ray), one row per trace, and its `global_valid_*` totals are those of `valid_mask()`.
 """
 
 from __future__ import annotations
@@ -115,7 +114,8 @@ class StepTake(NamedTuple):
     def oldest(self, version: int, window: int) -> int:
         """The oldest weights a trained call may have run under: the window's, or an older kept
         group's start (ready_first evicts nothing)."""
-        return min([version - window] + [w for o, w in zip(self.outcomes, self.start_weights) if o.status == "committed"])
+        kept = [w for o, w in zip(self.outcomes, self.start_weights) if o.status == "committed"]
+        return min([version - window] + kept)
 
 
 class StepSource(Protocol):

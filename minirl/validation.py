@@ -1,44 +1,12 @@
 """Validation: the policy's reward on held-out prompts, without fault injection (NeMo-RL's
-`grpo.val_period`, `grpo.val_at_start`; metrics `val_reward_mean`, `val_success_rate`).
-
-Held-out prompts come from their own seed stream, `(env.data_seed, "val", i)` for i = 0, 1, ...,
-and a candidate whose seed is the seed of any training prompt of the run (every (step, group) of
-`grpo.max_num_steps` x `grpo.num_prompts_per_step`) is skipped. An episode is a pure function of its
-seed and room count, and the rooms of a task are drawn from its seed alone, so no held-out episode
-shares a room sequence with a trained one. Room counts follow the training mix
-(`env.num_rooms_choices`), so the held-out set has the training distribution of difficulty.
-With `data.validation_jsonl` the held-out prompts are instead its first `val_num_prompts` rows
-(Gym rows, kept apart from `data.train_jsonl`'s by whoever wrote the two files).
-
-Sampling: the training generation config (temperature, top_p, reply cap), as NeMo-RL validates with
-its generation config: the reward at the sampling temperature is what GRPO optimises, while greedy
-decoding can hide or overstate a change of the sampled policy. Each held-out rollout has a fixed
-sampling seed, the same at every validation (common random numbers), so the difference between two
-validations is the policy's, not the sampler's.
-
-Faults: a held-out row carries no `_minirl` coordinates block, and the model calls of a row without
-one carry no rollout header; every fault site (minirl.faults) is keyed by those coordinates, so
-none fires, whatever `faults.*` says. A failure is therefore the fleet's: an INFRA one is re-sent
-(up to `nemo_gym.max_row_attempts` sends), and any other ends the validation with ValidationFailed,
-never a dropped row (dropping would skew the very mix this measures).
-
-Scoring: the task's own limits stay on (the engine's `max_model_len`, the context guard), since
-they are the environment's, not injected faults. A held-out episode that the guard ends scores 0,
-whether the guard ends the episode (`on_reject=end_episode`, a 200 with partial credit) or fails it
-(`raise`, a 500 `ContextGuardRejected`): so a validation scores the same weights the same way under
-every failure policy, and compares policies on their learning alone. A summarizing episode whose
-summary attempts all failed scores 0 the same way (`SummaryFailed` under `on_summary_failure=raise`,
-or the episode ended as `summary_failed`; `val_summary_failed_rate`): the policy wrote no usable
-summary, and a held-out row's fixed sampling seed would draw the very same attempts again, so a
-re-send cannot pass.
-
-A verifier's `mask_sample` (Gym 0.7: the reward is not a measurement, e.g. a judge that failed) is
-transient as an INFRA failure is: the row is sent again, up to `nemo_gym.max_row_attempts` sends;
-a row still masked after its last send is left out of the means and counted (`val_num_masked`).
+`grpo.val_period`, `grpo.val_at_start`; metrics `val_reward_mean`, `val_success_rate`). Held-out
+prompts are doors tasks from a seed stream of their own that no training prompt uses, or the first
+rows of `data.validation_jsonl`, sampled with the training generation config and a fixed seed.
 
 Invariant: a validation's metrics cover exactly `val_num_prompts` x `val_num_generations` rollouts
 of held-out prompts, each the answer of a fault-free `/run`: `val_num_rollouts` scored ones and
-`val_num_masked` whose verifier measured nothing.
+`val_num_masked` whose verifier measured nothing. A failure of the fleet ends it (`ValidationFailed`);
+a row is never dropped, since dropping would skew the very mix this measures.
 """
 
 from __future__ import annotations
@@ -56,12 +24,23 @@ from minirl.config import MinirlConfig
 from minirl.data import _seed, dataset_rows, describe, difficulty, task_row, task_seed
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
-from minirl.wire import INFRA, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX, RolloutFailure, RolloutTimeout, classify, with_extra_body
+from minirl.wire import (INFRA, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX, RolloutFailure, RolloutTimeout, classify,
+                         with_extra_body)
 
 
 POLICY_ENDS = {"ContextGuardRejected": "guard_reject", "SummaryFailed": "summary_failed"}
-"""A failed held-out `/run` that scores its episode 0 instead of ending the validation: the error body's
-`type` -> the episode's end reason, as the episode reports it when it ends by itself (`end_episode`)."""
+"""A failed held-out `/run` that scores its episode 0 instead of ending the validation: the error
+body's `type` -> the episode's end reason, as the episode reports it when it ends by itself
+(`end_episode`).
+
+The task's own limits stay on in a validation (the engine's `max_model_len`, the context guard):
+they are the environment's, not injected faults. A held-out episode that the guard ends scores 0,
+whether the guard ends it (`on_reject=end_episode`, a 200 with partial credit) or fails it (`raise`,
+a 500 `ContextGuardRejected`), so a validation scores the same weights the same way under every
+failure policy and compares policies on their learning alone. A summarizing episode whose summary
+attempts all failed scores 0 the same way (`SummaryFailed`, or the episode ended as
+`summary_failed`; `val_summary_failed_rate`): the policy wrote no usable summary, and the row's
+fixed sampling seed would draw the very same attempts again, so a re-send cannot pass."""
 
 
 class ValidationFailed(RuntimeError):
@@ -75,7 +54,11 @@ def training_seeds(cfg: MinirlConfig) -> set[int]:
 
 
 def held_out_seeds(cfg: MinirlConfig) -> list[int]:
-    """The first `val_num_prompts` seeds of the held-out stream that no training prompt uses."""
+    """The first `val_num_prompts` seeds of the held-out stream, `(env.data_seed, "val", i)` for
+    i = 0, 1, ..., that no training prompt of the run (`training_seeds`) uses. An episode is a pure
+    function of its seed and room count, and a task's rooms are drawn from its seed alone, so no
+    held-out episode shares a room sequence with a trained one; room counts follow the training mix
+    (`env.num_rooms_choices`), so the held-out set has the training distribution of difficulty."""
     trained, out, i = training_seeds(cfg), [], 0
     while len(out) < cfg.grpo.val_num_prompts:
         seed = _seed(cfg.env.data_seed, "val", i)
@@ -86,25 +69,42 @@ def held_out_seeds(cfg: MinirlConfig) -> list[int]:
 
 
 def held_out_prompts(cfg: MinirlConfig) -> list[dict]:
-    """The held-out prompts: the first `val_num_prompts` rows of `data.validation_jsonl`, or the
-    doors task's held-out seeds."""
+    """The held-out prompts: the first `val_num_prompts` rows of `data.validation_jsonl` (Gym rows,
+    kept apart from `data.train_jsonl`'s by whoever wrote the two files), or the doors task's
+    held-out seeds."""
     if cfg.data.validation_jsonl is not None:
         return dataset_rows(cfg, "validation_jsonl")[: cfg.grpo.val_num_prompts]
     return [task_row(cfg, seed) for seed in held_out_seeds(cfg)]
 
 
 def held_out_rows(cfg: MinirlConfig) -> list[dict]:
-    """The `/run` rows of one validation: no `_minirl` block, a fixed sampling seed per rollout."""
+    """The `/run` rows of one validation: no `_minirl` block, a fixed sampling seed per rollout.
+
+    Without a `_minirl` coordinates block the row's model calls carry no rollout header, and every
+    fault site (minirl.faults) is keyed by those coordinates, so none fires, whatever `faults.*` says.
+    Sampling uses the training generation config (temperature, top_p, reply cap), as NeMo-RL
+    validates: the reward at the sampling temperature is what GRPO optimises, while greedy decoding
+    can hide or overstate a change of the sampled policy. The fixed seed is the same at every
+    validation (common random numbers), so the difference between two is the policy's, not the
+    sampler's."""
     rows = []
     for i, row in enumerate(held_out_prompts(cfg)):
         for r in range(cfg.grpo.val_num_generations):
-            params = with_extra_body(row["responses_create_params"], seed=_seed(cfg.grpo.seed, "val", i, r) % 2**31)
-            keys = {TASK_INDEX: i, ROLLOUT_INDEX: r, ROLLOUT_ID: f"val.i{i}.r{r}"}  # Gym's collector keys (minirl.wire)
+            params = with_extra_body(row["responses_create_params"],
+                                     seed=_seed(cfg.grpo.seed, "val", i, r) % 2**31)
+            # Gym's collector keys (minirl.wire)
+            keys = {TASK_INDEX: i, ROLLOUT_INDEX: r, ROLLOUT_ID: f"val.i{i}.r{r}"}
             rows.append({**row, "responses_create_params": params, "_rowidx": len(rows), **keys})
     return rows
 
 
 async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row: dict) -> dict:
+    """One held-out row's scored result. A failure is the fleet's (no fault fires here): an INFRA one
+    is sent again, up to `nemo_gym.max_row_attempts` sends, and any other ends the validation with
+    ValidationFailed, except the policy's own episode ends of `POLICY_ENDS`, which score 0. A
+    verifier's `mask_sample` (the reward is not a measurement, e.g. a judge that failed) is transient
+    as an INFRA failure is: the row is sent again, and a result still masked after the last send is
+    returned as it is (`summarize` counts it in `val_num_masked`)."""
     ng = cfg.async_rl.rollout_failure.nemo_gym
     send = 0
     while True:
@@ -120,7 +120,7 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
             exc: BaseException = RolloutTimeout(f"held-out /run exceeded {ng.rollout_timeout_s}s")
         except RolloutFailure as e:
             ended = POLICY_ENDS.get(getattr(e, "error_type", None))
-            if ended is not None:  # the policy's own episode ended (module docstring: scoring)
+            if ended is not None:  # the policy's own episode ended: scored 0 (POLICY_ENDS)
                 return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": ended}}
             exc = e
         if classify(exc) != INFRA or send >= ng.max_row_attempts:
