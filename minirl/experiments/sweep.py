@@ -1,38 +1,12 @@
 """Compare failure policies and drop budgets on identical, seeded fault streams, and measure what
-each policy makes the model learn.
+each policy makes the model learn (the method and the grids: docs/experiments.md).
 
     python -m minirl.experiments.sweep --quick --out /tmp/cmp     # <= 10 min on 2 CPU cores
     python -m minirl.experiments.sweep --out docs/experiments/default   # the README's grid
 
-Each cell is a real `python -m minirl.train` run of the upstream preset
-(configs/upstream_pr4124.yaml) with some of the review's fixes turned back on, one drop budget,
-one floor, one fault mode at one rate, and one seed, on a task mix of 1 to 4 rooms
-(`env.num_rooms_choices`), validated on held-out prompts without faults (minirl.validation).
-Fault modes (`--kinds`):
-- `KIND`: a coin per rollout attempt at the rate (`faults.rate.KIND`), independent of the episode;
-- `KIND@room`: correlated with difficulty, the rate is a per-room hazard q (`faults.rate_per_room`),
-  so an n-room attempt fails with 1 - (1 - q)**n;
-- `overflow`: no injected fault; a real context guard (`agent.context_history.guards.max_total_tokens`,
-  OVERFLOW_TOKENS) that long, many-room episodes cross and short ones rarely do (the rate is unused).
-A seed s sets `faults.seed=s`, `grpo.seed=42+s` and `env.data_seed=1234+s`: every policy meets the
-same prompts and the same fault stream within a seed, and `--seeds N` repeats each cell N times.
-
-The report gives each cell as mean ± the 95% t-interval over seeds, compares policies by their
-per-seed (paired) differences (minirl.stats.paired_ci), measures the difficulty skew of what each
-policy trained (minirl.stats: the room mix of rollouts that reached the optimizer against the mix
-dispatched, recomputed from the prompt stream and events.jsonl, which assumes sync steps: every
-group of step s is a prompt (s, k) of minirl.data), answers the four questions (questions.py) for each
-mode (does shrink's dropping skew training toward easy prompts, does end_episode's masking, does
-redispatch avoid it, does `grpo.baseline_excludes_masked` change the outcome), and draws validation
-learning curves with seed bands, the skew, and the estimates behind the answers.
-
-Ray and the vLLM engine start once per sweep: the script starts a Ray head and a detached,
-named generation worker, and each cell attaches to it (`cluster.attach_generation_workers`),
-resetting its fault plan and weights. A cell then skips ~20 s of engine start-up; `--fresh-engines`
-starts everything per cell instead, and `--attach` attaches the cells to generation workers that
-are already running (the test suite's, say) instead of starting the sweep's own. Cells run in the
-order printed at the start; the sweep resumes from `results.csv` (cells already there are skipped).
-Outputs in --out: results.csv, report.md, and PNG plots.
+Each cell is a real `python -m minirl.train` run (grid.py, cells.py) attached to one generation worker
+that the sweep starts once. Writes results.csv, report.md and PNG plots to --out. Invariant: within a
+seed every policy meets the same prompts and fault stream, and a cell in results.csv never runs again.
 """
 
 from __future__ import annotations
@@ -54,8 +28,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="output directory (default runs/compare-<UTC time>)")
     ap.add_argument("--fresh-engines", action="store_true", help="start Ray and vLLM per cell instead of once")
     ap.add_argument("--attach", nargs=2, metavar=("RAY_ADDRESS", "NAME"),
-                    help="attach every cell to running detached generation workers NAME-<rank> in the Ray cluster at RAY_ADDRESS")
-    ap.add_argument("--kinds", help="comma-separated fault kinds (overrides the preset)")
+                    help="attach every cell to running detached generation workers NAME-<rank> in the Ray "
+                    "cluster at RAY_ADDRESS")
+    ap.add_argument("--kinds", help="comma-separated fault modes (overrides the preset): KIND, a coin per rollout "
+                    "attempt (faults.rate.KIND); KIND@room, a per-room hazard q, so an n-room attempt fails with "
+                    "1 - (1 - q)**n (faults.rate_per_room); overflow, no injected fault but a real context guard "
+                    "that long episodes cross")
     ap.add_argument("--rates", help="comma-separated rates (overrides the preset)")
     ap.add_argument("--policies", help="comma-separated policies (overrides the preset)")
     ap.add_argument("--budgets", help="comma-separated drop budgets (overrides the preset)")
@@ -85,10 +63,13 @@ def main(argv=None) -> int:
                      f"or KIND@room (KIND+KIND@room for several) for one of {', '.join(AGENT_SIDE_KINDS)}")
     out = Path(args.out or REPO / "runs" / f"compare-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}")
     t0 = time.time()
-    attach = [f"cluster.ray_address={args.attach[0]}", f"cluster.attach_generation_workers={args.attach[1]}"] if args.attach else None
+    attach = None
+    if args.attach:
+        attach = [f"cluster.ray_address={args.attach[0]}", f"cluster.attach_generation_workers={args.attach[1]}"]
     rows = run_sweep(grid, out, args.fresh_engines, attach)
     plots = write_report(rows, grid, out, "Drop budgets and failure policies" + (" (quick)" if args.quick else ""))
-    print(f"\nwrote {out / 'results.csv'}, {out / 'report.md'} and {len(plots)} plots in {(time.time() - t0) / 60:.1f} min")
+    print(f"\nwrote {out / 'results.csv'}, {out / 'report.md'} and {len(plots)} plots "
+          f"in {(time.time() - t0) / 60:.1f} min")
     print((out / "report.md").read_text())
     return 0
 
