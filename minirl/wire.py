@@ -1,34 +1,11 @@
-"""What crosses a process boundary, in one ground-floor module: rollout coordinates and the HTTP
-header that carries them, the failure taxonomy (as NeMo-RL's `nemo_rl/experience/failures.py`
-draws it), the typed error body of a failed `/run`, and where a `/run` row carries its
-per-request sampling extras.
+"""What crosses a process boundary: rollout coordinates (`Coords`) and the HTTP header that carries
+them, the failure taxonomy (INFRA / DATA, as NeMo-RL's `nemo_rl/experience/failures.py` draws it),
+the typed error body of a failed `/run`, where a `/run` row carries its per-request sampling extras,
+and Gym's collector keys. Every layer imports these from here; this module imports nothing of minirl's.
 
-Every layer (the generation server, the agents, the rollout manager, the controller) imports
-these from here and from nowhere else; this module imports nothing of minirl's.
-
-Coordinates: `Coords(step, group, rollout, attempt)`, written `s0.g1.r0.a0`; a model call appends
-`.c2` (a summary call `.s1a0`: compaction 1, attempt 0). A `/run` row carries them as `_minirl: {step, group, rollout, attempt, group_attempt}`.
-
-Taxonomy: INFRA failures (the fleet, the network, a timeout) are worth retrying with backoff; DATA
-failures (a bad result, a 4xx, anything unrecognised) are retried without backoff and then skipped
-or raised. `RolloutRedispatchExhausted`, `RolloutStall` and `GenerationFleetUnhealthy` are
-deliberately not RolloutFailures, so no per-attempt retry loop ever catches them.
-
-Invariants: `classify` is total (every exception gets INFRA or DATA), looks at most 8 links down
-the `__cause__` chain and stops at a cycle; anything it does not recognise is DATA. A header or
-`_minirl` value that does not parse raises `BadCoordinates` (a ValueError), never anything else.
-
-Row extras: Gym's `responses_create_params` is the Responses API's create-params, which has no
-`seed`; Gym's `vllm_model` merges `metadata.extra_body`, a JSON object written as a string
-(metadata values are strings), into each chat-completions request it sends. So a row's seed travels
-there, and minirl's own agent reads it from the same place. `with_extra_body` never drops an extra
-or a metadata key that was already there, and `extra_body` returns exactly what `with_extra_body`
-wrote; a malformed `extra_body` raises ValueError naming `responses_create_params.metadata.extra_body`.
-
-Gym's collector keys: minirl is the rollout collector, so each `/run` also carries the keys Gym 0.7's
-collector writes (`collector_keys`), which a flat-row Environment Server
-(`environment_servers/single_agent_turn_legacy`) reads to name the episode: one episode per
-rollout attempt, never shared by two rollouts of a row, nor by the same row at two steps.
+Invariants: `classify` is total (every exception gets INFRA or DATA, anything unrecognised DATA); a
+header or `_minirl` value that does not parse raises `BadCoordinates` (a ValueError), never anything
+else; `extra_body` returns exactly what `with_extra_body` wrote, and neither drops a key already there.
 """
 
 from __future__ import annotations
@@ -58,7 +35,11 @@ class BadCoordinates(ValueError):
 
 @dataclass(frozen=True)
 class Coords:
-    """Where a rollout attempt sits: step, group (dispatch order), rollout in group, attempt of it."""
+    """Where a rollout attempt sits: step, group (dispatch order), rollout in group, attempt of it.
+
+    Written `s0.g1.r0.a0` (`key`); a model call appends `.c2` (a summary call `.s1a0`: compaction 1,
+    attempt 0; `parse_call_key`). A `/run` row carries them as
+    `_minirl: {step, group, rollout, attempt, group_attempt}` (`from_row`)."""
 
     step: int
     group: int
@@ -99,7 +80,8 @@ def parse_call_key(key: str) -> tuple[Coords, int | str]:
     attempt 2) -> (Coords(0, 1, 0, 0), "s1a2"), a call index no per-call fault matches. Raises BadCoordinates."""
     m = _CALL_KEY.match(key) if isinstance(key, str) else None
     if m is None:
-        raise BadCoordinates(f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2, got {key[:80] if isinstance(key, str) else key!r}")
+        got = key[:80] if isinstance(key, str) else key
+        raise BadCoordinates(f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2, got {got!r}")
     call = m.group(2)
     return Coords.from_key(m.group(1)), int(call[1:]) if call[0] == "c" else call
 
@@ -110,6 +92,10 @@ def is_summary_call(call) -> bool:
 
 
 # -------------------------------------------------------------------------------------- taxonomy
+# INFRA failures (the fleet, the network, a timeout) are worth retrying with backoff; DATA failures (a
+# bad result, a 4xx, anything unrecognised) are retried without backoff and then skipped or raised.
+# RolloutRedispatchExhausted, RolloutStall and GenerationFleetUnhealthy are deliberately not
+# RolloutFailures, so no per-attempt retry loop ever catches them.
 INFRA = "infra"
 DATA = "data"
 
@@ -190,9 +176,10 @@ class SummaryFailed(RolloutInfraFailure):
 
 
 class ModelCallFailed(RuntimeError):
-    """A model call answered with an error other than the context-length 400 (lane A). As in Gym's
-    `simple_agent`, the agent does not absorb it: `/run` fails with HTTP 500 (INFRA).
-    `status` is the model server's HTTP status, so `classify` reads a 4xx as DATA."""
+    """A model call answered with an error other than the context-length 400 (which the agent absorbs:
+    docs/failure-policy.md, lane A). As in Gym's `simple_agent`, the agent does not absorb it: `/run`
+    fails with HTTP 500 (INFRA). `status` is the model server's HTTP status, so `classify` reads a 4xx
+    as DATA."""
 
     def __init__(self, message: str, status: int):
         super().__init__(message)
@@ -225,7 +212,8 @@ def http_class(status: int) -> str:
 
 
 def classify(exc: BaseException) -> str:
-    """INFRA or DATA, by the first recognisable link of the `__cause__` chain (at most 8)."""
+    """INFRA or DATA, by the first recognisable link of the `__cause__` chain (at most 8 links; it
+    stops at a cycle); anything it does not recognise is DATA."""
     seen: set[int] = set()
     link: BaseException | None = exc
     for _ in range(8):
@@ -257,7 +245,8 @@ def run_error_status(exc: BaseException) -> int:
     """The status of a failed `/run`: 500, as Gym's middleware answers any agent exception, except
     for a failure known to be the data's (an explicit RolloutDataFailure, or a model server's 4xx
     other than 408/429), which answers 400 so that it stays DATA across the hop."""
-    return 400 if classify(exc) == DATA and (isinstance(exc, RolloutDataFailure) or isinstance(exc, ModelCallFailed)) else 500
+    known = isinstance(exc, RolloutDataFailure) or isinstance(exc, ModelCallFailed)
+    return 400 if classify(exc) == DATA and known else 500
 
 
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
@@ -301,7 +290,11 @@ def parse_error_body(raw: bytes) -> tuple[str, str | None]:
 
 
 EXTRA_BODY = "responses_create_params.metadata.extra_body"
-"""Where a `/run` row carries its per-request sampling extras (the seed)."""
+"""Where a `/run` row carries its per-request sampling extras (the seed). Gym's
+`responses_create_params` is the Responses API's create-params, which has no `seed`; Gym's
+`vllm_model` merges `metadata.extra_body`, a JSON object written as a string (metadata values are
+strings), into each chat-completions request it sends. So a row's seed travels there, and minirl's
+own agent reads it from the same place. A malformed `extra_body` raises ValueError naming this key."""
 
 
 def extra_body(params: dict) -> dict:
@@ -328,8 +321,12 @@ def with_extra_body(params: dict, **extras) -> dict:
     return {**params, "metadata": metadata}
 
 
-TASK_INDEX, ROLLOUT_INDEX, ATTEMPT_INDEX, ROLLOUT_ID = "_ng_task_index", "_ng_rollout_index", "_ng_attempt_index", "_ng_rollout_id"
-"""Gym 0.7's collector keys (`nemo_gym/global_config.py`: TASK_INDEX_KEY_NAME, ...)."""
+TASK_INDEX, ROLLOUT_INDEX = "_ng_task_index", "_ng_rollout_index"
+ATTEMPT_INDEX, ROLLOUT_ID = "_ng_attempt_index", "_ng_rollout_id"
+"""Gym 0.7's collector keys (`nemo_gym/global_config.py`: TASK_INDEX_KEY_NAME, ...). minirl is the
+rollout collector, so each `/run` carries them (`collector_keys`), and a flat-row Environment Server
+(`environment_servers/single_agent_turn_legacy`) reads them to name the episode: one episode per
+rollout attempt, never shared by two rollouts of a row, nor by the same row at two steps."""
 
 
 def collector_keys(coords: Coords, task_index: int) -> dict:
