@@ -153,7 +153,7 @@ def seed_arms(seed: int, arms: list[tuple], run_arm) -> list[dict]:
 
 def main(argv=None, attach: list[str] | None = None) -> int:
     """`attach`: overrides that attach every run to generation workers already running (the suite's
-    shared engine, tests/test_benches.py), plus any more for every run; None starts the bench's own."""
+    shared engine, tests/integration/test_benches.py), plus any more for every run; None starts the bench's own."""
     import ray
 
     from minirl.cluster import start_shared_generation

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def p4(steps: int, extra: tuple[str, ...] = ()) -> dict:
-    """`extra`: more overrides for the run (tests/test_benches.py attaches it to the suite's shared engine)."""
+    """`extra`: more overrides for the run (tests/integration/test_benches.py attaches it to the suite's shared engine)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "minirl.train", f"grpo.max_num_steps={steps}", f"run_dir={tmp}",

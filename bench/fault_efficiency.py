@@ -25,7 +25,7 @@ from minirl.experiments.grid import Grid
 
 def main(argv=None, attach: list[str] | None = None) -> int:
     """`attach`: overrides that attach the cells to generation workers already running (the suite's
-    shared engine, tests/test_benches.py); None: the sweep starts its own, once."""
+    shared engine, tests/integration/test_benches.py); None: the sweep starts its own, once."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="keep the cells here (default: a temporary directory)")

@@ -409,7 +409,7 @@ SAMPLER_TRAITS = {
     "weight_fifo": SamplerTraits(gated=True),
     "ready_first": SamplerTraits(gated=True, needs_is_correction=True),
 }
-"""Every sampler by name; tests/test_config.py checks it against minirl.async_rl.samplers.SAMPLERS."""
+"""Every sampler by name; tests/unit/test_config.py checks it against minirl.async_rl.samplers.SAMPLERS."""
 SamplerName = Literal["in_order", "windowed", "weight_fifo", "ready_first"]
 
 

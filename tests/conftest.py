@@ -2,7 +2,16 @@
 `from_pretrained`, a real in-process vLLM engine, real aiohttp servers on 127.0.0.1.
 
 `make test` runs two pytest-xdist workers: each builds its own session fixtures (its engine, its
-shared cluster), so no test shares a process or a Ray cluster with a test running beside it."""
+shared cluster), so no test shares a process or a Ray cluster with a test running beside it.
+
+What goes where: tests/unit/ runs in the test's own process and starts nothing (no Ray, no vLLM
+engine, no HTTP server, no subprocess or child process): pure functions, config checks, the torch
+step and the tokenizer in-process, the `ast` reads of test_layering.py and test_readme.py. A test that
+starts any real process or server, or uses a fixture below that does, goes in tests/integration/.
+`pytest tests` (`make test`) runs both; `pytest tests/unit` is the fast loop. This file, helpers.py and
+data/ stay in tests/ for both folders (pytest's `prepend` import mode puts each test's folder and
+tests/ on sys.path): test basenames must be unique across the two folders, and a test module imports
+another only from its own folder (test_readme.py's FLOORS from test_layering.py)."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def risky_cells() -> list[dict]:
 
 
 SUITE_CELLS = ("risky-windowed-kept-S2", "risky-ready_first-kept-S1", "risky-summarize-async", "risky-in_order-kill")
-"""The risky cells `make test` runs (tests/test_matrix.py): kept rows under the two samplers that re-stamp,
+"""The risky cells `make test` runs (tests/integration/test_matrix.py): kept rows under the two samplers that re-stamp,
 summarize under faults in async mode, a kill and a resume. The rest run in the whole matrix."""
 
 

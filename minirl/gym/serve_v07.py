@@ -6,7 +6,7 @@ chat request asks for `return_token_ids`, so no `/tokenize` call), Gym's `simple
 a Gym 0.7 Environment Server whose episodes fail (minirl/gym/episodes_v07.py).
 
 `--check-shapes` instead validates, against Gym 0.7's own models, the rows and the failure shapes
-minirl's mapping reads (minirl/gym_failures.py, tests/test_gym_failures.py): an `EpisodeFailure`
+minirl's mapping reads (minirl/gym_failures.py, tests/integration/test_gym_failures.py): an `EpisodeFailure`
 in a `BaseEpisodeResponse`, a `BaseVerifyResponse` with `mask_sample`, the vocabulary of kinds.
 
 Invariant: needs nemo-gym 0.7.0; prints `gym-servers ready {json of URLs}` once all three answer.

@@ -183,7 +183,7 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
                   allow_rewrites: bool = True, max_abs_reward: float | None = None) -> Rollout:
     """Validate a `/run` result and turn it into a Rollout: the one parser of a result, total over
     JSON shapes. Any malformed shape raises RolloutDataFailure naming the field, before any
-    arithmetic; nothing else escapes (tests/test_evidence.py's table and property test), but for a
+    arithmetic; nothing else escapes (tests/unit/test_evidence.py's table and property test), but for a
     result that reports Gym's EpisodeFailure (its lane's exception, minirl.gym_failures). A result
     whose verifier set `mask_sample` is masked (`mask_sample`, its kind and reason in the evidence).
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"]
 

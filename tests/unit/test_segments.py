@@ -258,7 +258,7 @@ ADV = np.array([-1.0, 0.25, 0.5, 1.0], np.float32)
 
 
 def fixed_batch(loss_weight=None) -> TrainBatch:
-    """4 rows x 30 tokens, 15 trained each (tests/test_policy_worker.py's rows, uneven advantages)."""
+    """4 rows x 30 tokens, 15 trained each (tests/unit/test_policy_worker.py's rows, uneven advantages)."""
     rng = np.random.default_rng(0)
     b = TrainBatch(input_ids=rng.integers(3, 400, size=(4, 30)), loss_mask=np.zeros((4, 30), np.float32),
                    gen_logprobs=np.zeros((4, 30), np.float32), lengths=np.full(4, 30), sample_mask=np.ones(4, np.float32),

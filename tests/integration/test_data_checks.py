@@ -33,7 +33,7 @@ from minirl.data import prompt_key, prompt_row
 from minirl.rollout.manager import RolloutManager
 from minirl.validation import held_out_rows
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SUMMARIZE_YAML = str(REPO / "configs" / "summarize.yaml")
 
 

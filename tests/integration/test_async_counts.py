@@ -128,7 +128,7 @@ def test_a_retry_that_keeps_an_old_row_is_stamped_with_that_rows_version(stack, 
 SYNC_RUN = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3", "checkpoint.enabled=false",
             "logger.tensorboard=false", "faults.rate={agent_exception: 0.15, guard_reject: 0.1}", "faults.seed=5",
             "agent.context_history.guards.on_reject=raise"]
-SYNC_BEFORE = Path(__file__).parent / "data" / "sync_metrics_before_counts_from_outcomes.json"
+SYNC_BEFORE = Path(__file__).parents[1] / "data" / "sync_metrics_before_counts_from_outcomes.json"
 """The run's per-step metrics as main's code wrote them before the counters came from the outcomes
 (b857a62), less their clocks and float noise (`comparable`). The test compares
 the metrics named here, so a metric added later does not break it; a change meant to alter one of

@@ -81,7 +81,7 @@ CASES = {
     "model_error_upstream": (["model_error"], [], ("exhausted",)),
 }
 # The table's `transport` / `timeout` rows ("same outcomes as lane B") run in-process, through the
-# same servers and policy: tests/test_failure_policy.py::test_transport_and_timeout_end_like_lane_b
+# same servers and policy: tests/integration/test_failure_policy.py::test_transport_and_timeout_end_like_lane_b
 
 
 ASYNC = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true", "grpo.max_num_steps=2"]

@@ -3,7 +3,7 @@ when a down one is looked at again.
 
 Real parts only: stand-in agent servers are real aiohttp servers on 127.0.0.1 (one answers `/run`
 with a proxy's HTML error page, one never answers `/run`, one answers it); the restart case
-(tests/test_agent_servers.py) kills one of minirl's own agent servers with the seeded `agent_kill`
+(tests/integration/test_agent_servers.py) kills one of minirl's own agent servers with the seeded `agent_kill`
 fault and Ray restarts it at its port.
 """
 

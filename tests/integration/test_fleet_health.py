@@ -1,7 +1,7 @@
 """Fleet health end to end (issue L): `python -m minirl.train` with two generation workers, one of
 them wedged by `worker_hang` at step 1. The router's probes quarantine it, its requests in flight
 fail as INFRA and are redispatched to the healthy worker, and the run trains on; the quarantine is
-in the event log and the step's metrics. (The router's state machine itself: tests/test_router.py.)"""
+in the event log and the step's metrics. (The router's state machine itself: tests/integration/test_router.py.)"""
 
 from __future__ import annotations
 

@@ -28,17 +28,6 @@ def test_registry_names_are_the_configs_policy_types():
         assert type(policy_for(cfg)) is POLICIES[name]
 
 
-def test_importing_a_policy_module_registers_nothing():
-    """The registry is the package's dict: a policy module adds no entry when imported on its own."""
-    import subprocess
-    import sys
-
-    code = ("import sys; import minirl.agents.compaction.summarize as m, minirl.agents.compaction as c; "
-            "assert not hasattr(m, 'register'); print(sorted(c.POLICIES))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['identity', 'recency', 'summarize']"
-
-
 def test_each_policy_declares_its_counters():
     assert POLICIES["identity"].COUNTERS == ()
     assert POLICIES["recency"].COUNTERS == ("images_dropped", "reasoning_dropped")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "slurm" / "minirl.sbatch"
 VENV_BIN = os.path.dirname(sys.executable)
 NODES = ["node-a", "node-b"]

@@ -23,7 +23,7 @@ from minirl.rollout.manager import RolloutManager
 from minirl.validation import held_out_rows, summarize
 from minirl.wire import Coords, extra_body
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOOL = {"type": "function", "name": "get_weather", "strict": True, "description": "weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
@@ -49,7 +49,7 @@ def write(path: Path, rows) -> str:
 
 def jsonl_cfg(base_cfg, tmp_path, rows, **data_fields):
     """A config training on `rows`, served by an external Gym agent (minirl's own pool runs only
-    rows it can parse: tests/test_data_checks.py)."""
+    rows it can parse: tests/integration/test_data_checks.py)."""
     cfg = copy.deepcopy(base_cfg)
     cfg.agent.external_url = "http://127.0.0.1:9"
     cfg.data.train_jsonl = write(tmp_path / "train.jsonl", rows)

@@ -134,7 +134,7 @@ def test_group_fates_counts_each_dispatched_group_once_by_room_count():
 @pytest.mark.slow
 def test_paced_windowed_run_evicts_nothing_where_eager_evicts_most(tmp_path, shared_engine):
     """windowed at staleness 0 with room for 16 groups in flight: eager admission dispatches 16
-    under weights 0 and evicts 12 (tests/test_async.py). Paced, the pump starts only what a step
+    under weights 0 and evicts 12 (tests/integration/test_async.py). Paced, the pump starts only what a step
     needs once no window is left, so no group is generated to be evicted, every step trains its
     4 groups, and each hold is a `pace` event whose admission ends it."""
     from helpers import run_cli

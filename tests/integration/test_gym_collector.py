@@ -29,7 +29,7 @@ from minirl.gym.shapes import RunRequest
 from minirl.rollout.manager import RolloutManager
 from minirl.validation import held_out_rows
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # Gym 0.7's ROLLOUT_ID_PATTERN (EpisodeId.rollout_id)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "minirl"
+ROOT = Path(__file__).resolve().parents[2] / "minirl"
 
 FLOORS = {
     "minirl.wire": 0, "minirl.types": 0, "minirl.faults": 0, "minirl.stats": 0, "minirl.http_thread": 0,

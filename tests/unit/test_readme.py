@@ -1,5 +1,5 @@
 """The README stays a door (no Ray, no engine): under its size budget, one current figure per
-performance cell, its Layering list the same floors as tests/test_layering.py, every module with a
+performance cell, its Layering list the same floors as tests/unit/test_layering.py, every module with a
 docstring (the module map's home now), and every docs/ or bench/ link in the README and docs/ resolving."""
 
 import ast
@@ -43,7 +43,7 @@ def test_the_layering_list_matches_the_layering_test():
         for name in re.findall(r"`([a-z_]+)(?:\.py|/)`", line):
             listed["minirl." + name] = floor
     expected = {k: v for k, v in FLOORS.items() if k != "minirl"}
-    assert listed == expected, f"README's Layering list and tests/test_layering.py's FLOORS differ: {set(listed.items()) ^ set(expected.items())}"
+    assert listed == expected, f"README's Layering list and tests/unit/test_layering.py's FLOORS differ: {set(listed.items()) ^ set(expected.items())}"
 
 
 def test_every_module_opens_with_a_docstring():

@@ -350,7 +350,7 @@ def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tok
 
 ACCEPTED_CHILD = """
 import asyncio, json, sys
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/integration"]  # conftest.py, and this file
 import aiohttp
 from conftest import Stack
 from test_summarize import row_of

@@ -170,7 +170,7 @@ def test_a_retried_group_is_restamped_and_nothing_is_dispatched_during_a_weight_
     cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt, cfg.policy.train_global_batch_size = 1, 2, 2
     cfg.async_rl.rollout_failure.nemo_gym.max_row_attempts = 1
     # the retry re-runs every row (upstream), so nothing older than it is kept: a kept row's older
-    # version is the group's stamp instead (tests/test_async_counts.py)
+    # version is the group's stamp instead (tests/integration/test_async_counts.py)
     cfg.async_rl.rollout_failure.nemo_gym.keep_returned_rows = False
     cfg.faults.inject = [FaultSpec(kind="transport", step=0, group=0, rollout=0, attempt=0)]
     events, inflight_seen = [], []

@@ -23,7 +23,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _extras() -> dict[str, dict[str, Requirement]]:
