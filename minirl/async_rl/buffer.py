@@ -1,10 +1,5 @@
 """The buffer of finished prompt groups that the rollout pump fills and the train pump drains.
 
-Each entry is one prompt group's resolution (committed, dropped or skipped) with `start_weight`,
-the oldest policy version any of its kept rows' group attempts started under (re-stamped on every
-attempt, as upstream reserves each attempt under the current version, but never younger than a row
-kept from an earlier attempt).
-
 Invariant: a group enters the buffer once, and leaves it once: consumed by exactly one optimizer
 step, or evicted as stale (counted, never trained). At most `capacity` unconsumed groups are held;
 the pump reserves a place before it dispatches, so a finished group always finds one.
@@ -22,6 +17,11 @@ if TYPE_CHECKING:  # the samplers (and so the config's check) import this module
 
 @dataclass
 class GroupRecord:
+    """One prompt group's resolution (committed, dropped or skipped). `start_weight` is the oldest policy
+    version any of its kept rows' group attempts started under (re-stamped on every attempt, as upstream
+    reserves each attempt under the current version, but never younger than a row kept from an earlier
+    attempt), so the group sorts, counts and is evicted by its true age."""
+
     step: int  # the prompt's step in the prompt stream (its coordinates)
     group: int
     start_weight: int
@@ -71,8 +71,8 @@ class GroupBuffer:
         """Wait until `pick(ready)` -> (stale, chosen) chooses; remove both; returns (stale, chosen).
 
         `pick` runs under the buffer's lock after every change; the stale records it names are
-        evicted at once (returned, for the step source to count), even while it keeps waiting (chosen None); an exception it
-        raises (the pump's failure) propagates."""
+        evicted at once (returned, for the step source to count), even while it keeps waiting (chosen
+        None); an exception it raises (the pump's failure) propagates."""
         evicted: list[GroupRecord] = []
         async with self.changed:
             while True:

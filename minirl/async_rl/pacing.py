@@ -1,29 +1,7 @@
 """Admission pacing (`async_rl.sampler.admission=paced`): the rollout pump starts a prompt group only
 when it is expected to finish while its start weight can still be trained, so a slow group is not
-generated only to be evicted as stale.
-
-A group started under version v may train at versions v..v+S (S: `max_staleness_versions`); the
-last step that can take it selects its groups when version v+S is published, S step periods after
-v was. With P the median of the recent intervals between publishes and t_v the time v was
-published, a group's window closes at t_v + S * P (a conservative bound: that step may also wait
-for groups and select later). A group's expected duration is the `pacing_quantile` of the recent
-dispatch-to-commit durations of its *prompt class* (`prompt_class`: the row's difficulty; for doors
-the room count); for a class not seen yet, `pacing_bound_s`, else the slowest class seen. The pump
-holds the group at the head of the stream while now + expected > t_v + S * P, and admits it:
-- when it fits (a publish opens a fresh window, or the estimates shrink);
-- when nothing has been observed yet and no bound is set: the pacer learns from what it admits
-  (but before the first publish, with no step period known, only what the first step needs starts);
-- when the train pump is starving (waiting for a step with fewer groups in flight or ready in the
-  window than a step takes): holding then would stall the version, and with it the window, for ever.
-A gated sampler (weight_fifo, in_order) trains batches of one start weight: it is paced a batch at a
-time, at the batch's first group, by the slowest class in the batch (a batch split across versions
-would be evicted as a short weight). An ungated sampler (windowed) takes any ready groups of the
-window, so a slow group admitted (it fit, or the step starved) would still lose its place to fast
-groups started after it: there the pump also holds while one more group could push the oldest live
-group in flight out of its window (`protects`, a bound by counts that needs no estimate).
-
-A checkpoint keeps what the pacer observed (`Pacer.state`), so a resumed run paces from the first
-group as the run did before it stopped, not as a fresh one that admits to learn.
+generated only to be evicted as stale. docs/async.md ("Admission pacing") gives the rule in full;
+`Pacer.decide` and `protects` apply it.
 
 Invariant: `Pacer.decide` and `protects` are pure functions of what was observed and their arguments
 (the clock is passed in); holding never loses or reorders a prompt, and the pump is never held by
@@ -133,7 +111,14 @@ class Pacer:
         return None if period is None else self.publishes[-1] + self.s * period - now
 
     def decide(self, classes: list, now: float, starving: bool) -> Decision:
-        """May groups of these classes (one group, or a gated sampler's whole batch) start at `now`?"""
+        """May groups of these classes (one group, or a gated sampler's whole batch) start at `now`?
+
+        A group started under version v may train up to v + S, and the step that takes v + S selects
+        when it is published, so its window closes at t_v + S * P (P: the median interval between
+        publishes; conservative, as that step may wait longer). Admit when the slowest class's
+        expected duration fits the window left (`fits`), when nothing has been observed yet (`unknown`:
+        admit and learn), or when the train pump starves (`starving`: holding then would stall the
+        version, and with it the window, for ever); else `hold`."""
         known = [e for e in map(self.expected, classes) if e is not None]
         expected, left = (max(known) if known else None), self.window_left(now)
         if expected is None and left is not None:

@@ -1,54 +1,13 @@
-"""The rollout pump: dispatches prompt groups ahead of training, and commits each one's resolution
-to the group buffer with its weight versions.
+"""The rollout pump: dispatches prompt groups ahead of training, in prompt-stream order, and commits
+each one's resolution to the group buffer with the policy versions it ran under. Each group runs
+through `RolloutManager.run_group`, so the whole failure policy applies unchanged. docs/async.md
+covers its admission rules, `on_dropped_prompt: replace`, pacing and resume.
 
-It walks the prompt stream in order ((step, group) from `first_step`, group 0..N-1 per step), and
-dispatches the next group once the sampler admits it at the current policy version, fewer than
-`async_rl.max_inflight_prompts` groups are in flight, the buffer has a free place, and no weight
-sync is under way (`pause` .. `set_version`: the version changes only after the new weights are
-served). Each group runs through `RolloutManager.run_group`: the whole failure policy (retry,
-backoff, row and group redispatch, drop budget) applies unchanged, and every group attempt is
-stamped with the version current at its start, as upstream reserves each attempt; a group's
-`start_weight` is the oldest version any of its kept rows' attempts started under (a retry keeps
-the rows that came back, `nemo_gym.keep_returned_rows`, so a row generated under v0 keeps the
-group at v0 however late its last attempt starts): it sorts, counts and is evicted by its true age.
-
-A dispatched group holds one *place* of its step (and one buffer place) until a record commits.
-`on_dropped_prompt: replace` (a sampler that stamps target steps), as upstream's pump runs it: when
-the place's prompt is lost (an INFRA drop or a DATA skip alike) it takes a spare prompt from the
-pool, up to `max_replacement_attempts` per place; if a later step holds a finished group, the one
-from the furthest such step is re-stamped into this step (promoted) and the place, with its spare,
-is re-aimed at the lender's step; otherwise the spare fills this step. With no spare or no attempt
-left the lost record commits and the step shrinks. The pool's low-water mark is
-`replacement_reserve_prompts`: at each batch boundary (once a batch has been admitted) a pool below
-it is refilled with a whole batch of spare prompts, batch b being the groups N..2N-1 of prompt step
-b: prompts no step trains, so a step's own prompts never depend on drops. With
-`replacement_prompt_source=stream` (upstream) the refill diverts the batch the next step would have
-trained, and from then on step s trains prompt step s + (batches diverted).
-
-Checkpoint (`snapshot`, `restored`): a checkpoint keeps the cursor, the finished groups not yet
-trained (with their weight versions and target steps), the places in flight (prompt, target step,
-replacement attempts used), the spare pool and, paced, what the pacer observed. On resume the pump
-drops kept groups whose target step has passed (stamping samplers), leaves the stale ones to the train pump's eviction,
-re-dispatches the places that were in flight (under the resumed version: the prompt stream and the
-fault stream are functions of the coordinates) and goes on from the cursor: only what is missing
-is generated again.
-
-Pacing (`async_rl.sampler.admission=paced`, pacing.py): the next group (a gated sampler's next
-batch) is also held while its expected duration (by prompt class) would end after its window
-closes, unless the train pump is starving, and under an ungated sampler while one more group could
-push the oldest live group in flight out of its window; a `pace` event records each hold and the
-admission that ends it. Each committed group's dispatch-to-commit time is observed by its class,
-and each publish's time.
-
-Watchdogs: the manager's (no rollout completed for `stall_timeout_s` with some in flight), and the
-pump's own for a train pump that has waited `stall_timeout_s` with none in flight, which no
-arriving group can end: both raise RolloutStall (or warn), naming what they waited for.
-
-Invariant: every place is dispatched once and resolves once into the buffer, with the prompt that
-last held it (or the run ends; after a resume, once more only if it was in flight at the
-checkpoint); a prompt it gave up on rides on its record (`lost`), never in the buffer; a run-ending failure
-(drop budget, DATA re-raise, stall) stops the pump and is raised to the train pump by `check`,
-never swallowed.
+Invariant: every place (a dispatched group's slot in its step) is dispatched once and resolves once
+into the buffer, with the prompt that last held it (or the run ends; after a resume, once more only
+if it was in flight at the checkpoint); a prompt it gave up on rides on its record (`lost`), never in
+the buffer; a run-ending failure (drop budget, DATA re-raise, stall) stops the pump and is raised to
+the train pump by `check`, never swallowed.
 """
 
 from __future__ import annotations
@@ -69,6 +28,14 @@ from minirl.wire import RolloutStall
 
 
 class RolloutPump:
+    """Walks the prompt stream in order ((step, group) from `first_step`, group 0..N-1 per step) and
+    dispatches the next group once the sampler admits it at the current policy version, fewer than
+    `async_rl.max_inflight_prompts` groups are in flight, the buffer has a free place, and no weight
+    sync is under way (`pause` .. `set_version`: the version changes only after the new weights are
+    served). A dispatched group holds one *place* of its step (and one buffer place) until a record
+    commits; under `on_dropped_prompt: replace` a lost prompt's place takes a spare (`_substitute`).
+    Besides the manager's stall watchdog, `_starvation_watch` ends a wait no arriving group can end."""
+
     def __init__(self, cfg: MinirlConfig, manager: RolloutManager, buffer: GroupBuffer, sampler: Sampler,
                  first_step: int, version: int, on_resolved: Callable[[int, int], Awaitable[None]],
                  restored: dict | None = None):
@@ -90,7 +57,8 @@ class RolloutPump:
         self.relaunch: list[list] = []  # places in flight at the checkpoint resumed from
         self.train_waiting: int | None = None  # the step the train pump waits for (set by the controller)
         sc = cfg.async_rl.sampler
-        self.pacer = Pacer(sampler.s, sc.pacing_quantile, sc.pacing_bound_s, time.monotonic()) if sc.admission == "paced" else None
+        self.pacer = (Pacer(sampler.s, sc.pacing_quantile, sc.pacing_bound_s, time.monotonic())
+                      if sc.admission == "paced" else None)
         self.held: list | None = None  # paced: [step, group, since] of the group held at the head
         self.selected = -1  # the last version whose step took its groups (set by the train pump's source)
         if restored is not None:
@@ -102,8 +70,9 @@ class RolloutPump:
         its record and ends in one loop step, but `_done` drops it from `tasks` a loop iteration
         later, so a task that is done is not in flight: its record is in the buffer already (or
         it failed, and the run ends)."""
-        return {"next": self.next, "in_flight": sorted(tuple(job) for task, job in self.tasks.items() if not task.done()),
-                "ready": list(self.buffer.ready), "pool": list(self.pool), "spare_batches": self.spare_batches,
+        in_flight = sorted(tuple(job) for task, job in self.tasks.items() if not task.done())
+        return {"next": self.next, "in_flight": in_flight, "ready": list(self.buffer.ready),
+                "pool": list(self.pool), "spare_batches": self.spare_batches,
                 "pacer": None if self.pacer is None else self.pacer.state()}
 
     def _restore(self, snap: dict, first_step: int) -> None:
@@ -145,9 +114,11 @@ class RolloutPump:
             if (idle := time.monotonic() - since) <= wd.stall_timeout_s:
                 continue
             held = sorted((r.step, r.group, r.target_step) for r in self.buffer.ready)
-            message = (f"the train pump has waited {idle:.1f}s for step {self.train_waiting} with no prompt group in flight "
-                       f"(async_rl.stall_watchdog.stall_timeout_s={wd.stall_timeout_s}): the {self.sampler.name} sampler "
-                       f"selects nothing from the buffer's {len(held)} group(s) {held[:8]} (step, group, target_step), "
+            message = (f"the train pump has waited {idle:.1f}s for step {self.train_waiting} "
+                       f"with no prompt group in flight "
+                       f"(async_rl.stall_watchdog.stall_timeout_s={wd.stall_timeout_s}): "
+                       f"the {self.sampler.name} sampler selects nothing "
+                       f"from the buffer's {len(held)} group(s) {held[:8]} (step, group, target_step), "
                        f"and the pump's next group is {self.next}")
             self.manager.emit({"type": "stall", "step": self.train_waiting, "in_flight": 0, "decision": wd.action,
                                "message": message})
@@ -209,7 +180,8 @@ class RolloutPump:
             return True
         n, gated = self.cfg.grpo.num_prompts_per_step, self.sampler.gated
         classes = [prompt_class(prompt_row(self.cfg, step, g)) for g in (range(n) if gated else [group])]
-        ready = sum(self.sampler.in_window(r, self.version) for r in self.buffer.ready if r.outcome.status == "committed")
+        ready = sum(self.sampler.in_window(r, self.version)
+                    for r in self.buffer.ready if r.outcome.status == "committed")
         starving = self.train_waiting is not None and (not self.tasks or len(self.tasks) + ready < n)
         d = self.pacer.decide(classes, time.monotonic(), starving)
         if d.admit and not gated and not protects(self.inflight, ready, self.version, self.sampler.s, n,
@@ -236,15 +208,18 @@ class RolloutPump:
 
     def _refill(self) -> None:
         """Below the low-water mark, divert a whole batch of spare prompts into the pool: the groups
-        N..2N-1 of prompt step b (`spare_groups`), or the batch the next step would have trained (`stream`)."""
+        N..2N-1 of prompt step b (`spare_groups`), or the batch the next step would have trained
+        (`stream`)."""
         rf, n = self.cfg.async_rl.rollout_failure, self.cfg.grpo.num_prompts_per_step
         while rf.on_dropped_prompt == "replace" and len(self.pool) < rf.replacement_reserve_prompts:
-            b = self.next[0] + self._diverted() if rf.replacement_prompt_source == "stream" else self.spare_batches
-            prompts = [(b, g) for g in range(n)] if rf.replacement_prompt_source == "stream" else [(b, n + g) for g in range(n)]
+            stream = rf.replacement_prompt_source == "stream"
+            b = self.next[0] + self._diverted() if stream else self.spare_batches
+            prompts = [(b, g) for g in range(n)] if stream else [(b, n + g) for g in range(n)]
             self.spare_batches += 1
             self.pool += prompts
-            self.manager.emit({"type": "spare_pool", "step": self.next[0], "batch": b, "prompts": [list(p) for p in prompts],
-                               "pool": len(self.pool), "low_water": rf.replacement_reserve_prompts})
+            self.manager.emit({"type": "spare_pool", "step": self.next[0], "batch": b,
+                               "prompts": [list(p) for p in prompts], "pool": len(self.pool),
+                               "low_water": rf.replacement_reserve_prompts})
 
     def _launch(self, job: list) -> None:
         task = asyncio.create_task(self._place(job))
@@ -278,7 +253,8 @@ class RolloutPump:
         try:
             while True:
                 step, group = job[0], job[1]
-                outcome = await self.manager.run_group(step, group, prompt_row(self.cfg, step, group), on_attempt=attempt)
+                row = prompt_row(self.cfg, step, group)
+                outcome = await self.manager.run_group(step, group, row, on_attempt=attempt)
                 await self.on_resolved(step, group)
                 if outcome.status == "committed" or not self._substitute(job, outcome):
                     break
@@ -314,8 +290,8 @@ class RolloutPump:
         event = {"type": "replace", "step": step, "group": group, "status": outcome.status, "target_step": target,
                  "attempt": used + 1, "max_replacement_attempts": rf.max_replacement_attempts}
         if used >= rf.max_replacement_attempts or not self.pool:
-            self.manager.emit({**event, "decision": "shrink", "pool": len(self.pool),
-                               "reason": "max_replacement_attempts" if used >= rf.max_replacement_attempts else "pool_empty"})
+            reason = "max_replacement_attempts" if used >= rf.max_replacement_attempts else "pool_empty"
+            self.manager.emit({**event, "decision": "shrink", "pool": len(self.pool), "reason": reason})
             return False
         spare = self.pool.pop(0)
         later = [r for r in self.buffer.ready if r.outcome.status == "committed" and r.target_step > target]

@@ -1,30 +1,7 @@
 """Staleness samplers: which prompt groups the rollout pump may dispatch now, and which finished
-groups the next optimizer step takes, as NeMo-RL's Single-Controller samplers decide it.
-
-A sampler is built with S (`async_rl.sampler.max_staleness_versions`; for `in_order` its gate,
-upstream's `max_lookahead_versions`). A *gated* sampler dispatches the groups of prompt batch k
-only while k <= w + S (w: the policy version the generation workers serve); an ungated one only as
-the buffer and `max_inflight_prompts` allow. Each sampler's row of `config.SAMPLER_TRAITS` (one
-place, read by the config's checks and copied onto the class here) says `gated`, `stamps_target_steps`
-(a batch's groups are stamped for one optimizer step, so a lost group can be credited to it, which
-drop budgets and `on_dropped_prompt=replace` need) and `needs_is_correction`; `capacity` is the
-buffer the sampler needs, or the pumps deadlock.
-- `in_order` (gated, stamps): batch s's groups are stamped `target_step = s`; step s trains exactly
-  the groups stamped for it once every place has resolved (committed, or lost and reported), so a
-  drop shrinks its own step as in sync, or is replaced (`on_dropped_prompt=replace`, see pump.py).
-  Eviction keeps [w - S, w] by start weight. At S = 0 it is the synchronous loop, step for step.
-- `windowed` (ungated): a step takes the `num_prompts_per_step` oldest committed groups whose
-  start weight lies in [w - S, w]; the committed groups outside it are evicted (wasted compute).
-- `weight_fifo` (gated): a step waits for the single oldest start weight over every in-window
-  group, in flight or ready, and takes `num_prompts_per_step` groups of that weight only: it never
-  mixes versions. A weight below w that can no longer fill a step (nothing of it in flight, fewer
-  than a step's groups ready: a batch split across a version change by the in-flight cap or by a
-  retry's re-stamp) is evicted whole, where upstream's select would wait for it.
-- `ready_first` (gated): a step takes the first `num_prompts_per_step` ready groups with start
-  weight <= w, however old, in dispatch order (upstream's reservation order: the prompt stream's
-  (step, group); it stamps no target step, so it has no spares out of that order): a slow group
-  trains as soon as it is ready, before groups dispatched after it. Nothing is evicted, so the
-  config requires the importance sampling correction with it.
+groups the next optimizer step takes, as NeMo-RL's Single-Controller samplers decide it. A group
+started under policy version v may train at w only if w - S <= v <= w (S: `max_staleness_versions`);
+a *gated* sampler also dispatches prompt batch k only while k <= w + S. One class per sampler.
 
 Invariant: `select` returns the records of one optimizer step or None (wait), and never a
 committed record outside the sampler's window; `stale` names exactly the committed records that
@@ -74,6 +51,11 @@ class Sampler:
 
 
 class InOrder(Sampler):
+    """Gated, stamps target steps: batch s's groups are stamped `target_step = s`; step s trains exactly
+    the groups stamped for it once every place has resolved (committed, or lost and reported), so a drop
+    shrinks its own step as in sync, or is replaced (`on_dropped_prompt=replace`). Eviction keeps
+    [w - S, w] by start weight. At S = 0 it is the synchronous loop, step for step."""
+
     name = "in_order"
 
     def select(self, step, version, ready, inflight):
@@ -82,6 +64,9 @@ class InOrder(Sampler):
 
 
 class Windowed(Sampler):
+    """Ungated: a step takes the `num_prompts_per_step` oldest committed groups whose start weight lies
+    in [w - S, w]; the committed groups outside it are evicted (wasted compute)."""
+
     name = "windowed"
 
     def _batch(self, version, ready):
@@ -96,6 +81,12 @@ class Windowed(Sampler):
 
 
 class WeightFifo(Sampler):
+    """Gated: a step waits for the single oldest start weight over every in-window group, in flight or
+    ready, and takes `num_prompts_per_step` groups of that weight only: it never mixes versions. A weight
+    below w that can no longer fill a step (nothing of it in flight, fewer than a step's groups ready: a
+    batch split across a version change by the in-flight cap or by a retry's re-stamp) is evicted whole,
+    where upstream's select would wait for it."""
+
     name = "weight_fifo"
 
     def _oldest(self, version, ready, inflight) -> int | None:
@@ -121,6 +112,11 @@ class WeightFifo(Sampler):
 
 
 class ReadyFirst(Sampler):
+    """Gated: a step takes the first `num_prompts_per_step` ready groups with start weight <= w, however
+    old, in dispatch order (upstream's reservation order: the prompt stream's (step, group); it stamps no
+    target step, so it has no spares out of that order): a slow group trains as soon as it is ready.
+    Nothing is evicted, so the config requires the importance sampling correction with it."""
+
     name = "ready_first"
 
     def stale(self, version, ready, inflight=None):

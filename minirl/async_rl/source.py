@@ -2,15 +2,6 @@
 optimizer step's prompt groups from the buffer that the rollout pump (pump.py) fills. It is a
 `types.StepSource`, as the synchronous `SyncSource` (minirl/rollout/source.py) is.
 
-On the first `take` it opens the manager and starts the pump (from a resumed checkpoint's buffer if
-there is one). Each `take` evicts the committed groups the sampler can no longer select (an `evict`
-event each, written at once even if the wait goes on or ends the run), waits until the sampler
-selects the step's groups, and takes them with their servers' call records. Call records are moved
-from the generation workers as each group resolves (`resolved`) and kept by (step, group) until
-their group is taken; records of groups already taken or evicted (late records of retired
-attempts) are orphans, handed to the next step's ledger, which retires them. The groups a `take`
-evicted ride on its StepTake (`evicted`), so the step that lost them counts what they cost.
-
 Invariant: every buffered group is taken by exactly one step or evicted once; every call record
 drained from the servers reaches exactly one step's ledger (with its group, or as an orphan); the
 checkpoint's buffer carries the call records of exactly the groups it holds.
@@ -37,9 +28,19 @@ def _keys(record: GroupRecord) -> list[tuple[int, int]]:
 
 
 class BufferSource:
-    """Async (`async_rl.enabled=true`): the step's groups, as the sampler selects them from the buffer."""
+    """Async (`async_rl.enabled=true`): the step's groups, as the sampler selects them from the buffer.
 
-    def __init__(self, cfg: MinirlConfig, manager: RolloutManager, drain: Callable[[int | None], Awaitable[list[dict]]]):
+    The first `take` opens the manager and starts the pump (from a resumed checkpoint's buffer if there
+    is one). Each `take` evicts the committed groups the sampler can no longer select (an `evict` event
+    each, written at once even if the wait goes on or ends the run), waits until the sampler selects the
+    step's groups, and takes them with their servers' call records. Call records are moved from the
+    generation workers as each group resolves (`resolved`) and kept by (step, group) until their group
+    is taken; records of groups already taken or evicted (late records of retired attempts) are orphans,
+    handed to the next step's ledger, which retires them. The groups a `take` evicted ride on its
+    StepTake (`evicted`), so the step that lost them counts what they cost."""
+
+    def __init__(self, cfg: MinirlConfig, manager: RolloutManager,
+                 drain: Callable[[int | None], Awaitable[list[dict]]]):
         self.cfg, self.manager, self.drain = cfg, manager, drain
         self.window = cfg.async_rl.sampler.max_staleness_versions
         self.pump: RolloutPump | None = None  # started by the first `take`
@@ -73,7 +74,8 @@ class BufferSource:
         ar = self.cfg.async_rl
         self.manager.open()
         self.buffer = GroupBuffer(ar.max_buffered_rollouts)
-        self.sampler = make_sampler(ar.sampler.name, self.cfg.grpo.num_prompts_per_step, ar.sampler.max_staleness_versions)
+        self.sampler = make_sampler(ar.sampler.name, self.cfg.grpo.num_prompts_per_step,
+                                    ar.sampler.max_staleness_versions)
         restored, self.restored = self.restored, None
         self.pump = RolloutPump(self.cfg, self.manager, self.buffer, self.sampler, step, version, self.resolved,
                                 restored and restored["pump"])
@@ -95,7 +97,8 @@ class BufferSource:
         counts = dict(zip(SOURCE_COUNTS, (len(stale), sum(r.promoted for r in chosen),
                                          sum(r.replacement and r.outcome.status == "committed" for r in chosen))))
         self.consumed.update(key for r in stale + chosen for key in _keys(r))
-        calls, self.orphans = [c for r in chosen for key in _keys(r) for c in self.calls.pop(key, [])] + self.orphans, []
+        calls = [c for r in chosen for key in _keys(r) for c in self.calls.pop(key, [])] + self.orphans
+        self.orphans = []
         # the prompts a place gave up on (replaced): counted in the step's attempts and costs, never as groups
         lost = [dataclasses.replace(o, status="replaced") for r in chosen for o in r.lost]
         since, self.handed_over = self.handed_over, time.perf_counter()  # generation overlaps training
