@@ -4,13 +4,6 @@ A reply is `<think>…</think>` (optional), free text (optional), then `<tool_ca
 blocks, then `<|im_end|>`. The server parses replies the way vLLM's hermes tool parser and its
 think-tag reasoning parser do, so a standard OpenAI client gets `tool_calls` and `reasoning`.
 
-Message content sent as a list of parts (as Gym's `vllm_model` sends it) is flattened the way
-vLLM flattens it for a text-only chat template (`normalize_content`), before the template runs.
-
-`rendered_chars` counts, without rendering, a lower bound on the rendered text's length (every
-field the template prints, and no other), so the server can refuse a prompt too long to tokenize
-before the template runs.
-
 Invariant: for a reply in canonical form, rendering the parsed message back through the template
 reproduces the reply's text exactly (`render(parse(text)) == text`), so a history that is not
 rewritten re-renders as a prefix of the next prompt; and list content renders exactly as the
@@ -41,7 +34,8 @@ CHAT_TEMPLATE = (
     "{{ m.content or '' }}"
     "{% for tc in (m.tool_calls or []) %}"
     '<tool_call>{"name": "{{ tc.function.name }}", "arguments": '
-    "{% if tc.function.arguments is string %}{{ tc.function.arguments }}{% else %}{{ tc.function.arguments | tojson }}{% endif %}"
+    "{% if tc.function.arguments is string %}{{ tc.function.arguments }}"
+    "{% else %}{{ tc.function.arguments | tojson }}{% endif %}"
     "}</tool_call>"
     "{% endfor %}"
     "{% else %}"
@@ -58,7 +52,8 @@ EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
 IMAGE_TEXT_PREFIX = "data:text/plain,"
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
 
 
 def normalize_content(content):
@@ -88,11 +83,13 @@ def normalize_content(content):
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str) or not url.startswith(IMAGE_TEXT_PREFIX):
                 raise ValueError(
-                    f"this model reads images only as text stand-ins ({IMAGE_TEXT_PREFIX}…); got an image part with url {str(url)[:80]!r}"
+                    f"this model reads images only as text stand-ins ({IMAGE_TEXT_PREFIX}…); "
+                    f"got an image part with url {str(url)[:80]!r}"
                 )
             texts.append("<image>" + url[len(IMAGE_TEXT_PREFIX):] + "</image>")
         else:
-            raise ValueError(f"Unsupported chat content part type: {kind!r}. Supported types: image_url, input_image, {', '.join(_TEXT_PARTS)}.")
+            raise ValueError(f"Unsupported chat content part type: {kind!r}. "
+                             f"Supported types: image_url, input_image, {', '.join(_TEXT_PARTS)}.")
     return "\n".join(texts)
 
 
@@ -114,7 +111,8 @@ def _strings(value) -> int:
 
 def _content_chars(content) -> int:
     if isinstance(content, list):  # the parts' text, as `normalize_content` joins it
-        keys = (_TEXT_PARTS.get(p.get("type")) if isinstance(p, dict) and isinstance(p.get("type"), str) else None for p in content)
+        keys = (_TEXT_PARTS.get(p.get("type")) if isinstance(p, dict) and isinstance(p.get("type"), str) else None
+                for p in content)
         return sum(_strings(p.get(k)) for p, k in zip(content, keys) if k is not None)
     return _strings(content) if isinstance(content, str) else 0
 
@@ -124,7 +122,8 @@ def rendered_chars(messages: list, tools: list | None) -> int:
     counted without rendering: every field the template prints (each message's role and content;
     an assistant's reasoning and its tool calls' names and arguments; each tool's name and
     parameter names), never one it skips (a tool's description, a field the template does not
-    read). A value that is not a string is printed as its `str()`, which holds at least its strings."""
+    read). A value that is not a string is printed as its `str()`, which holds at least its strings.
+    So the server can refuse a prompt too long to tokenize before the template runs."""
     n = 0
     for m in messages if isinstance(messages, list) else ():
         if not isinstance(m, dict):
@@ -212,7 +211,8 @@ def splice_prefix(prefix: list[int], rendered: list[int], eos_id: int, decode) -
     differently from a reply that was not in canonical form. Otherwise PrefixMismatch says where.
     """
     if not prefix or prefix[-1] != eos_id:
-        raise PrefixMismatch(f"must end with the end-of-turn token {eos_id} (the last reply's), got {str(prefix[-1:])[:80]}")
+        raise PrefixMismatch(
+            f"must end with the end-of-turn token {eos_id} (the last reply's), got {str(prefix[-1:])[:80]}")
     ends_p = [i for i, t in enumerate(prefix) if t == eos_id]
     ends_r = [i for i, t in enumerate(rendered) if t == eos_id]
     if len(ends_r) < len(ends_p):

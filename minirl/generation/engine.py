@@ -1,23 +1,12 @@
 """An in-process vLLM engine driven by one thread, with continuous batching across callers.
-
 HTTP handlers (any thread, any event loop) call `generate`, which returns a future; the engine
-thread adds requests, steps the engine while anything is unfinished (an idle CPU engine first
-gathers a burst, for at most `gather_max_s`: `_gather`), and resolves futures as requests finish.
-Weight updates run on the same thread between steps. A caller that leaves calls
-`abort(request_id)`: the engine drops the request and stops spending steps on it.
+thread steps vLLM while anything is unfinished and resolves futures as requests finish.
 
 Invariant: vLLM's engine is built on the engine thread, and every call that changes its state
 (add_request, abort_request, step, collective_rpc) happens there, so a weight update never
 interleaves with a decoding step; each result records the weight version at its submission and
-at its completion, so a caller can tell if an update fell between. Every accepted request leaves
-`pending` exactly once: finished, aborted, or failed with the engine.
-
-A weight update either lands whole or leaves the engine as it was: the update's names, shapes and
-dtypes are checked against the served checkpoint's (`check_weights`, from its safetensors headers)
-before vLLM's in-place reload starts, since that reload first moves every layer to the meta device
-and a load that fails midway (another model's vocabulary: vLLM asserts) leaves it unable to step.
-An update that fails inside the reload anyway marks the engine dead (`/health` 503, every request
-refused) rather than serving from half-loaded weights; the generation worker restarts it.
+at its completion. Every accepted request leaves `pending` exactly once: finished, aborted, or
+failed with the engine. A weight update lands whole or leaves the engine as it was (`update_weights`).
 """
 
 from __future__ import annotations
@@ -150,6 +139,12 @@ def _all_finite(worker) -> bool:
 
 
 class VllmEngine:
+    """One vLLM engine and the thread that steps it. The thread adds requests, steps the engine while
+    anything is unfinished (an idle CPU engine first gathers a burst, for at most `gather_max_s`:
+    `_gather`), and resolves futures as requests finish; weight updates run on it between steps. A
+    caller that leaves calls `abort(request_id)`: the engine drops the request and stops spending
+    steps on it."""
+
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, on_dead=None, step_timeout_s: float = 0.0,
@@ -194,7 +189,8 @@ class VllmEngine:
             raise self._build_error
         self.set_gather(gather_gap_s, gather_max_s)
         if on_dead is not None and step_timeout_s > 0:
-            threading.Thread(target=self._watch, args=(step_timeout_s,), name="vllm-engine-watchdog", daemon=True).start()
+            threading.Thread(target=self._watch, args=(step_timeout_s,), name="vllm-engine-watchdog",
+                             daemon=True).start()
 
     # -- public API (thread-safe) -------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
@@ -225,7 +221,14 @@ class VllmEngine:
         """New weights between two engine steps. Requests in flight continue under them (their
         result records both versions), unless `drain`: then the update waits until every request in
         flight has finished, and requests that arrive meanwhile wait for the update. Weights that do
-        not fit the served checkpoint fail the future (ValueError naming the tensor) and change nothing."""
+        not fit the served checkpoint fail the future (ValueError naming the tensor) and change nothing.
+
+        The check (`check_weights`, against the checkpoint's safetensors headers) runs before vLLM's
+        in-place reload starts, since that reload first moves every layer to the meta device and a
+        load that fails midway (another model's vocabulary: vLLM asserts) leaves it unable to step.
+        An update that fails inside the reload anyway marks the engine dead (`/health` 503, every
+        request refused) rather than serving from half-loaded weights; the generation worker
+        restarts it."""
         fut: Future = Future()
         try:
             check_weights(named, self.expected, self.model)

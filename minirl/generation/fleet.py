@@ -1,9 +1,7 @@
 """Fleet watching (`async_rl.generation_fleet_health.enabled`): the consumer side of the generation
-router's health report. While a step collects, `FleetWatch.watched` polls the router (`poll_health`)
-every `probe_interval_s`, writes each quarantine and re-admission to the event log with the step,
-counts them in the step's metrics, and ends the step with GenerationFleetUnhealthy when fewer than
-`min_healthy_shards` workers are healthy, also when the outage made the step fail first (its
-failure is then the cause). Without a router (fleet health off) it just awaits the step.
+router's health report. While a step collects, `FleetWatch.watched` polls the router, logs and
+counts each quarantine and re-admission, and ends the step with GenerationFleetUnhealthy when fewer
+than `min_healthy_shards` workers are healthy.
 
 Invariant: every transition the router reports is written once, with the step being collected, and
 counted once in that step's `stats`; a step whose collection ends is polled once more, so no

@@ -1,49 +1,13 @@
 """A generation worker's HTTP front end in its own process, talking to the engine's process over ZMQ.
+The engine's process (the `GenerationWorker` Ray actor) only steps vLLM; everything HTTP runs in a
+child process started by `FrontEnd`, whose `ModelServer` sees the engine through `EngineClient`.
+So the front end's Python per request does not hold the GIL the engine loop needs, as `vllm serve`
+keeps its API server apart from its EngineCore.
 
-The engine's process (the `GenerationWorker` Ray actor) only steps vLLM; everything HTTP (aiohttp,
-JSON, vLLM's pydantic protocol classes, the chat template, the tokenizer, the call log, the fault
-sites, `required_prefix_token_ids`) runs in a child process started by `FrontEnd`, whose
-`ModelServer` sees the engine through `EngineClient`, an object with `VllmEngine`'s interface. So the
-front end's ~2.5 ms of Python per request no longer holds the GIL that the engine loop needs, as
-`vllm serve` keeps its API server apart from its EngineCore.
-
-What crosses (pickled tuples): to the engine, token ids with vLLM's own msgpack encoding of the
-SamplingParams (what vLLM sends to its EngineCore; 3x cheaper to decode than a pickle; the
-SamplingParams pickled when an int in them is too large for msgpack, so that vLLM's own
-validation in the engine's process answers it, naming the field), aborts, and
-`required_prefix_token_ids` to check against the vocabulary (vLLM's own check, run in the engine's
-process, which holds the model config), health probes, and the `engine_hang` / `engine_crash`
-faults; back, each request's `GenResult` (token ids, logprobs, decoded token text, finish reason,
-versions) or its exception, and each probe's answer (None, or why the engine is unhealthy). The engine's process also calls into
-the front end (`FrontEnd.call`): take the call log, reset for a new run, stats, the new weight version.
-
-Why ZMQ: pyzmq ships with vLLM, which uses it for the same hop; messages arrive framed and in order;
-the I/O runs on ZMQ's own thread without the GIL, and the PUSH sockets have no high-water mark, so
-the engine thread's completion callbacks never wait for a slow front end; the sockets live in
-Linux's abstract namespace (`ipc://@...`), so a SIGKILLed worker leaves no files behind. A pipe
-would need our own framing and blocks its writer when full; shared memory our own framing and
-wake-ups, for messages of a few kB.
-
-Invariants: the front end lives exactly as long as its worker (minirl.child: it exits when the
-worker's process is gone, however it died, and the worker SIGKILLs its own process when the front
-end exits, so `worker_kill`, which kills the front end's process at its site in
-`ModelServer`, kills the whole worker and Ray restarts it at the same port). The URL is returned
-only once the front end serves; a front end that fails to start is a RuntimeError naming the
-worker, the address and the cause. Every request the front end sends leaves its pending table
-exactly once: resolved by the engine's answer, or dropped by `abort`.
-
-What remains hand-written, and why (the GPU route included). vLLM's own OpenAI server
-(`vllm serve`, API server + AsyncLLM + EngineCore process) could replace this split, but minirl
-would still need around it: the call log keyed by minirl's `X-Minirl-Rollout` header with each
-result's token ids, logprobs and version_start/version_end (the ledger the controller drains);
-the fault sites (`worker_kill`, `context_overflow`, `model_error`) keyed by that header;
-`required_prefix_token_ids` (splicing earlier turns' exact tokens, not a vLLM field); weight
-reloads between engine steps, with or without draining, tagged with minirl's version; and the
-restart-at-the-same-port contract with Ray. Neither vLLM's middleware hooks nor its engine client
-expose per-request results to a middleware, so those would be a fork of its serving code rather
-than a use of it; this module keeps minirl's ModelServer (vLLM's protocol classes and error
-mapping, as before) and moves only the process boundary. Tensor parallelism is untouched: the
-engine is built as before, in the actor, with `tensor_parallel_size`.
+Invariants: the front end lives exactly as long as its worker (minirl.child), so `worker_kill`
+kills the whole worker and Ray restarts it at the same port. The URL is returned only once the
+front end serves; a front end that fails to start is a RuntimeError naming the worker, the address
+and the cause. Every request the front end sends leaves its pending table exactly once.
 """
 
 from __future__ import annotations
@@ -79,7 +43,14 @@ def _portable(exc: BaseException) -> BaseException:
 
 class Channel:
     """One process's end: a PUSH socket out (any thread may send: sends are locked) and a PULL
-    socket in (one thread reads). The engine's process binds, the front end connects."""
+    socket in (one thread reads). The engine's process binds, the front end connects.
+
+    Why ZMQ: pyzmq ships with vLLM, which uses it for the same hop; messages arrive framed and in
+    order; the I/O runs on ZMQ's own thread without the GIL, and the PUSH sockets have no high-water
+    mark, so the engine thread's completion callbacks never wait for a slow front end; the sockets
+    live in Linux's abstract namespace (`ipc://@...`), so a SIGKILLed worker leaves no files behind.
+    A pipe would need our own framing and blocks its writer when full; shared memory our own framing
+    and wake-ups, for messages of a few kB."""
 
     def __init__(self, out_addr: str, in_addr: str, bind: bool):
         self.ctx = zmq.Context(io_threads=1)
@@ -105,7 +76,20 @@ class Channel:
 
 # -- the engine's side (inside the GenerationWorker actor) -----------------------------------------
 class FrontEnd:
-    """Starts the front-end process and serves its requests to `engine` from one thread."""
+    """Starts the front-end process and serves its requests to `engine` from one thread.
+
+    The front end holds aiohttp, JSON, vLLM's pydantic protocol classes, the chat template, the
+    tokenizer, the call log, the fault sites and `required_prefix_token_ids` (~2.5 ms of Python a
+    request, off the engine's GIL). What crosses (pickled tuples): to the engine, token ids with
+    vLLM's own msgpack encoding of the SamplingParams (what vLLM sends to its EngineCore; 3x cheaper
+    to decode than a pickle; pickled when an int in them is too large for msgpack, so that vLLM's own
+    validation in the engine's process answers it, naming the field), aborts,
+    `required_prefix_token_ids` to check against the vocabulary (vLLM's check, in the engine's
+    process, which holds the model config), health probes and the `engine_hang` / `engine_crash`
+    faults; back, each request's `GenResult` or its exception, and each probe's answer (None, or why
+    the engine is unhealthy). The engine's process also calls into the front end (`call`): take the
+    call log, reset for a new run, stats, the new weight version. `worker_kill` kills the front end's
+    process at its site in `ModelServer`; the worker SIGKILLs its own process when the front end exits."""
 
     def __init__(self, engine, cfg, rank: int, host: str, port: int):
         from minirl.http_thread import resolve_host
@@ -141,7 +125,8 @@ class FrontEnd:
             if msg is not None and msg[0] == "failed":
                 raise RuntimeError(f"{what} failed to start: {msg[1]}")
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with code {self.proc.returncode} before serving (its stderr is in this worker's log)")
+                raise RuntimeError(f"{what} exited with code {self.proc.returncode} before serving "
+                                   "(its stderr is in this worker's log)")
         raise RuntimeError(f"{what} did not serve within {START_TIMEOUT_S:.0f} s")
 
     def call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S):
@@ -152,7 +137,8 @@ class FrontEnd:
         try:
             return fut.result(timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"generation worker {self.rank}'s front end did not answer {op} within {timeout_s} s") from None
+            raise TimeoutError(
+                f"generation worker {self.rank}'s front end did not answer {op} within {timeout_s} s") from None
         finally:
             self._calls.pop(cid, None)
 
@@ -258,7 +244,8 @@ def main() -> None:
         from minirl.http_thread import HttpThread
 
         engine = EngineClient(chan, spec["max_model_len"], spec["version"])
-        server = ModelServer(engine, AutoTokenizer.from_pretrained(cfg.policy.model_name), cfg.policy.model_name, FaultPlan(cfg.faults))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+        server = ModelServer(engine, tokenizer, cfg.policy.model_name, FaultPlan(cfg.faults))
         server.reasoning_parser = cfg.policy.generation.reasoning_parser
 
         async def setup():

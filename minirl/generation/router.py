@@ -1,29 +1,7 @@
 """The generation router: one stable URL in front of the generation workers, for servers that need
-their model `base_url` before a run starts (Gym's `vllm_model`). A Ray actor (`num_cpus=0`) bound to
-the first free port of `async_rl.generation_router.port_range_low..high`.
-
-Every request (`/v1/chat/completions`, `/tokenize`, `/v1/models`, `/health`) is forwarded unchanged,
-with minirl's rollout header, to the eligible worker with the fewest requests outstanding; the
-worker's answer comes back unchanged (status, body, content type), so vLLM's 400 for an over-long
-prompt still reaches Gym, which ends that episode with the rollout masked. A worker that refuses the connection or does not connect
-within `connect_timeout_s` is ineligible for `connect_timeout_s` and the request goes to the next
-one. A request that outlives `backend_timeout_s` gets 504, a worker lost mid-answer 502 (both ones
-Gym retries). With no eligible worker the answer is `no_healthy_backend_status` (409 by default),
-a status Gym does not retry, so the caller sees the outage at once.
-
-Fleet health (`async_rl.generation_fleet_health`, upstream's names): with `enabled`, a prober per
-worker sends `GET /health` every `probe_interval_s` with `probe_timeout_s`. `unhealthy_threshold`
-failed probes in a row quarantine the worker: it is not eligible, and every request in flight on it
-is answered 503 at once (INFRA for minirl's agents, whose rollouts are then redispatched; one Gym
-retries, here, on a healthy worker). `healthy_threshold` passed probes in a row re-admit it (a
-worker Ray restarted rejoins). Each transition is kept for `poll_health`, which `FleetWatch`
-(minirl/generation/fleet.py, composed by the controller) calls every `probe_interval_s` to log it
-and to end the run when fewer than `min_healthy_shards` workers are out of quarantine.
-
-A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is closed,
-and a connection that has not sent a whole request head within `connect_timeout_s` of opening is
-closed (the router holds no half-sent request). The client session to the workers lives exactly as long as
-the router's app: `stop` closes it, and so does a start that fails on a taken port.
+their model `base_url` before a run starts (Gym's `vllm_model`). It forwards each request unchanged
+to the eligible worker with the fewest requests outstanding, and with fleet health on
+(`async_rl.generation_fleet_health`) quarantines workers that fail their health probes.
 
 Invariant: a request is forwarded to at most one worker that accepted its connection, and gets
 exactly one answer; the outstanding count of each worker returns to zero when its requests end; no
@@ -51,7 +29,8 @@ MAX_BODY_BYTES = 64 * 2**20  # above every worker's vllm_cfg.max_request_bytes: 
 def _error(status: int, message: str) -> web.Response:
     kind = {408: "RequestTimeoutError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
             504: "GatewayTimeoutError"}.get(status, "RouterError")
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
 
 
 def _health_error(body: bytes) -> str:
@@ -64,7 +43,22 @@ def _health_error(body: bytes) -> str:
 
 
 class GenerationRouter:
-    """Ray actor (or plain object in tests): serves from its constructor, like the other servers."""
+    """Ray actor (or plain object in tests): serves from its constructor, like the other servers,
+    at the first free port of `async_rl.generation_router.port_range_low..high`.
+
+    Every request (`/v1/chat/completions`, `/tokenize`, `/v1/models`, `/health`) is forwarded
+    unchanged, with minirl's rollout header, and the worker's answer comes back unchanged (status,
+    body, content type), so vLLM's 400 for an over-long prompt still reaches Gym, which ends that
+    episode with the rollout masked. A worker that refuses the connection or does not connect within
+    `connect_timeout_s` is ineligible for `connect_timeout_s` and the request goes to the next one. A
+    request that outlives `backend_timeout_s` gets 504, a worker lost mid-answer 502 (both ones Gym
+    retries); with no eligible worker the answer is `no_healthy_backend_status` (409 by default), a
+    status Gym does not retry, so the caller sees the outage at once. A quarantined worker's
+    requests in flight are answered 503 at once (INFRA: minirl redispatches their rollouts).
+    A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is
+    closed, as is a connection that has not sent a whole request head within `connect_timeout_s`.
+    The client session to the workers lives exactly as long as the router's app: `stop` closes it,
+    and so does a start that fails on a taken port."""
 
     def __init__(self, cfg: GenerationRouterConfig, backends: list[str], host: str = "127.0.0.1",
                  health: GenerationFleetHealthConfig | None = None):
@@ -171,9 +165,11 @@ class GenerationRouter:
         while True:
             started = time.monotonic()
             try:
-                async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=h.probe_timeout_s)) as resp:
+                timeout = aiohttp.ClientTimeout(total=h.probe_timeout_s)
+                async with self.session.get(url + "/health", timeout=timeout) as resp:
                     body = await resp.read()
-                    failure = None if resp.status == 200 else f"/health answered HTTP {resp.status}{_health_error(body)}"
+                    failure = (None if resp.status == 200
+                               else f"/health answered HTTP {resp.status}{_health_error(body)}")
             except asyncio.TimeoutError:
                 failure = f"/health did not answer within probe_timeout_s={h.probe_timeout_s}"
             except (aiohttp.ClientError, ConnectionError) as exc:
@@ -198,7 +194,8 @@ class GenerationRouter:
 
     def _transition(self, kind: str, url: str, reason: str) -> None:
         self.transitions.append({"type": kind, "worker": url, "rank": self.backends.index(url), "reason": reason,
-                                 "healthy_workers": len(self.backends) - len(self.quarantined), "at": round(time.time(), 3)})
+                                 "healthy_workers": len(self.backends) - len(self.quarantined),
+                                 "at": round(time.time(), 3)})
 
     def poll_health(self) -> dict:
         """The transitions since the last poll (`events`), the workers out of quarantine (`healthy`),
@@ -210,7 +207,8 @@ class GenerationRouter:
             healthy = len(self.backends) - len(self.quarantined)
             error = None
             if self.health.enabled and healthy < self.health.min_healthy_shards:
-                sick = "; ".join(f"worker {self.backends.index(u)} at {u}: {why}" for u, why in self.quarantined.items())
+                sick = "; ".join(f"worker {self.backends.index(u)} at {u}: {why}"
+                                 for u, why in self.quarantined.items())
                 error = (f"{healthy} of {len(self.backends)} generation workers healthy, below "
                          f"async_rl.generation_fleet_health.min_healthy_shards={self.health.min_healthy_shards}; "
                          f"quarantined by their /health probes: {sick}")
@@ -222,11 +220,13 @@ class GenerationRouter:
     def pick(self, exclude: set[str]) -> str | None:
         """The eligible worker with the fewest outstanding requests (the first such in list order)."""
         now = time.monotonic()
-        eligible = [u for u in self.backends if u not in exclude and u not in self.quarantined and self.down_until[u] <= now]
+        eligible = [u for u in self.backends
+                    if u not in exclude and u not in self.quarantined and self.down_until[u] <= now]
         return min(eligible, key=lambda u: self.outstanding[u]) if eligible else None
 
     async def _exchange(self, backend: str, request: web.Request, body: bytes, headers: dict) -> tuple[int, bytes, str]:
-        async with self.session.request(request.method, backend + request.rel_url.path_qs, data=body, headers=headers) as resp:
+        url = backend + request.rel_url.path_qs
+        async with self.session.request(request.method, url, data=body, headers=headers) as resp:
             return resp.status, await resp.read(), resp.content_type
 
     async def _read_body(self, request: web.Request) -> bytes | None:
@@ -249,8 +249,8 @@ class GenerationRouter:
     async def forward(self, request: web.Request) -> web.Response:
         body = await self._read_body(request)
         if body is None:
-            stalled = _error(408, f"the request body stalled: nothing arrived for connect_timeout_s={self.cfg.connect_timeout_s} "
-                                  f"before it was complete")
+            stalled = _error(408, "the request body stalled: nothing arrived for "
+                                  f"connect_timeout_s={self.cfg.connect_timeout_s} before it was complete")
             stalled.force_close()  # "Connection: close"
             await stalled.prepare(request)
             await stalled.write_eof()
@@ -266,14 +266,16 @@ class GenerationRouter:
             try:
                 await asyncio.wait((call, evicted), return_when=asyncio.FIRST_COMPLETED)
                 if not call.done():
-                    return _error(503, f"generation worker {backend} was quarantined with this request in flight: {evicted.result()}")
+                    return _error(503, f"generation worker {backend} was quarantined with this request in flight: "
+                                       f"{evicted.result()}")
                 status, payload, content_type = call.result()
                 self.served[backend] += 1
                 return web.Response(body=payload, status=status, content_type=content_type)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                 self.down_until[backend] = time.monotonic() + self.cfg.connect_timeout_s  # not delivered: try another
             except asyncio.TimeoutError:
-                return _error(504, f"generation worker {backend} did not answer within backend_timeout_s={self.cfg.backend_timeout_s}")
+                return _error(504, f"generation worker {backend} did not answer within "
+                                   f"backend_timeout_s={self.cfg.backend_timeout_s}")
             except (aiohttp.ClientError, ConnectionError) as exc:
                 return _error(502, f"generation worker {backend} failed mid-request: {exc!r}")
             finally:

@@ -1,52 +1,7 @@
 """OpenAI-style HTTP server over one engine: `POST /v1/chat/completions`, `POST /tokenize`,
 `GET /v1/models`, `GET /health`. In a generation worker it runs in the worker's front-end process,
 over an `EngineClient` (minirl.generation.frontend); tests also run it in-process over a `VllmEngine`.
-
-Requests and responses are parsed and built with vLLM's own protocol classes, so the shapes are
-vLLM's: `logprobs`/`top_logprobs` (the sampled token first among each position's top ones, as
-vLLM orders them), `logprob_token_ids`, `return_tokens_as_token_ids` and `return_token_ids` (which
-adds `prompt_token_ids` and per-choice `token_ids`) behave as in `vllm serve`, a temperature under
-vLLM's 1e-5 is greedy (vLLM's own SamplingParams), and a prompt longer than the context gets
-vLLM's HTTP 400 "maximum context length" error.
-
-Errors are vLLM's too: a client error (a body that is not a JSON object or nests too deeply, a
-sampling parameter out of range, vLLM's own validation errors, a bad `required_prefix_token_ids`)
-is a 400 with vLLM's OpenAI-style body `{"error": {"message", "type", "param", "code"}}` naming the
-field, mapped by vLLM's `create_error_response`; a `model` the server does not answer to is vLLM's
-404 "The model `X` does not exist. Valid aliases: ..." on both routes, naming the served path whole
-(vLLM's sanitiser would print `<path>`); only a failure of the server itself is a 5xx. The server
-answers to `policy.model_name` (the absolute path `load_config` makes of it), to none, and to any
-trailing part of that path: the name as a user wrote it in the config (`models/tiny-doors`) and its
-basename (`served_as`).
-
-Sampling seeds (`call_seed`): a call without the rollout header (an external agent's, e.g. Gym's
-`vllm_model`, which merges the row's `metadata.extra_body` seed into every call of an episode)
-samples with a seed derived from its `seed` and its prompt's token ids, so each turn of a rollout
-draws its own sample, reproducibly. minirl's own agents already send `seed + call` (with the rollout
-header, or `X-Minirl-Seed: per-call` on a held-out validation's headerless calls): their seed is
-used as sent. The call log records the seed the engine sampled with.
-
-minirl extensions: a `required_prefix_token_ids` body field keeps earlier turns' exact tokens (see
-`splice_prefix`; a prefix that is not the messages' earlier turns is a 400 naming it), and a
-request carrying the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is recorded in the call log
-(`CallLog`) that the controller's ledger drains after each step; a header that does not parse is
-a 400 naming it. The engine-side fault sites (`context_overflow`,
-`model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`) fire here, keyed by that
-header.
-
-`/health` asks the engine (`check_health`, across the process boundary in a generation worker):
-as vLLM's, 503 when the engine is dead, and also when a step has run for more than
-`engine.STUCK_STEP_S` (wedged), which vLLM's does not see, or when the engine's process does not
-answer within `HEALTH_TIMEOUT_S`.
-
-Nothing proportional to a large request's size runs on the event loop: JSON parsing, validation,
-chat template rendering and tokenization run in a worker thread for a body over
-`minirl.http_thread.INLINE_BYTES` (a small one is cheaper to parse than to hand over), and a
-prompt whose printed fields alone (`rendered_chars`: roles, contents, reasoning, tool calls, tool
-names and parameter names) have more characters than `max_model_len` tokens could hold is refused
-before it is rendered (vLLM's own bound, below), whichever field holds them. A client that
-disconnects mid-generation has its request aborted in the engine (the HTTP runner cancels the
-handler: see minirl.http_thread).
+Shapes and errors are vLLM's (its own protocol classes); `ModelServer` lists minirl's extensions.
 
 Invariants: every request with a parseable rollout header leaves exactly one call-log record,
 whatever its outcome (success, 4xx, 5xx, or 499 when its client left), with the token ids and
@@ -91,7 +46,8 @@ from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, BadCoordinate
 PREFIX_FIELD = "required_prefix_token_ids"
 SEED_SPACE = 2**31  # derived seeds lie in [0, SEED_SPACE), as minirl.data.sampling_seed's do
 CLIENT_LEFT = 499  # nginx's "client closed request": the status recorded when the caller disconnected
-HEALTH_TIMEOUT_S = 5.0  # how long /health waits for the engine's process (the router's probe_timeout_s is usually shorter)
+HEALTH_TIMEOUT_S = 5.0
+"""How long /health waits for the engine's process (the router's probe_timeout_s is usually shorter)."""
 
 
 class HTTPError(Exception):
@@ -236,6 +192,27 @@ class CallLog:
 
 
 class ModelServer:
+    """The server's routes over `engine` (a `VllmEngine`, or an `EngineClient` in a front end).
+
+    vLLM's shapes: `logprobs`/`top_logprobs` (the sampled token first), `logprob_token_ids`,
+    `return_tokens_as_token_ids` and `return_token_ids` behave as in `vllm serve`, a temperature under
+    1e-5 is greedy, and a prompt longer than the context gets vLLM's 400 "maximum context length".
+    vLLM's errors: a client error is a 400 with vLLM's body `{"error": {"message", "type", "param",
+    "code"}}` naming the field (`HTTPError.of`); an unknown `model` is vLLM's 404 naming the served
+    path whole (`served_as` lists the names answered to); only a failure of the server is a 5xx.
+
+    minirl's extensions: `required_prefix_token_ids` keeps earlier turns' exact tokens
+    (`splice_prefix`); a request with the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is recorded in
+    the `CallLog` the controller's ledger drains, and keys the engine-side fault sites
+    (`context_overflow`, `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`);
+    a header that does not parse is a 400. A headerless call samples with `call_seed`; minirl's
+    agents' `seed + call` (with the header, or `X-Minirl-Seed: per-call`) is used as sent.
+    `/health` is 503 when the engine is dead, when a step has run past `engine.STUCK_STEP_S`, or when
+    the engine's process does not answer within `HEALTH_TIMEOUT_S`. Work proportional to a body's size
+    (parsing, rendering, tokenizing) runs in a worker thread for a body over `INLINE_BYTES`, and a
+    prompt whose printed fields (`rendered_chars`) cannot fit `max_model_len` is refused before it is
+    rendered. A client that disconnects has its request aborted in the engine (minirl.http_thread)."""
+
     reasoning_parser: str | None = "think"  # policy.generation.reasoning_parser; None: no reasoning split
 
     def __init__(self, engine, tokenizer, model_name: str, plan: FaultPlan | None = None):
@@ -267,7 +244,8 @@ class ModelServer:
             m["content"] = normalize_content(m.get("content"))  # list content flattened as vLLM does
             if "reasoning" in m and "reasoning_content" not in m:
                 m["reasoning_content"] = m.pop("reasoning")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
         return self.segments.encode(text)  # the ids tokenize=True gives, each repeated stretch encoded once
 
     def take_calls(self, step: int | None) -> list[dict]:
@@ -278,10 +256,12 @@ class ModelServer:
         """`required_prefix_token_ids` as vLLM would check token ids: a list of in-vocabulary ints
         no longer than the context (checked first, so a huge list costs O(1) to refuse)."""
         if not isinstance(prefix, list):
-            raise HTTPError.bad_request(f"{PREFIX_FIELD} must be a list of token ids, got {type(prefix).__name__}", PREFIX_FIELD)
+            raise HTTPError.bad_request(
+                f"{PREFIX_FIELD} must be a list of token ids, got {type(prefix).__name__}", PREFIX_FIELD)
         if len(prefix) >= self.engine.max_model_len:
             raise HTTPError.bad_request(
-                f"{context_length_message(self.engine.max_model_len, len(prefix))} ({PREFIX_FIELD} alone holds {len(prefix)} tokens)",
+                f"{context_length_message(self.engine.max_model_len, len(prefix))} "
+                f"({PREFIX_FIELD} alone holds {len(prefix)} tokens)",
                 PREFIX_FIELD,
             )
         bad = next((t for t in prefix if type(t) is not int), None)
@@ -309,7 +289,8 @@ class ModelServer:
         prefix = body.get(PREFIX_FIELD)
         if prefix is not None:
             prefix = self._check_prefix(prefix)
-        chars, limit = rendered_chars(body["messages"], body.get("tools")), self.engine.max_model_len * self.max_chars_per_token
+        chars = rendered_chars(body["messages"], body.get("tools"))
+        limit = self.engine.max_model_len * self.max_chars_per_token
         if chars > limit:
             raise HTTPError.bad_request(input_text_message(self.engine.max_model_len, chars, limit), "input_text")
         try:
@@ -320,7 +301,8 @@ class ModelServer:
             try:
                 prompt = splice_prefix(prefix, prompt, self.tokenizer.eos_token_id, self._decode)
             except PrefixMismatch as exc:
-                raise HTTPError.bad_request(f"{PREFIX_FIELD} does not match the messages: {exc}", PREFIX_FIELD) from None
+                raise HTTPError.bad_request(
+                    f"{PREFIX_FIELD} does not match the messages: {exc}", PREFIX_FIELD) from None
         return body, req, prompt
 
     def _decode(self, ids: list[int]) -> str:
@@ -416,7 +398,8 @@ class ModelServer:
         pydantic object per token and per top entry cost ~0.3 ms a request); also whether every
         logprob shown is finite (`jsonio`'s fast path writes no NaN)."""
         as_ids, k = req.return_tokens_as_token_ids, req.top_logprobs
-        keep = None if req.logprob_token_ids or k == -1 else max(k or 0, 0)  # a position's entries shown: all, or the first `keep`
+        # a position's entries shown: all, or the first `keep`
+        keep = None if req.logprob_token_ids or k == -1 else max(k or 0, 0)
 
         def name(tok: int, text: str | None) -> str:
             if as_ids:
@@ -424,7 +407,8 @@ class ModelServer:
             return text if text is not None else self.tokenizer.decode([tok])
 
         def top(entries) -> list[dict]:
-            return [{"token": (t := name(tok, text)), "logprob": float(max(lp, -9999.0)), "bytes": list(t.encode("utf-8", errors="replace"))}
+            return [{"token": (t := name(tok, text)), "logprob": float(max(lp, -9999.0)),
+                     "bytes": list(t.encode("utf-8", errors="replace"))}
                     for tok, lp, text in (entries if keep is None else entries[:keep])]
 
         lps = [float(max(lp, -9999.0)) for lp in result.logprobs]  # vLLM's clamp
@@ -438,7 +422,8 @@ class ModelServer:
         shown = lps if keep == 0 else lps + [e["logprob"] for entry in content for e in entry["top_logprobs"]]
         return content, math.isfinite(sum(shown)) or all(map(math.isfinite, shown))  # a finite sum: all finite
 
-    async def _complete(self, request: web.Request, coords: Coords | None, call: int | None, record: dict) -> tuple[dict, bool]:
+    async def _complete(self, request: web.Request, coords: Coords | None, call: int | None,
+                        record: dict) -> tuple[dict, bool]:
         """Parse and validate, render and tokenize (off the loop), the injected faults and the length
         check, vLLM's sampling parameters, the engine call, then the OpenAI response."""
         body, req, prompt = await off_loop(self._prepare_chat, await request.read())
@@ -454,7 +439,8 @@ class ModelServer:
     async def _before_engine(self, fires, prompt: list[int], key: str | None) -> None:
         """The faults injected at this call (in this order) and the context-length check."""
         if fires("worker_kill"):
-            os.kill(os.getpid(), signal.SIGKILL)  # a real process death, mid-request (a worker's engine process follows its front end)
+            # a real process death, mid-request (a worker's engine process follows its front end)
+            os.kill(os.getpid(), signal.SIGKILL)
         if fires("worker_hang"):
             self.hung = True
             await asyncio.Event().wait()
@@ -464,11 +450,13 @@ class ModelServer:
             self.engine.crash()
         if fires("context_overflow"):
             # the engine refuses the call as too long: the same error a real overflow gets
-            raise HTTPError.bad_request(context_length_message(self.engine.max_model_len, max(len(prompt), self.engine.max_model_len + 1)), "input_tokens")
+            limit = self.engine.max_model_len
+            raise HTTPError.bad_request(context_length_message(limit, max(len(prompt), limit + 1)), "input_tokens")
         if len(prompt) >= self.engine.max_model_len:
             raise HTTPError.bad_request(context_length_message(self.engine.max_model_len, len(prompt)), "input_tokens")
         if fires("model_error"):
-            raise HTTPError(create_error_response(f"injected model_error at {key}", "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR))
+            raise HTTPError(create_error_response(f"injected model_error at {key}", "InternalServerError",
+                                                  HTTPStatus.INTERNAL_SERVER_ERROR))
 
     def _sampling_params(self, req: ChatCompletionRequest, prompt: list[int]):
         """The request's sampling parameters as vLLM builds them; the sampled token's logprob always asked."""
@@ -513,11 +501,13 @@ class ModelServer:
         cost the front end ~0.3 ms a request for what the server already holds typed."""
         tools = body.get("tools")
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
-        parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none", reasoning_parser=self.reasoning_parser)
+        parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none",
+                             reasoning_parser=self.reasoning_parser)
         message = _without_none({"role": "assistant", "content": parsed["content"]})
         if parsed["tool_calls"]:  # ChatMessage's serializer drops an empty list
             message["tool_calls"] = [{"id": tc["id"], "type": "function",
-                                      "function": {"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}}
+                                      "function": {"name": tc["function"]["name"],
+                                                   "arguments": tc["function"]["arguments"]}}
                                      for tc in parsed["tool_calls"]]
         if parsed["reasoning"] is not None:
             message["reasoning"] = parsed["reasoning"]
@@ -525,13 +515,15 @@ class ModelServer:
         if req.logprobs:
             content, finite = self._logprobs(req, result)
             choice["logprobs"] = {"content": content}
-        choice["finish_reason"] = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason
+        choice["finish_reason"] = ("tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop"
+                                   else result.finish_reason)
         if req.return_token_ids:
             choice["token_ids"] = list(result.token_ids)
         n_out = len(result.token_ids)
         response = {"id": f"chatcmpl-{random_uuid()}", "object": "chat.completion", "created": int(time.time()),
                     "model": req.model or self.model_name, "choices": [_without_none(choice)],
-                    "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n_out, "completion_tokens": n_out}}
+                    "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n_out,
+                              "completion_tokens": n_out}}
         if req.return_token_ids:
             response["prompt_token_ids"] = list(result.prompt_token_ids)
         return response, finite

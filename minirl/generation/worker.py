@@ -4,13 +4,7 @@ child process (minirl.generation.frontend), so that this process only steps the 
 Invariant: the endpoint serves only after the engine holds the newest weights the trainer has
 published (caught up from the weights store in the constructor, then `update_weights` after every
 optimizer step), at a port fixed at creation, so a restarted worker comes back at the same URL
-with current weights before it answers anyone. A worker whose engine dies (a step fails, or does
-not return within `vllm_cfg.step_timeout_s`) ends its process, as `vllm serve` exits when its
-engine dies, so Ray restarts it whole rather than keeping a worker that fails or hangs every call.
-A weight update refused before vLLM's reload (weights of another model) leaves the engine serving
-its last good weights; one that fails inside the reload marks the engine dead (`/health` 503, so
-fleet health routes around it) without ending the process, since Ray would re-run the same update
-on the restarted worker; the next run's `reset` then restarts the worker whole.
+with current weights before it answers anyone.
 """
 
 from __future__ import annotations
@@ -45,6 +39,14 @@ def make_engine(cfg: MinirlConfig, rank: int, on_dead=None):
 
 
 class GenerationWorker:
+    """A worker whose engine dies (a step fails, or does not return within `vllm_cfg.step_timeout_s`)
+    ends its process, as `vllm serve` exits when its engine dies, so Ray restarts it whole rather than
+    keeping a worker that fails or hangs every call. A weight update refused before vLLM's reload
+    (weights of another model) leaves the engine serving its last good weights; one that fails inside
+    the reload marks the engine dead (`/health` 503, so fleet health routes around it) without ending
+    the process, since Ray would re-run the same update on the restarted worker; the next run's
+    `reset` then restarts the worker whole."""
+
     def __init__(self, cfg: MinirlConfig, rank: int, host: str, port: int, weights_store=None):
         self.rank = rank
         self.drain = not cfg.async_rl.in_flight_weight_updates
@@ -59,12 +61,13 @@ class GenerationWorker:
                     self.engine.update_weights(ray.get(ref), version).result()
                 except ray.exceptions.ObjectLostError:  # shared workers: the run that published them has ended
                     print(f"minirl: generation worker {rank} restarted after the run that published version {version} "
-                          "ended; serving the model's own weights until the next run publishes", file=sys.stderr, flush=True)
+                          "ended; serving the model's own weights until the next run publishes",
+                          file=sys.stderr, flush=True)
         self.front = FrontEnd(self.engine, cfg, rank, host, port)
 
     def _engine_died(self, exc: BaseException) -> None:
-        print(f"minirl: generation worker {self.rank}'s engine died ({exc!r}); ending the worker so that Ray restarts it whole",
-              file=sys.stderr, flush=True)
+        print(f"minirl: generation worker {self.rank}'s engine died ({exc!r}); "
+              "ending the worker so that Ray restarts it whole", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # its front end follows (it polls its parent)
 
     def start(self) -> str:
@@ -81,8 +84,8 @@ class GenerationWorker:
         dead (a weight update that failed inside vLLM's reload) ends its process first: Ray restarts it with the
         model's own weights, catches it up from the weights store, and runs this reset there."""
         if self.engine.dead is not None:
-            print(f"minirl: generation worker {self.rank}'s engine is dead ({self.engine.dead!r}); restarting the worker "
-                  "for the new run", file=sys.stderr, flush=True)
+            print(f"minirl: generation worker {self.rank}'s engine is dead ({self.engine.dead!r}); "
+                  "restarting the worker for the new run", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         self.drain = not cfg.async_rl.in_flight_weight_updates
         self.engine.set_gather(cfg.policy.generation.vllm_cfg.gather_gap_s, cfg.policy.generation.vllm_cfg.gather_max_s)
@@ -111,9 +114,10 @@ class GenerationWorker:
 
     def stats(self) -> dict:
         front = self.front.call("stats")
-        return {"busy_s": self.engine.busy_s, "steps": self.engine.steps, "tokens": front["tokens"], "version": self.engine.version,
-                "calls_dropped": front["calls_dropped"], "first_add_t": self.engine.first_add_t, "last_add_t": self.engine.last_add_t,
-                "gather_s": self.engine.gather_s}
+        engine = self.engine
+        return {"busy_s": engine.busy_s, "steps": engine.steps, "tokens": front["tokens"], "version": engine.version,
+                "calls_dropped": front["calls_dropped"], "first_add_t": engine.first_add_t,
+                "last_add_t": engine.last_add_t, "gather_s": engine.gather_s}
 
     def steps_since(self, t: float) -> list[tuple[float, float, int]]:
         """The engine's steps that began at or after `t` (time.monotonic(), this machine's clock):
