@@ -17,7 +17,7 @@ Also the median `step_time_s` (the README's "default run" figure). Reward = mean
 the last 5 steps. Targets: async >= 1.8x sync at staleness 1,
 and its reward not worse than sync's beyond the seeds' spread.
 
-The ratio is the mean of the per-seed ratios with its 95% t-interval (minirl.stats; each seed's arms
+The ratio is the mean of the per-seed ratios with its 95% t-interval (minirl.experiments.stats; each seed's arms
 meet the same prompts). Where the time goes: each arm's `timing/*` metrics (minirl/timeline.py), in
 seconds per step: the trainer's lane (its wait for the groups, their processing, the policy update,
 the weight sync) and the generation lane (the engine stepping, loading weights, waiting on rollouts'
@@ -110,7 +110,7 @@ def report(results: list[dict]) -> None:
     """The table per mode: samples/s, the ratio to sync over seeds (mean ± 95% t-interval of the
     per-seed ratios: each seed's arms meet the same prompts), reward; then where each step's time
     goes, the cores busy, and the ceiling that the cores set on the ratio."""
-    from minirl.stats import mean_ci
+    from minirl.experiments.stats import mean_ci
 
     def ci(xs: list[float]) -> str:
         mean, half = mean_ci([x for x in xs if x == x])

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from minirl.wire import with_extra_body
     from minirl.agents.process import AgentProcess
     from minirl.rollout.manager import post_run
-    from minirl.stats import mean_ci
+    from minirl.experiments.stats import mean_ci
 
     overrides = ["agent.name=simple_agent", "agent.max_steps=1", *args.overrides]
     cfg = load_config(None, overrides)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             "agent": ray.get(agent.pid.remote()), "client": os.getpid()}
 
     # one client session for the whole run, on uvloop, as the controller's rollout manager keeps one (in a Ray async actor)
-    from minirl.http_thread import new_event_loop
+    from minirl.runtime.http_thread import new_event_loop
 
     loop = new_event_loop()
     http = loop.run_until_complete(_session())

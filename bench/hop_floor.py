@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from minirl.agents.model_client import chat_body
     from minirl.config import load_config
     from minirl.data import prompt_row
-    from minirl.http_thread import new_event_loop
+    from minirl.runtime.http_thread import new_event_loop
 
     from engine_overhead import RawVllm, _cpu_s  # bench/ is this script's directory, so on sys.path
     from vs_trl import ensure_small_model
@@ -188,7 +188,7 @@ def _serve(route: str, make_handler, name: str, out, ready) -> None:
     `HttpThread` as minirl's servers are; put the URL on `out`, then serve until terminated."""
     from aiohttp import web
 
-    from minirl.http_thread import HttpThread
+    from minirl.runtime.http_thread import HttpThread
 
     async def setup() -> web.Application:
         app = web.Application()

@@ -21,7 +21,7 @@ from minirl.async_rl.source import BufferSource
 from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_key
 from minirl.generation.fleet import FleetWatch
-from minirl.gym_failures import kind_counts, mask_facts
+from minirl.gym.failures import kind_counts, mask_facts
 from minirl.rollout.evidence import Ledger, summary_stats
 from minirl.rollout.manager import RolloutManager, dominant_failure
 from minirl.rollout.masking import ScoredGroup, baseline_members, masking_stats, rollout_stats

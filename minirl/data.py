@@ -19,11 +19,11 @@ import random
 from array import array
 from pathlib import Path
 
-from minirl import jsonio
+from minirl.runtime import jsonio
 from minirl.agents.env import TASKS, TOOLS, DoorsEnv
 from minirl.agents.server import BadRow, check_row, unknown_agent
 from minirl.config import ConfigError, MinirlConfig
-from minirl.gym_failures import MASK_SAMPLE, NG_FAILURE_PREFIX, RESULT_FACTS, without_result_facts
+from minirl.gym.failures import MASK_SAMPLE, NG_FAILURE_PREFIX, RESULT_FACTS, without_result_facts
 from minirl.wire import TASK_INDEX, BadCoordinates, Coords, collector_keys, extra_body, with_extra_body
 
 
@@ -289,13 +289,13 @@ def agent_problem(row: dict, cfg: MinirlConfig) -> str | None:
 
 
 OUTCOME_FIELDS = ("response", "reward", "evidence", "_rowidx", "_minirl")
-"""What a `/run` result adds to its row besides Gym's failure facts (`gym_failures.RESULT_FACTS`,
+"""What a `/run` result adds to its row besides Gym's failure facts (`gym.failures.RESULT_FACTS`,
 the `_ng_failure_*` stamps, `instance_config.mask_sample`): the outcome and minirl's bookkeeping."""
 
 
 def result_fields(row: dict) -> list[str]:
     """The fields of a dataset row that only a rollout's result carries (a row copied from a rollout
-    dump): `OUTCOME_FIELDS` and the failure facts `gym_failures.without_result_facts` leaves out."""
+    dump): `OUTCOME_FIELDS` and the failure facts `gym.failures.without_result_facts` leaves out."""
     found = [k for k in row if k in OUTCOME_FIELDS or k in RESULT_FACTS or k.startswith(NG_FAILURE_PREFIX)]
     legacy = row.get("instance_config")
     return found + ([f"instance_config.{MASK_SAMPLE}"] if isinstance(legacy, dict) and MASK_SAMPLE in legacy else [])

@@ -29,7 +29,7 @@ AGENT_HTTP = "agent server's HTTP layer (agents/server.py)"
 SUMMARIZE = "summarizing compaction (agents/compaction/summarize.py)"
 """The summarizing policy's summary requests, per compaction of the episode."""
 VERIFY = "the verifier, after the episode (agents/server.py)"
-"""Where a finished episode is scored (also the Gym 0.7 doors server's `/verify`, minirl/gym/v07.py):
+"""Where a finished episode is scored (also the Gym 0.7 doors server's `/verify`, minirl/gym_servers/doors_v07.py):
 `session_lost` makes it report `mask_sample: true`, Gym 0.7's "the reward is not a measurement"."""
 
 SITES: dict[str, str] = {

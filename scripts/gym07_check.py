@@ -3,9 +3,9 @@ generation side it started (router, attached worker): everything the 0.4.0 half 
 0.7.0's servers, plus Gym 0.7's failure facts driving minirl's lanes.
 
 1. rows, and the failure shapes minirl's mapping reads, against Gym 0.7's own models
-   (`minirl.gym.serve_v07 --check-shapes`);
+   (`minirl.gym_servers.serve_v07 --check-shapes`);
 2. Gym 0.7's `vllm_model` (0.7's inline token ids: `request_prompt_and_generation_token_ids`),
-   `simple_agent` and minirl's doors server on 0.7's classes (minirl/gym/doors_v07.py), with the
+   `simple_agent` and minirl's doors server on 0.7's classes (minirl/gym_servers/doors_v07.py), with the
    run's fault plan: `session_lost` at step 1, group 0, rollout 0;
 3. one `/run` through `simple_agent` returns token ids; a too-long prompt comes back as Gym's lane A;
 4. 2 training steps: rollouts trained, logprob_abs_error < 1e-3, every trained call matched in the
@@ -13,7 +13,7 @@ generation side it started (router, attached worker): everything the 0.4.0 half 
    (mask event with reason mask_sample and failure_kind session_lost, masked_by_kind counts it, the
    rest of its group trains);
 5. Gym 0.7's own Environment Server failures (`BaseEnvironmentServer.run_request` answering an
-   `EpisodeFailure`, minirl/gym/episodes_v07.py) through minirl's rollout manager: terminal ones
+   `EpisodeFailure`, minirl/gym_servers/episodes_v07.py) through minirl's rollout manager: terminal ones
    are never retried, non-terminal ones are, within the INFRA budget.
 
 Returns the names of the checks that failed; prints one `gym-check 0.7.0:` line per check.
@@ -47,7 +47,7 @@ def _check(ok: bool, what: str, failures: list, name: str) -> None:
 
 
 def check_serving(post, python: str, urls: dict, rows: Path, cfg, work: Path, env: dict, failures: list) -> None:
-    shapes = subprocess.run([python, "-m", "minirl.gym.serve_v07", "--check-shapes", str(rows)], cwd=work, env=env,
+    shapes = subprocess.run([python, "-m", "minirl.gym_servers.serve_v07", "--check-shapes", str(rows)], cwd=work, env=env,
                             capture_output=True, text=True)
     _check(shapes.returncode == 0, shapes.stdout.strip() or shapes.stderr.strip()[-2000:], failures, "shapes")
     status, result = post(urls["simple_agent"] + "/run", json.loads(rows.read_text().splitlines()[0]))
@@ -97,7 +97,7 @@ def check_training(urls: dict, attach: list, overrides: list, work: Path, env: d
 
 
 def check_episode_failures(url: str, cfg, failures: list) -> None:
-    """minirl's rollout manager against Gym 0.7's Environment Server (minirl/gym/episodes_v07.py):
+    """minirl's rollout manager against Gym 0.7's Environment Server (minirl/gym_servers/episodes_v07.py):
     group 0's terminal EpisodeFailure is sent once per row and skipped; group 1's non-terminal one is
     retried within the INFRA budget (row re-sends x group attempts), then dropped."""
     import asyncio
@@ -133,7 +133,7 @@ def run(post, start_gym, stop_gym, python: str, cfg, router: str, attach: list, 
     gym = None
     try:
         faults = {"seed": cfg.faults.seed, "inject": [LOST]}  # the Gym 0.7 doors server's fault plan
-        gym, urls = start_gym(python, cfg, router, work, env, "minirl.gym.serve_v07", ("--faults", json.dumps(faults)),
+        gym, urls = start_gym(python, cfg, router, work, env, "minirl.gym_servers.serve_v07", ("--faults", json.dumps(faults)),
                               "gym07-servers.log")
         say(f"Gym servers up: {urls}")
         check_serving(post, python, urls, rows, cfg, work, env, failures)

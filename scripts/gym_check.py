@@ -1,9 +1,9 @@
 """`make gym-check`: train minirl through the real `nemo-gym` package's servers, on 127.0.0.1.
 
 1. minirl's generation side, started as docs/gym.md's walkthrough starts it (`python -m
-   minirl.gym_generation`, its output to a file): one detached generation worker and the generation
+   minirl.gym_servers.generation`, its output to a file): one detached generation worker and the generation
    router in front of it; the printed base URL and model name are what Gym gets;
-2. Gym's side, in the Gym venv (`minirl.gym.serve`), its output to a file (a pipe nobody reads
+2. Gym's side, in the Gym venv (`minirl.gym_servers.serve`), its output to a file (a pipe nobody reads
    would block Gym at 64 KiB of tracebacks): `vllm_model` (return_token_id_information: true) with
    base_url = the router, and two environments: minirl's doors resources server behind Gym's
    `simple_agent`, and Gym's own example `example_tool_call_multireward` behind a second
@@ -89,10 +89,10 @@ def summary() -> None:
 
 
 def start_generation(work: Path, env: dict) -> tuple[subprocess.Popen, dict]:
-    """Step 1 of docs/gym.md: `python -m minirl.gym_generation` with the check's overrides; returns the
+    """Step 1 of docs/gym.md: `python -m minirl.gym_servers.generation` with the check's overrides; returns the
     process and what it printed (policy_base_url, policy_model_name, router, attach)."""
     path = work / "generation.log"
-    gen = subprocess.Popen([sys.executable, "-m", "minirl.gym_generation", "--name", "gym-gen", *TRAIN_OVERRIDES], cwd=REPO,
+    gen = subprocess.Popen([sys.executable, "-m", "minirl.gym_servers.generation", "--name", "gym-gen", *TRAIN_OVERRIDES], cwd=REPO,
                            env=env, stdout=open(path, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 600
     while time.time() < deadline and gen.poll() is None:
@@ -126,9 +126,9 @@ def stop_gym(gym: subprocess.Popen | None) -> None:
         gym.kill()
 
 
-def start_gym(python: str, cfg, router: str, work: Path, env: dict, module: str = "minirl.gym.serve",
+def start_gym(python: str, cfg, router: str, work: Path, env: dict, module: str = "minirl.gym_servers.serve",
               extra: tuple = (), log: str = "gym-servers.log") -> tuple[subprocess.Popen, dict]:
-    """Gym's servers (`module`: 0.4's `minirl.gym.serve`, 0.7's `minirl.gym.serve_v07`) in one process
+    """Gym's servers (`module`: 0.4's `minirl.gym_servers.serve`, 0.7's `minirl.gym_servers.serve_v07`) in one process
     of a Gym venv's `python`; stdout and stderr go to a file, never to a pipe that would fill (at 64 KiB
     Gym would block on its write and the check time out)."""
     path = work / log
@@ -216,14 +216,14 @@ def check_gym04(args, cfg, gen: dict, work: Path, env: dict, failures: list) -> 
     try:
         gym, urls = start_gym(args.gym_python, cfg, gen["router"], work, env)
         say(f"Gym servers up: {urls}")
-        example = subprocess.run([args.gym_python, "-m", "minirl.gym.serve", "--example-jsonl"], cwd=work, env=env,
+        example = subprocess.run([args.gym_python, "-m", "minirl.gym_servers.serve", "--example-jsonl"], cwd=work, env=env,
                                  capture_output=True, text=True, check=True).stdout.strip()
         rows, example_rows = work / "rows.jsonl", work / "example-rows.jsonl"  # doors rows; the example's, as minirl sends them
         doors_sent, example_sent = sent_rows(cfg, example)
         rows.write_text("".join(json.dumps(row) + "\n" for row in doors_sent))
         example_rows.write_text("".join(json.dumps(row) + "\n" for row in example_sent))
         for label, path in (("doors", rows), ("example_tool_call_multireward", example_rows)):
-            checked = subprocess.run([args.gym_python, "-m", "minirl.gym.serve", "--check-rows", str(path)], cwd=work, env=env,
+            checked = subprocess.run([args.gym_python, "-m", "minirl.gym_servers.serve", "--check-rows", str(path)], cwd=work, env=env,
                                      capture_output=True, text=True)
             check(checked.returncode == 0, f"[{label}] " + (checked.stdout.strip() or checked.stderr.strip()[-2000:]),
                   failures, f"{label} rows")
@@ -270,7 +270,7 @@ def main() -> int:
     failures = []
     try:
         gen, ready = start_generation(work, env)
-        say(f"generation side up (python -m minirl.gym_generation): policy_base_url {ready['policy_base_url']}, "
+        say(f"generation side up (python -m minirl.gym_servers.generation): policy_base_url {ready['policy_base_url']}, "
             f"policy_model_name {ready['policy_model_name']}, workers {ready['workers']}, attach {ready['attach']}")
         rows = check_gym04(args, cfg, ready, work, env, failures)
         gym_walk.walk("0.4.0", args.gym_python, ready, work, check, check_training, ready["attach"], env, TRAIN_OVERRIDES, failures)

@@ -1,7 +1,7 @@
 """`make gym-check`'s walkthrough half: docs/gym.md's "From a fresh clone to a trained step" as a new
 user follows it, for one environment that is not doors (Gym's own `example_single_tool_call`,
 whose example rows ship in the wheel) on each Gym version. Called by scripts/gym_check.py, which has
-done step 1 already (`python -m minirl.gym_generation`, its printed `gen` passed in here).
+done step 1 already (`python -m minirl.gym_servers.generation`, its printed `gen` passed in here).
 
 Per version, in a scratch directory:
 2. Gym's servers started by Gym's own `ng_run`: `vllm_model_for_training.yaml` with

@@ -9,7 +9,7 @@ doors_memory task, models/tiny-summarize), run under the machine's shared lock
 (/tmp/minirl-slow.lock), so it waits for other Ray/vLLM runs instead of competing with them.
 A seed s sets `grpo.seed=42+s`, `env.data_seed=1234+s` and `faults.seed=s`: within a seed every
 arm meets the same prompts, the same held-out set and the same fault draws, so arms are compared by
-their per-seed differences (minirl.stats.paired_ci).
+their per-seed differences (minirl.experiments.stats.paired_ci).
 
 Experiment 1 (same context limit: the guard's `max_total_tokens` is the same in every arm):
 - `recency`: recency compaction keeping the last KEEP pictures (the most that fit the limit);
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from minirl.stats import mean_ci, paired_ci  # noqa: E402
+from minirl.experiments.stats import mean_ci, paired_ci  # noqa: E402
 
 CONFIG = "configs/summarize.yaml"
 KEEP = 2

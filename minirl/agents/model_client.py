@@ -15,7 +15,7 @@ import zlib
 import aiohttp
 import yarl
 
-from minirl import jsonio
+from minirl.runtime import jsonio
 from minirl.agents.episode import ModelReply
 from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, GenerationUnavailable, ModelCallFailed
 

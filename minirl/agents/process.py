@@ -1,9 +1,9 @@
 """The agent pool's server in a process of its own: `AgentProcess` is the Ray actor, and the
-`AgentServer` (minirl.agents.server) runs in its child (minirl.child), as the generation worker's
+`AgentServer` (minirl.agents.server) runs in its child (minirl.runtime.child), as the generation worker's
 front end does.
 
 Invariant: `start` answers the URL only once the child serves it; the child lives exactly as long as
-the actor (minirl.child), so `agent_kill`, which kills the child's process at its site, ends the
+the actor (minirl.runtime.child), so `agent_kill`, which kills the child's process at its site, ends the
 actor too and Ray restarts both at the same port; `stop` ends the child without ending the actor.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from minirl import child
+from minirl.runtime import child
 from minirl.config import MinirlConfig
 
 START_TIMEOUT_S = 120.0
@@ -26,7 +26,7 @@ class AgentProcess:
     0.70 ms in a plain one, measured in the same hour)."""
 
     def __init__(self, cfg: MinirlConfig, model_urls: list[str], host: str, port: int):
-        from minirl.http_thread import resolve_host
+        from minirl.runtime.http_thread import resolve_host
 
         host = resolve_host(host)  # here, in the actor's process: the child is no Ray worker
         spec = {"cfg": cfg, "model_urls": model_urls, "host": host, "port": port}

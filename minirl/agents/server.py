@@ -19,16 +19,16 @@ import signal
 import aiohttp
 from aiohttp import web
 
-from minirl import jsonio
+from minirl.runtime import jsonio
 from minirl.agents.agent import run_episode
 from minirl.agents.env import MIN_ROOMS, TASKS
 from minirl.agents.items import TOKEN_FIELDS, items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan, fault_site
-from minirl.gym_failures import LOST_SESSION, run_error_body, verified
+from minirl.gym.failures import LOST_SESSION, run_error_body, verified
 from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_status
-from minirl.http_thread import INLINE_BYTES, HttpThread, off_loop
+from minirl.runtime.http_thread import INLINE_BYTES, HttpThread, off_loop
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")
 
@@ -177,7 +177,7 @@ class AgentServer:
 
         A row `parse_row` refuses is a 400 `{"error", "type"}` (minirl.wire's shape) naming the field,
         so the rollout manager reads it as DATA. Parsing runs in a worker thread for a row over
-        `minirl.http_thread.INLINE_BYTES`, and an answer that may be larger (`_small`) is serialized off
+        `minirl.runtime.http_thread.INLINE_BYTES`, and an answer that may be larger (`_small`) is serialized off
         the loop too, so a large row does not hold up other requests or `/health`.
 
         As in Gym's error middleware, an exception inside an agent becomes HTTP 500 with `repr(e)` in a

@@ -95,12 +95,12 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def fates(run_dir: Path) -> tuple[dict, list[dict], list[dict]]:
-    """(group fates by room count, metrics rows, events) of a run: minirl.stats.group_fates over the
+    """(group fates by room count, metrics rows, events) of a run: minirl.experiments.stats.group_fates over the
     groups it dispatched (sync: every group of its completed steps) and those its steps took, and
     `stream`: the rollouts of the stream's first T * N prompts (T steps completed), which sync trains."""
     from minirl.config import load_config
     from minirl.data import num_rooms, task_seed
-    from minirl.stats import group_fates
+    from minirl.experiments.stats import group_fates
 
     cfg = load_config(str(run_dir / "config.yaml"))
     rows, events = _jsonl(run_dir / "metrics.jsonl"), _jsonl(run_dir / "events.jsonl")
@@ -131,7 +131,7 @@ def summarize(mode: str, seed: int, run_dir: Path, proc: subprocess.CompletedPro
     evictions (the `evict` events' `gen_tokens` over the steps' `gen_tokens`), samples/s (rollouts
     trained / the summed `step_time_s`), the last steps' reward and the held-out reward after the
     last step; or, for a run that died, the last line of its stderr."""
-    from minirl.stats import difficulty_skew
+    from minirl.experiments.stats import difficulty_skew
 
     row = {"cell": cell_id(mode, seed), "mode": mode, "seed": seed, "survived": proc.returncode == 0,
            "wall_s": round(wall, 1), "run_dir": str(run_dir)}

@@ -10,7 +10,7 @@ import datetime as dt
 import math
 from pathlib import Path
 
-from minirl.stats import mean_ci, paired_ci
+from minirl.experiments.stats import mean_ci, paired_ci
 
 FIELDS = (("rooms_shift", "rooms trained − stream", 2), ("skew_tv", "TV against the stream", 3),
           ("rooms_shift_resolved", "rooms trained − resolved", 2),

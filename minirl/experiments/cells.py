@@ -54,7 +54,7 @@ def learning(run_dir: Path, rows: list[dict]) -> dict:
     """Validation at start and at the last validation, and the difficulty skew of the completed steps."""
     from minirl.config import load_config
     from minirl.data import num_rooms, task_seed
-    from minirl.stats import difficulty_skew, rooms_mix
+    from minirl.experiments.stats import difficulty_skew, rooms_mix
 
     vals = validations(run_dir)
     out = {"val_reward_start": vals[0]["val_reward_mean"] if vals else "",

@@ -1,6 +1,6 @@
 """Estimates over seeds: a cell's rows grouped by seed, a mean ± the half-width of its 95% t-interval
-(minirl.stats.mean_ci), and two policies compared by their per-seed (paired) differences
-(minirl.stats.paired_ci). Invariant: every number the report prints or plots comes through here,
+(minirl.experiments.stats.mean_ci), and two policies compared by their per-seed (paired) differences
+(minirl.experiments.stats.paired_ci). Invariant: every number the report prints or plots comes through here,
 and a difference is called resolved only when its interval excludes 0."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from minirl.experiments.grid import ON_DEFAULTS, OVERFLOW_TOKENS, Grid
-from minirl.stats import mean_ci, paired_ci
+from minirl.experiments.stats import mean_ci, paired_ci
 
 
 def kind_text(kind: str) -> str:

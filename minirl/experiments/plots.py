@@ -14,7 +14,7 @@ from pathlib import Path
 from minirl.experiments.cells import validations
 from minirl.experiments.estimates import _rate
 from minirl.experiments.grid import ON_DEFAULTS, POLICIES, Grid
-from minirl.stats import mean_ci
+from minirl.experiments.stats import mean_ci
 
 # a marker and dash per policy, so that policies with equal results stay visible on top of each other
 STYLES = dict(zip(POLICIES, itertools.cycle([("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"),

@@ -56,7 +56,7 @@ def mass_skew(run_dir: Path) -> dict:
 
 def report(rows: list[dict], grid: Grid) -> list[str]:
     """segments.md: per policy, mean ± 95% t-interval over seeds; against token_mean, paired by seed."""
-    from minirl.stats import mean_ci, paired_ci
+    from minirl.experiments.stats import mean_ci, paired_ci
 
     fields = [("segments_per_rollout", "segments / rollout"), ("rooms_shift", "rollout-count skew (rooms)"),
               ("mass_shift", "loss-mass skew (rooms)"), ("val_reward_start", "held-out reward, start"),

@@ -4,7 +4,7 @@ child process started by `FrontEnd`, whose `ModelServer` sees the engine through
 So the front end's Python per request does not hold the GIL the engine loop needs, as `vllm serve`
 keeps its API server apart from its EngineCore.
 
-Invariants: the front end lives exactly as long as its worker (minirl.child), so `worker_kill`
+Invariants: the front end lives exactly as long as its worker (minirl.runtime.child), so `worker_kill`
 kills the whole worker and Ray restarts it at the same port. The URL is returned only once the
 front end serves; a front end that fails to start is a RuntimeError naming the worker, the address
 and the cause. Every request the front end sends leaves its pending table exactly once.
@@ -26,7 +26,7 @@ from concurrent.futures import Future
 import msgspec
 import zmq
 
-from minirl import child
+from minirl.runtime import child
 
 START_TIMEOUT_S = 300.0  # the front end imports vLLM's protocol classes and loads the tokenizer
 CALL_TIMEOUT_S = 60.0
@@ -92,7 +92,7 @@ class FrontEnd:
     process at its site in `ModelServer`; the worker SIGKILLs its own process when the front end exits."""
 
     def __init__(self, engine, cfg, rank: int, host: str, port: int):
-        from minirl.http_thread import resolve_host
+        from minirl.runtime.http_thread import resolve_host
 
         host = resolve_host(host)  # here, in the worker's process: the front-end process is no Ray worker
         tag = f"minirl-frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -241,7 +241,7 @@ def main() -> None:
 
         from minirl.faults import FaultPlan
         from minirl.generation.server import ModelServer
-        from minirl.http_thread import HttpThread
+        from minirl.runtime.http_thread import HttpThread
 
         engine = EngineClient(chan, spec["max_model_len"], spec["version"])
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)

@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from minirl.config import GenerationFleetHealthConfig, GenerationRouterConfig
-from minirl.http_thread import HttpThread
+from minirl.runtime.http_thread import HttpThread
 from minirl.wire import ROLLOUT_HEADER, SEED_HEADER
 
 FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER, SEED_HEADER)

@@ -35,12 +35,12 @@ from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, Tokeni
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.utils import random_uuid
 
-from minirl import jsonio
+from minirl.runtime import jsonio
 from minirl.config import VllmConfig
 from minirl.faults import FaultPlan, fault_site
 from minirl.generation.chat_format import PrefixMismatch, normalize_content, parse_reply, rendered_chars, splice_prefix
 from minirl.generation.segments import SegmentEncoder
-from minirl.http_thread import INLINE_BYTES, off_loop
+from minirl.runtime.http_thread import INLINE_BYTES, off_loop
 from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, BadCoordinates, Coords, parse_call_key
 
 PREFIX_FIELD = "required_prefix_token_ids"
@@ -211,7 +211,7 @@ class ModelServer:
     the engine's process does not answer within `HEALTH_TIMEOUT_S`. Work proportional to a body's size
     (parsing, rendering, tokenizing) runs in a worker thread for a body over `INLINE_BYTES`, and a
     prompt whose printed fields (`rendered_chars`) cannot fit `max_model_len` is refused before it is
-    rendered. A client that disconnects has its request aborted in the engine (minirl.http_thread)."""
+    rendered. A client that disconnects has its request aborted in the engine (minirl.runtime.http_thread)."""
 
     reasoning_parser: str | None = "think"  # policy.generation.reasoning_parser; None: no reasoning split
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from minirl.agents.compaction import counter_names
 from minirl.agents.compaction.summarize import SUMMARY_COUNTERS
 from minirl.algo.grpo import rollout_votes
-from minirl.gym_failures import MASK_SAMPLE, episode_failure, sample_mask
+from minirl.gym.failures import MASK_SAMPLE, episode_failure, sample_mask
 from minirl.types import Call, Rollout, Trace
 from minirl.wire import Coords, RolloutDataFailure, is_summary_call, short as _short
 
@@ -184,7 +184,7 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
     """Validate a `/run` result and turn it into a Rollout: the one parser of a result, total over
     JSON shapes. Any malformed shape raises RolloutDataFailure naming the field, before any
     arithmetic; nothing else escapes (tests/unit/test_evidence.py's table and property test), but for a
-    result that reports Gym's EpisodeFailure (its lane's exception, minirl.gym_failures). A result
+    result that reports Gym's EpisodeFailure (its lane's exception, minirl.gym.failures). A result
     whose verifier set `mask_sample` is masked (`mask_sample`, its kind and reason in the evidence).
 
     `max_abs_reward` defaults to `reward_bound(normalize_rewards=True)`, the tighter one.
@@ -192,7 +192,7 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
     reaches `max_len` tokens, as upstream marks it; a reply cut by the per-call cap is not."""
     if not isinstance(result, dict):
         raise RolloutDataFailure("malformed /run result: not a JSON object")
-    failed = episode_failure(result)  # Gym's EpisodeFailure / _ng_failure_* stamps: its lane (gym_failures)
+    failed = episode_failure(result)  # Gym's EpisodeFailure / _ng_failure_* stamps: its lane (gym.failures)
     if failed is not None:
         raise failed
     response = result.get("response")

@@ -38,11 +38,11 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from minirl import jsonio
+from minirl.runtime import jsonio
 from minirl.config import MinirlConfig
 from minirl.data import difficulty, run_body
 from minirl.faults import FAULT_KINDS, FaultPlan
-from minirl.gym_failures import error_failure, failure_facts
+from minirl.gym.failures import error_failure, failure_facts
 from minirl.rollout.agent_pool import AgentPool
 from minirl.rollout.evidence import parse_rollout, reward_bound
 from minirl.timeline import Occupancy

@@ -5,7 +5,7 @@
   names one episode per rollout attempt: never shared by two rollouts of a row, by a re-send, or by
   the same row trained at two steps (`make gym-check` sends such rows through the real 0.7 server);
 - `agent.name` names any Gym agent instance for an external agent (minirl's own pool has two);
-- `python -m minirl.gym_generation` refuses a bad key before Ray starts (exit 2);
+- `python -m minirl.gym_servers.generation` refuses a bad key before Ray starts (exit 2);
 - `make gym-check` on a fresh clone builds both Gym side venvs (the rule's prerequisites expand).
 """
 
@@ -122,7 +122,7 @@ def test_an_external_agent_name_is_any_gym_agent_instance():
 
 
 def test_generation_side_refuses_a_bad_key_before_ray(capsys):
-    from minirl.gym_generation import main
+    from minirl.gym_servers.generation import main
 
     assert main(["grpo.no_such_key=1"]) == 2
     assert capsys.readouterr().err.startswith("ConfigError: grpo.no_such_key")

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from helpers import serve_run
 from minirl.data import prompt_row
-from minirl.gym_failures import KIND_LIMIT, episode_failure, failure_facts, known_kind, sample_mask
+from minirl.gym.failures import KIND_LIMIT, episode_failure, failure_facts, known_kind, sample_mask
 from minirl.rollout.evidence import parse_rollout
 from minirl.rollout.manager import RolloutManager
 from minirl.wire import INFRA, Coords, RolloutDataFailure, RolloutRedispatchExhausted, classify, parse_error_body

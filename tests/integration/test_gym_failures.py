@@ -1,4 +1,4 @@
-"""Gym 0.7's failure facts drive minirl's lanes (minirl/gym_failures.py; issue 32): the mapping's
+"""Gym 0.7's failure facts drive minirl's lanes (minirl/gym/failures.py; issue 32): the mapping's
 table, and the real rollout manager against a Gym-0.7-shaped agent on loopback (no Gym install, no
 Ray, no vLLM). The shapes are Gym 0.7.0's, as its models write them (`EpisodeFailure.model_dump`
 omits a None kind and stage; `judge_failsafe` writes `mask_sample` at the top level and under
@@ -16,7 +16,7 @@ from aiohttp import web
 from helpers import serve_run
 from minirl.controller import assemble
 from minirl.data import prompt_row
-from minirl.gym_failures import (
+from minirl.gym.failures import (
     FAILURE_KINDS,
     EpisodeFailed,
     EpisodeFailedTerminal,

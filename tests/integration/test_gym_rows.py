@@ -104,7 +104,7 @@ def test_agent_reads_the_seed_from_extra_body(stack, base_cfg):
 
 
 def test_doors_server_answers_a_call_after_the_last_door_as_the_environment():
-    """minirl/gym/doors_resources_server answers `/open_door` with `parts_text(env.step(...))`: after the
+    """minirl/gym_servers/doors_resources_server answers `/open_door` with `parts_text(env.step(...))`: after the
     last door it is the environment's own last word, never an exception's text (it was IndexError)."""
     env = DoorsEnv(seed=7, num_rooms=1)
     code = env.rooms[0].code

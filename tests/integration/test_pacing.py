@@ -118,7 +118,7 @@ def test_paced_admission_is_a_typed_sampler_option_refused_with_ready_first():
 def test_group_fates_counts_each_dispatched_group_once_by_room_count():
     """The async skew measure: an evicted group, a dropped one, a trained one with a masked rollout
     and one in flight at the end; the resolved mix excludes the last, the trained mix counts rollouts."""
-    from minirl.stats import difficulty_skew, group_fates
+    from minirl.experiments.stats import difficulty_skew, group_fates
 
     rooms = {(0, 0): 1, (0, 1): 8, (0, 2): 8, (1, 0): 1, (1, 1): 8}
     events = [{"type": "evict", "step": 0, "group": 1}, {"type": "drop", "decision": "dropped", "step": 0, "group": 2},

@@ -1,6 +1,6 @@
 """The hot path's shortcuts give what the slow path gave (issue 35 item 5), without an engine:
 
-- `minirl.jsonio.loads` returns what `json.loads` returns or raises what it raises, on inputs
+- `minirl.runtime.jsonio.loads` returns what `json.loads` returns or raises what it raises, on inputs
   msgspec refuses too; `dumps` parses back to the same value, and writes NaN as `json` does
   (msgspec would write null); its `all_finite` answers as a walk over every float, and
   `loads_body(raw, encoding)` as `loads` of the text decoded with errors replaced;
@@ -19,12 +19,12 @@ import math
 
 import pytest
 
-from minirl import jsonio
+from minirl.runtime import jsonio
 from minirl.agents.agent import chat_tools
 from minirl.agents.items import items_to_messages
 from minirl.generation.engine import GenResult
 from minirl.generation.server import ModelServer
-from minirl.http_thread import INLINE_BYTES
+from minirl.runtime.http_thread import INLINE_BYTES
 
 ODD_JSON = [b'{"a": 1180591620717411303424}', b'{"a":1,"a":2}', b'[NaN, Infinity, -Infinity]', b'"\\ud800"', b"1e400",
             b'{"a": -0.0}', b"\xef\xbb\xbf{}", b" {} ", b"[1.0000000000000002]", b"-9223372036854775809", b"", b"{",

@@ -2,24 +2,27 @@
 `if TYPE_CHECKING:` are annotations only and do not count), has no circle and no arrow that runs
 from a lower floor up to a higher one. A module may import from its own floor or any floor below.
 
-Floors, from the ground up (a module's floor is that of its longest listed prefix):
+Floors, from the ground up (a module's floor is that of its longest listed prefix; every folder
+is on one floor, so a reader, or a drawing of the folders, sees no arrow back up either). README's
+"Layering" lists the same floors, and tests/test_readme.py checks that the two agree entry for entry.
 
   0  what crosses a boundary, and leaves that import nothing above them:
      wire (coordinates, failure taxonomy, `/run` error bodies and row extras), types (what a step is
-     made of: Call, Trace, Rollout, GroupOutcome, TrainBatch), faults, stats, http_thread, metrics,
-     algo/ (the GRPO math), gym_failures (Gym's failure facts -> minirl's lanes), timeline (where a
-     step's time goes: the `timing/*` metrics), jsonio (JSON on the HTTP hops), child (a helper
-     process tied to its Ray actor)
+     made of: Call, Trace, Rollout, GroupOutcome, TrainBatch), faults, metrics, timeline (where a
+     step's time goes: the `timing/*` metrics), algo/ (the GRPO math), runtime/ (the process and I/O
+     helpers: a child process tied to its Ray actor, the HTTP server thread, JSON on the HTTP hops),
+     gym/ (Gym's request shapes, and Gym's failure facts -> minirl's lanes)
   1  config (typed dataclasses and their checks; imports no runtime code)
   2  the processes' own code: generation/ (engine, servers, router, fleet watch), agents/,
      trainer/ (policy worker, checkpoints, weight sync)
-  3  what sits on the agents: gym/ (Gym's request shapes, the resources server), data (prompt rows)
-  4  rollout/ (evidence -> rollouts, the rollout manager and its failure policy)
+  3  data (prompt rows)
+  4  rollout/ (evidence -> rollouts, the rollout manager, its failure policy, the sync step source)
   5  async_rl/ (buffer, samplers, the train pump and its step source), validation
   6  controller (one optimizer step: source -> check_step -> ledger -> assemble -> stats)
   7  cluster (the Ray actors and placement)
-  8  train, shutdown (what a stopped run says it keeps), evaluate, experiments/ (entry points and the sweep),
-     gym_generation (the generation side for a Gym deployment)
+  8  train, shutdown (what a stopped run says it keeps), evaluate, experiments/ (entry points, the
+     sweep and its statistics), gym_servers/ (a Gym deployment's processes: minirl's generation
+     side, and the Gym-venv servers `make gym-check` runs)
 """
 
 from __future__ import annotations
@@ -30,18 +33,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "minirl"
 
 FLOORS = {
-    "minirl.wire": 0, "minirl.types": 0, "minirl.faults": 0, "minirl.stats": 0, "minirl.http_thread": 0,
-    "minirl.jsonio": 0, "minirl.metrics": 0, "minirl.algo": 0, "minirl.gym_failures": 0, "minirl.timeline": 0,
-    "minirl.child": 0,
+    "minirl.wire": 0, "minirl.types": 0, "minirl.faults": 0, "minirl.metrics": 0, "minirl.timeline": 0,
+    "minirl.algo": 0, "minirl.runtime": 0, "minirl.gym": 0,
     "minirl.config": 1,
     "minirl.generation": 2, "minirl.agents": 2, "minirl.trainer": 2,
-    "minirl.gym": 3, "minirl.data": 3,
+    "minirl.data": 3,
     "minirl.rollout": 4,
     "minirl.async_rl": 5, "minirl.validation": 5,
     "minirl.controller": 6,
     "minirl.cluster": 7,
     "minirl.train": 8, "minirl.shutdown": 8, "minirl.evaluate": 8, "minirl.experiments": 8,
-    "minirl.gym_generation": 8,  # an entry point: minirl's generation side for a Gym deployment
+    "minirl.gym_servers": 8,  # entry points: a Gym deployment's generation side and Gym-venv servers
     "minirl": 8,  # the package's own __init__
 }
 
@@ -135,3 +137,17 @@ def test_no_import_circle():
         if node not in state:
             walk(node)
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_every_folder_is_on_one_floor():
+    """A floor is given to a top-level module or folder of minirl/ as a whole: a module deeper down on
+    another floor than its folder would draw, folder by folder, as an arrow back up (and importing it
+    runs its package's __init__ first)."""
+    nested = [name for name in FLOORS if name.count(".") > 1]
+    assert not nested, f"FLOORS gives a floor to a module inside a folder: {nested}"
+
+
+def test_the_top_level_stays_small():
+    """minirl/'s top level holds at most 13 modules: a new one goes into the package of its kind."""
+    top = sorted(p.stem for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 13, f"{len(top)} modules at minirl/'s top level (at most 13): {top}"

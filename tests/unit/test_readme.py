@@ -40,8 +40,8 @@ def test_the_layering_list_matches_the_layering_test():
     for line in _section(README.read_text(), "Layering").split("\n\n")[2].split("\n"):
         if m := re.match(r"(\d)\. ", line):
             floor = int(m.group(1))
-        for name in re.findall(r"`([a-z_]+)(?:\.py|/)`", line):
-            listed["minirl." + name] = floor
+        for name in re.findall(r"`([a-z_]+(?:/[a-z_]+)*)(?:\.py|/)`", line):  # `wire.py`, `algo/`, `gym/failures.py`
+            listed["minirl." + name.replace("/", ".")] = floor
     expected = {k: v for k, v in FLOORS.items() if k != "minirl"}
     assert listed == expected, f"README's Layering list and tests/unit/test_layering.py's FLOORS differ: {set(listed.items()) ^ set(expected.items())}"
 

@@ -1,4 +1,4 @@
-"""The experiment statistics (minirl.stats) on constructed cases with known answers."""
+"""The experiment statistics (minirl.experiments.stats) on constructed cases with known answers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from minirl.stats import difficulty_skew, mean_ci, paired_ci, rooms_mix, t_cdf, t_ppf
+from minirl.experiments.stats import difficulty_skew, mean_ci, paired_ci, rooms_mix, t_cdf, t_ppf
 
 
 @pytest.mark.parametrize("df,q", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423), (1e6, 1.95997)])

@@ -1,6 +1,6 @@
 """minirl's generation side for a Gym deployment, as one command (docs/gym.md, step 1):
 
-    python -m minirl.gym_generation [--config FILE] [key=value ...]
+    python -m minirl.gym_servers.generation [--config FILE] [key=value ...]
 
 starts a Ray cluster owned by this process, `cluster.num_generation_workers` detached generation
 workers named `minirl-gen-<rank>` (`--name`), and the generation router in front of them, then
@@ -44,7 +44,7 @@ def start(cfg, name: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minirl.gym_generation", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m minirl.gym_servers.generation", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file merged over the defaults (the one minirl.train gets)")
     ap.add_argument("--name", default="minirl-gen", help="the detached workers' name (cluster.attach_generation_workers)")

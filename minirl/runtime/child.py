@@ -33,7 +33,7 @@ PARENT_POLL_S = 0.2
 def spawn(module: str, spec: dict, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """`python -m module` with `spec` on its stdin (and the repo on its PYTHONPATH, as a Ray worker
     has it); its stdout and stderr stay the actor's."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env, pass_fds=pass_fds)
     proc.stdin.write(pickle.dumps({**spec, "parent": os.getpid()}))

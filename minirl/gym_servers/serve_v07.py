@@ -1,12 +1,12 @@
 """Gym 0.7's side of `make gym-check`, run with the Gym 0.7 venv's python (`.venv-gym07`): Gym 0.7's
 `vllm_model` (with `request_prompt_and_generation_token_ids: true`, 0.7's inline token ids: the
 chat request asks for `return_token_ids`, so no `/tokenize` call), Gym's `simple_agent`, and
-`DoorsResourcesServer07` (minirl/gym/doors_v07.py) with the run's fault plan, launched as
-`minirl.gym.serve` launches 0.4's (same config builder, same ready line); and `failing_episodes`,
-a Gym 0.7 Environment Server whose episodes fail (minirl/gym/episodes_v07.py).
+`DoorsResourcesServer07` (minirl/gym_servers/doors_v07.py) with the run's fault plan, launched as
+`minirl.gym_servers.serve` launches 0.4's (same config builder, same ready line); and `failing_episodes`,
+a Gym 0.7 Environment Server whose episodes fail (minirl/gym_servers/episodes_v07.py).
 
 `--check-shapes` instead validates, against Gym 0.7's own models, the rows and the failure shapes
-minirl's mapping reads (minirl/gym_failures.py, tests/integration/test_gym_failures.py): an `EpisodeFailure`
+minirl's mapping reads (minirl/gym/failures.py, tests/integration/test_gym_failures.py): an `EpisodeFailure`
 in a `BaseEpisodeResponse`, a `BaseVerifyResponse` with `mask_sample`, the vocabulary of kinds.
 
 Invariant: needs nemo-gym 0.7.0; prints `gym-servers ready {json of URLs}` once all three answer.
@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from minirl.gym.serve import free_port, gym_config, gym_servers, serve
+from minirl.gym_servers.serve import free_port, gym_config, gym_servers, serve
 
 
 def check_shapes(rows_path: str) -> None:
@@ -31,7 +31,7 @@ def check_shapes(rows_path: str) -> None:
     from nemo_gym.rollout_collection import NG_TERMINAL_KEY
     from responses_api_agents.simple_agent.app import SimpleAgentRunRequest
 
-    from minirl.gym_failures import FAILURE_KINDS, NG_TERMINAL, STAGES, episode_failure, sample_mask
+    from minirl.gym.failures import FAILURE_KINDS, NG_TERMINAL, STAGES, episode_failure, sample_mask
     from minirl.wire import DATA, INFRA, classify
 
     rows = [json.loads(line) for line in open(rows_path)]
@@ -52,11 +52,11 @@ def check_shapes(rows_path: str) -> None:
 
 
 def gym07_servers(global_cfg: dict, faults: dict) -> list:
-    """`minirl.gym.serve`'s servers with 0.7's inline token ids and the doors server on 0.7's classes."""
-    from minirl.gym.doors_resources_server import DoorsResourcesServer
-    from minirl.gym.doors_v07 import DoorsResourcesServer07
+    """`minirl.gym_servers.serve`'s servers with 0.7's inline token ids and the doors server on 0.7's classes."""
+    from minirl.gym_servers.doors_resources_server import DoorsResourcesServer
+    from minirl.gym_servers.doors_v07 import DoorsResourcesServer07
 
-    from minirl.gym.episodes_v07 import FailingEpisodes
+    from minirl.gym_servers.episodes_v07 import FailingEpisodes
     from nemo_gym.base_environment_server import BaseEnvironmentServerConfig
 
     servers = gym_servers(global_cfg)

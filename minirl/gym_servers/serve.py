@@ -8,7 +8,7 @@ and Gym's own example `example_tool_call_multireward` (agent `example_simple_age
 They are Gym's own server classes, apps, session and exception middleware, built from a Gym
 global config as `ng_run` builds them; only the launcher differs: `ng_run` gives each server its
 own process, venv and Ray cluster, which a 2-core machine cannot spare, so here one event loop
-serves all three with uvicorn. `python -m minirl.gym.serve --check-rows ROWS.jsonl` instead
+serves all three with uvicorn. `python -m minirl.gym_servers.serve --check-rows ROWS.jsonl` instead
 validates rows against the real `SimpleAgentRunRequest` and exits.
 
 Invariant: prints one line `gym-servers ready {json of URLs by server name}` once all answer, and
@@ -79,7 +79,7 @@ def gym_servers(global_cfg: dict) -> list:
     `global_cfg`, sharing one `ServerClient`."""
     from omegaconf import OmegaConf
 
-    from minirl.gym.doors_resources_server import DoorsResourcesServer
+    from minirl.gym_servers.doors_resources_server import DoorsResourcesServer
     from nemo_gym.base_resources_server import BaseResourcesServerConfig
     from nemo_gym.config_types import BaseServerConfig
     from nemo_gym.server_utils import ServerClient

@@ -23,13 +23,13 @@ from types import SimpleNamespace
 from fastapi import Request
 
 from minirl.faults import FaultPlan, fault_site
-from minirl.gym.doors_resources_server import (
+from minirl.gym_servers.doors_resources_server import (
     DoorsResourcesServer,
     DoorsSeedSessionRequest,
     DoorsVerifyRequest,
     DoorsVerifyResponse,
 )
-from minirl.gym_failures import LOST_SESSION
+from minirl.gym.failures import LOST_SESSION
 from minirl.wire import BadCoordinates, Coords
 from nemo_gym.base_resources_server import BaseSeedSessionResponse
 from nemo_gym.server_utils import SESSION_ID_KEY
