@@ -236,9 +236,17 @@ ERROR_BODY_LIMIT = 4096
 """Characters of an error body kept in a failure (enough for a whole validation error)."""
 
 
-def run_error_body(exc: BaseException) -> dict:
-    """The JSON body of a failed `/run`: Gym's middleware text (`repr(e)`) plus the exception's type."""
-    return {"error": repr(exc), "type": type(exc).__name__}
+def run_error_body(exc: BaseException, status: int | None = None, stage: str = "agent") -> dict:
+    """The JSON body of a failed `/run` (`status`, default `run_error_status(exc)`): Gym's middleware
+    text (`repr(e)`) and the exception's type, plus Gym 0.7's `failure_kind` (the exception's own,
+    else one named from the status and `stage`), `stage` and `terminal` (a 4xx is terminal: it
+    answers the same way again), so that one classifier reads minirl's agent pool and Gym's."""
+    status = run_error_status(exc) if status is None else status
+    kind = getattr(exc, "failure_kind", None)
+    if not isinstance(kind, str):
+        kind = "agent_run_error" if status >= 500 else "minirl:" + ("bad_row" if stage == "admission" else "bad_request")
+    return {"error": repr(exc), "type": type(exc).__name__, "failure_kind": kind, "stage": stage,
+            "terminal": http_class(status) == DATA}
 
 
 def run_error_status(exc: BaseException) -> int:

@@ -26,8 +26,8 @@ from minirl.agents.items import TOKEN_FIELDS, items_to_messages
 from minirl.agents.model_client import HttpModelClient
 from minirl.config import AgentConfig, MinirlConfig
 from minirl.faults import FaultPlan, fault_site
-from minirl.gym.failures import LOST_SESSION, run_error_body, verified
-from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_status
+from minirl.gym.failures import LOST_SESSION, verified
+from minirl.wire import EXTRA_BODY, BadCoordinates, Coords, extra_body, run_error_body, run_error_status
 from minirl.runtime.http_thread import INLINE_BYTES, HttpThread, off_loop
 
 AGENT_NAMES = ("simple_agent", "compaction_agent")

@@ -26,7 +26,7 @@ Every failure gets a kind (`failure_facts`): its own when it carries one (cut at
 one named from its minirl class (`transport_*`, `agent_*`, or `minirl:<kind>` where Gym has no
 name); a `_ng_failure_class` outside Gym's vocabulary (`environment_server_failed`, ...) gives
 `agent_run_error`. minirl's agent pool answers its `/run` failures in the same shape
-(`run_error_body`), so one classifier reads both, and never echoes a request's result facts into
+(`wire.run_error_body`), so one classifier reads both, and never echoes a request's result facts into
 its result (`without_result_facts`).
 
 Invariant: a ground-floor module (imports `minirl.wire` only); every reader here is total over JSON
@@ -52,8 +52,6 @@ from minirl.wire import (
     classify,
     http_class,
     printable,
-    run_error_body as _typed_body,
-    run_error_status,
     short,
 )
 
@@ -249,16 +247,6 @@ def mask_facts(reason: str, evidence: dict) -> dict:
 
 
 # ------------------------------------------------------------------ minirl's agent pool, in Gym's shapes
-def run_error_body(exc: BaseException, status: int | None = None, stage: str = "agent") -> dict:
-    """The body of a failed `/run` from minirl's agent pool: `{error, type}` (wire) plus Gym's
-    `failure_kind`, `stage` and `terminal` (a 4xx is terminal: it answers the same way again)."""
-    status = run_error_status(exc) if status is None else status
-    kind = getattr(exc, "failure_kind", None)
-    if not isinstance(kind, str):
-        kind = "agent_run_error" if status >= 500 else "minirl:" + ("bad_row" if stage == "admission" else "bad_request")
-    return {**_typed_body(exc), "failure_kind": kind, "stage": stage, "terminal": http_class(status) == DATA}
-
-
 LOST_SESSION = {"failure_kind": "session_lost", "failure_reason": "the resources session was lost before verification "
                 "(injected session_lost fault): the reward is not a measurement"}
 """What a verifier reports for a session the seeded fault plan loses (`faults.*` kind `session_lost`)."""

@@ -25,11 +25,10 @@ from minirl.gym.failures import (
     failure_facts,
     kind_counts,
     known_kind,
-    run_error_body,
     sample_mask,
 )
 from minirl.rollout.manager import RolloutManager
-from minirl.wire import DATA, INFRA, GymTransportError, RolloutDataFailure, RolloutTimeout, classify
+from minirl.wire import DATA, INFRA, GymTransportError, RolloutDataFailure, RolloutTimeout, classify, run_error_body
 
 VOCAB = 512
 
@@ -79,6 +78,10 @@ def test_the_mapping_table():
     assert run_error_body(ValueError("v")) == {"error": "ValueError('v')", "type": "ValueError", "failure_kind": "agent_run_error",
                                                "stage": "agent", "terminal": False}
     assert run_error_body(ValueError("row"), 400, stage="admission")["failure_kind"] == "minirl:bad_row"
+    import minirl.agents.server as agent_server
+    import minirl.gym.failures as gym_failures
+
+    assert agent_server.run_error_body is run_error_body and not hasattr(gym_failures, "run_error_body")  # one body, wire's
 
 
 def _item(base: int) -> dict:
