@@ -244,7 +244,8 @@ def run_error_body(exc: BaseException, status: int | None = None, stage: str = "
     status = run_error_status(exc) if status is None else status
     kind = getattr(exc, "failure_kind", None)
     if not isinstance(kind, str):
-        kind = "agent_run_error" if status >= 500 else "minirl:" + ("bad_row" if stage == "admission" else "bad_request")
+        kind = ("agent_run_error" if status >= 500
+                else "minirl:" + ("bad_row" if stage == "admission" else "bad_request"))
     return {"error": repr(exc), "type": type(exc).__name__, "failure_kind": kind, "stage": stage,
             "terminal": http_class(status) == DATA}
 

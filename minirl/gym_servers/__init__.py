@@ -6,7 +6,7 @@ models), `serve_v07` 0.7.0's; `doors_resources_server` is minirl's `doors` task 
 server, `doors_v07` the same on 0.7's classes with the seeded fault plan, `episodes_v07` a Gym 0.7
 Environment Server whose episodes fail.
 
-Invariant: an entry-point floor (tests/test_layering.py): nothing below imports from here.
+Invariant: an entry-point floor (tests/unit/test_layering.py): nothing below imports from here.
 `doors_resources_server`, `doors_v07` and `episodes_v07` import `nemo_gym` and run only in a Gym
 venv; importing this package imports none of its modules.
 """

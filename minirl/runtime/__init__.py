@@ -2,6 +2,6 @@
 as long as its Ray actor), `http_thread` (an aiohttp app served from its own thread and loop) and
 `jsonio` (JSON on the HTTP hops).
 
-Invariant: the ground floor (tests/test_layering.py): nothing here imports any other minirl module,
+Invariant: the ground floor (tests/unit/test_layering.py): nothing here imports any other minirl module,
 and importing this package imports none of its modules.
 """

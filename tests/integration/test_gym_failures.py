@@ -81,7 +81,8 @@ def test_the_mapping_table():
     import minirl.agents.server as agent_server
     import minirl.gym.failures as gym_failures
 
-    assert agent_server.run_error_body is run_error_body and not hasattr(gym_failures, "run_error_body")  # one body, wire's
+    # one body, wire's, for both callers
+    assert agent_server.run_error_body is run_error_body and not hasattr(gym_failures, "run_error_body")
 
 
 def _item(base: int) -> dict:

@@ -148,8 +148,8 @@ def test_coordinates_round_trip_and_bad_ones_are_named():
 def test_run_error_body_is_typed_and_parsed_back():
     exc = ContextGuardRejected("Context guard rejected model call at complete action boundary: step=2 guards=max_total_tokens")
     body = run_error_body(exc)
-    assert body == {"error": repr(exc), "type": "ContextGuardRejected", "failure_kind": "agent_run_error", "stage": "agent",
-                    "terminal": False} and run_error_status(exc) == 500
+    assert body == {"error": repr(exc), "type": "ContextGuardRejected", "failure_kind": "agent_run_error",
+                    "stage": "agent", "terminal": False} and run_error_status(exc) == 500
     import json
 
     assert parse_error_body(json.dumps(body).encode()) == (repr(exc), "ContextGuardRejected")

@@ -4,7 +4,7 @@ from a lower floor up to a higher one. A module may import from its own floor or
 
 Floors, from the ground up (a module's floor is that of its longest listed prefix; every folder
 is on one floor, so a reader, or a drawing of the folders, sees no arrow back up either). README's
-"Layering" lists the same floors, and tests/test_readme.py checks that the two agree entry for entry.
+"Layering" lists the same floors, and tests/unit/test_readme.py checks that the two agree entry for entry.
 
   0  what crosses a boundary, and leaves that import nothing above them:
      wire (coordinates, failure taxonomy, `/run` error bodies and row extras), types (what a step is
