@@ -94,6 +94,15 @@ class GRPOConfig:
     minirl's default) masks the whole rollout, out of training and out of the baseline; `any` (the
     segment-rows branch's amax) keeps it valid while any segment is, trains its valid segments with
     its advantage and masks only the masked ones. A rollout-level mask masks every segment in both."""
+    summary_credit: Literal["rollout", "next_segment"] = "rollout"
+    """The advantage a summary call's tokens train with (summarizing compaction). `rollout` (minirl's
+    default, verl's one session-level advantage): its rollout's, as every segment. `next_segment`:
+    its own, from the segment that follows it: the agent scores it (evidence `segment_rewards`, the
+    verifier's mean per-room score over the rooms first tried after the summary and before the next
+    one, agents/compaction/summarize.py), and a group's k-th summaries are compared with one another as
+    rollouts are (`grpo.summary_advantages`: the same baseline, std and flags, over the valid
+    rollouts whose k-th summary has a scored segment; the others' k-th summary gets 0). A rollout
+    without that evidence (an external agent) keeps its rollout's advantage (`summary_credit_fallbacks`)."""
     overlong_filtering: bool = False
     """Mask (sample_mask=0) every rollout truncated at policy.max_total_sequence_length (a trace
     that reached it), as upstream marks truncation; a reply cut by the per-call cap is not."""
@@ -565,6 +574,10 @@ class SummarizeConfig:
     max_summary_tokens) is resampled, never trained, and retired by the ledger (prime-rl: 5)."""
     max_summary_tokens: int = bounded(32, ge=1)
     """Longest accepted summary reply, in generated tokens."""
+    require_stop: bool = False
+    """Accept a summary only when its reply ended by itself (`finish_reason == "stop"`), as nano-rlm
+    (#178) / prime-rl do: a reply cut by the generation cap (`length`) is rejected as `not_stop` and
+    resampled, even when it holds a closed block. False (minirl's default): the block decides."""
     on_summary_failure: Literal["raise", "end_episode", "recency_fallback"] = "raise"
     """Attempts exhausted: `raise` (the upstream-like choice, as prime-rl/verifiers: a typed
     SummaryFailed, HTTP 500, which the rollout manager retries as an INFRA harness failure: row

@@ -16,13 +16,13 @@ import time
 
 import numpy as np
 
-from minirl.algo.grpo import group_advantages, rollout_votes, segment_weights
+from minirl.algo.grpo import group_advantages, rollout_votes, segment_weights, summary_advantages
 from minirl.async_rl.source import BufferSource
 from minirl.config import MinirlConfig, step_floor
 from minirl.data import prompt_key
 from minirl.generation.fleet import FleetWatch
 from minirl.gym.failures import kind_counts, mask_facts
-from minirl.rollout.evidence import Ledger, summary_stats
+from minirl.rollout.evidence import SUMMARY_KIND, Ledger, summary_stats
 from minirl.rollout.manager import RolloutManager, dominant_failure
 from minirl.rollout.masking import ScoredGroup, baseline_members, masking_stats, rollout_stats
 from minirl.rollout.selection import select_calls
@@ -66,7 +66,8 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
 def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tuple[TrainBatch, dict]:
     """Kept groups -> padded training arrays + the step's rollout statistics.
 
-    Advantages are per group (`_scored`), shared by all the physical traces of a rollout. A masked
+    Advantages are per group (`_scored`), shared by all the physical traces of a rollout (but under
+    `grpo.summary_credit=next_segment` a summary trace's own, `_credited`). A masked
     trace masks its rollout (`grpo.segment_validity=all`) or only itself (`any`, while another
     segment is valid), and `loss_fn.segment_weighting` gives each trained trace its loss weight
     (none under `token_mean`, the default arithmetic)."""
@@ -74,11 +75,12 @@ def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tu
     for r in (r for o in kept for r in o.rollouts.values()):
         settle_segments(r, cfg.grpo.segment_validity)
     scored = [_scored(cfg, o) for o in kept]
-    rows = [(r, t, float(a)) for g in scored for r, a in zip(g.rollouts, g.advantages) for t in r.traces]
-    batch = _pack(rows, pad_id)
+    rows = [_credited(cfg, g) for g in scored]
+    batch = _pack([row for g_rows, _ in rows for row in g_rows], pad_id)
     if cfg.loss_fn.segment_weighting != "token_mean":
         _weigh(batch, cfg.loss_fn.segment_weighting)
     stats = _rollout_stats(cfg, outcomes, kept, batch)
+    stats["summary_credit_fallbacks"] = sum(n for _, n in rows)
     stats.update(masking_stats(scored))  # NeMo's train/masking/* and rollout stats (minirl/rollout/masking.py)
     stats.update(rollout_stats(scored, batch.lengths, cfg.policy.max_total_sequence_length))
     return batch, stats
@@ -115,6 +117,26 @@ def _scored(cfg: MinirlConfig, o: GroupOutcome) -> ScoredGroup:
         raise RuntimeError(f"group {o.group}: non-finite advantages {adv.tolist()} from rewards "
                            f"{[r.reward for r in rollouts]}")
     return ScoredGroup(rollouts, members, adv)
+
+
+def _credited(cfg: MinirlConfig, g: ScoredGroup) -> tuple[list[tuple[Rollout, Trace, float]], int]:
+    """Each trace of a kept group with the advantage it trains with: its rollout's, but under
+    `grpo.summary_credit=next_segment` a summary trace's own (`summary_advantages` over the group's
+    summaries at the same place; a masked summary trace or an unscored segment is no member). Also
+    the fallbacks: rollouts whose summary traces have no matching `segment_rewards` evidence (an
+    external agent), which keep their rollout's advantage."""
+    rows = [(r, t, float(a)) for r, a in zip(g.rollouts, g.advantages) for t in r.traces]
+    if cfg.grpo.summary_credit == "rollout":
+        return rows, 0
+    summaries = [[t for t in r.traces if t.kind == SUMMARY_KIND] for r in g.rollouts]
+    scored = [s if len(s) == len(r.evidence.get("segment_rewards", [])) else None for r, s in zip(g.rollouts, summaries)]
+    rewards = [[None if t.mask_reason else v for t, v in zip(s, r.evidence["segment_rewards"])] if s is not None else []
+               for r, s in zip(g.rollouts, scored)]
+    gp = cfg.grpo
+    adv = summary_advantages(rewards, [r.sample_mask for r in g.rollouts], gp.use_leave_one_out_baseline, gp.normalize_rewards)
+    own = {id(t): a for s, a_list in zip(scored, adv) if s is not None for t, a in zip(s, a_list)}
+    fallbacks = sum(s is None for s in scored)
+    return [(r, t, own.get(id(t), a)) for r, t, a in rows], fallbacks
 
 
 def _pack(rows: list[tuple[Rollout, Trace, float]], pad_id: int) -> TrainBatch:

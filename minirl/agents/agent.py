@@ -14,6 +14,7 @@ import asyncio
 
 from minirl.agents import compaction
 from minirl.agents.compaction import CompactionPolicy
+from minirl.agents.compaction.summarize import segment_rewards
 from minirl.agents.env import DoorsEnv, verify
 from minirl.agents.episode import Episode, Evidence, ModelClient, ModelReply, prompt_identity
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
@@ -88,8 +89,11 @@ def start_episode(row: dict) -> Episode:
 
 
 def finish_episode(row: dict, ep: Episode) -> dict:
-    """Verify the output and return the row with Gym's response, the reward and the evidence."""
+    """Verify the output and return the row with Gym's response, the reward and the evidence (with
+    each accepted summary's next-segment score, when there is one)."""
     reward = verify(row["task"], ep.output)
+    if ep.ev.count("summaries"):
+        ep.ev.segment_rewards = segment_rewards(row["task"], ep.output)
     ended = ("length", "context_length", "guard_reject", "max_compactions", "summary_failed")
     status = "incomplete" if ep.ev.end_reason in ended else "completed"
     response = {

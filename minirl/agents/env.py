@@ -225,13 +225,25 @@ def verify(task: dict, output_items: list[dict]) -> float:
 
     Replays the agent's `open_door` calls against the task's rooms; the live env is not consulted.
     """
+    score = 0.0
+    for _, room_score in room_scores(task, output_items):
+        score += room_score
+    return score / task["num_rooms"]
+
+
+def room_scores(task: dict, output_items: list[dict]) -> list[tuple[int, float]]:
+    """`verify`'s replay, per room tried: (the index in `output_items` of its first try, its score:
+    1 opened on that try, 0.5 later, 0 never). A room never tried is not listed (it scores 0)."""
     rooms = make_rooms(task["seed"], task["num_rooms"])
-    room, tries, score = 0, 0, 0.0
-    for item in output_items:
+    scores: list[tuple[int, float]] = []
+    room, tries = 0, 0
+    for i, item in enumerate(output_items):
         if item.get("type") != "function_call" or room >= len(rooms):
             continue
+        if tries == 0:
+            scores.append((i, 0.0))
         tries += 1
         if parse_code(item.get("name", ""), item.get("arguments", "")) == rooms[room].code:
-            score += 1.0 if tries == 1 else 0.5
+            scores[-1] = (scores[-1][0], 1.0 if tries == 1 else 0.5)
             room, tries = room + 1, 0
-    return score / len(rooms)
+    return scores

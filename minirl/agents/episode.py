@@ -64,6 +64,9 @@ class Evidence:
     capture_failed: bool = False
     end_reason: str = "max_steps"
     errors: list[str] = field(default_factory=list)
+    segment_rewards: list[float | None] = field(default_factory=list)
+    """Summarizing compaction: per accepted summary, its next segment's score (summarize.segment_rewards;
+    `grpo.summary_credit=next_segment` trains the summary on it). Sent only when non-empty."""
 
     def add(self, counters: dict[str, int]) -> None:
         for name, n in counters.items():
@@ -75,7 +78,7 @@ class Evidence:
     def as_dict(self) -> dict:
         return {"calls": self.calls, "compactions": self.compactions, **self.counters, "guard": self.guard,
                 "summary": self.summary, "capture_failed": self.capture_failed, "end_reason": self.end_reason,
-                "errors": self.errors}
+                "errors": self.errors, **({"segment_rewards": self.segment_rewards} if self.segment_rewards else {})}
 
 
 @dataclass

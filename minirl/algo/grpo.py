@@ -72,6 +72,27 @@ def rollout_votes(segment_valid, validity: str = "all") -> bool:
     return bool(v.all() if validity == "all" else v.any())
 
 
+def summary_advantages(segment_rewards, valid, leave_one_out: bool = True, normalize: bool = True,
+                       eps: float = 1e-6) -> list[list[float]]:
+    """`grpo.summary_credit=next_segment`: the advantage of each summary of one prompt group's
+    rollouts. `segment_rewards[i][k]` scores the segment rollout i's k-th summary hands off to (None:
+    no room in it); `valid[i]` whether rollout i is trained. For each k, the k-th summaries of the
+    valid rollouts with a scored segment are a group of their own, and `group_advantages` (the same
+    leave-one-out baseline, std and eps) gives each its advantage; every other k-th summary gets 0.
+    A rollout's summaries are compared only with the other rollouts' summaries at the same place
+    (the group shares its prompt and its trigger threshold, so the k-th summary of each falls at
+    about the same room)."""
+    out = [[0.0] * len(r) for r in segment_rewards]
+    for k in range(max((len(r) for r in segment_rewards), default=0)):
+        member = [bool(valid[i]) and k < len(r) and r[k] is not None for i, r in enumerate(segment_rewards)]
+        rewards = [r[k] if m else 0.0 for r, m in zip(segment_rewards, member)]
+        adv = group_advantages(rewards, member, leave_one_out, normalize, exclude_masked=True, eps=eps)
+        for i, m in enumerate(member):
+            if m:
+                out[i][k] = float(adv[i])
+    return out
+
+
 def segment_weights(rollout_ids, tokens, weighting: str = "token_mean") -> np.ndarray:
     """Loss weight of each trained row (segment): `rollout_ids[i]` names row i's rollout and
     `tokens[i]` its trained-token count (> 0). `token_mean` gives 1 (every token counts once);

@@ -157,7 +157,21 @@ def _evidence(evidence) -> dict:
     if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
         raise RolloutDataFailure(f"malformed /run result: evidence.errors must be a list of strings, got {_short(errors)}")
     out["errors"] = errors
+    if "segment_rewards" in evidence:
+        out["segment_rewards"] = _segment_rewards(evidence["segment_rewards"])
     return out
+
+
+def _segment_rewards(values) -> list[float | None]:
+    """Evidence `segment_rewards` (grpo.summary_credit=next_segment): a list of rewards (bounded as a
+    rollout's reward is) or nulls."""
+    bound = reward_bound(True)
+    ok = isinstance(values, list) and all(
+        v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and v == v and -bound <= v <= bound) for v in values)
+    if not ok:
+        raise RolloutDataFailure(f"malformed /run result: evidence.segment_rewards must be a list of finite numbers with |x| <= "
+                                 f"{bound:.4g} or nulls, got {_short(values)}")
+    return [None if v is None else float(v) for v in values]
 
 
 def _flat(record) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from minirl.agents.compaction.base import CompactionResult
 from minirl.agents.compaction.rewrite import RewritePolicy
 from minirl.agents.compaction.summary_format import SUMMARY_REQUEST, continuation, summary_text
-from minirl.agents.env import DoorsEnv
+from minirl.agents.env import DoorsEnv, room_scores
 from minirl.agents.episode import Episode, ModelClient, ModelReply
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import ContextHistoryConfig, SummarizeConfig
@@ -62,12 +62,15 @@ def _by_model(item: dict) -> bool:
     return item.get("type") in ("reasoning", "function_call") or item.get("role") == "assistant"
 
 
-def rejection(reply: ModelReply, max_tokens: int, empty: bool = False, tool_call: bool = False) -> str | None:
+def rejection(reply: ModelReply, max_tokens: int, empty: bool = False, tool_call: bool = False,
+              require_stop: bool = False) -> str | None:
     """Why a summary reply is rejected (`empty` / `tool_call`: an injected fault), or None."""
     if tool_call or reply.message.get("tool_calls"):
         return "tool_call"
     if empty:
         return "empty"
+    if require_stop and reply.finish_reason != "stop":
+        return "not_stop"
     text = summary_text(reply.message.get("content") or "")
     if text is None:
         return "missing_block"
@@ -85,6 +88,20 @@ def recall(env: DoorsEnv | None, summary: str) -> tuple[int, int]:
         return 0, 0
     facts = [f for f in env.memory_facts() if f["shown_in_room"] < env.room <= f["needed_in_room"]]
     return len(facts), sum(f["text"] in summary for f in facts)
+
+
+def segment_rewards(task: dict, output: list[dict]) -> list[float | None]:
+    """Per accepted summary in `output` (an item marked SUMMARY_KIND), in order: the mean
+    `room_scores` score of the rooms first tried after it and before the next summary (the segment
+    it hands off to; a room's later tries count in that room's score); None when that segment tries
+    no room."""
+    marks = [i for i, item in enumerate(output) if item.get("trace_kind") == SUMMARY_KIND] + [len(output)]
+    scores = room_scores(task, output)
+    out: list[float | None] = []
+    for start, end in zip(marks, marks[1:]):
+        mine = [s for first, s in scores if start < first < end]
+        out.append(sum(mine) / len(mine) if mine else None)
+    return out
 
 
 @dataclass
@@ -106,7 +123,8 @@ class SummarizePolicy:
       doors task's seed, a dataset row's input and task), so a group's rollouts share it and prompts differ.
     - The summary request is an ordinary sampled call through the generation server: the history plus
       `SUMMARY_REQUEST`, no tools, its own call key `<rollout>.s<k>a<n>` (compaction k, request n).
-    - A reply is rejected (`rejection`) when it carries a tool call, has no closed block, an empty one,
+    - A reply is rejected (`rejection`) when it carries a tool call, did not end by itself under
+      `require_stop` (`not_stop`), has no closed block, an empty one,
       or more than `max_summary_tokens` generated tokens; it is resampled, up to
       `max_summary_attempts` rejections. A request the server refuses as too long (a reply with no
       tokens) is sent again with the middle of the history trimmed (`trim_middle`); that costs no
@@ -116,6 +134,8 @@ class SummarizePolicy:
     - `max_compactions` summaries done: the next trigger ends the rollout as truncated.
     - Faults (faults.py): `summary_empty` / `summary_tool_call` at compaction k read every reply of it
       as empty / as carrying a tool call; `summary_overflow` reads its first request as refused.
+    - Credit (`grpo.summary_credit=next_segment`): `segment_rewards` scores the segment each accepted
+      summary hands off to; the agent returns it as evidence `segment_rewards`.
     """
 
     COUNTERS: tuple[str, ...] = (*RewritePolicy.COUNTERS, *SUMMARY_COUNTERS)
@@ -155,7 +175,7 @@ class SummarizePolicy:
                     return None
                 run.history, run.trims = trimmed, run.trims + 1
                 continue
-            reason = rejection(reply, self.s.max_summary_tokens, empty, tool_call)
+            reason = rejection(reply, self.s.max_summary_tokens, empty, tool_call, self.s.require_stop)
             tokens = len(reply.evidence["generation_token_ids"])
             self._note(ep, run, "rejected" if reason else "accepted", reason, tokens, empty or tool_call)
             if reason is None:
