@@ -77,12 +77,14 @@ import asyncio
 import json
 import random
 import re
+import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from minirl.agents.agent import ModelReply, run_episode
 from minirl.agents.env import COLORS, OBJECTS, TOOLS, DoorsEnv
@@ -145,9 +147,33 @@ def random_agent_config(rng: random.Random) -> AgentConfig:
     return cfg
 
 
-_NOTE = re.compile(r"note(\d)")
-MEMORY_ROOMS = (3, 4, 4, 5)
-"""Room counts of the summarizing teacher's memory episodes (the note is in room 2, the hidden door last)."""
+_NOTE = re.compile(r"note([A-Z]?)(\d)")
+"""A note label: its tag (`doors_memory`'s note has none; `doors_notes`' are A, B, C) and its digit."""
+_HIDDEN = re.compile(r"door([A-Z]?)\?")
+"""A hidden door's label (`door?`, `doorA?`): its tag names the note whose digit opens it."""
+DISTRACTOR_TAGS = frozenset("C")
+"""`doors_notes`' tag of the note no room needs (env.note_layout), left out of the build's fact recall."""
+
+
+class MemoryPlay(NamedTuple):
+    """How the summarizing teacher plays one memory task."""
+
+    rooms: tuple[int, ...]
+    """Room counts its episodes draw from."""
+    thresholds: tuple[int, int]
+    """Range its per-episode summary thresholds (token counts) are drawn from: the task's config
+    (`threshold_tokens`) lies inside it, and the rest lets summaries fall before other rooms too."""
+    note_names: tuple[str, ...]
+    """The note labels' names, added to the look-up drills' objects."""
+
+
+MEMORY_PLAY = {
+    "doors_memory": MemoryPlay(rooms=(3, 4, 4, 5), thresholds=(150, 330), note_names=("note",)),
+    "doors_notes": MemoryPlay(rooms=(7, 7, 8), thresholds=(230, 400), note_names=("noteA", "noteB", "noteC")),
+}
+"""doors_memory: the note in room 2, the hidden door last (configs/summarize.yaml: [210, 250]);
+doors_notes: three notes in rooms 2-4 (2-5 of 8), the hidden doors last (configs/summarize_notes.yaml:
+[270, 316], prompts of ~66..450 tokens before the 1st..7th call)."""
 SUMMARIZE_SHARE = 0.8
 """Share of the summarizing build's episodes played with summarizing compaction (the rest: recency)."""
 
@@ -167,13 +193,14 @@ def is_summary_request(messages) -> bool:
 
 
 class SummarizingTeacher:
-    """`doors_memory`'s noisy teacher (`--summarize`). Rooms: reads the newest picture's door with
-    probability p_correct, else another object's label. The hidden door (`door?`): answers from the
-    newest `note<d>` anywhere in its prompt (a picture or a summary), else guesses a digit the picture
-    does not show. The summary request: `<summary>note<d></summary>` with probability p_recall when
-    a note is in its prompt, else the newest picture's door label (`door?` before the last room: a
-    summary that drops the fact that matters), each after SUMMARY_LEAD. `count` is the token count
-    the summarizing policy reads."""
+    """The memory tasks' noisy teacher (`--summarize`; `doors_memory`, `doors_notes`). Rooms: reads
+    the newest picture's door with probability p_correct, else another object's label. A hidden door
+    (`door<T>?`): answers from the newest `note<T><d>` anywhere in its prompt (a picture or a
+    summary), else guesses a digit the picture does not show. The summary request: each note its
+    prompt shows (the newest of each tag, in the order first shown), each kept with probability
+    p_recall; when it keeps none, the newest picture's door label (`door?` before doors_memory's last
+    room: a summary that drops the fact that matters); after SUMMARY_LEAD. `count` is the token
+    count the summarizing policy reads."""
 
     def __init__(self, rng: random.Random, p_correct: float, p_recall: float, render, count):
         self.rng, self.p, self.p_recall, self.render, self.count = rng, p_correct, p_recall, render, count
@@ -183,23 +210,26 @@ class SummarizingTeacher:
         return _PICTURE.findall(text)[-1].split("\n")[1:]
 
     def _summary(self, text: str) -> str:
-        notes = _NOTE.findall(text)
-        if notes and self.rng.random() < self.p_recall:
-            return f"<summary>{SUMMARY_LEAD}note{notes[-1]}</summary>"
+        notes: dict[str, str] = {}
+        for tag, digit in _NOTE.findall(text):
+            notes[tag] = digit  # the newest of each tag, at its first place
+        kept = [f"note{tag}{digit}" for tag, digit in notes.items() if self.rng.random() < self.p_recall]
+        if kept:
+            return f"<summary>{SUMMARY_LEAD}{' '.join(kept)}</summary>"
         door = next(label for label in self._labels(text) if label.startswith("door"))
         return f"<summary>{SUMMARY_LEAD}{door}</summary>"
 
     def _room(self, text: str) -> str:
         labels = self._labels(text)
         door = next(label for label in labels if label.startswith("door"))
-        if door == "door?":
-            notes = _NOTE.findall(text)
+        if hidden := _HIDDEN.fullmatch(door):
+            notes = [d for tag, d in _NOTE.findall(text) if tag == hidden[1]]
             shown = {label[-1] for label in labels}
-            name, num = ("note", notes[-1]) if notes else ("door?", self.rng.choice([d for d in "0123456789" if d not in shown]))
+            name, num = (f"note{hidden[1]}", notes[-1]) if notes else (door, self.rng.choice([d for d in "0123456789" if d not in shown]))
         elif self.rng.random() < self.p:
             name, num = door[:-1], door[-1]
         else:
-            other = self.rng.choice([label for label in labels if label[:-1] not in ("door", "note")])
+            other = self.rng.choice([label for label in labels if not label.startswith(("door", "note"))])
             name, num = other[:-1], other[-1]
         return open_reply(name, num)
 
@@ -214,12 +244,7 @@ class SummarizingTeacher:
         return self.count(messages, tools)
 
 
-THRESHOLDS = (150, 330)
-"""Range the summarizing teacher's per-episode token thresholds are drawn from (configs/summarize.yaml's
-`threshold_tokens` lies inside it)."""
-
-
-def summarize_agent_config(rng: random.Random, rooms: int) -> AgentConfig:
+def summarize_agent_config(rng: random.Random, rooms: int, thresholds: tuple[int, int] = MEMORY_PLAY["doors_memory"].thresholds) -> AgentConfig:
     """The summarizing policy with a random threshold (so summaries fall before any room), or
     (1 - SUMMARIZE_SHARE of the episodes) a recency setting, so the model also sees dropped pictures."""
     if rng.random() >= SUMMARIZE_SHARE:
@@ -229,26 +254,29 @@ def summarize_agent_config(rng: random.Random, rooms: int) -> AgentConfig:
     cfg = AgentConfig(max_steps=rooms + rng.choice([0, 1]))
     policy = cfg.context_history.policy
     policy.type = "summarize"
-    lo = rng.randrange(*THRESHOLDS)
+    lo = rng.randrange(*thresholds)
     policy.summarize.threshold_tokens = [lo, lo + rng.choice([0, 20, 40])]
     return cfg
 
 
-def summarizing_transcripts(n: int, p_correct: float, p_recall: float, seed: int, render, count) -> list[tuple[str, str]]:
-    """`n` doors_memory episodes of the SummarizingTeacher through run_episode (summarizing compaction)."""
+def summarizing_transcripts(n: int, p_correct: float, p_recall: float, seed: int, render, count,
+                            task: str = "doors_memory") -> list[tuple[str, str]]:
+    """`n` episodes of memory task `task` (MEMORY_PLAY) played by the SummarizingTeacher through
+    run_episode (summarizing compaction)."""
     rng = random.Random(seed)
     teacher = SummarizingTeacher(rng, p_correct, p_recall, render, count)
+    play_cfg = MEMORY_PLAY[task]
 
     async def play():
         for i in range(n):
-            rooms = rng.choice(MEMORY_ROOMS)
-            env = DoorsEnv(seed=rng.randrange(2**31), num_rooms=rooms, task="doors_memory")
+            rooms = rng.choice(play_cfg.rooms)
+            env = DoorsEnv(seed=rng.randrange(2**31), num_rooms=rooms, task=task)
             row = {
                 "responses_create_params": {"input": env.initial_input(), "tools": TOOLS},
-                "task": {"env": "doors_memory", "seed": env.seed, "num_rooms": rooms},
+                "task": {"env": task, "seed": env.seed, "num_rooms": rooms},
                 "_minirl": {"step": 0, "group": i, "rollout": 0, "attempt": 0},
             }
-            await run_episode(row, summarize_agent_config(rng, rooms), teacher)
+            await run_episode(row, summarize_agent_config(rng, rooms, play_cfg.thresholds), teacher)
 
     asyncio.run(play())
     return teacher.examples
@@ -415,15 +443,18 @@ def summarizing_corpus(args, render):
     """The summarizing build's teacher transcripts, its held-out set (p_correct = p_recall = 1) and its
     tokenizer. Played twice: first with a rough count (3 characters a token) to train the tokenizer
     on the protocol's text, then with that tokenizer's counts, as the generation server counts."""
-    rough = lambda messages, tools: len(render(messages, tools)) // 3  # noqa: E731
-    first = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, rough)
-    tokenizer = train_tokenizer([p + r for p, r in first[:6000]], args.vocab_size)
+    if args.init:  # a built model's tokenizer: the corpus is played once, with its counts
+        tokenizer = AutoTokenizer.from_pretrained(args.init)
+    else:
+        rough = lambda messages, tools: len(render(messages, tools)) // 3  # noqa: E731
+        first = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, rough, args.task)
+        tokenizer = train_tokenizer([p + r for p, r in first[:6000]], args.vocab_size)
 
     def count(messages, tools):
         return len(tokenizer(render(messages, tools), add_special_tokens=False)["input_ids"])
 
-    examples = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, count)
-    held_out = summarizing_transcripts(3 * args.eval_n, 1.0, 1.0, args.seed + 1, render, count)
+    examples = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, count, args.task)
+    held_out = summarizing_transcripts(3 * args.eval_n, 1.0, 1.0, args.seed + 1, render, count, args.task)
     kinds = [example_kind(p, r) for p, r in examples]
     print(f"teacher: {len(examples)} model calls from {args.episodes} episodes "
           f"({kinds.count('summary')} summaries, {kinds.count('hidden_door')} hidden doors)", flush=True)
@@ -434,16 +465,19 @@ def example_kind(prompt: str, reply: str) -> str:
     """`summary` (a summary call), `hidden_door` (the last room, `door?`), or `room`."""
     if reply.startswith("<summary>"):
         return "summary"
-    return "hidden_door" if _PICTURE.findall(prompt)[-1].endswith("door?") else "room"
+    return "hidden_door" if _HIDDEN.fullmatch(_PICTURE.findall(prompt)[-1].split("\n")[-1]) else "room"
 
 
 @torch.no_grad()
 def summary_quality(model, tokenizer, examples, n: int, seed: int) -> dict:
     """Sample at temperature 1 on held-out prompts of each kind (the teacher with p = 1): how often a
     summary carries the note's fact (recall, where the prompt shows a note), how often the hidden
-    door is opened from a note in the context, and how often an ordinary room's door is read."""
+    door is opened from a note in the context, and how often an ordinary room's door is read.
+    `summary_recall`: the whole summary as the teacher's (every note shown, in order);
+    `summary_fact_recall`: per needed note shown (not a distractor), whether the summary holds it
+    verbatim, as the run's summary_recall metric counts."""
     torch.manual_seed(seed)
-    hits = {"summary_recall": [], "hidden_door_rate": [], "door_rate": [], "summary_wellformed": []}
+    hits = {"summary_recall": [], "summary_fact_recall": [], "hidden_door_rate": [], "door_rate": [], "summary_wellformed": []}
     for prompt, reply in examples:
         kind = example_kind(prompt, reply)
         want = reply.removesuffix(EOS_TOKEN)
@@ -459,11 +493,33 @@ def summary_quality(model, tokenizer, examples, n: int, seed: int) -> dict:
         if kind == "summary":
             hits["summary_wellformed"].append(bool(summary_text(text)))
             hits[key].append(summary_text(text) == summary_text(want))
+            got = summary_text(text) or ""
+            hits["summary_fact_recall"] += [f"note{t}{d}" in got for t, d in _NOTE.findall(want) if t not in DISTRACTOR_TAGS]
         else:
             msg, ref = parse_reply(text), parse_reply(want)
             got = msg["tool_calls"] and json.loads(msg["tool_calls"][0]["function"]["arguments"])
             hits[key].append(got == json.loads(ref["tool_calls"][0]["function"]["arguments"]))
     return {k: round(sum(v) / max(1, len(v)), 3) for k, v in hits.items()} | {f"{k}_n": len(v) for k, v in hits.items()}
+
+
+def new_model(args, tokenizer) -> Qwen2ForCausalLM:
+    """A freshly initialised Qwen2 of `--size` for `tokenizer`, or with `--init` the saved model."""
+    if args.init:
+        return Qwen2ForCausalLM.from_pretrained(args.init)
+    vocab = max(len(tokenizer), args.pad_vocab_to)
+    config = Qwen2Config(
+        vocab_size=(vocab + 63) // 64 * 64,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **SIZES[args.size],
+    )
+    return Qwen2ForCausalLM(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -480,15 +536,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drill-fraction", type=float, default=0.25, help="share of each batch that is look-up drills")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--task", choices=["doors", "doors_memory"], default="doors", help="doors_memory needs --summarize")
-    ap.add_argument("--summarize", action="store_true", help="the SummarizingTeacher on doors_memory (models/tiny-summarize)")
+    ap.add_argument("--task", choices=["doors", *MEMORY_PLAY], default="doors", help="a memory task needs --summarize")
+    ap.add_argument("--summarize", action="store_true",
+                    help="the SummarizingTeacher on a memory task (models/tiny-summarize, models/tiny-summarize-notes)")
     ap.add_argument("--p-recall", type=float, default=0.5, help="--summarize: a summary carries the note's fact")
+    ap.add_argument("--init", default=None,
+                    help="--summarize: fine-tune this built model (its weights and tokenizer) instead of a fresh one")
     ap.add_argument("--eval-n", type=int, default=100, help="--summarize: held-out samples per kind for the scores")
     ap.add_argument("--note-drills", type=int, default=0, help="--summarize: copy drills per teacher summary request showing a note")
     ap.add_argument("--read-drills", type=int, default=0, help="--summarize: copy drills per teacher last-room prompt showing a note")
     args = ap.parse_args(argv)
-    if args.summarize != (args.task == "doors_memory"):
-        ap.error("--summarize goes with --task doors_memory")
+    if args.summarize != (args.task in MEMORY_PLAY):
+        ap.error(f"--summarize goes with --task {' or '.join(MEMORY_PLAY)}")
+    if args.init and not args.summarize:
+        ap.error("--init goes with --summarize")
+    if args.task != "doors_memory" and (args.note_drills or args.read_drills):
+        ap.error("--note-drills / --read-drills are built for doors_memory's untagged note only")
     if args.p_correct is None:
         args.p_correct = 0.9 if args.summarize else 0.3
     torch.set_num_threads(args.threads)
@@ -508,25 +571,12 @@ def main(argv: list[str] | None = None) -> None:
         held_out = teacher_transcripts(200, 1.0, args.seed + 1, render)
         print(f"teacher: {len(examples)} model calls from {args.episodes} episodes", flush=True)
         tokenizer = train_tokenizer([p + r for p, r in examples[:4000]], args.vocab_size)
-    vocab = max(len(tokenizer), args.pad_vocab_to)
-    vocab = (vocab + 63) // 64 * 64
-    config = Qwen2Config(
-        vocab_size=vocab,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-        **SIZES[args.size],
-    )
-    model = Qwen2ForCausalLM(config)
+    model = new_model(args, tokenizer)
+    vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters, vocab {vocab} ({len(tokenizer)} used)", flush=True)
 
-    drill_extra = ("note",) if args.summarize else ()
+    drill_extra = MEMORY_PLAY[args.task].note_names if args.summarize else ()
     extra = []
     if args.summarize:
         extra = note_drills(examples, tokenizer, args.note_drills, args.seed)
@@ -544,8 +594,13 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    recorded = {k: v for k, v in vars(args).items() if args.summarize or k not in ("task", "summarize", "p_recall", "eval_n", "note_drills", "read_drills")}
+    if args.init:  # its tokenizer files verbatim (a re-save rewrites its config)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copyfile(Path(args.init) / name, out / name)
+    else:
+        tokenizer.save_pretrained(out)
+    summarize_only = ("task", "summarize", "p_recall", "eval_n", "note_drills", "read_drills", "init")
+    recorded = {k: v for k, v in vars(args).items() if args.summarize and (k != "init" or v) or k not in summarize_only}
     info = {"args": recorded, "parameters": params, "vocab_size": vocab, **scores, "build_s": round(time.time() - t0, 1)}
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)
