@@ -1,37 +1,12 @@
-"""Gym's failure facts -> minirl's lanes, in one place (docs/gym.md, "Gym's failure facts", holds the table).
+"""Gym's failure facts -> minirl's lanes, in one place: what NeMo Gym 0.7.0 reports about a failed
+episode (`mask_sample`, an `EpisodeFailure{terminal, failure_kind, stage}`, the collector's
+`_ng_failure_*` stamps) read as INFRA (retried), DATA (never retried) or a masked rollout, each
+failure with a kind from Gym's vocabulary (`FAILURE_KINDS`). docs/gym.md ("Gym's failure facts")
+holds the table; the first row that applies decides.
 
-NeMo Gym 0.7.0 reports facts about failures (read from the package: `nemo_gym/failure_kinds.py`,
-`BaseVerifyResponse`, `episode_types.EpisodeFailure`, `rollout_collection`'s `_ng_failure_*` stamps):
-- a verify response (a `/run` result) with `mask_sample: true`: the reward is not a valid measurement
-  (a lost session, an unavailable judge); `failure_kind` and `failure_reason` say why. Gym's
-  `judge_failsafe` also writes it under `instance_config.mask_sample` for older consumers;
-- an `EpisodeFailure{failure_reason, terminal, failure_kind?, stage?}` (an Environment Server's
-  `failure`), or a row stamped `_ng_failure_terminal` / `_ng_failure_class`: the episode failed;
-  Gym's collector never retries a terminal one and retries the others;
-- `failure_kind`: a low-cardinality name from Gym's vocabulary (`FAILURE_KINDS`) or `<server>:<kind>`.
-
-minirl reads them so (the first row that applies decides):
-
-| fact | lane |
-|---|---|
-| a fact of the wrong type (`mask_sample`, `instance_config.mask_sample`, `failure.terminal`, `_ng_failure_terminal` not a boolean or null; `_ng_failure_class` not a string or null) | DATA, a malformed result naming the field (never coerced) |
-| `terminal: true`, `_ng_failure_terminal: true` | DATA, never retried (skipped or raised at once), even beside `mask_sample` |
-| `terminal: false` (an EpisodeFailure) | INFRA (row redispatch, then group retry) |
-| `mask_sample: true` (or `instance_config.mask_sample`) | rollout kept, masked (`mask_reason` `mask_sample`), kind and reason on its `mask` event; it wins over a non-terminal `_ng_failure_class` (Gym's `judge_failsafe` writes both) |
-| `_ng_failure_class` (not null) without the terminal stamp | INFRA (row redispatch, then group retry) |
-| `_ng_failure_class: null` (no terminal stamp) | success, as Gym's collector reads it |
-| an error body (`/run` 4xx/5xx) with `terminal` | as above; without it, by HTTP status (`wire.http_class`) |
-
-Every failure gets a kind (`failure_facts`): its own when it carries one (cut at KIND_LIMIT), else
-one named from its minirl class (`transport_*`, `agent_*`, or `minirl:<kind>` where Gym has no
-name); a `_ng_failure_class` outside Gym's vocabulary (`environment_server_failed`, ...) gives
-`agent_run_error`. minirl's agent pool answers its `/run` failures in the same shape
-(`wire.run_error_body`), so one classifier reads both, and never echoes a request's result facts into
-its result (`without_result_facts`).
-
-Invariant: a ground-floor module (imports `minirl.wire` only); every reader here is total over JSON
-shapes: a result without facts gives None, a fact of the wrong type RolloutDataFailure naming it,
-never another exception; every text it passes on is bounded and has its control characters escaped.
+Invariant: imports `minirl.wire` only; every reader here is total over JSON shapes: a result without
+facts gives None, a fact of the wrong type a RolloutDataFailure naming it, never another exception;
+every text it passes on is bounded and has its control characters escaped.
 """
 
 from __future__ import annotations
@@ -120,7 +95,8 @@ def _flag(container: dict, key: str, field: str) -> bool:
     value = container.get(key)
     if value is None or isinstance(value, bool):
         return bool(value)
-    raise RolloutDataFailure(f"malformed /run result: {field} must be a boolean (true, false or null), got {short(value)}")
+    raise RolloutDataFailure(f"malformed /run result: {field} must be a boolean (true, false or null), "
+                             f"got {short(value)}")
 
 
 class _Facts:
@@ -139,7 +115,8 @@ class EpisodeFailedTerminal(_Facts, RolloutDataFailure):
     """A terminal episode failure reported by the environment: DATA, never retried."""
 
 
-def _failure(message: str, kind: str, stage, terminal: bool, error_type: str | None) -> RolloutInfraFailure | RolloutDataFailure:
+def _failure(message: str, kind: str, stage, terminal: bool,
+             error_type: str | None) -> RolloutInfraFailure | RolloutDataFailure:
     cls = EpisodeFailedTerminal if terminal else EpisodeFailed
     return cls(message, kind, stage if stage in STAGES else None, terminal, error_type)
 
@@ -157,10 +134,12 @@ def episode_failure(result, what: str = "/run") -> RolloutInfraFailure | Rollout
     if isinstance(failure, dict):
         terminal = failure.get("terminal")
         if not isinstance(terminal, bool):
-            raise RolloutDataFailure(f"malformed /run result: failure.terminal must be a boolean (Gym's EpisodeFailure), "
-                                     f"got {short(terminal)}")
-        return _failure(f"{what} reported an EpisodeFailure (terminal={terminal}): {_reason(failure.get('failure_reason'))}",
-                        _kind(failure.get("failure_kind"), "agent_run_error"), failure.get("stage"), terminal, "EpisodeFailure")
+            raise RolloutDataFailure("malformed /run result: failure.terminal must be a boolean "
+                                     f"(Gym's EpisodeFailure), got {short(terminal)}")
+        return _failure(f"{what} reported an EpisodeFailure (terminal={terminal}): "
+                        f"{_reason(failure.get('failure_reason'))}",
+                        _kind(failure.get("failure_kind"), "agent_run_error"), failure.get("stage"), terminal,
+                        "EpisodeFailure")
     name = result.get(NG_CLASS)
     if name is not None and not isinstance(name, str):
         raise RolloutDataFailure(f"malformed /run result: {NG_CLASS} must be a string or null, got {short(name)}")
@@ -170,7 +149,8 @@ def episode_failure(result, what: str = "/run") -> RolloutInfraFailure | Rollout
     shown = None if name is None else _bounded(name)
     reason = _reason(result.get("_ng_failure_message") or shown)
     return _failure(f"{what} reported {NG_CLASS}={shown!r} ({NG_TERMINAL}={terminal}): {reason}",
-                    _kind(result.get("failure_kind"), _class_kind(name)), result.get("_ng_failure_stage"), terminal, shown)
+                    _kind(result.get("failure_kind"), _class_kind(name)), result.get("_ng_failure_stage"),
+                    terminal, shown)
 
 
 def sample_mask(result) -> dict | None:
@@ -190,9 +170,11 @@ def sample_mask(result) -> dict | None:
             "failure_reason": _reason(reason) if reason is not None else None}
 
 
-def error_failure(status: int, raw: bytes, message: str, error_type: str | None) -> RolloutInfraFailure | RolloutDataFailure:
+def error_failure(status: int, raw: bytes, message: str,
+                  error_type: str | None) -> RolloutInfraFailure | RolloutDataFailure:
     """A non-200 `/run` as the lane's exception: by the body's `terminal` where it has one (minirl's
-    agent pool, a Gym server that sends facts), else by status as before; the body's kind and stage ride on it."""
+    agent pool, a Gym server that sends facts), else by status (`wire.http_class`); the body's kind
+    and stage ride on it."""
     try:
         facts = json.loads(raw[:ERROR_BODY_LIMIT * 4])
     except (ValueError, RecursionError):
@@ -242,12 +224,14 @@ def _kind_of(exc: BaseException) -> str:
 def mask_facts(reason: str, evidence: dict) -> dict:
     """The kind (and reason) of a masked rollout: the verifier's under `mask_sample`, else `minirl:<reason>`."""
     if reason == MASK_SAMPLE:
-        return {"failure_kind": evidence.get("failure_kind", "verifier_error"), "failure_reason": evidence.get("failure_reason")}
+        return {"failure_kind": evidence.get("failure_kind", "verifier_error"),
+                "failure_reason": evidence.get("failure_reason")}
     return {"failure_kind": f"minirl:{reason}"}
 
 
 # ------------------------------------------------------------------ minirl's agent pool, in Gym's shapes
-LOST_SESSION = {"failure_kind": "session_lost", "failure_reason": "the resources session was lost before verification "
+LOST_SESSION = {"failure_kind": "session_lost",
+                "failure_reason": "the resources session was lost before verification "
                 "(injected session_lost fault): the reward is not a measurement"}
 """What a verifier reports for a session the seeded fault plan loses (`faults.*` kind `session_lost`)."""
 

@@ -1,16 +1,6 @@
 """The `/run` request shape of `nemo-gym` 0.4.0, written down from its models, for checking rows
-without a Gym install.
-
-Read from the package: `simple_agent`'s `SimpleAgentRunRequest` allows extra top-level fields
-(`task`, `agent_ref`, `_rowidx`, `_minirl` ride there) but its `responses_create_params`
-(`NeMoGymResponseCreateParamsNonStreaming`) forbids unknown fields: no `seed`. `metadata` maps
-strings to strings; `vllm_model` merges `metadata.extra_body` (a JSON string) into the chat
-request. Function tools are the Responses `FunctionToolParam`: `name`, `parameters` and `strict`
-are required (`strict` may be null). An `input_image` part requires `detail` (low | high | auto).
-Like the package's TypedDicts, these ignore unknown keys inside tools and content parts.
-
-Only the input items minirl sends (messages) are written down; `scripts/gym_check.py` checks the
-same rows against the real package's models.
+without a Gym install. Only the input items minirl sends (messages) are written down;
+`scripts/gym_check.py` checks the same rows against the real package's models.
 
 Invariant: `RunRequest.model_validate(row)` raises pydantic's ValidationError, naming the field,
 for every row the package's own models reject in the fields written down here.
@@ -37,6 +27,10 @@ class InputImage(TypedDict, total=False):
 
 
 class FunctionTool(TypedDict, total=False):
+    """The Responses `FunctionToolParam`: `name`, `parameters` and `strict` are required (`strict` may
+    be null). Like the package's TypedDicts, these ignore unknown keys inside tools and content parts;
+    an `input_image` part requires `detail` (low | high | auto)."""
+
     type: Required[Literal["function"]]
     name: Required[str]
     parameters: Required[Optional[dict]]
@@ -51,6 +45,10 @@ class EasyInputMessage(BaseModel):
 
 
 class ResponsesCreateParams(BaseModel):
+    """`NeMoGymResponseCreateParamsNonStreaming`: forbids unknown fields, so no `seed`. `metadata` maps
+    strings to strings; `vllm_model` merges `metadata.extra_body` (a JSON string) into the chat
+    request."""
+
     model_config = ConfigDict(extra="forbid")
 
     background: Optional[bool] = None
@@ -79,7 +77,8 @@ class ResponsesCreateParams(BaseModel):
 
 
 class RunRequest(BaseModel):
-    """`simple_agent`'s `/run` body."""
+    """`simple_agent`'s `/run` body (`SimpleAgentRunRequest`): extra top-level fields are allowed
+    (`task`, `agent_ref`, `_rowidx`, `_minirl` ride there)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,12 +1,6 @@
-"""minirl's `doors` task as a NeMo Gym resources server, built on Gym's own base classes; it runs in
-the Gym venv (the only minirl module that imports `nemo_gym`).
-
-`/seed_session` starts an episode from the row's `task` (`{"env": "doors", "seed", "num_rooms"}`),
-kept under Gym's per-rollout session id; `/open_door` is the tool `simple_agent` calls by name with
-the parsed arguments, answering the observation as plain text in the model's own format (the text
-minirl's agent would show: `items.parts_text` of `DoorsEnv.step`), a call after the last door
-included (the environment's own `All doors are open.`, never an exception's text); `/verify`
-replays the transcript with `env.verify`, as minirl's agent does.
+"""minirl's `doors` task as a NeMo Gym (0.4.0) resources server, built on Gym's own base classes; it
+runs in the Gym venv (it imports `nemo_gym`). `/seed_session` starts an episode from the row's
+`task`, `/open_door` is the tool `simple_agent` calls, `/verify` scores the transcript.
 
 Invariant: the reward of a `/run` is `env.verify(task, output)`, a pure function of the row's task
 and the agent's calls, whatever state the live episodes hold.
@@ -55,10 +49,17 @@ class DoorsResourcesServer(SimpleResourcesServer):
         return app
 
     async def seed_session(self, request: Request, body: DoorsSeedSessionRequest) -> BaseSeedSessionResponse:
-        self.episodes[request.session[SESSION_ID_KEY]] = DoorsEnv(body.task["seed"], body.task["num_rooms"], body.task.get("env", "doors"))
+        """An episode from the row's `task` (`{"env": "doors", "seed", "num_rooms"}`), kept under Gym's
+        per-rollout session id."""
+        env = DoorsEnv(body.task["seed"], body.task["num_rooms"], body.task.get("env", "doors"))
+        self.episodes[request.session[SESSION_ID_KEY]] = env
         return BaseSeedSessionResponse()
 
     async def open_door(self, request: Request) -> PlainTextResponse:
+        """The tool `simple_agent` calls by name with the parsed arguments: the observation as plain
+        text in the model's own format (the text minirl's agent would show: `items.parts_text` of
+        `DoorsEnv.step`), a call after the last door included (the environment's own `All doors are
+        open.`, never an exception's text)."""
         env = self.episodes.get(request.session[SESSION_ID_KEY])
         if env is None:
             return PlainTextResponse("Error: no episode; call /seed_session first.", status_code=400)
@@ -66,6 +67,7 @@ class DoorsResourcesServer(SimpleResourcesServer):
         return PlainTextResponse(parts_text(env.step(TOOL_NAME, raw)))
 
     async def verify(self, request: Request, body: DoorsVerifyRequest) -> DoorsVerifyResponse:
+        """Replays the transcript with `env.verify`, as minirl's agent does."""
         self.episodes.pop(request.session.get(SESSION_ID_KEY), None)
         output = [item.model_dump() if hasattr(item, "model_dump") else dict(item) for item in body.response.output]
         return DoorsVerifyResponse(**body.model_dump(), reward=verify(body.task, output))

@@ -1,19 +1,11 @@
 """minirl's `doors` resources server on nemo-gym 0.7.0's base classes, whose verifier reports Gym 0.7's
-failure facts; it runs in the Gym 0.7 venv (it imports `nemo_gym`).
-
-What 0.7 changed for a resources server (read from the package): `SimpleResourcesServer` wraps
-`/verify` in `judge_failsafe` and a trace span, adds `/close_session` and `/reverify_mode`, and
-`BaseVerifyResponse` gains `mask_sample`, `failure_kind` and `failure_reason`. The episode itself
-is the 0.4 server's (`DoorsResourcesServer`: seed, `/open_door`, verify by replaying the transcript).
-
-The seeded fault plan (`faults` in the server's config, minirl's `faults.*` as JSON) loses a
-session: for a row whose `_minirl` coordinates draw `session_lost`, `/seed_session` keeps no
-episode (the tool then answers that there is none), and `/verify` finds the session gone and
-answers `mask_sample: true`, `failure_kind: session_lost` (Gym's name) with reward 0.0: the
-reward is not a measurement, so minirl masks that rollout instead of training a 0.
+failure facts; it runs in the Gym 0.7 venv (it imports `nemo_gym`). 0.7's `SimpleResourcesServer`
+wraps `/verify` in `judge_failsafe` and adds `/close_session` and `/reverify_mode`, and
+`BaseVerifyResponse` gains `mask_sample`, `failure_kind` and `failure_reason`; the episode itself is
+the 0.4 server's (`DoorsResourcesServer`).
 
 Invariant: a session that was seeded verifies as the 0.4 server does (mask_sample false); only a
-session the fault plan lost reports mask_sample, and verify never raises for it.
+session the seeded fault plan lost (`session_lost`) reports mask_sample, and verify never raises for it.
 """
 
 from __future__ import annotations
@@ -59,12 +51,18 @@ class DoorsResourcesServer07(DoorsResourcesServer):
         self._plan = fault_plan(self.faults)
 
     async def seed_session(self, request: Request, body: DoorsSeedSessionRequest) -> BaseSeedSessionResponse:
+        """As the 0.4 server, except for a row whose `_minirl` coordinates draw `session_lost` from the
+        seeded fault plan (`faults` in the server's config, minirl's `faults.*` as JSON): no episode is
+        kept, so the tool answers that there is none."""
         if _lost(self._plan, body):  # the seeded fault plan loses this session: no episode is kept
             self.episodes.pop(request.session[SESSION_ID_KEY], None)
             return BaseSeedSessionResponse()
         return await super().seed_session(request, body)
 
     async def verify(self, request: Request, body: DoorsVerifyRequest) -> DoorsVerifyResponse:
+        """A lost session answers `mask_sample: true`, `failure_kind: session_lost` (Gym's name) with
+        reward 0.0: the reward is not a measurement, so minirl masks that rollout instead of training
+        a 0."""
         if request.session.get(SESSION_ID_KEY) not in self.episodes:  # lost: the reward would not be a measurement
             return DoorsVerifyResponse(**body.model_dump(), reward=0.0, mask_sample=True, **LOST_SESSION)
         return await super().verify(request, body)

@@ -1,12 +1,7 @@
 """A nemo-gym 0.7.0 Environment Server whose episodes fail, for `make gym-check`'s check that Gym's
-`EpisodeFailure` drives minirl's lanes; it runs in the Gym 0.7 venv (it imports `nemo_gym`).
-
-Built on Gym's own `BaseEnvironmentServer`: its `/run` is Gym's `run_request`, which turns the
-`HandledEpisodeError` raised here into Gym's `BaseEpisodeResponse{episode_id, task_id, failure:
-EpisodeFailure{failure_reason, terminal, failure_kind, stage}}`, serialized by Gym's models. It
-takes minirl's rows as they are (the episode id from `_minirl`: `s0.g1.r0`, attempt a) and
-answers group 0's episodes with a terminal failure (`provider_quota_exhausted`: the task cannot
-run) and every other group's with a non-terminal one (`provider_unavailable`, stage `seed`).
+`EpisodeFailure` drives minirl's lanes; it runs in the Gym 0.7 venv (it imports `nemo_gym`). Built on
+Gym's own `BaseEnvironmentServer`, whose `/run` (Gym's `run_request`) turns the `HandledEpisodeError`
+raised here into Gym's `BaseEpisodeResponse{..., failure: EpisodeFailure{...}}`.
 
 Invariant: every `/run` answers 200 with exactly one `failure`, terminal iff the row's group is 0.
 """
@@ -48,9 +43,13 @@ class FailingEpisodes(BaseEnvironmentServer):
     response_model: ClassVar[type] = BaseEpisodeResponse[Any]
 
     async def run(self, request: RowEpisodeRequest, cleanup) -> BaseEpisodeResponse:
+        """minirl's row as it is (the episode id from `_minirl`: `s0.g1.r0`, attempt a): group 0's
+        episodes fail terminally (`provider_quota_exhausted`: the task cannot run), every other
+        group's not (`provider_unavailable`, stage `seed`)."""
         if request.coords["group"] == 0:
-            raise HandledEpisodeError(EpisodeFailure(failure_reason="the task's quota is spent; it will not run", terminal=True,
-                                                     failure_kind="provider_quota_exhausted", stage="admission"))
+            raise HandledEpisodeError(EpisodeFailure(failure_reason="the task's quota is spent; it will not run",
+                                                     terminal=True, failure_kind="provider_quota_exhausted",
+                                                     stage="admission"))
         raise HandledEpisodeError(EpisodeFailure(failure_reason="the sandbox provider did not answer", terminal=False,
                                                  failure_kind="provider_unavailable", stage="seed"))
 

@@ -3,20 +3,10 @@
     python -m minirl.gym_servers.generation [--config FILE] [key=value ...]
 
 starts a Ray cluster owned by this process, `cluster.num_generation_workers` detached generation
-workers named `minirl-gen-<rank>` (`--name`), and the generation router in front of them, then
-prints what Gym and `minirl.train` need and waits until Ctrl-C or SIGTERM:
-
-    policy_base_url=http://127.0.0.1:6000/v1     Gym's `+policy_base_url`
-    policy_model_name=/abs/path/models/tiny-doors Gym's `+policy_model_name` (the name the server answers to)
-    attach: cluster.ray_address=… cluster.attach_generation_workers=minirl-gen   (for `minirl.train`)
-
-and, last, one machine-readable line `generation-ready {json of the same}` (scripts/gym_check.py reads
-it). The config is the run's own (the same `--config` and overrides go to `minirl.train`): the
-model, the engine and the router come from it. A bad key is a ConfigError naming it, exit 2, before
-Ray starts.
-
-Invariant: nothing is printed as ready before the router answers; on Ctrl-C or SIGTERM the Ray
-cluster this process started (workers, router, weights store) is stopped, and nothing else.
+workers (`--name`-<rank>) and the generation router in front of them; prints Gym's `policy_base_url`
+and `policy_model_name`, the overrides that attach `minirl.train` (give it the same config), and last
+one line `generation-ready {json}`; then waits. Invariant: nothing is printed as ready before the
+router answers; Ctrl-C or SIGTERM stops the Ray cluster this process started, and nothing else.
 """
 
 from __future__ import annotations
@@ -29,7 +19,9 @@ import threading
 
 
 def start(cfg, name: str) -> dict:
-    """The workers and the router; returns what Gym and `minirl.train` need (module docstring)."""
+    """The workers and the router; returns what Gym and `minirl.train` need: `policy_base_url`
+    (Gym's `+policy_base_url`), `policy_model_name` (Gym's `+policy_model_name`, the name the server
+    answers to), the router's and the workers' URLs, and `attach`, the overrides for `minirl.train`."""
     import ray
 
     from minirl.cluster import NAMESPACE, start_shared_generation
@@ -47,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minirl.gym_servers.generation", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML file merged over the defaults (the one minirl.train gets)")
-    ap.add_argument("--name", default="minirl-gen", help="the detached workers' name (cluster.attach_generation_workers)")
+    ap.add_argument("--name", default="minirl-gen",
+                    help="the detached workers' name (cluster.attach_generation_workers)")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value, applied last")
     args = ap.parse_args(argv)
     from minirl.config import ConfigError, load_config
@@ -65,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ready = start(cfg, args.name)
         print(f"policy_base_url={ready['policy_base_url']}\npolicy_model_name={ready['policy_model_name']}\n"
-              f"attach: {' '.join(ready['attach'])}\n(router {ready['router']}, workers {ready['workers']}; Ctrl-C stops them)")
+              f"attach: {' '.join(ready['attach'])}\n"
+              f"(router {ready['router']}, workers {ready['workers']}; Ctrl-C stops them)")
         print("generation-ready " + json.dumps(ready), flush=True)
         while not stop.wait(1.0):
             pass

@@ -1,15 +1,9 @@
 """Gym's side of `make gym-check`, run with the Gym venv's python: Gym's `vllm_model` (pointed at
-minirl's generation router, `return_token_id_information: true`), and two environments, each a
-resources server behind its own Gym `simple_agent`: minirl's doors server (agent `simple_agent`)
-and Gym's own example `example_tool_call_multireward` (agent `example_simple_agent`), all on
-127.0.0.1, in one process. `--example-jsonl` prints the path of that example's own rows
-(`data/example.jsonl` in the installed package) and exits.
-
-They are Gym's own server classes, apps, session and exception middleware, built from a Gym
-global config as `ng_run` builds them; only the launcher differs: `ng_run` gives each server its
-own process, venv and Ray cluster, which a 2-core machine cannot spare, so here one event loop
-serves all three with uvicorn. `python -m minirl.gym_servers.serve --check-rows ROWS.jsonl` instead
-validates rows against the real `SimpleAgentRunRequest` and exits.
+minirl's generation router, `return_token_id_information: true`) and two environments, each a
+resources server behind its own Gym `simple_agent`: minirl's doors server (agent `simple_agent`) and
+Gym's example `example_tool_call_multireward` (agent `example_simple_agent`), on 127.0.0.1, in one
+process. `--check-rows ROWS.jsonl` instead validates rows against the real `SimpleAgentRunRequest`;
+`--example-jsonl` prints the path of the example's own rows.
 
 Invariant: prints one line `gym-servers ready {json of URLs by server name}` once all answer, and
 nothing that matters after; exits when killed.
@@ -54,14 +48,17 @@ def check_rows(path: str) -> None:
 
 def gym_config(args: argparse.Namespace, host: str) -> dict:
     """Gym's global config for the servers on free ports of `host`, as `ng_run` would build it."""
-    ports = {name: free_port() for name in ("head", "policy_model", "doors", "simple_agent", EXAMPLE, "example_simple_agent")}
+    names = ("head", "policy_model", "doors", "simple_agent", EXAMPLE, "example_simple_agent")
+    ports = {name: free_port() for name in names}
     common = lambda name: {"host": host, "port": ports[name], "entrypoint": "app.py"}  # noqa: E731
-    model_cfg = {**common("policy_model"), "base_url": args.router.rstrip("/") + "/v1", "api_key": "none", "model": args.model,
-                 "return_token_id_information": True, "uses_reasoning_parser": bool(args.uses_reasoning_parser)}
+    model_cfg = {**common("policy_model"), "base_url": args.router.rstrip("/") + "/v1", "api_key": "none",
+                 "model": args.model, "return_token_id_information": True,
+                 "uses_reasoning_parser": bool(args.uses_reasoning_parser)}
 
     def agent(name: str, resources: str) -> dict:
         return {"responses_api_agents": {"simple_agent": {
-            **common(name), "max_steps": args.max_steps, "resources_server": {"type": "resources_servers", "name": resources},
+            **common(name), "max_steps": args.max_steps,
+            "resources_server": {"type": "resources_servers", "name": resources},
             "model_server": {"type": "responses_api_models", "name": "policy_model"}}}}
 
     return {
@@ -76,7 +73,10 @@ def gym_config(args: argparse.Namespace, host: str) -> dict:
 
 def gym_servers(global_cfg: dict) -> list:
     """Gym's own server objects (model; per environment its resources server and agent) for
-    `global_cfg`, sharing one `ServerClient`."""
+    `global_cfg`, sharing one `ServerClient`: Gym's own server classes, apps, session and exception
+    middleware, built from a Gym global config as `ng_run` builds them. Only the launcher differs
+    (`serve`): `ng_run` gives each server its own process, venv and Ray cluster, which a 2-core
+    machine cannot spare."""
     from omegaconf import OmegaConf
 
     from minirl.gym_servers.doors_resources_server import DoorsResourcesServer
@@ -95,7 +95,8 @@ def gym_servers(global_cfg: dict) -> list:
     model_cfg = global_cfg["policy_model"]["responses_api_models"]["vllm_model"]
     doors_cfg = global_cfg["doors"]["resources_servers"]["doors"]
     example_cfg = global_cfg[EXAMPLE]["resources_servers"][EXAMPLE]
-    agents = [SimpleAgent(config=SimpleAgentConfig(name=name, **global_cfg[name]["responses_api_agents"]["simple_agent"]),
+    agents = [SimpleAgent(config=SimpleAgentConfig(name=name,
+                                                   **global_cfg[name]["responses_api_agents"]["simple_agent"]),
                           server_client=client) for name in ("simple_agent", "example_simple_agent")]
     return [
         VLLMModel(config=VLLMModelConfig(name="policy_model", **model_cfg), server_client=client),
@@ -107,7 +108,8 @@ def gym_servers(global_cfg: dict) -> list:
 
 
 async def serve(servers: list, host: str) -> None:
-    """Serve every server's app with uvicorn on one loop; print the ready line once all have started."""
+    """Serve every server's app with uvicorn on one loop (one process for all, where `ng_run` starts
+    one each); print the ready line once all have started."""
     import uvicorn
 
     uvicorns = []
@@ -128,7 +130,8 @@ async def serve(servers: list, host: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--router", help="minirl's generation router URL")
-    ap.add_argument("--model", help="the served model's name, minirl's policy.model_name (another is the server's 404, as in vLLM)")
+    ap.add_argument("--model", help="the served model's name, minirl's policy.model_name "
+                    "(another is the server's 404, as in vLLM)")
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--uses-reasoning-parser", type=int, default=1)
     ap.add_argument("--check-rows")

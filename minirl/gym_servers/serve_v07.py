@@ -1,13 +1,9 @@
 """Gym 0.7's side of `make gym-check`, run with the Gym 0.7 venv's python (`.venv-gym07`): Gym 0.7's
-`vllm_model` (with `request_prompt_and_generation_token_ids: true`, 0.7's inline token ids: the
-chat request asks for `return_token_ids`, so no `/tokenize` call), Gym's `simple_agent`, and
-`DoorsResourcesServer07` (minirl/gym_servers/doors_v07.py) with the run's fault plan, launched as
-`minirl.gym_servers.serve` launches 0.4's (same config builder, same ready line); and `failing_episodes`,
-a Gym 0.7 Environment Server whose episodes fail (minirl/gym_servers/episodes_v07.py).
-
-`--check-shapes` instead validates, against Gym 0.7's own models, the rows and the failure shapes
-minirl's mapping reads (minirl/gym/failures.py, tests/integration/test_gym_failures.py): an `EpisodeFailure`
-in a `BaseEpisodeResponse`, a `BaseVerifyResponse` with `mask_sample`, the vocabulary of kinds.
+`vllm_model` (with `request_prompt_and_generation_token_ids: true`: the chat request asks for
+`return_token_ids`, so no `/tokenize` call), Gym's `simple_agent`, the doors server on 0.7's classes
+with the run's fault plan (doors_v07.py), and `failing_episodes` (episodes_v07.py), launched as
+`serve` launches 0.4's. `--check-shapes` instead validates rows and the failure shapes minirl reads
+against Gym 0.7's own models (`check_shapes`).
 
 Invariant: needs nemo-gym 0.7.0; prints `gym-servers ready {json of URLs}` once all three answer.
 """
@@ -24,7 +20,9 @@ from minirl.gym_servers.serve import free_port, gym_config, gym_servers, serve
 
 
 def check_shapes(rows_path: str) -> None:
-    """The rows and the failure facts' shapes against Gym 0.7.0's models; raises on a mismatch."""
+    """The rows and the failure facts' shapes against Gym 0.7.0's models; raises on a mismatch: an
+    `EpisodeFailure` in a `BaseEpisodeResponse` (terminal and not), a `BaseVerifyResponse` with
+    `mask_sample`, and the vocabulary of kinds, as minirl/gym/failures.py reads them."""
     import nemo_gym.failure_kinds as fk
     from nemo_gym.base_resources_server import BaseVerifyResponse
     from nemo_gym.episode_types import EpisodeFailure
@@ -37,18 +35,22 @@ def check_shapes(rows_path: str) -> None:
     rows = [json.loads(line) for line in open(rows_path)]
     for row in rows:
         SimpleAgentRunRequest.model_validate(row)
-    assert FAILURE_KINDS == fk.FAILURE_KINDS and NG_TERMINAL == NG_TERMINAL_KEY, "minirl's copy of Gym's vocabulary differs"
+    assert FAILURE_KINDS == fk.FAILURE_KINDS and NG_TERMINAL == NG_TERMINAL_KEY, \
+        "minirl's copy of Gym's vocabulary differs"
     assert set(STAGES) == set(fk.FailureStage.__args__)
     for terminal, lane in ((True, DATA), (False, INFRA)):
         failure = EpisodeFailure(failure_reason="lost", terminal=terminal, failure_kind="session_lost", stage="seed")
         body = {"episode_id": {"id": "e"}, "task_id": {"id": "t"}, "failure": failure.model_dump(mode="json")}
         assert classify(episode_failure(body)) == lane, body
-    verify = BaseVerifyResponse(**rows[0], response={"id": "r", "created_at": 0, "model": "m", "object": "response", "output": [],
-                                                     "parallel_tool_calls": True, "tool_choice": "auto", "tools": []},
+    response = {"id": "r", "created_at": 0, "model": "m", "object": "response", "output": [],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+    verify = BaseVerifyResponse(**rows[0], response=response,
                                 reward=0.0, mask_sample=True, failure_kind="judge_failed", failure_reason="judge down")
-    assert sample_mask(verify.model_dump(mode="json")) == {"failure_kind": "judge_failed", "failure_reason": "judge down"}
-    print(f"gym07-shapes ok: {len(rows)} rows validate against SimpleAgentRunRequest; EpisodeFailure (terminal and not), "
-          f"BaseVerifyResponse.mask_sample and the {len(FAILURE_KINDS)} failure kinds read as minirl maps them")
+    assert sample_mask(verify.model_dump(mode="json")) == {"failure_kind": "judge_failed",
+                                                           "failure_reason": "judge down"}
+    print(f"gym07-shapes ok: {len(rows)} rows validate against SimpleAgentRunRequest; EpisodeFailure (terminal "
+          f"and not), BaseVerifyResponse.mask_sample and the {len(FAILURE_KINDS)} failure kinds read as minirl "
+          "maps them")
 
 
 def gym07_servers(global_cfg: dict, faults: dict) -> list:
