@@ -1,20 +1,6 @@
 """Statistics of experiments, as pure functions: Student-t intervals over seeds, paired differences
-between two policies, and the difficulty skew of what a failure policy trains.
-
-Pairing: within one seed every policy of a sweep meets the same prompts, the same held-out set and
-the same fault draws (minirl.faults), so two policies are compared by their per-seed differences:
-`paired_ci` gives the mean difference and its t-interval, and an interval that excludes 0 is a
-paired t-test at the same level. The seed-to-seed spread of the prompts cancels out of a difference,
-which an unpaired test (e.g. Welch's) would count as noise.
-
-Skew: for a run, `dispatched[k]` counts the rollouts dispatched for prompts with k rooms (G per
-prompt group of every completed step), and `trained[k]` the rollouts of k-room prompts that reached
-the optimizer with weight (in a kept group and not masked). A policy that drops or masks the
-failures of hard prompts trains on an easier mix than it dispatched: a total-variation distance
-TV = 1/2 sum_k |trained_k / T - dispatched_k / D| above 0, and a mean room count trained below the
-one dispatched. Both mixes are recomputed from the prompt stream (minirl.data, a pure function of
-(step, group)) and the run's events (drops, skips and masks, with their coordinates), so no
-component has to report them.
+between two policies (`paired_ci`), and the difficulty skew of what a failure policy trains
+(`difficulty_skew`, over mixes recomputed from the prompt stream and a run's events).
 
 Invariant: every function here is deterministic and reads only its arguments.
 """
@@ -83,14 +69,28 @@ def mean_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
 
 def paired_ci(a: dict, b: dict, level: float = 0.95) -> tuple[float, float, int]:
     """(mean of a[s] - b[s], half-width of its t-interval, number of pairs) over the keys (seeds)
-    present in both with a value that is not nan."""
+    present in both with a value that is not nan.
+
+    Within one seed every policy of a sweep meets the same prompts, the same held-out set and the
+    same fault draws (minirl.faults), so two policies are compared by their per-seed differences; an
+    interval that excludes 0 is a paired t-test at the same level. The seed-to-seed spread of the
+    prompts cancels out of a difference, which an unpaired test (e.g. Welch's) would count as noise."""
     diffs = [a[k] - b[k] for k in sorted(set(a) & set(b)) if not (math.isnan(a[k]) or math.isnan(b[k]))]
     return (*mean_ci(diffs, level), len(diffs))
 
 
 # ------------------------------------------------------------------------------------------- skew
 def difficulty_skew(dispatched: dict[int, float], trained: dict[int, float]) -> dict:
-    """TV distance between the two room-count mixes, and their means (nan where a mix is empty)."""
+    """TV distance between the two room-count mixes, and their means (nan where a mix is empty).
+
+    For a run, `dispatched[k]` counts the rollouts dispatched for prompts with k rooms (G per prompt
+    group of every completed step), and `trained[k]` the rollouts of k-room prompts that reached the
+    optimizer with weight (in a kept group and not masked). A policy that drops or masks the
+    failures of hard prompts trains on an easier mix than it dispatched: a total-variation distance
+    TV = 1/2 sum_k |trained_k / T - dispatched_k / D| above 0, and a mean room count trained below
+    the one dispatched. Both mixes are recomputed (`rooms_mix`, `group_fates`) from the prompt stream
+    (minirl.data, a pure function of (step, group)) and the run's events (drops, skips and masks,
+    with their coordinates), so no component has to report them."""
     d, t = sum(dispatched.values()), sum(trained.values())
     keys = set(dispatched) | set(trained)
     mean_d = sum(k * v for k, v in dispatched.items()) / d if d else float("nan")

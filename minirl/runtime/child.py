@@ -1,18 +1,12 @@
 """A helper process that lives exactly as long as the Ray actor that starts it: the generation
 worker's HTTP front end (minirl.generation.frontend) and the agent server (minirl.agents.process).
+An HTTP server that answers every request of a step runs in a plain child process, away from the
+actor's Ray core worker and its GIL; the actor stays as its handle (restarts, placement, methods).
 
-Why a process of its own: a Ray actor's process carries Ray's core worker, whose main thread checks
-for signals every 10 ms under the GIL, besides its other threads: ~10 ms of CPU a second in an idle
-actor here (minirl's agent server idled at the same rate as an empty actor), and a GIL taken away
-from whatever else the process serves. An HTTP server that answers every request of a step runs in
-a plain child process instead, and the actor stays as its handle (restarts, placement, methods).
-
-Invariants: the child reads its spec (a pickled dict, with the actor's pid as `parent`) from stdin
-and exits once that process is gone, however it died (`child_spec`, polled every PARENT_POLL_S);
-the actor SIGKILLs its own process once the child exits (`die_with`) unless it stopped the child
-itself, so a child's death (a fault that kills it at its site) takes the whole actor down and Ray
-restarts it, at the same port. A child started by `spawn_server` reports its start exactly once:
-its URL, or why it failed to start.
+Invariants: the child exits once the actor's process is gone, however it died (`child_spec`); the
+actor SIGKILLs its own process once the child exits unless it stopped the child itself (`die_with`),
+so Ray restarts the whole actor, at the same port. A child started by `spawn_server` reports its
+start exactly once: its URL, or why it failed to start.
 """
 
 from __future__ import annotations
@@ -32,7 +26,12 @@ PARENT_POLL_S = 0.2
 
 def spawn(module: str, spec: dict, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """`python -m module` with `spec` on its stdin (and the repo on its PYTHONPATH, as a Ray worker
-    has it); its stdout and stderr stay the actor's."""
+    has it); its stdout and stderr stay the actor's.
+
+    Why a process of its own: a Ray actor's process carries Ray's core worker, whose main thread
+    checks for signals every 10 ms under the GIL, besides its other threads: ~10 ms of CPU a second
+    in an idle actor here (minirl's agent server idled at the same rate as an empty actor), and a GIL
+    taken away from whatever else the process serves."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env, pass_fds=pass_fds)
@@ -92,7 +91,8 @@ def die_with(proc: subprocess.Popen, what: str, owner: str, stopping: threading.
 
 # -- the child's side ---------------------------------------------------------------------------------
 def child_spec() -> dict:
-    """The spec `spawn` sent, read from stdin; from here on the process exits with its parent."""
+    """The spec `spawn` sent (a pickled dict, with the actor's pid as `parent`), read from stdin; from
+    here on the process exits with its parent (polled every PARENT_POLL_S)."""
     spec = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_with_parent, args=(spec["parent"],), name="parent-watch", daemon=True).start()
     return spec

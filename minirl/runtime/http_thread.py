@@ -1,12 +1,4 @@
-"""Serve an aiohttp app from a dedicated thread and event loop.
-
-Servers start in their actor's constructor, so a restarted actor (Ray re-runs `__init__`, never a
-later method) serves again at the same address without anyone asking. A handler whose client
-disconnects is cancelled (aiohttp's `handler_cancellation`), so no work goes on for a caller that
-left: a model server aborts the engine request, an agent server ends the episode.
-
-The loop is uvloop's where it is installed, and `off_loop` decides what a handler may parse on
-it (small bodies) and what goes to a worker thread (large ones).
+"""Serve an aiohttp app from a dedicated thread and event loop (uvloop's where it is installed).
 
 Invariant: `url` is answered once the constructor returns; `stop` closes the listener and
 everything `setup` opened, on the server's own loop; a start that fails (a port taken) runs the
@@ -44,6 +36,13 @@ def resolve_host(host: str) -> str:
 
 
 class HttpThread:
+    """An aiohttp app served from its own thread and loop, started in the constructor.
+
+    Servers start in their actor's constructor, so a restarted actor (Ray re-runs `__init__`, never
+    a later method) serves again at the same address without anyone asking. A handler whose client
+    disconnects is cancelled (aiohttp's `handler_cancellation`), so no work goes on for a caller
+    that left: a model server aborts the engine request, an agent server ends the episode."""
+
     def __init__(self, setup: Callable[[], Awaitable[web.Application]], host: str, port: int, name: str):
         self.host, self.port = resolve_host(host), port
         self.loop = new_event_loop()

@@ -1,17 +1,9 @@
 """JSON on minirl's HTTP hops (the agent server, the model server, their clients), through msgspec's
-C codec (a vLLM dependency) with the standard library's results.
+C codec (a vLLM dependency): `json` spends 3-10x its CPU on each hop's few kB of token ids and
+logprobs, and on a CPU machine that time is taken from the engine.
 
-Per request each hop decodes and encodes a few kB of token ids and logprobs; `json` spends
-3-10x the CPU msgspec does on them, and on a CPU machine that time is taken from the engine.
-
-Invariants: `loads(raw)` returns what `json.loads(raw)` returns, or raises what it raises: any input
-msgspec refuses (NaN or Infinity literals, a lone surrogate, a number out of float range, a BOM,
-nesting past the interpreter's recursion limit) goes to `json.loads`. `dumps(obj)` is JSON that
-parses back (by either) to the value `json.dumps(obj)` would parse back to, as compact UTF-8
-(vLLM's own server writes its bodies compact and unescaped too). msgspec writes a non-finite float
-as null where `json` writes NaN or Infinity, so an output holding a null is checked: if `obj` holds
-a non-finite float (or a caller says it may, `finite=False`), or msgspec cannot encode it, the
-answer is `json.dumps(obj)` itself.
+Invariant: the standard library's results: `loads(raw)` returns what `json.loads(raw)` returns, or
+raises what it raises; `dumps(obj)` parses back (by either) to the value `json.dumps(obj)` would.
 """
 
 from __future__ import annotations
@@ -26,7 +18,9 @@ _encode = msgspec.json.encode
 
 
 def loads(raw: bytes | str):
-    """`json.loads(raw)`, faster."""
+    """`json.loads(raw)`, faster: any input msgspec refuses (NaN or Infinity literals, a lone
+    surrogate, a number out of float range, a BOM, nesting past the interpreter's recursion limit)
+    goes to `json.loads`."""
     try:
         return _decode(raw)
     except Exception:  # whatever msgspec refuses, json decides (and words its error)
@@ -46,7 +40,12 @@ def loads_body(raw: bytes, encoding: str):
 
 
 def dumps(obj, finite: bool = True) -> bytes:
-    """`obj` as compact UTF-8 JSON; `finite=False`: the caller knows `obj` may hold NaN or infinity."""
+    """`obj` as compact UTF-8 JSON (vLLM's own server writes its bodies compact and unescaped too);
+    `finite=False`: the caller knows `obj` may hold NaN or infinity.
+
+    msgspec writes a non-finite float as null where `json` writes NaN or Infinity, so an output
+    holding a null is checked: if `obj` holds a non-finite float (or `finite=False`), or msgspec
+    cannot encode it, the answer is `json.dumps(obj)` itself."""
     if finite:
         try:
             out = _encode(obj)
@@ -54,7 +53,7 @@ def dumps(obj, finite: bool = True) -> bytes:
             out = None
         if out is not None and (b"null" not in out or all_finite(obj)):
             return out
-    return json.dumps(obj).encode()  # as before: NaN stays NaN, a lone surrogate is escaped
+    return json.dumps(obj).encode()  # NaN stays NaN, a lone surrogate is escaped
 
 
 def all_finite(obj) -> bool:
