@@ -1,5 +1,4 @@
 """The single controller (a Ray actor): the only place where an optimizer step's batch is assembled.
-
 `Controller.collect` takes the step's prompt groups from the step source (sync dispatch, or the
 async rollout buffer), checks them (the floor, the ledger), selects the calls that train, computes
 each group's advantages and packs the batch (`assemble`).

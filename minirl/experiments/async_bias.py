@@ -4,10 +4,9 @@
     python -m minirl.experiments.async_bias --seeds 1 --steps 3 --out /tmp/ab     # a smoke run
 
 Each cell is a real `python -m minirl.train` run of one mode (sync, or an async sampler, eager or
-paced) and one seed on a long-tail task mix (`cell_args`); `summarize` reads its numbers from the run's
-files, and async_report.py writes the report. Invariant: a cell runs at most once per output directory
-(results.jsonl is the resume point, a line written as each cell ends), and a row's numbers come from
-its run directory alone.
+paced) and one seed on a long-tail task mix (`cell_args`); `summarize` reads its row from the run's
+files, async_report.py writes the report. Invariant: a cell runs at most once per output directory
+(results.jsonl is the resume point), and a row's numbers come from its run directory alone.
 """
 
 from __future__ import annotations
