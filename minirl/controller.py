@@ -128,11 +128,13 @@ def _credited(cfg: MinirlConfig, g: ScoredGroup) -> tuple[list[tuple[Rollout, Tr
     if cfg.grpo.summary_credit == "rollout":
         return rows, 0
     summaries = [[t for t in r.traces if t.kind == SUMMARY_KIND] for r in g.rollouts]
-    scored = [s if len(s) == len(r.evidence.get("segment_rewards", [])) else None for r, s in zip(g.rollouts, summaries)]
+    scored = [s if len(s) == len(r.evidence.get("segment_rewards", [])) else None
+              for r, s in zip(g.rollouts, summaries)]
     rewards = [[None if t.mask_reason else v for t, v in zip(s, r.evidence["segment_rewards"])] if s is not None else []
                for r, s in zip(g.rollouts, scored)]
     gp = cfg.grpo
-    adv = summary_advantages(rewards, [r.sample_mask for r in g.rollouts], gp.use_leave_one_out_baseline, gp.normalize_rewards)
+    adv = summary_advantages(rewards, [r.sample_mask for r in g.rollouts], gp.use_leave_one_out_baseline,
+                             gp.normalize_rewards)
     own = {id(t): a for s, a_list in zip(scored, adv) if s is not None for t, a in zip(s, a_list)}
     fallbacks = sum(s is None for s in scored)
     return [(r, t, own.get(id(t), a)) for r, t, a in rows], fallbacks
