@@ -115,7 +115,10 @@ DEFAULT = Grid(kinds=("guard_reject@room",), rates=(0.07,),
 
 
 def kind_args(kind: str, rate: float) -> list[str]:
-    """The overrides of a fault mode (see the module docstring)."""
+    """The overrides of a fault mode: `KIND`, a coin per rollout attempt at the rate
+    (`faults.rate.KIND`); `KIND@room`, the rate as a per-room hazard q, so an n-room attempt fails
+    with 1 - (1 - q)**n (`faults.rate_per_room`); `overflow`, no injected fault but a real context
+    guard at OVERFLOW_TOKENS that long, many-room episodes cross and short ones rarely do."""
     if kind == "overflow":
         return [f"agent.context_history.guards.max_total_tokens={OVERFLOW_TOKENS}"]
     if kind.endswith("@room"):  # `a+b@room`: each kind with the same per-room hazard
