@@ -1,21 +1,6 @@
-"""Several agent servers behind one run: which one a `/run` goes to, which ones are down, and when a
-down one is looked at again.
-
-`agent.selection`: `least_busy` sends to the server with the fewest of this run's `/run` requests in
-flight (ties: the next in turn), `round_robin` to the next in turn. A re-send avoids the server its
-row just failed on where another is up.
-
-Down: a server is marked down when it refuses or resets a connection (`refused`: down, or
-restarting at its port), or after `agent.max_server_failures` failures of its own in a row: a 200
-whose body is not JSON (`bad_answer`: a proxy's error page) or a send still unanswered at its
-group's deadline while the server answered nothing else (`timeout`). A down server is passed over
-while another is up. After its wait (`agent.down_retry_s`) it is due for a probe (the rollout
-manager's `GET /health`, any answer below 500): a probe that answers brings it back up, one that
-does not renews the mark. The wait doubles with each mark that follows no `/run` answer, up to
-`agent.down_retry_max_s`, and falls back to `down_retry_s` when a `/run` answers; the failure count
-survives a probe too, so a server brought back by its probe that fails its next `/run` goes down
-again at once. A `/run` that any server answers brings it up. When every server is down, the one
-marked down longest ago is tried.
+"""Several agent servers behind one run: which one a `/run` goes to (`agent.selection`: `least_busy` or
+`round_robin`), which ones are down, and when a down one is probed again. docs/failure-policy.md
+("Down and up again") gives the rules: what marks a server down, the probe, the doubling wait.
 
 Invariant: `pick` returns one of the pool's URLs; every `acquire` is matched by one `release`, so
 `in_flight` counts only requests still open; a server is in `downs` exactly while it is marked

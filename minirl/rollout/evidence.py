@@ -1,13 +1,7 @@
 """Per-call evidence -> physical traces -> a validated rollout; and the ledger of every attempt.
-
 A `/run` result carries, per model call, `prompt_token_ids`, `generation_token_ids` and
-`generation_log_probs` on one output item. A call whose prompt starts with the previous call's
-prompt + generation extends that trace (append-compatible); any other call (the agent rewrote its
-history) starts a new physical trace under context compaction, and is upstream's "Non-contiguous
-messages found!" failure without it. A summarizing compaction's accepted summary (an output item
-marked `trace_kind: compaction_summary`, with its compaction record) is a trace of its own, whatever
-it extends, and the call after it starts a new one. Each trace is one training sequence whose loss
-mask covers only generated tokens; every trace of a rollout carries that rollout's advantage and identity.
+`generation_log_probs` on one output item; each physical trace (`split_traces`) is one training
+sequence whose loss mask covers only generated tokens.
 
 Invariant: `parse_rollout` either returns a rollout whose traces hold exactly the result's
 generated tokens, in order, each once, with a float32-finite reward and finite logprobs <= 0, or
@@ -39,7 +33,14 @@ and the score gradient's norm (the default model's is about 1; see `reward_bound
 
 def split_traces(calls: list[Call], allow_rewrites: bool = True) -> list[Trace]:
     """Calls -> physical traces. Without `allow_rewrites` (no context compaction) every call must
-    extend the previous one, as upstream asserts."""
+    extend the previous one, as upstream asserts.
+
+    A call whose prompt starts with the previous call's prompt + generation extends that trace
+    (append-compatible); any other call (the agent rewrote its history) starts a new physical trace
+    under context compaction, and is upstream's "Non-contiguous messages found!" failure without it.
+    A summarizing compaction's accepted summary (an item marked `trace_kind: compaction_summary`) is
+    a trace of its own, whatever it extends, and the call after it starts a new one. Every trace of a
+    rollout carries that rollout's advantage and identity."""
     traces: list[Trace] = []
     for i, c in enumerate(calls):
         last = traces[-1] if traces else None
@@ -56,8 +57,8 @@ def split_traces(calls: list[Call], allow_rewrites: bool = True) -> list[Trace]:
             last.logprobs += [0.0] * gap + list(c.logprobs)
             last.calls += 1
         else:
-            traces.append(Trace(c.prompt + c.gen, [0] * len(c.prompt) + [1] * len(c.gen), [0.0] * len(c.prompt) + list(c.logprobs),
-                                kind=c.kind, compaction=c.compaction))
+            traces.append(Trace(c.prompt + c.gen, [0] * len(c.prompt) + [1] * len(c.gen),
+                                [0.0] * len(c.prompt) + list(c.logprobs), kind=c.kind, compaction=c.compaction))
     return traces
 
 
@@ -90,7 +91,8 @@ def _logprobs(lps, n: int, where: str) -> list[float]:
     unbounded in Python, so it is bounded before it is converted (10**400 overflows a float)."""
     types = set(map(type, lps)) if isinstance(lps, list) else {object}
     if not isinstance(lps, list) or len(lps) != n or not types <= {int, float}:
-        raise RolloutDataFailure(f"malformed /run result: generation_log_probs must be one number per generated token{where}")
+        raise RolloutDataFailure(
+            f"malformed /run result: generation_log_probs must be one number per generated token{where}")
     if int in types:
         ints = [x for x in lps if type(x) is int]
         if not (min(ints) >= -FLOAT32_MAX and max(ints) <= 0):
@@ -108,9 +110,10 @@ def _logprobs(lps, n: int, where: str) -> list[float]:
 
 
 def _reward(reward, bound: float) -> float:
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward or not -bound <= reward <= bound:
-        raise RolloutDataFailure(f"malformed /run result: reward must be a finite number with |reward| <= {bound:.4g} (the bound "
-                                 f"that keeps advantage x tokens finite in float32), got {_short(reward)}")
+    number = not isinstance(reward, bool) and isinstance(reward, (int, float))
+    if not number or reward != reward or not -bound <= reward <= bound:
+        raise RolloutDataFailure(f"malformed /run result: reward must be a finite number with |reward| <= {bound:.4g} "
+                                 f"(the bound that keeps advantage x tokens finite in float32), got {_short(reward)}")
     return float(reward)  # within the bound: an integer converts exactly enough, and never overflows
 
 
@@ -135,7 +138,8 @@ def _evidence(evidence) -> dict:
         if key in evidence:
             v = evidence[key]
             if type(v) is not int or not 0 <= v <= 2**31:
-                raise RolloutDataFailure(f"malformed /run result: evidence.{key} must be a non-negative integer, got {_short(v)}")
+                raise RolloutDataFailure(
+                    f"malformed /run result: evidence.{key} must be a non-negative integer, got {_short(v)}")
             out[key] = v
     if "capture_failed" in evidence:
         if not isinstance(evidence["capture_failed"], bool):
@@ -144,18 +148,21 @@ def _evidence(evidence) -> dict:
         out["capture_failed"] = evidence["capture_failed"]
     if "end_reason" in evidence:
         if not isinstance(evidence["end_reason"], str):
-            raise RolloutDataFailure(f"malformed /run result: evidence.end_reason must be a string, got {_short(evidence['end_reason'])}")
+            raise RolloutDataFailure(
+                f"malformed /run result: evidence.end_reason must be a string, got {_short(evidence['end_reason'])}")
         out["end_reason"] = evidence["end_reason"]
     for key in ("guard", "summary"):
         if key not in evidence and key != "guard":
             continue
         records = evidence.get(key, [])
         if not isinstance(records, list) or not all(_flat(g) for g in records):
-            raise RolloutDataFailure(f"malformed /run result: evidence.{key} must be a list of flat objects, got {_short(records)}")
+            raise RolloutDataFailure(
+                f"malformed /run result: evidence.{key} must be a list of flat objects, got {_short(records)}")
         out[key] = records
     errors = evidence.get("errors", [])
     if not isinstance(errors, list) or not all(isinstance(e, str) for e in errors):
-        raise RolloutDataFailure(f"malformed /run result: evidence.errors must be a list of strings, got {_short(errors)}")
+        raise RolloutDataFailure(
+            f"malformed /run result: evidence.errors must be a list of strings, got {_short(errors)}")
     out["errors"] = errors
     if "segment_rewards" in evidence:
         out["segment_rewards"] = _segment_rewards(evidence["segment_rewards"])
@@ -254,10 +261,12 @@ def _trace_kind(item: dict, where: str) -> tuple[str, dict | None]:
     """A call item's trace kind and compaction record (a summary call's), checked."""
     kind = item.get("trace_kind", "turns")
     if kind not in ("turns", SUMMARY_KIND):
-        raise RolloutDataFailure(f"malformed /run result: trace_kind must be turns or {SUMMARY_KIND}, got {_short(kind)}{where}")
+        raise RolloutDataFailure(
+            f"malformed /run result: trace_kind must be turns or {SUMMARY_KIND}, got {_short(kind)}{where}")
     record = item.get("compaction")
     if record is not None and not _flat(record):
-        raise RolloutDataFailure(f"malformed /run result: compaction must be a flat object, got {_short(record)}{where}")
+        raise RolloutDataFailure(
+            f"malformed /run result: compaction must be a flat object, got {_short(record)}{where}")
     return kind, record
 
 
@@ -320,7 +329,8 @@ class Ledger:
         oldest = version if oldest is None else oldest
         index: dict[tuple, list[dict]] = {}
         for rec in pool:
-            index.setdefault((tuple(rec.get("prompt_token_ids") or ()), tuple(rec.get("generation_token_ids") or ())), []).append(rec)
+            content = (tuple(rec.get("prompt_token_ids") or ()), tuple(rec.get("generation_token_ids") or ()))
+            index.setdefault(content, []).append(rec)
         counts: Counter = Counter()
         lines = []
         for r in rollouts:
@@ -337,19 +347,22 @@ class Ledger:
                 if versions and not (oldest <= min(versions) and max(versions) <= version):
                     status = "stale"
                     r.evidence.setdefault("errors", []).append(
-                        f"call {i} ran under weights {sorted(versions)}, but step {step} trains versions {oldest}..{version}")
+                        f"call {i} ran under weights {sorted(versions)}, "
+                        f"but step {step} trains versions {oldest}..{version}")
                 elif gap > LOGPROB_TOLERANCE:
                     status = "logprob_mismatch"
                     r.evidence.setdefault("errors", []).append(
-                        f"call {i}: a logprob differs from the engine's record by {gap:.4g} (tolerance {LOGPROB_TOLERANCE})")
+                        f"call {i}: a logprob differs from the engine's record by {gap:.4g} "
+                        f"(tolerance {LOGPROB_TOLERANCE})")
                 if status == "matched":
                     counts["calls_matched"] += 1
                     counts["tokens_matched"] += len(c.gen)
                 else:
                     counts[f"calls_{status}"] += 1
                     r.mask_reason = r.mask_reason or {"stale": "stale_calls"}.get(status, status)
-                lines.append({**r.coords.as_dict(), "call": i, **{k: rec.get(k) for k in ("finish_reason", "version_start",
-                              "version_end", "generation_token_ids", "seed")}, "http_status": 200, "ledger_status": status})
+                fields = ("finish_reason", "version_start", "version_end", "generation_token_ids", "seed")
+                lines.append({**r.coords.as_dict(), "call": i, **{k: rec.get(k) for k in fields},
+                              "http_status": 200, "ledger_status": status})
         self._write(step, lines)
         return counts, [rec for recs in index.values() for rec in recs]
 
@@ -411,11 +424,12 @@ class Ledger:
                 continue
             if len(seen) >= len(r.calls):
                 raise RuntimeError(
-                    f"ledger mismatch: a trained call of attempt {r.coords.key} is not in the generation server's record "
-                    "of that attempt"
+                    f"ledger mismatch: a trained call of attempt {r.coords.key} "
+                    "is not in the generation server's record of that attempt"
                 )
             counts["calls_unrecorded"] += len(missing)
-            self._mask_segments(r, {i for i, c in enumerate(r.calls) if (c.prompt, c.gen) not in seen}, "unrecorded_calls")
+            unrecorded = {i for i, c in enumerate(r.calls) if (c.prompt, c.gen) not in seen}
+            self._mask_segments(r, unrecorded, "unrecorded_calls")
         lines = []
         for key, recs in sorted(by_attempt.items()):
             rollout = committed.get(key)
@@ -423,15 +437,17 @@ class Ledger:
                 status = "retired" if rollout is None or id(rec) in rejected[key] else (
                     "masked" if rollout.sample_mask == 0 else "trained")
                 versions = {rec.get("version_start"), rec.get("version_end")} - {None}
-                if status in ("trained", "masked") and versions and not (oldest <= min(versions) and max(versions) <= version):
+                if status in ("trained", "masked") and versions and not (
+                        oldest <= min(versions) and max(versions) <= version):
                     window = f"version {version}" if oldest == version else f"versions {oldest}..{version}"
                     raise RuntimeError(
                         f"policy-version discipline: call {rec['key']} ran under weights {sorted(versions)}, "
                         f"but step {step} trains {window}"
                     )
                 counts[f"calls_{status}"] += 1
-                lines.append({**{k: rec.get(k) for k in ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",
-                                                          "version_start", "version_end", "generation_token_ids", "seed")},
+                fields = ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",
+                          "version_start", "version_end", "generation_token_ids", "seed")
+                lines.append({**{k: rec.get(k) for k in fields},
                               "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")})
         self._write(step, lines)
         return counts

@@ -1,26 +1,6 @@
-"""The rollout manager: runs a step's prompt groups through `POST /run` under the failure policy.
-
-Per group (NeMo-RL's `generate_and_push`, plus minirl's fixes):
-- every group attempt reserves a fresh group id and releases it, whatever happens;
-- an INFRA failure is retried after min(backoff_base_s * 2**(k-1), max_backoff_s), up to
-  `max_infra_attempts_per_prompt` attempts; then the group is dropped, and more than
-  `max_consecutive_dropped_prompts` drops with no commit in between raise RolloutRedispatchExhausted;
-- a DATA failure is retried without backoff up to `max_data_attempts_per_prompt`, then skipped
-  within `max_skipped_prompts` (past it, upstream's skip-budget error), or re-raised unchanged at 0;
-- within a group attempt, a row that failed with INFRA is re-sent alone, up to
-  `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch),
-  and keep them across group attempts too unless `nemo_gym.keep_returned_rows=false` (upstream);
-- each send goes to the agent server the pool picks (minirl.rollout.agent_pool); a refused
-  connection, a 200 that is not JSON (`AgentBadAnswer`, re-sent at once on another server where one
-  is up) and a send left unanswered at the deadline count against that server, and a down server is
-  probed in the background (`agent_down` / `agent_up` events);
-- `nemo_gym.rollout_timeout_s` is one deadline per group attempt, row re-sends included (upstream's
-  "NeMo-Gym prompt group exceeded {s}s"); rows that came back before it keep their results;
-- under context compaction with `redispatch_dropped_groups=false` (upstream), nothing is re-sent:
-  the first failure drops the group (INFRA) or goes straight to skip-or-raise (DATA);
-- a group whose rollouts are all masked has no valid owner: under CC it is dropped, with that
-  reason, against the same consecutive-drop budget; without CC it trains with zero loss (upstream);
-- cancellation is never retried; it propagates after the reservations are released.
+"""The rollout manager: runs a step's prompt groups through `POST /run` under the failure policy
+(NeMo-RL's `generate_and_push`, plus minirl's fixes): retries with backoff, row and group
+redispatch, drop and skip budgets, one deadline per group attempt. `run_group` lists the rules.
 
 Invariant: a group's outcome holds only rollouts whose own `/run` succeeded and validated; every
 failure, retry, drop, skip and raise is written to the event log with its coordinates.
@@ -106,7 +86,8 @@ async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     try:
         async with session.post(url + "/run", data=jsonio.dumps(row), headers=JSON_HEADERS) as resp:
             status, body, content_type = resp.status, await resp.read(), resp.headers.get("Content-Type", "")
-    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError) as exc:
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+            ConnectionError) as exc:
         raise AgentUnreachable(f"{what} failed in transport: {exc!r}") from exc  # refused or reset: down or restarting
     except aiohttp.ClientError as exc:
         raise GymTransportError(f"{what} failed in transport: {exc!r}") from exc
@@ -132,7 +113,8 @@ def identical_answer(exc: BaseException) -> tuple[int, str] | None:
     None for a failure that may pass on its own: no answer at all, a 4xx (DATA already), a gateway's
     502-504, an unreachable model server (a restarting worker), a context guard's rejection."""
     status = getattr(exc, "status", None)
-    if not isinstance(exc, GymTransportError) or not isinstance(status, int) or status < 500 or status in (502, 503, 504):
+    if (not isinstance(exc, GymTransportError) or not isinstance(status, int) or status < 500
+            or status in (502, 503, 504)):
         return None
     if exc.error_type in ("GenerationUnavailable", "ContextGuardRejected"):
         return None
@@ -262,7 +244,8 @@ class RolloutManager:
                     f"no rollout completed for {idle:.1f}s (async_rl.stall_watchdog.stall_timeout_s="
                     f"{wd.stall_timeout_s}); {len(self.in_flight)} in flight: {what}"
                 )
-                self.emit({"type": "stall", "step": step, "in_flight": len(self.in_flight), "decision": wd.action, "message": message})
+                self.emit({"type": "stall", "step": step, "in_flight": len(self.in_flight), "decision": wd.action,
+                           "message": message})
                 if wd.action == "raise":
                     raise RolloutStall(message)
                 print(f"warning: {message}", flush=True)
@@ -275,7 +258,30 @@ class RolloutManager:
         each group attempt starts, where upstream reserves the attempt under the current version,
         with the oldest version among the rows kept from earlier attempts (None: none), and returns
         the version the attempt starts under; the outcome's `start_weight` is then the oldest
-        version any of its kept rows' attempts started under."""
+        version any of its kept rows' attempts started under.
+
+        - every group attempt reserves a fresh group id and releases it, whatever happens;
+        - an INFRA failure is retried after min(backoff_base_s * 2**(k-1), max_backoff_s), up to
+          `max_infra_attempts_per_prompt` attempts; then the group is dropped, and more than
+          `max_consecutive_dropped_prompts` drops with no commit in between raise
+          RolloutRedispatchExhausted;
+        - a DATA failure is retried without backoff up to `max_data_attempts_per_prompt`, then skipped
+          within `max_skipped_prompts` (past it, upstream's skip-budget error), or re-raised unchanged at 0;
+        - within a group attempt, a row that failed with INFRA is re-sent alone, up to
+          `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch),
+          and keep them across group attempts too unless `nemo_gym.keep_returned_rows=false` (upstream);
+        - each send goes to the agent server the pool picks (minirl.rollout.agent_pool); a refused
+          connection, a 200 that is not JSON (`AgentBadAnswer`, re-sent at once on another server where
+          one is up) and a send left unanswered at the deadline count against that server, and a down
+          server is probed in the background (`agent_down` / `agent_up` events);
+        - `nemo_gym.rollout_timeout_s` is one deadline per group attempt, row re-sends included
+          (upstream's "NeMo-Gym prompt group exceeded {s}s"); rows that came back before it keep theirs;
+        - under context compaction with `redispatch_dropped_groups=false` (upstream), nothing is re-sent:
+          the first failure drops the group (INFRA) or goes straight to skip-or-raise (DATA);
+        - a group whose rollouts are all masked has no valid owner: under CC it is dropped, with that
+          reason, against the same consecutive-drop budget; without CC it trains with zero loss (upstream);
+        - cancellation is never retried; it propagates after the reservations are released.
+        """
         run = GroupRun(step, group, row, GroupOutcome(group, "committed", step=step),
                        [0] * self.cfg.grpo.num_generations_per_prompt, on_attempt)
         self.unsettled[step, group] = run.out
@@ -309,16 +315,19 @@ class RolloutManager:
         exc = failures[0][1]
         run.infra += 1
         # no agent server reached: one may be restarting, so the group waits out the restart window
-        restarting = all(isinstance(e, AgentUnreachable) for _, e in failures) and run.out.backoff_s < self.rf.agent_restart_window_s
+        restarting = (all(isinstance(e, AgentUnreachable) for _, e in failures)
+                      and run.out.backoff_s < self.rf.agent_restart_window_s)
         if self.can_redispatch and (run.infra < self.rf.max_infra_attempts_per_prompt or restarting):
             delay = self.backoff(run.infra)
-            window = {"restart_window_s": self.rf.agent_restart_window_s} if run.infra >= self.rf.max_infra_attempts_per_prompt else {}
+            past_budget = run.infra >= self.rf.max_infra_attempts_per_prompt
+            window = {"restart_window_s": self.rf.agent_restart_window_s} if past_budget else {}
             self._failed(run.out, failures, "retried", backoff_s=delay, group_attempt=run.gid, **window)
             run.out.backoff_s += delay
             await self.sleep(delay)
             return None
         self._failed(run.out, failures, "dropped", group_attempt=run.gid)
-        return self._drop(run.step, run.group, run.out, exc, self._exhausted_message(run.step, run.group, run.infra, exc))
+        message = self._exhausted_message(run.step, run.group, run.infra, exc)
+        return self._drop(run.step, run.group, run.out, exc, message)
 
     async def _after_data(self, run: GroupRun, failures) -> GroupOutcome | None:
         """A DATA failure: retry without backoff (None), skip within the skip budget, or raise."""
@@ -350,7 +359,8 @@ class RolloutManager:
             # upstream under CC: a group with no valid owner is dropped, against the same budget
             reasons = sorted({r.mask_reason for r in out.rollouts.values()})
             exc = RolloutDataFailure(f"no valid owner: every rollout of the group is masked ({', '.join(reasons)})")
-            message = (f"{self.prompt_name(step, group)} has no valid owner (every rollout masked: {', '.join(reasons)}), and this was "
+            message = (f"{self.prompt_name(step, group)} has no valid owner "
+                       f"(every rollout masked: {', '.join(reasons)}), and this was "
                        f"drop {self.consecutive_drops + 1} with no rollout committed in between, exceeding "
                        f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}")
             return self._drop(step, group, out, exc, message)
@@ -368,7 +378,8 @@ class RolloutManager:
 
     def _exhausted_message(self, step: int, group: int, attempts: int, exc: BaseException) -> str:
         return (
-            f"{self.prompt_name(step, group)} exhausted its infrastructure retry budget after {max(attempts, 1)} attempt(s) "
+            f"{self.prompt_name(step, group)} exhausted its infrastructure retry budget "
+            f"after {max(attempts, 1)} attempt(s) "
             f"(max_infra_attempts_per_prompt={self.rf.max_infra_attempts_per_prompt}), and this was drop "
             f"{self.consecutive_drops + 1} with no rollout committed in between, exceeding "
             f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}; the generation fleet is not "
@@ -393,7 +404,8 @@ class RolloutManager:
         for coords, exc in failures:
             self._failure_event(out, coords, classify(exc), exc, decision, **extra)
 
-    def _failure_event(self, out: GroupOutcome, coords: Coords, kind: str, exc: BaseException, decision: str, **extra) -> None:
+    def _failure_event(self, out: GroupOutcome, coords: Coords, kind: str, exc: BaseException, decision: str,
+                       **extra) -> None:
         """A row's failed send: its `failure` event, counted on its group's outcome."""
         error_type = getattr(exc, "error_type", None)
         out.guard_rejections += error_type == "ContextGuardRejected"
@@ -438,7 +450,8 @@ class RolloutManager:
         on, and each server that held one and answered nothing meanwhile charged a `timeout`."""
         failures, silent = [], {}
         for r in rows:
-            if r in run.final:  # a row that already failed for good keeps its own failure (a terminal one decides the group)
+            # a row that already failed for good keeps its own failure (a terminal one decides the group)
+            if r in run.final:
                 failures.append(run.final[r])
                 continue
             exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {self.rf.nemo_gym.rollout_timeout_s}s")
@@ -500,7 +513,8 @@ class RolloutManager:
             try:
                 result = await self.post(self.session, url, body)
             except (AgentUnreachable, AgentBadAnswer) as exc:
-                self._agent_failed(url, "refused" if isinstance(exc, AgentUnreachable) else "bad_answer", run.sending[r][1], coords)
+                reason = "refused" if isinstance(exc, AgentUnreachable) else "bad_answer"
+                self._agent_failed(url, reason, run.sending[r][1], coords)
                 raise
             except RolloutFailure as exc:
                 if getattr(exc, "status", None) is not None:  # an HTTP answer: the server is there
@@ -589,7 +603,8 @@ class RolloutManager:
         ev, c = r.evidence, r.coords.as_dict()
         if ev.get("compactions"):
             self.emit({"type": "compaction", **c, "compactions": ev["compactions"],
-                       "images_dropped": ev.get("images_dropped", 0), "reasoning_dropped": ev.get("reasoning_dropped", 0)})
+                       "images_dropped": ev.get("images_dropped", 0),
+                       "reasoning_dropped": ev.get("reasoning_dropped", 0)})
         for g in ev.get("guard", []):  # the agent's record may not overwrite the event's type or coordinates
             self.emit({**g, "type": "guard", **c})
         for s in ev.get("summary", []):  # a summarizing compaction's requests, failures and its limit

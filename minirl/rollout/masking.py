@@ -1,21 +1,7 @@
 """Which rows of a step train, which count in their group's baseline, and NeMo-RL's per-step
-masking and rollout stats (`train/masking/*`, `train/rollouts/*`) over them.
-
-A row is one kept rollout (a logical sample; its physical traces share it). Every row is of exactly
-one kind: `trained` (sample mask 1) or, when masked, by its mask reason:
-- `placeholder`: no result to measure (`capture_failed`: a model call failed, a guard rejection
-  or context overflow ended the episode); minirl keeps no row for a dropped `/run` (its group is
-  dropped instead), so a placeholder here is always one of these;
-- `env_flag`: the harness flagged the rollout incomplete (its verifier's `mask_sample`, a
-  summarizing agent's `summary_failed`);
-- `truncated`: truncated at `policy.max_total_sequence_length` under `grpo.overlong_filtering`;
-- `seq_logprob_error`: the ledger refused its tokens or logprobs (`unrecorded_calls`,
-  `stale_calls`, `logprob_mismatch`), minirl's counterpart of NeMo's sequence-logprob-error rows.
-
-`baseline_members` applies the three baseline policies (docs/architecture.md, "Baseline
-policies"): the trained rows only (`grpo.baseline_excludes_masked=true`), those plus the
-`env_flag` and `truncated` rows (`grpo.masked_sample_rewards_in_baseline=true`, NeMo's third
-policy), or every row (`baseline_excludes_masked=false`, upstream's `valid_mask = ones`).
+masking and rollout stats (`train/masking/*`, `train/rollouts/*`) over them. A row is one kept
+rollout (a logical sample; its physical traces share it), of one kind (`row_kind`): trained, or
+masked as `placeholder`, `env_flag`, `truncated` or `seq_logprob_error`.
 
 Invariant: the kinds partition the rows, so `train/masking/rows` is the sum of the trained rows and
 the four masked counts; a row trains iff its kind is `trained`; the stats read the rows and their
@@ -46,12 +32,25 @@ REINSTATED_KINDS = ("env_flag", "truncated")
 
 
 def row_kind(r: Rollout) -> str:
-    """`trained`, or the masked row's kind (see the module's docstring)."""
+    """`trained` (sample mask 1), or the masked row's kind by its mask reason:
+    - `placeholder`: no result to measure (`capture_failed`: a model call failed, a guard rejection
+      or context overflow ended the episode); minirl keeps no row for a dropped `/run` (its group is
+      dropped instead), so a placeholder here is always one of these;
+    - `env_flag`: the harness flagged the rollout incomplete (its verifier's `mask_sample`, a
+      summarizing agent's `summary_failed`);
+    - `truncated`: truncated at `policy.max_total_sequence_length` under `grpo.overlong_filtering`;
+    - `seq_logprob_error`: the ledger refused its tokens or logprobs (`unrecorded_calls`,
+      `stale_calls`, `logprob_mismatch`), minirl's counterpart of NeMo's sequence-logprob-error rows.
+    """
     return "trained" if r.mask_reason is None else ROW_KINDS.get(r.mask_reason, "placeholder")
 
 
 def baseline_members(rollouts: list[Rollout], excludes_masked: bool, rewards_in_baseline: bool) -> np.ndarray:
-    """Which rollouts' rewards count in their group's baseline, std and "at most one member" count."""
+    """Which rollouts' rewards count in their group's baseline, std and "at most one member" count:
+    the trained rows only (`grpo.baseline_excludes_masked=true`), those plus the `env_flag` and
+    `truncated` rows (`grpo.masked_sample_rewards_in_baseline=true`, NeMo's third policy), or every
+    row (`baseline_excludes_masked=false`, upstream's `valid_mask = ones`); docs/architecture.md,
+    "Baseline policies"."""
     if not excludes_masked:
         return np.ones(len(rollouts), dtype=bool)
     keep = ("trained", *REINSTATED_KINDS) if rewards_in_baseline else ("trained",)
@@ -111,7 +110,8 @@ _QUANTILES = (("mean", None), ("p50", 50), ("p75", 75), ("p90", 90), ("max", 100
 def _spread(prefix: str, values) -> dict:
     """mean, p50, p75, p90 and max of `values` (nan for none), keyed under `prefix`."""
     v = np.asarray(values, dtype=np.float64)
-    return {f"{prefix}/{name}": (float("nan") if not v.size else float(v.mean()) if q is None else float(np.percentile(v, q)))
+    return {f"{prefix}/{name}": (float("nan") if not v.size
+                                 else float(v.mean()) if q is None else float(np.percentile(v, q)))
             for name, q in _QUANTILES}
 
 

@@ -1,27 +1,12 @@
 """Which captured model calls of a committed rollout train: NeMo-RL's selection policies
-(`nemo_rl.environments.call_selection`, `context_compaction.call_selection`).
-
-A policy is a synchronous callable `(records, result) -> (selected_records, terminal_response_id)`:
-`records` are the generation servers' call records of the rollout's committed attempt (dicts with
-`key`, `call`, `status`, `prompt_token_ids`, `generation_token_ids`, `generation_log_probs`,
-`t_start`), in the order they started ("order determines root/path priority"); `result` is
-`{"reward", "coords", "returned"}`, `returned` the calls of the history the agent returned, as
-records. Built-ins: `returned_history` (the returned calls: what parse_rollout already built, so
-the controller does nothing for it) and `all_captured` / `select_all_captured` (every usable
-record: HTTP 200, generated tokens and their logprobs; the summary requests the harness rejected,
-dead leaves no scored call continues, excepted). A custom one is `package.module:function`.
-minirl's own agents return every call they make, so for them `all_captured` trains what
-`returned_history` does; it differs for an agent that returns part of its history.
-
-The policy chooses membership; reconstruction stays minirl's: the selected records, in order,
-become the rollout's calls and `split_traces` builds its physical traces, so each sampled token is
-on exactly one row's loss mask, in the very context the engine sampled it in, and every trace
-carries the rollout's one reward and advantage (minirl.controller).
+(`context_compaction.call_selection`: `returned_history`, `all_captured`, or a custom
+`package.module:function`). The policy chooses membership; reconstruction stays minirl's: the
+selected records, in order, become the rollout's calls and `split_traces` builds its traces, so each
+sampled token is on exactly one row's loss mask, in the very context the engine sampled it in.
 
 Invariant: a rollout's reward is observed once whatever the selection (the group's baseline counts
 rollouts, not traces); a selected record must be one of the attempt's usable records and the
-terminal response one of the selected ones, or the run ends naming the policy (so no policy
-trains what the ledger retired: a rejected summary request); a rollout that is
+terminal response one of the selected ones, or the run ends naming the policy; a rollout that is
 masked, or one of whose traces is, keeps its returned history (its mask is about those calls).
 """
 
@@ -44,7 +29,8 @@ def usable(rec: dict) -> bool:
 
 
 def _same_call(rec: dict, call: Call) -> bool:
-    return list(rec.get("prompt_token_ids") or ()) == call.prompt and list(rec.get("generation_token_ids") or ()) == call.gen
+    return (list(rec.get("prompt_token_ids") or ()) == call.prompt
+            and list(rec.get("generation_token_ids") or ()) == call.gen)
 
 
 def returned_history(records: list[dict], result: dict) -> tuple[list[dict], str | None]:
@@ -70,7 +56,16 @@ assert set(BUILTINS) == set(SELECTION_BUILTINS)
 
 
 def resolve_selection_policy(name: str) -> Policy:
-    """A built-in's name or an importable `package.module:function` -> the policy (upstream's rule)."""
+    """A built-in's name or an importable `package.module:function` -> the policy (upstream's rule).
+
+    A policy is a synchronous callable `(records, result) -> (selected_records, terminal_response_id)`:
+    `records` are the generation servers' call records of the rollout's committed attempt (dicts with
+    `key`, `call`, `status`, `prompt_token_ids`, `generation_token_ids`, `generation_log_probs`,
+    `t_start`), in the order they started ("order determines root/path priority"); `result` is
+    `{"reward", "coords", "returned"}`, `returned` the calls of the history the agent returned, as
+    records. Built-ins: `returned_history` (what parse_rollout already built, so the controller does
+    nothing for it) and `all_captured` / `select_all_captured`. minirl's own agents return every call
+    they make, so for them `all_captured` trains what `returned_history` does."""
     return BUILTINS.get(name) or load_callable(name, "context_compaction.call_selection")
 
 
@@ -81,7 +76,8 @@ def select_calls(name: str, rollouts: list[Rollout], server_calls: list[dict], m
     policy = resolve_selection_policy(name)
     by_attempt: dict[tuple, list[dict]] = {}
     for rec in sorted(server_calls, key=lambda rec: (rec.get("t_start", 0.0), str(rec.get("key")))):
-        by_attempt.setdefault((rec.get("step"), rec.get("group"), rec.get("rollout"), rec.get("attempt")), []).append(rec)
+        attempt = (rec.get("step"), rec.get("group"), rec.get("rollout"), rec.get("attempt"))
+        by_attempt.setdefault(attempt, []).append(rec)
     changed = 0
     for r in rollouts:
         if r.mask_reason is not None or any(t.mask_reason for t in r.traces):
@@ -108,8 +104,8 @@ def _check_selection(name: str, r: Rollout, records: list[dict], selected: list[
     ok = {id(rec) for rec in records if usable(rec) and id(rec) not in rejected}
     stray = [rec.get("key") for rec in selected if id(rec) not in ok]
     if stray:
-        raise RuntimeError(f"context_compaction.call_selection={name} selected {len(stray)} record(s) that are not usable "
-                           f"captured calls of attempt {r.coords.key} (e.g. {stray[0]!r})")
+        raise RuntimeError(f"context_compaction.call_selection={name} selected {len(stray)} record(s) "
+                           f"that are not usable captured calls of attempt {r.coords.key} (e.g. {stray[0]!r})")
     if terminal is not None and terminal not in {rec.get("key") for rec in selected}:
         raise RuntimeError(f"context_compaction.call_selection={name} named terminal response {terminal!r} of attempt "
                            f"{r.coords.key}, which it did not select")
@@ -122,4 +118,5 @@ def _as_call(rec: dict, returned: list[Call]) -> Call:
     if same is not None:
         return same
     kind = SUMMARY_KIND if is_summary_call(rec.get("call")) else "turns"
-    return Call(list(rec["prompt_token_ids"]), list(rec["generation_token_ids"]), [float(x) for x in rec["generation_log_probs"]], kind)
+    return Call(list(rec["prompt_token_ids"]), list(rec["generation_token_ids"]),
+                [float(x) for x in rec["generation_log_probs"]], kind)

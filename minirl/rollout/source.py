@@ -23,7 +23,8 @@ class SyncSource:
 
     window = 0  # every trained call runs under the step's own version
 
-    def __init__(self, cfg: MinirlConfig, manager: RolloutManager, drain: Callable[[int | None], Awaitable[list[dict]]]):
+    def __init__(self, cfg: MinirlConfig, manager: RolloutManager,
+                 drain: Callable[[int | None], Awaitable[list[dict]]]):
         self.cfg, self.manager, self.drain = cfg, manager, drain
 
     def snapshot(self) -> None:
@@ -42,4 +43,5 @@ class SyncSource:
         since = time.perf_counter()
         rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
         outcomes = await self.manager.run_step(step, rows)
-        return StepTake(outcomes, [version] * len(outcomes), await self.drain(step), since, dict.fromkeys(SOURCE_COUNTS, 0))
+        calls = await self.drain(step)
+        return StepTake(outcomes, [version] * len(outcomes), calls, since, dict.fromkeys(SOURCE_COUNTS, 0))
