@@ -1,28 +1,13 @@
-"""Checkpoints: `run_dir/checkpoints/step_N/`, holding the policy (weights, optimizer, tokenizer),
-the RNG, the data position, the failure policy's run-scoped counters and, async, the rollout pump's
-buffer (`async_buffer.pkl`: the finished groups not yet trained with their weight versions, the
-groups in flight; pickled dataclasses, read back only from a checkpoint whose manifest verifies). The fault stream needs no
-position of its own: it is a function of (step, group, rollout, attempt), so resuming at step N
-resumes it too.
-
-A checkpoint is written into a temporary directory; `state.json`, written last, carries a manifest
-of every other file (relative path, size, sha256); every file and directory is fsynced, then the
-directory is renamed to `step_N` and its parent fsynced.
+"""Checkpoints: `run_dir/checkpoints/step_N/`, holding the policy (weights, optimizer, tokenizer), the
+RNG, the data position, the failure policy's run-scoped counters, the resolved config and, async,
+the rollout pump's buffer; `state.json`, written last, carries a manifest of every other file.
+Also the checks before Ray starts: the resume's config and model (`check_resume`), the run_dir
+(`claim_run_dir`).
 
 Invariant: a checkpoint is trusted only when its manifest verifies (an empty manifest does not);
 `select` never resumes from one that does not (`auto` falls back to the newest that does and reports
 each one skipped, an explicit path raises CheckpointError naming the path and the file), and
 resuming repeats no step and skips none.
-
-`state.json` also holds the run's resolved config (`config`). A resume whose config changes the
-step's shape or the staleness window (RESUME_KEYS) is refused before Ray starts, with one
-ConfigError line naming each changed key with its old and new values: the restored data position,
-buffer and cursor are only meaningful under the config that wrote them. So is the weights' shape:
-a checkpoint of another model (its `policy/config.json`) is refused the same way, naming both.
-
-A run_dir belongs to one run: a fresh run (`checkpoint.resume=none`) into a folder that holds an
-earlier run's records is refused before Ray starts, or with `run_dir_exists=overwrite` the earlier
-run's files (RUN_OUTPUTS) are removed first, never mixed (`claim_run_dir`).
 """
 
 from __future__ import annotations
@@ -37,8 +22,8 @@ STATE = "state.json"
 ASYNC_BUFFER = "async_buffer.pkl"
 RESUME_KEYS = ("grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "async_rl.enabled")
 """Keys a resume must keep: they fix which prompt groups make a step."""
-ASYNC_RESUME_KEYS = ("async_rl.sampler.name", "async_rl.sampler.max_staleness_versions", "async_rl.max_buffered_rollouts",
-                     "async_rl.rollout_failure.on_dropped_prompt")
+ASYNC_RESUME_KEYS = ("async_rl.sampler.name", "async_rl.sampler.max_staleness_versions",
+                     "async_rl.max_buffered_rollouts", "async_rl.rollout_failure.on_dropped_prompt")
 """...and, when either run is async, these too: the buffer's cursor, its kept groups' window, its size."""
 
 
@@ -67,7 +52,15 @@ def _fsync(path: Path) -> None:
 
 
 def save(run_dir: Path, step: int, state: dict, write_policy, model_dir: str, keep_last_k: int) -> Path:
-    """`write_policy(tmp_dir)` writes the trainer's part; `state` is the controller's and loop's."""
+    """`write_policy(tmp_dir)` writes the trainer's part; `state` is the controller's and loop's.
+
+    Written into a temporary directory; `state.json`, written last, carries a manifest of every other
+    file (relative path, size, sha256); every file and directory is fsynced, then the directory is
+    renamed to `step_N` and its parent fsynced. Async, the rollout pump's buffer is `async_buffer.pkl`
+    (the finished groups not yet trained with their weight versions, the groups in flight; pickled
+    dataclasses, read back only from a checkpoint whose manifest verifies). The fault stream needs no
+    position of its own: it is a function of (step, group, rollout, attempt), so resuming at step N
+    resumes it too."""
     root = directory(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
@@ -160,7 +153,9 @@ def _lookup(tree: dict, key: str):
 def check_resume(cfg) -> None:
     """Before Ray starts: the checkpoint `checkpoint.resume` would take must hold weights of the shape
     of `policy.model_name` (`check_model`), and have been written under the same RESUME_KEYS (and,
-    async, ASYNC_RESUME_KEYS); else ConfigError naming each changed key. A checkpoint written before
+    async, ASYNC_RESUME_KEYS); else ConfigError naming each changed key with its old and new values:
+    the restored data position, buffer and cursor are only meaningful under the config that wrote
+    them. A checkpoint written before
     configs were saved is not checked for those. Which checkpoint is taken, and what is skipped on the
     way, is decided (and reported) again by `select` once the run starts."""
     from dataclasses import asdict
@@ -212,7 +207,8 @@ def check_model(cfg, path: Path, old: dict) -> None:
                           + "; resume with that model, or start a new run_dir")
 
 
-DATASET_KEYS = ("data.train_jsonl", "data.shuffle", "env.data_seed", "env.task", "env.num_rooms", "env.num_rooms_choices")
+DATASET_KEYS = ("data.train_jsonl", "data.shuffle", "env.data_seed", "env.task", "env.num_rooms",
+                "env.num_rooms_choices")
 """The keys that choose the prompt stream. A resume may change them (the steps to come then draw their
 prompts from the new stream); the resume line and the `resumed` event say which changed."""
 
@@ -224,7 +220,8 @@ def dataset_changes(old, cfg) -> list[str]:
     if not isinstance(old, dict):
         return []
     new = asdict(cfg)
-    return [f"{k}: {_lookup(old, k)!r} -> {_lookup(new, k)!r}" for k in DATASET_KEYS if _lookup(old, k) != _lookup(new, k)]
+    return [f"{k}: {_lookup(old, k)!r} -> {_lookup(new, k)!r}"
+            for k in DATASET_KEYS if _lookup(old, k) != _lookup(new, k)]
 
 
 def check_writable(run_dir: Path) -> None:
@@ -260,7 +257,8 @@ def earlier_run(run_dir: Path) -> list[str]:
             continue
         if name == "checkpoints":
             found += [f"checkpoints/{p.name}" for p in checkpoints(run_dir)]
-        elif (path.is_file() and path.stat().st_size > 0) or (path.is_dir() and any(p.is_file() for p in path.rglob("*"))):
+        elif ((path.is_file() and path.stat().st_size > 0)
+              or (path.is_dir() and any(p.is_file() for p in path.rglob("*")))):
             found.append(name)
     return found
 
@@ -276,7 +274,8 @@ def claim_run_dir(cfg, run_dir: Path) -> list[str]:
     inside = resume == "auto" or (resume != "none" and run_dir in Path(resume).resolve().parents)
     if cfg.run_dir_exists == "overwrite" and inside:
         raise ConfigError("run_dir_exists", f"overwrite would remove the checkpoint checkpoint.resume={resume} resumes "
-                          f"from {run_dir}: set run_dir_exists=error to continue that run, or checkpoint.resume=none to replace it")
+                          f"from {run_dir}: set run_dir_exists=error to continue that run, "
+                          "or checkpoint.resume=none to replace it")
     records = earlier_run(run_dir) if resume == "none" and run_dir.is_dir() else []
     if records and cfg.run_dir_exists == "error":
         shown = ", ".join(records[:6]) + (f" and {len(records) - 6} more" if len(records) > 6 else "")

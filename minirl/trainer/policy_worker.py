@@ -1,21 +1,11 @@
-"""The policy worker (a Ray actor): recompute logprobs, GRPO loss, one AdamW step per RL step.
-
-With N workers, they form one torch.distributed group (gloo on CPU, NCCL on GPU) and run DDP:
-each rank takes every N-th trace, the loss is divided by the *global* valid-token count (summed
-across ranks with an all-reduce), and DDP's gradient average is undone by scaling the loss by N,
-so N workers compute the same update as one.
+"""The policy worker (a Ray actor): recompute logprobs, GRPO loss, one AdamW step per RL step; with N
+workers, one torch.distributed group running DDP that computes the same update as one worker.
 
 Invariant: one `train` call makes exactly one optimizer step over every trace with a non-zero
-mask, or none at all: a non-finite loss or gradient norm skips the step and raises
-NonFiniteUpdate, so the weights (and what is published from them) stay finite; so does a step
-after which a parameter, or the logits of a forward pass on one of the step's sequences, is not
-finite (a huge learning rate leaves finite weights whose activations overflow), before anything
-is published. The loss is
+mask, or none at all: a non-finite loss, gradient norm, parameter or logits after the step raises
+NonFiniteUpdate before anything is published, so the weights stay finite. The loss is
 token-normalised over what is trained, whatever the step's size; the logprobs it trains against
 are its own (the generator's only weight them, with use_importance_sampling_correction).
-
-torch is imported inside the functions: the driver imports this module only to hand the class to
-`ray.remote`, and a top-level import would cost every run ~2 s before its first actor starts.
 """
 
 from __future__ import annotations
@@ -81,6 +71,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 class PolicyWorker:
+    """One rank of the policy. With N workers they form one torch.distributed group (gloo on CPU, NCCL
+    on GPU) and run DDP: each rank takes every N-th trace, the loss is divided by the *global*
+    valid-token count (summed across ranks with an all-reduce), and DDP's gradient average is undone
+    by scaling the loss by N, so N workers compute the same update as one.
+
+    torch is imported inside the functions: the driver imports this module only to hand the class to
+    `ray.remote`, and a top-level import would cost every run ~2 s before its first actor starts."""
+
     def __init__(self, cfg: MinirlConfig, rank: int = 0, world_size: int = 1, master: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM
@@ -88,13 +86,15 @@ class PolicyWorker:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         torch.set_num_threads(cfg.policy.train_threads)  # Ray pins OMP threads to num_cpus otherwise
         torch.manual_seed(cfg.grpo.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() and cfg.cluster.gpus_per_policy_worker > 0 else "cpu")
+        gpu = torch.cuda.is_available() and cfg.cluster.gpus_per_policy_worker > 0
+        self.device = torch.device("cuda" if gpu else "cpu")
         dtype = torch.bfloat16 if cfg.policy.precision == "bfloat16" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=dtype).to(self.device)
         self.model.config.use_cache = False
         self.reference = None
         if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=dtype).to(self.device).eval()
+            reference = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=dtype)
+            self.reference = reference.to(self.device).eval()
         opt = cfg.policy.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
@@ -129,7 +129,8 @@ class PolicyWorker:
         token_level = self.cfg.loss_fn.token_level_loss
         normalizer = max(self._global(float(valid[mine].sum()) if token_level else float(len(mine))), 1.0)
         micro = self.cfg.policy.train_micro_batch_size
-        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world_size) / micro))  # the same on every rank (DDP needs it)
+        # the same on every rank (DDP needs it)
+        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world_size) / micro))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict.fromkeys(TOTALS, 0.0)
@@ -142,7 +143,8 @@ class PolicyWorker:
         self.steps_done += 1
         return {**self._report(totals, loss, grad_norm), "timing/train/policy_compute": time.perf_counter() - started}
 
-    def _micro_step(self, batch: TrainBatch, valid: np.ndarray, idx: np.ndarray, normalizer: float, totals: dict) -> None:
+    def _micro_step(self, batch: TrainBatch, valid: np.ndarray, idx: np.ndarray, normalizer: float,
+                    totals: dict) -> None:
         """Forward and backward over one micro-batch's rows, adding its sums to `totals`. An empty
         one still runs a zero backward: DDP needs the same collective count on every rank."""
         import torch
@@ -226,7 +228,8 @@ class PolicyWorker:
 
     def _check_update(self, batch: TrainBatch, rows: np.ndarray) -> None:
         """The weights the step left are finite, and so are the logits of a forward pass on one of the
-        step's sequences; else NonFiniteUpdate naming the step, the lr and what is not finite."""
+        step's sequences; else NonFiniteUpdate naming the step, the lr and what is not finite (a huge
+        learning rate leaves finite weights whose activations overflow)."""
         import torch
 
         with torch.no_grad():
@@ -239,12 +242,14 @@ class PolicyWorker:
                 logits = self.model(input_ids=torch.as_tensor(ids, device=self.device)).logits
                 self.model.train()
                 bad = int((~torch.isfinite(logits)).sum())
-                what = f"the logits of a forward pass on a trained sequence ({bad} of {logits.numel()})" if bad else None
+                what = (f"the logits of a forward pass on a trained sequence ({bad} of {logits.numel()})"
+                        if bad else None)
             if what is None:
                 return
             largest = float(max(p.detach().abs().max().float() for _, p in params))
         raise NonFiniteUpdate(
-            f"after optimizer step {self.steps_done} (policy.optimizer.lr={self.cfg.policy.optimizer.lr:g}) {what} not finite "
+            f"after optimizer step {self.steps_done} (policy.optimizer.lr={self.cfg.policy.optimizer.lr:g}) "
+            f"{what} not finite "
             f"(largest |weight| {largest:.3g}): the update diverged, and no weights were published"
         )
 
@@ -273,7 +278,8 @@ class PolicyWorker:
         if self.rank == 0:
             self.model.save_pretrained(path / "policy", safe_serialization=True)
             torch.save(
-                {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(), "steps_done": self.steps_done},
+                {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                 "steps_done": self.steps_done},
                 path / "trainer_state.pt",
             )
 
