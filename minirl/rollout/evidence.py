@@ -174,10 +174,11 @@ def _segment_rewards(values) -> list[float | None]:
     rollout's reward is) or nulls."""
     bound = reward_bound(True)
     ok = isinstance(values, list) and all(
-        v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and v == v and -bound <= v <= bound) for v in values)
+        v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and v == v and -bound <= v <= bound)
+        for v in values)
     if not ok:
-        raise RolloutDataFailure(f"malformed /run result: evidence.segment_rewards must be a list of finite numbers with |x| <= "
-                                 f"{bound:.4g} or nulls, got {_short(values)}")
+        raise RolloutDataFailure("malformed /run result: evidence.segment_rewards must be a list of finite numbers "
+                                 f"with |x| <= {bound:.4g} or nulls, got {_short(values)}")
     return [None if v is None else float(v) for v in values]
 
 
