@@ -91,9 +91,12 @@ def _flag(key: str) -> Callable[[Any], list[str]]:
     return lambda v: [f"{key}={str(v).lower()}"]
 
 
-def _fix1(v: bool) -> list[str]:  # upstream forces the floor to 100% without fix 1 (the preset's comment)
-    return ["context_compaction.allow_step_shrink=true", "async_rl.rollout_failure.min_step_batch_fraction=0.75"] if v else [
-        "context_compaction.allow_step_shrink=false", "async_rl.rollout_failure.min_step_batch_fraction=1.0"]
+def _fix1(v: bool) -> list[str]:
+    """Fix 1, `context_compaction.allow_step_shrink`: upstream forces the floor to 100% without it (the
+    preset's comment)."""
+    if v:
+        return ["context_compaction.allow_step_shrink=true", "async_rl.rollout_failure.min_step_batch_fraction=0.75"]
+    return ["context_compaction.allow_step_shrink=false", "async_rl.rollout_failure.min_step_batch_fraction=1.0"]
 
 
 def switches() -> list[Switch]:
@@ -148,13 +151,16 @@ def _async_except(*names: str) -> tuple:
 REFUSED = [
     Refusal({"mode": ("sync",), "on_dropped": ("replace:spare_groups", "replace:stream")},
             "async_rl.rollout_failure.on_dropped_prompt", "replace needs the async pump, which stamps target steps"),
-    Refusal({"mode": ("windowed", "weight_fifo", "ready_first"), "on_dropped": ("replace:spare_groups", "replace:stream")},
-            "async_rl.rollout_failure.on_dropped_prompt", "replace needs a sampler that stamps target steps (in_order)"),
+    Refusal({"mode": ("windowed", "weight_fifo", "ready_first"),
+             "on_dropped": ("replace:spare_groups", "replace:stream")},
+            "async_rl.rollout_failure.on_dropped_prompt",
+            "replace needs a sampler that stamps target steps (in_order)"),
     Refusal({"mode": ("ready_first",), "admission": ("paced",)}, "async_rl.sampler.admission",
             "paced holds groups that would be evicted; ready_first evicts nothing"),
     Refusal({"mode": ("ready_first",), "is_correction": (None,)}, "loss_fn.use_importance_sampling_correction",
             "ready_first trains groups of any age"),
-    Refusal({"mode": ASYNC, "staleness": (1, 2), "is_correction": (None,)}, "loss_fn.use_importance_sampling_correction",
+    Refusal({"mode": ASYNC, "staleness": (1, 2), "is_correction": (None,)},
+            "loss_fn.use_importance_sampling_correction",
             "a staleness window above 0 trains rollouts of older weights"),
     Refusal({"cc": (False,), "compaction": ("summarize",)}, "agent.context_history.policy.type",
             "summarize needs the compaction agent"),
@@ -166,7 +172,8 @@ RAW_REFUSALS = [
       "async_rl.rollout_failure.max_consecutive_dropped_prompts=4"],
      "async_rl.sampler.name", "a drop budget under a sampler that stamps no target step (upstream refuses it too)"),
     (["context_compaction.allow_step_shrink=false", "async_rl.rollout_failure.min_step_batch_fraction=0.75"],
-     "async_rl.rollout_failure.min_step_batch_fraction", "CC without fix 1 requires a floor of 1 (upstream's config check)"),
+     "async_rl.rollout_failure.min_step_batch_fraction",
+     "CC without fix 1 requires a floor of 1 (upstream's config check)"),
     (["context_compaction.enabled=false", "agent.name=compaction_agent"], "context_compaction.enabled",
      "a history rewrite without compaction"),
 ]
@@ -185,7 +192,8 @@ def budget_overrides(cell: dict) -> list[str]:
     """A sampler that stamps no target step takes no drop budget (RAW_REFUSALS' first row): its cells
     run with both budgets at 0, so a drop ends the run, as the config requires."""
     if cell.get("mode") in ("windowed", "weight_fifo", "ready_first"):
-        return ["async_rl.rollout_failure.max_consecutive_dropped_prompts=0", "async_rl.rollout_failure.max_skipped_prompts=0"]
+        return ["async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+                "async_rl.rollout_failure.max_skipped_prompts=0"]
     return []
 
 
