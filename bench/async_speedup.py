@@ -1,9 +1,9 @@
 """Async against sync (issue K): samples trained per second, and reward against samples trained, on
 the same seeds, side by side in one run, with a latency-bound environment (`env.tool_latency_s`).
 
-    python bench/async_speedup.py                 # 20 steps, seeds 0 1 2, staleness 1 and 2 (the README's figures)
+    python bench/async_speedup.py                 # 20 steps, seeds 0 1 2, staleness 1 and 2 (the README's)
     python bench/async_speedup.py --quick         # 6 steps, one seed
-    python bench/async_speedup.py --default-run   # the default run (no tool latency, its own threads), sync vs async s=1
+    python bench/async_speedup.py --default-run   # the default run (no tool latency, own threads), sync vs s=1
 
 Each seed runs sync, then async at each staleness bound, back to back on one shared generation
 worker (started once, as the sweep does). Every run gives the engine and the trainer `--threads`
@@ -73,13 +73,16 @@ def run(mode: str, staleness: int, seed: int, steps: int, latency: float, out: P
         truncation: list[str], variant: list[str] | None = None) -> dict:
     """One run; `variant`: [label, override, ...], an async arm with more overrides."""
     label = f"{mode}" + (f" s={staleness}" if mode == "async" else "") + (f" {variant[0]}" if variant else "")
-    run_dir = out / (f"{mode}{staleness if mode == 'async' else ''}" + (f"_{variant[0]}" if variant else "") + f"_seed{seed}")
+    run_dir = out / (f"{mode}{staleness if mode == 'async' else ''}" + (f"_{variant[0]}" if variant else "")
+                     + f"_seed{seed}")
     args = [f"grpo.max_num_steps={steps}", f"grpo.seed={seed}", f"env.data_seed={1234 + seed}", f"faults.seed={seed}",
-            f"env.tool_latency_s={latency}", "checkpoint.enabled=false", "logger.tensorboard=false", f"run_dir={run_dir}"]
+            f"env.tool_latency_s={latency}", "checkpoint.enabled=false", "logger.tensorboard=false",
+            f"run_dir={run_dir}"]
     if mode == "async":
         args += ["async_rl.enabled=true", f"async_rl.sampler.max_staleness_versions={staleness}",
                  "loss_fn.use_importance_sampling_correction=true", *truncation, *(variant or [None])[1:]]
-    proc = subprocess.run([sys.executable, "-m", "minirl.train", *args, *attach], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "minirl.train", *args, *attach], cwd=REPO, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir.name} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -99,11 +102,13 @@ SPLIT = {  # the timeline's fields (minirl.timeline) the bench prints, per step,
     "timing/train/exposed_generation": "exposed", "timing/train/data_processing": "process",
     "timing/train/policy_training": "train", "timing/train/policy_compute": "(compute)",
     "timing/train/weight_sync": "sync", "timing/generation/weight_drain": "(drain)",
-    "timing/generation/engine_busy": "engine", "timing/generation/weight_load": "load", "timing/generation/gather": "gather",
+    "timing/generation/engine_busy": "engine", "timing/generation/weight_load": "load",
+    "timing/generation/gather": "gather",
     "timing/generation/rollout_wait": "tools", "timing/generation/idle": "idle", "timing/generation/cycle": "cycle",
 }
 SPLIT_DOC = ("trainer lane: exposed + process + train + sync = the step, (compute) inside train, (drain) inside sync; "
-             "generation lane: engine + load + gather + tools + idle = cycle (the step and the loop's work between steps)")
+             "generation lane: engine + load + gather + tools + idle = cycle "
+             "(the step and the loop's work between steps)")
 
 
 def report(results: list[dict]) -> None:
@@ -118,7 +123,8 @@ def report(results: list[dict]) -> None:
 
     modes = list(dict.fromkeys(r["mode"] for r in results))
     by = {m: [r for r in results if r["mode"] == m] for m in modes}
-    print(f"{'mode':<20}{'samples/s':>10}{'x sync (95% CI)':>18}{'median step s':>15}{'reward(last 5)':>18}{'samples':>9}")
+    print(f"{'mode':<20}{'samples/s':>10}{'x sync (95% CI)':>18}{'median step s':>15}{'reward(last 5)':>18}"
+          f"{'samples':>9}")
     for mode, rs in by.items():
         rew = [r["reward_last5"] for r in rs]
         spread = f" ± {statistics.stdev(rew):.3f}" if len(rew) > 1 else ""
@@ -146,7 +152,8 @@ def seed_arms(seed: int, arms: list[tuple], run_arm) -> list[dict]:
         r["ratio"] = r["samples_per_s"] / base["samples_per_s"]
         results.append(r)
         print(f"seed {seed}: {r['mode']} {r['samples_per_s']:.2f} samples/s ({r['ratio']:.2f}x sync), median step "
-              f"{r['step_time_median_s']:.2f} s, reward(last 5) {r['reward_last5']:.3f}, staleness {r['staleness_mean']:.2f}",
+              f"{r['step_time_median_s']:.2f} s, reward(last 5) {r['reward_last5']:.3f}, "
+              f"staleness {r['staleness_mean']:.2f}",
               flush=True)
     return results
 
@@ -194,8 +201,10 @@ def main(argv=None, attach: list[str] | None = None) -> int:
             attach = start_shared_generation(load_config(None, threads), "async-bench-gen")
         attach = attach + threads
         for seed in seeds:
-            arms = [("async", s, None) for s in args.staleness] + [("async", args.staleness[0], v) for v in args.variant]
-            results += seed_arms(seed, arms, lambda *a: run(*a[:3], steps, args.tool_latency, out, attach, truncation, a[3]))
+            arms = [("async", s, None) for s in args.staleness]
+            arms += [("async", args.staleness[0], v) for v in args.variant]
+            results += seed_arms(seed, arms,
+                                 lambda *a: run(*a[:3], steps, args.tool_latency, out, attach, truncation, a[3]))
     finally:
         ray.shutdown()
     print(f"\n{steps} steps per run, env.tool_latency_s={args.tool_latency}, seeds {seeds}; cells in {out}")

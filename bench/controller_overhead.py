@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def p4(steps: int, extra: tuple[str, ...] = ()) -> dict:
-    """`extra`: more overrides for the run (tests/integration/test_benches.py attaches it to the suite's shared engine)."""
+    """`extra`: more overrides for the run (tests/integration/test_benches.py attaches it to the suite's
+    shared engine)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "minirl.train", f"grpo.max_num_steps={steps}", f"run_dir={tmp}",
@@ -55,12 +56,15 @@ def p4(steps: int, extra: tuple[str, ...] = ()) -> dict:
     for r in rows[1:]:
         engine = r["engine_busy_s"] + r["engine_gather_s"]
         overhead = r["step_time_s"] - engine - r["train_time_s"]
-        per_step.append({"step": r["step"], "step_s": r["step_time_s"], "engine_s": engine, "gather_s": r["engine_gather_s"],
+        per_step.append({"step": r["step"], "step_s": r["step_time_s"], "engine_s": engine,
+                         "gather_s": r["engine_gather_s"],
                          "train_s": r["train_time_s"], "sync_s": r["sync_time_s"], "overhead_s": overhead,
                          "fraction": overhead / r["step_time_s"]})
     for s in per_step:
-        print(f"  P4 step {s['step']}: step {s['step_s']:.2f}s = engine {s['engine_s']:.2f}s (gathering {s['gather_s']:.2f}s of it) + trainer {s['train_s']:.2f}s"
-              f" + other {s['overhead_s']:.2f}s ({100 * s['fraction']:.1f}%; weight sync {s['sync_s']:.2f}s of it)", flush=True)
+        print(f"  P4 step {s['step']}: step {s['step_s']:.2f}s = engine {s['engine_s']:.2f}s "
+              f"(gathering {s['gather_s']:.2f}s of it) + trainer {s['train_s']:.2f}s"
+              f" + other {s['overhead_s']:.2f}s ({100 * s['fraction']:.1f}%; weight sync {s['sync_s']:.2f}s of it)",
+              flush=True)
     return {"fraction": statistics.median(s["fraction"] for s in per_step), "steps": per_step}
 
 
@@ -171,9 +175,11 @@ def main(argv=None) -> int:
     print("| benchmark | measured | target |")
     print("|---|---|---|")
     if four:
-        print(f"| P4 controller overhead, default run (median of steps 2+) | {100 * four['fraction']:.1f}% of step time | <= 5% |")
+        print("| P4 controller overhead, default run (median of steps 2+) | "
+              f"{100 * four['fraction']:.1f}% of step time | <= 5% |")
     for s in scale:
-        print(f"| P5 {s['groups']} groups x 16 rollouts, instant /run | {s['seconds']:.2f} s, {s['peak_mib']:.0f} MiB peak | "
+        print(f"| P5 {s['groups']} groups x 16 rollouts, instant /run | {s['seconds']:.2f} s, "
+              f"{s['peak_mib']:.0f} MiB peak | "
               f"{'< 10 s, < 2 GiB' if s['groups'] == 1024 else '(scaling)'} |")
     base = scale[0]
     print(f"\nscaling 1x -> 4x -> 16x groups: time x{scale[1]['seconds'] / base['seconds']:.1f} -> "

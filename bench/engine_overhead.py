@@ -69,10 +69,13 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", type=int, default=256, help="load mode: concurrent agents")
     ap.add_argument("--seconds", type=float, default=60.0, help="load mode: the measured window")
     ap.add_argument("--small", action="store_true",
-                    help="the ~12M / 32k-vocab variant instead of the default model (built untrained on first use, as bench/vs_trl.py builds it)")
+                    help="the ~12M / 32k-vocab variant instead of the default model (built untrained on first use, "
+                    "as bench/vs_trl.py builds it)")
     ap.add_argument("--vllm-serve", action="store_true",
-                    help="a third side each round: vLLM's own OpenAI server (`vllm serve`) on the same engine and bodies, one HTTP hop")
-    ap.add_argument("overrides", nargs="*", help="minirl config overrides for the pipeline, e.g. policy.generation.vllm_cfg.omp_threads=1")
+                    help="a third side each round: vLLM's own OpenAI server (`vllm serve`) on the same engine and "
+                    "bodies, one HTTP hop")
+    ap.add_argument("overrides", nargs="*",
+                    help="minirl config overrides for the pipeline, e.g. policy.generation.vllm_cfg.omp_threads=1")
     args = ap.parse_args(argv)
     if args.small:  # appended, so it wins over a policy.model_name among the overrides
         from vs_trl import ensure_small_model  # bench/ is this script's directory, so on sys.path
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
     pids = {"engine": ray.get(gen.pid.remote()), "front end": ray.get(gen.frontend_pid.remote()),
             "agent": ray.get(agent.pid.remote()), "client": os.getpid()}
 
-    # one client session for the whole run, on uvloop, as the controller's rollout manager keeps one (in a Ray async actor)
+    # one client session for the whole run, on uvloop, as the controller's rollout manager keeps one (in a Ray
+    # async actor)
     from minirl.runtime.http_thread import new_event_loop
 
     loop = new_event_loop()
@@ -147,8 +151,10 @@ def main(argv=None) -> int:
         time.sleep(SETTLE_S)
         idle = _idle_rates(pids)
         before, c0 = ray.get(gen.stats.remote()), {name: _cpu_s(pid) for name, pid in pids.items()}
-        ray.get(gen.take_calls.remote(None))  # the bench's rows carry no rollout coordinates: their calls are logged unkeyed
-        m0, w0 = time.monotonic(), time.time()  # the engine stamps its adds on the monotonic clock, the call log on the wall clock
+        # the bench's rows carry no rollout coordinates: their calls are logged unkeyed
+        ray.get(gen.take_calls.remote(None))
+        # the engine stamps its adds on the monotonic clock, the call log on the wall clock
+        m0, w0 = time.monotonic(), time.time()
         pt, ps = pipeline_round(rows)
         after, cpu = ray.get(gen.stats.remote()), {name: _cpu_s(pid) - c0[name] for name, pid in pids.items()}
         calls = ray.get(gen.take_calls.remote(None))
@@ -161,20 +167,24 @@ def main(argv=None) -> int:
         front_in.append(f_in)
         cpus.append({"raw": r_cpu, **cpu, "minirl": sum(cpu.values())})
         nets.append({name: cpu[name] - idle[name] * ps for name in pids})
-        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {len(r_steps)} steps, all prompts in by "
-              f"{1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s ({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
+        print(f"round {k + 1}/{rounds}: raw {rt / rs:8.0f} tok/s ({rt} tokens, {rs:.2f} s in {len(r_steps)} steps, "
+              f"all prompts in by {1000 * r_in:.0f} ms, {r_cpu:.2f} CPU s)   minirl {pt / ps:8.0f} tok/s "
+              f"({pt} tokens, {ps:.2f} s, engine stepping {busy:.2f} s "
               f"in {steps} steps, all requests at the front end by {1000 * f_in:.0f} ms, first prompt in the engine at "
               f"{1000 * (after['first_add_t'] - m0):.0f} ms, all by {1000 * p_in:.0f} ms, gathered for "
               f"{1000 * (after['gather_s'] - before['gather_s']):.0f} ms before its first step, CPU s: "
-              + ", ".join(f"{name} {s:.2f}" for name, s in cpu.items()) + f")   ratio {pt / ps / (rt / rs):.3f}", flush=True)
+              + ", ".join(f"{name} {s:.2f}" for name, s in cpu.items()) + f")   ratio {pt / ps / (rt / rs):.3f}",
+              flush=True)
         print("    engine steps, raw / minirl: " + "; ".join(
-            f"{phase} {r_phases[phase][0]} / {p_phases[phase][0]} in {r_phases[phase][1]:.2f} / {p_phases[phase][1]:.2f} s" for phase in PHASES), flush=True)
+            f"{phase} {r_phases[phase][0]} / {p_phases[phase][0]} in {r_phases[phase][1]:.2f} / "
+            f"{p_phases[phase][1]:.2f} s" for phase in PHASES), flush=True)
         if serve is not None:
             bodies = serve.bodies(rows)
             time.sleep(SETTLE_S)
             st, ss = loop.run_until_complete(serve.round(http, bodies))
             served.append((st / ss, st / ss / (rt / rs)))
-            print(f"    vllm serve {st / ss:8.0f} tok/s ({st} tokens, {ss:.2f} s)   ratio to raw {served[-1][1]:.3f}", flush=True)
+            print(f"    vllm serve {st / ss:8.0f} tok/s ({st} tokens, {ss:.2f} s)   ratio to raw {served[-1][1]:.3f}",
+                  flush=True)
     ratios = [p / r for r, p, _, _ in results]
     raw_in, minirl_in = (statistics.median(x[i] for x in results) for i in (2, 3))
     loop.run_until_complete(http.close())
@@ -184,19 +194,24 @@ def main(argv=None) -> int:
         serve.close()
     print()
     mean, half = mean_ci(ratios)  # the rounds' spread: on a shared 2-core machine one round's ratio moves by +-0.1
-    print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target | per-round ratio, mean ± 95% t "
-          "| all prompts in the engine by, raw / minirl (median) |")
+    print("| benchmark | raw vLLM tok/s (median) | minirl tok/s (median) | ratio (median) | target "
+          "| per-round ratio, mean ± 95% t | all prompts in the engine by, raw / minirl (median) |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds, {Path(cfg.policy.model_name).name}) | {statistics.median(r for r, _, _, _ in results):.0f} | "
-          f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 | {mean:.3f} ± {half:.3f} | "
+    print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds, {Path(cfg.policy.model_name).name}) "
+          f"| {statistics.median(r for r, _, _, _ in results):.0f} | "
+          f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 "
+          f"| {mean:.3f} ± {half:.3f} | "
           f"{1000 * raw_in:.0f} ms / {1000 * minirl_in:.0f} ms |")
     if served:
         s_mean, s_half = mean_ci([r for _, r in served])
-        print(f"| reference: `vllm serve` in minirl's place, one HTTP hop | {statistics.median(r for r, _, _, _ in results):.0f} | "
-              f"{statistics.median(t for t, _ in served):.0f} | {statistics.median(r for _, r in served):.3f} | — | {s_mean:.3f} ± {s_half:.3f} | — |")
+        print("| reference: `vllm serve` in minirl's place, one HTTP hop "
+              f"| {statistics.median(r for r, _, _, _ in results):.0f} | "
+              f"{statistics.median(t for t, _ in served):.0f} | {statistics.median(r for _, r in served):.3f} | — "
+              f"| {s_mean:.3f} ± {s_half:.3f} | — |")
     print()
     med = {name: statistics.median(c[name] for c in cpus) for name in cpus[0]}
-    print(f"minirl's last request reached the front end at {1000 * statistics.median(front_in):.0f} ms and the engine at "
+    print(f"minirl's last request reached the front end at {1000 * statistics.median(front_in):.0f} ms "
+          "and the engine at "
           f"{1000 * minirl_in:.0f} ms (medians): the first figure is the bench's client and the "
           "agent server, the rest the front end")
     print(f"engine steps by phase (median of rounds; {PHASES_DOC}), raw / minirl:")
@@ -206,25 +221,30 @@ def main(argv=None) -> int:
         cell = [[rnd[phase] for rnd in side] for side in zip(*split)]  # raw's rounds, then minirl's
         print(f"| {phase} | " + " | ".join(" / ".join(f"{statistics.median(x[j] for x in c):{fmt}}" for c in cell)
                                            for j, fmt in ((0, ".0f"), (1, ".2f"), (2, ".1f"))) + " |")
-    print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {med['raw']:.2f}; minirl {med['minirl']:.2f}, "
+    print(f"CPU seconds per round (median; the machine has {os.cpu_count()} cores): raw {med['raw']:.2f}; "
+          f"minirl {med['minirl']:.2f}, "
           "of which " + ", ".join(f"{name} {med[name]:.2f}" for name in pids)
-          + " (per request: " + ", ".join(f"{name} {1000 * med[name] / n:.2f} ms" for name in pids if name != "engine") + ")")
+          + " (per request: "
+          + ", ".join(f"{name} {1000 * med[name] / n:.2f} ms" for name in pids if name != "engine") + ")")
     net = {name: statistics.median(c[name] for c in nets) for name in pids}
     hops = [name for name in pids if name != "engine"]
-    print(f"CPU ms per request (median of rounds; gross: all the process's CPU during the round / {n}; net: less its idle rate, "
-          f"measured over {IDLE_S:.0f} s before the round, times the round's wall: Ray's and the driver's background threads)")
+    print(f"CPU ms per request (median of rounds; gross: all the process's CPU during the round / {n}; "
+          f"net: less its idle rate, measured over {IDLE_S:.0f} s before the round, times the round's wall: "
+          "Ray's and the driver's background threads)")
     print("| process | gross ms/request | net ms/request |")
     print("|---|---|---|")
     for name in hops:
         print(f"| {name} | {1000 * med[name] / n:.2f} | {1000 * net[name] / n:.2f} |")
-    print(f"| sum | {sum(1000 * med[name] / n for name in hops):.2f} | {sum(1000 * net[name] / n for name in hops):.2f} |")
+    print(f"| sum | {sum(1000 * med[name] / n for name in hops):.2f} "
+          f"| {sum(1000 * net[name] / n for name in hops):.2f} |")
     return 0
 
 
 def engine_args(cfg) -> dict:
     """The engine both reference sides build (raw `LLM` and `vllm serve`), as minirl's worker builds
     its own on CPU: float32, eager, seed 0, the sampler's processed logprobs, no chunked prefill."""
-    return dict(model=cfg.policy.model_name, dtype="float32", max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
+    return dict(model=cfg.policy.model_name, dtype="float32",
+                max_model_len=cfg.policy.generation.vllm_cfg.max_model_len,
                 enforce_eager=True, seed=0, logprobs_mode="processed_logprobs", enable_chunked_prefill=False)
 
 
@@ -240,7 +260,8 @@ class RawVllm:
         from transformers import AutoTokenizer
         from vllm import LLM
 
-        self.tok, self.max_tokens = AutoTokenizer.from_pretrained(cfg.policy.model_name), cfg.policy.generation.max_new_tokens
+        self.tok = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+        self.max_tokens = cfg.policy.generation.max_new_tokens
         self.load(rows)
         self.llm = LLM(**engine_args(cfg))
         self.steps, self.last_add = [], 0.0
@@ -267,12 +288,14 @@ class RawVllm:
         from vllm import SamplingParams
 
         self.prompts = [
-            {"prompt_token_ids": self.tok.apply_chat_template(items_to_messages(r["responses_create_params"]["input"]),
-                                                              tools=chat_tools(r["responses_create_params"]["tools"]),
-                                                              add_generation_prompt=True, tokenize=True, return_dict=False)}
+            {"prompt_token_ids": self.tok.apply_chat_template(
+                items_to_messages(r["responses_create_params"]["input"]),
+                tools=chat_tools(r["responses_create_params"]["tools"]),
+                add_generation_prompt=True, tokenize=True, return_dict=False)}
             for r in rows
         ]
-        self.params = [SamplingParams(temperature=1.0, max_tokens=self.max_tokens, seed=i, logprobs=0) for i in range(len(rows))]
+        self.params = [SamplingParams(temperature=1.0, max_tokens=self.max_tokens, seed=i, logprobs=0)
+                       for i in range(len(rows))]
 
     def round(self) -> tuple[int, float, float, float, list]:
         """(tokens generated, wall s, s until the last prompt was in, this process's CPU s, engine steps:
@@ -308,7 +331,8 @@ class RawProcess:
         try:
             ok, value = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"the raw vLLM process (pid {self.proc.pid}) exited with code {self.proc.exitcode}") from None
+            raise RuntimeError(f"the raw vLLM process (pid {self.proc.pid}) exited with code "
+                               f"{self.proc.exitcode}") from None
         if not ok:
             raise RuntimeError(f"the raw vLLM process failed: {value}")
         return value
@@ -356,8 +380,10 @@ class VllmServe:
         from minirl.cluster import free_port
         from minirl.generation.engine import configure_cpu_env
 
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vllm serve's own layout, EngineCore in a process of its own
-        configure_cpu_env(cfg.policy.generation.vllm_cfg.kv_cache_space_gb, cfg.policy.generation.vllm_cfg.omp_threads, env)
+        # vllm serve's own layout, EngineCore in a process of its own
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        vllm_cfg = cfg.policy.generation.vllm_cfg
+        configure_cpu_env(vllm_cfg.kv_cache_space_gb, vllm_cfg.omp_threads, env)
         self.model, self.port = cfg.policy.model_name, free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", SERVE_MODULE, *serve_flags(engine_args(cfg)), "--host", "127.0.0.1",
@@ -369,7 +395,8 @@ class VllmServe:
         while True:
             if self.proc.poll() is not None:
                 self.log.seek(0)
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} before serving: {self.log.read()[-2000:]}")
+                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} before serving: "
+                                   f"{self.log.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -386,7 +413,8 @@ class VllmServe:
         from minirl.agents.items import items_to_messages
         from minirl.agents.model_client import chat_body
 
-        return [chat_body(self.model, items_to_messages(ep.history), ep.tools, ep.sampling) for ep in map(start_episode, rows)]
+        return [chat_body(self.model, items_to_messages(ep.history), ep.tools, ep.sampling)
+                for ep in map(start_episode, rows)]
 
     async def round(self, http, bodies: list[dict]) -> tuple[int, float]:
         """(tokens generated, wall s) for all `bodies` posted at once."""
@@ -419,7 +447,8 @@ access log, as minirl's servers keep none."""
 
 
 def serve_flags(args: dict) -> list[str]:
-    """`engine_args` as vLLM's command line writes them: `--max-model-len 1024`, `--enforce-eager`, `--no-enable-chunked-prefill`."""
+    """`engine_args` as vLLM's command line writes them: `--max-model-len 1024`, `--enforce-eager`,
+    `--no-enable-chunked-prefill`."""
     flags = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
@@ -521,7 +550,8 @@ def load(args) -> int:
 
     async def run() -> tuple[list[float], int, int, int]:
         latencies, tokens, failed, drained = [], [0], [0], [0]
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)) as http:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as http:
             async def agent(a: int, end: float):
                 k = 0
                 while time.perf_counter() < end:
@@ -549,12 +579,14 @@ def load(args) -> int:
     ray.shutdown()
     p50, p99 = (float(np.percentile(latencies, q)) for q in (50, 99))
     busy = after["busy_s"] - before["busy_s"]
-    print(f"{len(latencies)} calls in the {args.seconds:.0f} s window ({failed} failed), {recorded} call-log records in all; "
+    print(f"{len(latencies)} calls in the {args.seconds:.0f} s window ({failed} failed), "
+          f"{recorded} call-log records in all; "
           f"engine stepping {busy:.1f} s of the run")
     print()
     print("| benchmark | agents | window | calls | latency p50 | latency p99 | tokens/s |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| engine_overhead --load | {args.agents} | {args.seconds:.0f} s | {len(latencies)} | {p50 * 1000:.0f} ms | {p99 * 1000:.0f} ms | "
+    print(f"| engine_overhead --load | {args.agents} | {args.seconds:.0f} s | {len(latencies)} | {p50 * 1000:.0f} ms "
+          f"| {p99 * 1000:.0f} ms | "
           f"{tokens / args.seconds:.0f} |")
     return 0 if failed == 0 else 1
 

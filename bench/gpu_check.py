@@ -37,7 +37,8 @@ def rollouts(model_dir: str, cfg, prompts: int, gens: int, use_vllm: bool):
     if use_vllm:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3, enforce_eager=False)
+        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+                  enforce_eager=False)
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p in ids for _ in range(gens)],
                            SamplingParams(temperature=1.0, max_tokens=48), use_tqdm=False)
@@ -56,7 +57,8 @@ def rollouts(model_dir: str, cfg, prompts: int, gens: int, use_vllm: bool):
     for k, out in enumerate(outs):
         g = k // gens
         msg = parse_reply(tok.decode(out, skip_special_tokens=True))
-        items = [{"type": "function_call", "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg["tool_calls"]]
+        items = [{"type": "function_call", "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                 for c in msg["tool_calls"]]
         seqs.append(ids[g] + out)
         plens.append(len(ids[g]))
         rewards.append(verify(rows[g]["task"], items))
@@ -85,8 +87,8 @@ def check(name: str, model_dir: str, steps: int, prompts: int, gens: int, use_vl
     from minirl.config import load_config
     from minirl.trainer.policy_worker import PolicyWorker
 
-    cfg = load_config(None, [f"policy.model_name={model_dir}", "policy.precision=bfloat16", "cluster.gpus_per_policy_worker=1",
-                             "env.num_rooms=1", "policy.train_micro_batch_size=32"])
+    cfg = load_config(None, [f"policy.model_name={model_dir}", "policy.precision=bfloat16",
+                             "cluster.gpus_per_policy_worker=1", "env.num_rooms=1", "policy.train_micro_batch_size=32"])
     worker = PolicyWorker(cfg)
     assert worker.device.type == "cuda"
     times, gen_rates, train_tokens = [], [], []
@@ -101,10 +103,12 @@ def check(name: str, model_dir: str, steps: int, prompts: int, gens: int, use_vl
         gen_rates.append(gen_rate)
         train_tokens.append(int(batch.lengths.sum()))
         print(f"  [{name}] step {step}: update {times[-1]:.3f}s ({train_tokens[-1] / times[-1]:.0f} tok/s), "
-              f"generation {gen_rate:.0f} tok/s, reward {sum(rewards) / len(rewards):.3f}, loss {stats['loss']:+.4f}", flush=True)
+              f"generation {gen_rate:.0f} tok/s, reward {sum(rewards) / len(rewards):.3f}, loss {stats['loss']:+.4f}",
+              flush=True)
     return {"name": name, "update_s": statistics.median(times[1:]),
             "update_tok_s": statistics.median(t / s for t, s in zip(train_tokens[1:], times[1:])),
-            "gen_tok_s": statistics.median(gen_rates[1:]), "generator": "vLLM" if use_vllm else "HF generate (vLLM not installed)"}
+            "gen_tok_s": statistics.median(gen_rates[1:]),
+            "generator": "vLLM" if use_vllm else "HF generate (vLLM not installed)"}
 
 
 def main(argv=None) -> int:
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
         use_vllm = True
     except ImportError:
         use_vllm = False
-    print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, vLLM {'yes' if use_vllm else 'not installed'}")
+    print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"vLLM {'yes' if use_vllm else 'not installed'}")
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from minirl.config import load_config
@@ -142,7 +147,8 @@ def main(argv=None) -> int:
     print("| GPU check | bf16 update s/step | update tokens/s | generation tokens/s | generator |")
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']}, 16 prompts x 8 | {r['update_s']:.3f} | {r['update_tok_s']:.0f} | {r['gen_tok_s']:.0f} | {r['generator']} |")
+        print(f"| {r['name']}, 16 prompts x 8 | {r['update_s']:.3f} | {r['update_tok_s']:.0f} | "
+              f"{r['gen_tok_s']:.0f} | {r['generator']} |")
     return 0
 
 

@@ -44,9 +44,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="3 rounds of each kind")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of each kind (raw, template, bare), alternated; 9 by default")
-    ap.add_argument("--hold", type=float, default=0.5, help="seconds the front end holds each reply, as generation would")
-    ap.add_argument("--small", action="store_true", help="the ~12M / 32k-vocab variant, as bench/engine_overhead.py --small")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds of each kind (raw, template, bare), alternated; 9 by default")
+    ap.add_argument("--hold", type=float, default=0.5,
+                    help="seconds the front end holds each reply, as generation would")
+    ap.add_argument("--small", action="store_true",
+                    help="the ~12M / 32k-vocab variant, as bench/engine_overhead.py --small")
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (3 if args.quick else 9)
 
@@ -67,11 +70,13 @@ def main(argv=None) -> int:
         row = prompt_row(cfg, 0, i)
         params = row["responses_create_params"]
         rows.append(row)
-        chats.append(chat_body(cfg.policy.model_name, items_to_messages(params["input"]), chat_tools(params["tools"]), {**params, "seed": i}))
+        chats.append(chat_body(cfg.policy.model_name, items_to_messages(params["input"]), chat_tools(params["tools"]),
+                               {**params, "seed": i}))
 
     ctx = mp.get_context("spawn")
     arrivals, ready = ctx.Queue(), ctx.Barrier(3)
-    front = ctx.Process(target=_front_end, args=(cfg.policy.model_name, cfg.policy.generation.max_new_tokens, args.hold, arrivals, ready),
+    front = ctx.Process(target=_front_end,
+                        args=(cfg.policy.model_name, cfg.policy.generation.max_new_tokens, args.hold, arrivals, ready),
                         daemon=True)
     front.start()
     front_url = arrivals.get(timeout=120)
@@ -100,7 +105,8 @@ def main(argv=None) -> int:
                 await asyncio.sleep(0.3)  # the engine's OMP threads stop spinning
                 if mode == "raw":
                     tokens, raw_wall, raw_in, _, _ = raw.round()
-                    print(f"round {k + 1}: raw vLLM {tokens} tokens in {1000 * raw_wall:.0f} ms, last prompt in at {1000 * raw_in:.0f} ms", flush=True)
+                    print(f"round {k + 1}: raw vLLM {tokens} tokens in {1000 * raw_wall:.0f} ms, "
+                          f"last prompt in at {1000 * raw_in:.0f} ms", flush=True)
                     continue
                 t0, c0 = time.time(), {name: _cpu_s(pid) for name, pid in pids.items()}
                 await asyncio.gather(*(one(i, mode) for i in range(args.prompts)))
@@ -112,19 +118,22 @@ def main(argv=None) -> int:
                 if k >= 3:
                     results[mode].append((last_in, overhead, ceiling, cpu))
                 print(f"round {k + 1}: {mode:8s} last request at the front end {1000 * last_in:4.0f} ms, "
-                      f"overhead (wall - hold) {1000 * overhead:4.0f} ms, P1 ceiling {ceiling:.3f}" + ("   (warm-up)" if k < 3 else ""), flush=True)
+                      f"overhead (wall - hold) {1000 * overhead:4.0f} ms, P1 ceiling {ceiling:.3f}"
+                      + ("   (warm-up)" if k < 3 else ""), flush=True)
         return results
 
     results = loop.run_until_complete(rounds())
     front.terminate()
     agent.terminate()
     print()
-    print("| benchmark | front end's work | last request at the front end (median) | round overhead, wall - hold (median) | P1 ceiling (median) |")
+    print("| benchmark | front end's work | last request at the front end (median) "
+          "| round overhead, wall - hold (median) | P1 ceiling (median) |")
     print("|---|---|---|---|---|")
     for mode, what in (("bare", "parse only"), ("template", "parse + chat template + tokenizer")):
         ins, overs, ceilings, _ = zip(*results[mode])
-        print(f"| hop_floor ({args.prompts} prompts x {args.rounds} rounds, {Path(cfg.policy.model_name).name}) | {what} | "
-              f"{1000 * statistics.median(ins):.0f} ms | {1000 * statistics.median(overs):.0f} ms | {statistics.median(ceilings):.3f} |")
+        print(f"| hop_floor ({args.prompts} prompts x {args.rounds} rounds, {Path(cfg.policy.model_name).name}) "
+              f"| {what} | {1000 * statistics.median(ins):.0f} ms | {1000 * statistics.median(overs):.0f} ms "
+              f"| {statistics.median(ceilings):.3f} |")
     print()
     for mode in ("bare", "template"):
         cpus = [c for *_, c in results[mode]]
@@ -144,19 +153,22 @@ def _front_end(model: str, max_new: int, hold: float, arrivals, ready) -> None:
     async def chat(request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         if request.headers.get("x-mode") == "template":
-            prompt_ids = prompts[body["seed"]] = tok.apply_chat_template(body["messages"], tools=body["tools"],
-                                                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+            prompt_ids = prompts[body["seed"]] = tok.apply_chat_template(
+                body["messages"], tools=body["tools"], add_generation_prompt=True, tokenize=True, return_dict=False)
         else:  # the same reply, from the ids a template round (the first warm-up round) rendered
             prompt_ids = prompts[body["seed"]]
         arrivals.put(time.time())
         await asyncio.sleep(hold)
         ids = [(body["seed"] + j) % 200 + 3 for j in range(max_new)]
-        reply = {"id": "chatcmpl-floor", "object": "chat.completion", "model": body["model"], "prompt_token_ids": prompt_ids,
+        reply = {"id": "chatcmpl-floor", "object": "chat.completion", "model": body["model"],
+                 "prompt_token_ids": prompt_ids,
                  "choices": [{"index": 0, "finish_reason": "length", "token_ids": ids,
                               "message": {"role": "assistant", "content": " ".join(map(str, ids))},
-                              "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -1.234567, "bytes": [t], "top_logprobs": []}
+                              "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -1.234567, "bytes": [t],
+                                                        "top_logprobs": []}
                                                        for t in ids]}}],
-                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": max_new, "total_tokens": len(prompt_ids) + max_new}}
+                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": max_new,
+                           "total_tokens": len(prompt_ids) + max_new}}
         return web.Response(body=json.dumps(reply).encode(), content_type="application/json")
 
     async def handler():
@@ -174,7 +186,8 @@ def _agent(front_url: str, chats: list[dict], out, ready) -> None:
 
         async def run(request: web.Request) -> web.Response:
             row = json.loads(await request.read())
-            async with session.post(front_url + "/v1/chat/completions", json=chats[row["_i"]], headers={"x-mode": row["_mode"]}) as r:
+            async with session.post(front_url + "/v1/chat/completions", json=chats[row["_i"]],
+                                    headers={"x-mode": row["_mode"]}) as r:
                 reply = json.loads(await r.text())
             return web.Response(body=json.dumps(reply).encode(), content_type="application/json")
 

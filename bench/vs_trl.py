@@ -46,14 +46,16 @@ def common(model: str, steps: int, prompts: int, gens: int, lr: float) -> list[s
 def run_minirl(model: str, steps: int, prompts: int, gens: int, lr: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "minirl.train", *common(model, steps, prompts, gens, lr), f"run_dir={tmp}"],
+        proc = subprocess.run([sys.executable, "-m", "minirl.train", *common(model, steps, prompts, gens, lr),
+                               f"run_dir={tmp}"],
                               cwd=REPO, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"minirl run failed: {proc.stderr[-2000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return {"step_times": [r["step_time_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows], "wall_s": wall,
-            "phases": {k: statistics.median(r[k] for r in rows[1:]) for k in ("rollout_time_s", "engine_busy_s", "train_time_s", "sync_time_s")}}
+            "phases": {k: statistics.median(r[k] for r in rows[1:])
+                       for k in ("rollout_time_s", "engine_busy_s", "train_time_s", "sync_time_s")}}
 
 
 def run_trl(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int) -> dict:
@@ -137,15 +139,18 @@ def compare(name: str, model: str, steps: int, prompts: int, gens: int, lr: floa
     trl = run_trl(model, steps, prompts, gens, lr, threads=2)
     tail = max(1, steps // 3)
     out = {
-        "name": name, "steps": steps, "minirl_step_s": statistics.median(mine["step_times"][1:]), "trl_step_s": statistics.median(trl["step_times"][1:]),
-        "minirl_reward": statistics.mean(mine["rewards"][-tail:]), "trl_reward": statistics.mean(trl["rewards"][-tail:]),
+        "name": name, "steps": steps, "minirl_step_s": statistics.median(mine["step_times"][1:]),
+        "trl_step_s": statistics.median(trl["step_times"][1:]),
+        "minirl_reward": statistics.mean(mine["rewards"][-tail:]),
+        "trl_reward": statistics.mean(trl["rewards"][-tail:]),
         "minirl_reward_first": mine["rewards"][0], "trl_reward_first": trl["rewards"][0], "phases": mine["phases"],
     }
     out["ratio"] = out["minirl_step_s"] / out["trl_step_s"]
     print(f"[{name}] minirl {out['minirl_step_s']:.2f}s/step (rollout {mine['phases']['rollout_time_s']:.2f} of which "
           f"vLLM stepping {mine['phases']['engine_busy_s']:.2f}, "
           f"train {mine['phases']['train_time_s']:.2f}, sync {mine['phases']['sync_time_s']:.2f}), "
-          f"TRL {out['trl_step_s']:.2f}s/step, ratio {out['ratio']:.2f}; reward minirl {out['minirl_reward_first']:.2f} -> "
+          f"TRL {out['trl_step_s']:.2f}s/step, ratio {out['ratio']:.2f}; "
+          f"reward minirl {out['minirl_reward_first']:.2f} -> "
           f"{out['minirl_reward']:.2f}, TRL {out['trl_reward_first']:.2f} -> {out['trl_reward']:.2f}", flush=True)
     return out
 
@@ -155,7 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model only, 8 steps")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--models", default=None, help="comma-separated: tiny, small (default: tiny with --quick, else both)")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated: tiny, small (default: tiny with --quick, else both)")
     args = ap.parse_args(argv)
     steps = args.steps or (8 if args.quick else 20)
     models = args.models.split(",") if args.models else (["tiny"] if args.quick else ["tiny", "small"])
@@ -167,10 +173,12 @@ def main(argv=None) -> int:
     if "small" in models:
         results.append(compare("small 12M / 32k vocab", ensure_small_model(), max(6, steps // 2), 8, 4, args.lr))
     print()
-    print("| benchmark | minirl s/step | TRL s/step | minirl / TRL | target | reward minirl (first -> last third) | reward TRL |")
+    print("| benchmark | minirl s/step | TRL s/step | minirl / TRL | target "
+          "| reward minirl (first -> last third) | reward TRL |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| P2 vs TRL, {r['name']}, 8 prompts x 4, {r['steps']} steps | {r['minirl_step_s']:.2f} | {r['trl_step_s']:.2f} | "
+        print(f"| P2 vs TRL, {r['name']}, 8 prompts x 4, {r['steps']} steps | {r['minirl_step_s']:.2f} "
+              f"| {r['trl_step_s']:.2f} | "
               f"{r['ratio']:.2f} | <= 0.7 | {r['minirl_reward_first']:.2f} -> {r['minirl_reward']:.2f} | "
               f"{r['trl_reward_first']:.2f} -> {r['trl_reward']:.2f} |")
     return 0
