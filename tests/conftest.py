@@ -45,7 +45,8 @@ def engine(base_cfg):
     from minirl.generation.engine import VllmEngine, configure_cpu_env
 
     configure_cpu_env(1, 2)
-    return VllmEngine(base_cfg.policy.model_name, max_model_len=base_cfg.policy.generation.vllm_cfg.max_model_len, seed=0)
+    return VllmEngine(base_cfg.policy.model_name, max_model_len=base_cfg.policy.generation.vllm_cfg.max_model_len,
+                      seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +70,8 @@ class Stack:
         from minirl.generation.server import ModelServer
 
         self.model = ModelServer(self.engine, self.tokenizer, self.cfg.policy.model_name, FaultPlan(self.cfg.faults))
-        self.runner = web.AppRunner(self.model.app(), access_log=None, shutdown_timeout=2.0, handler_cancellation=True)  # as HttpThread
+        # as HttpThread
+        self.runner = web.AppRunner(self.model.app(), access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

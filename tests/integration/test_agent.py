@@ -21,7 +21,8 @@ from minirl.wire import with_extra_body
 
 
 def row(cfg, group=0, rollout=0, attempt=0):
-    r = {**prompt_row(cfg, 0, group), "_rowidx": rollout, "_minirl": {"step": 0, "group": group, "rollout": rollout, "attempt": attempt}}
+    r = {**prompt_row(cfg, 0, group), "_rowidx": rollout,
+         "_minirl": {"step": 0, "group": group, "rollout": rollout, "attempt": attempt}}
     r["responses_create_params"] = with_extra_body(r["responses_create_params"], seed=7)
     return r
 
@@ -53,7 +54,8 @@ def test_guard_reject_with_raise_is_http_500_lane_b(stack, base_cfg):
 
     status, body = asyncio.run(go())
     assert status == 500
-    assert "Context guard rejected model call at complete action boundary: step=0 guards=max_total_tokens" in body["error"]
+    assert ("Context guard rejected model call at complete action boundary: step=0 guards=max_total_tokens"
+            in body["error"])
 
 
 def test_guard_reject_with_end_episode_is_a_masked_200_fix_2(stack, base_cfg):

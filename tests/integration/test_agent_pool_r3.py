@@ -100,13 +100,16 @@ def test_a_down_server_is_probed_after_its_wait_and_the_wait_doubles_until_a_run
     assert pool.probed("a", ok=False) is None and pool.downs["a"].retry_at == 6.0, "a failed probe: the wait doubles"
     now[0] = 6.0
     assert pool.due() == ["a"] and pool.probed("a", ok=True).reason == "refused" and pool.down() == []
-    assert pool.failed("a", "bad_answer", 6.0).retry_at == 11.0, "back by its probe, not a /run: down at its next failure"
+    assert pool.failed("a", "bad_answer", 6.0).retry_at == 11.0, \
+        "back by its probe, not a /run: down at its next failure"
     assert pool.answered("a") is not None and pool.down() == []  # a /run answered: up, its count and wait reset
     assert pool.failed("a", "bad_answer", 6.0) is None, "one bad answer after an answer: not down yet"
     assert pool.failed("a", "bad_answer", 6.0).retry_at == 8.0
     pool.answered("b")  # at 6.0
-    assert pool.failed("b", "timeout", sent_at=5.0) is None and pool.failures["b"] == 0, "it answered meanwhile: not silent"
-    assert pool.failed("b", "timeout", sent_at=7.0) is None and pool.failed("b", "timeout", sent_at=7.0).reason == "timeout"
+    assert pool.failed("b", "timeout", sent_at=5.0) is None and pool.failures["b"] == 0, \
+        "it answered meanwhile: not silent"
+    assert (pool.failed("b", "timeout", sent_at=7.0) is None
+            and pool.failed("b", "timeout", sent_at=7.0).reason == "timeout")
     assert pool.pick() == "a", "every server down: the one down longest"
 
 
@@ -126,7 +129,8 @@ def test_an_agent_server_answering_html_beside_a_healthy_one_is_passed_over_and_
     assert f"from the agent server at {html}" in failed[0]["error"] and "'text/html" in failed[0]["error"]
     assert "the body opens '<html><head><title>502 Bad Gateway" in failed[0]["error"]
     (down,) = [e for e in events if e["type"] == "agent_down"]
-    assert (down["agent"], down["reason"], down["retry_in_s"], down["agent_servers_up"]) == (html, "bad_answer", 60.0, 1)
+    assert (down["agent"], down["reason"], down["retry_in_s"],
+            down["agent_servers_up"]) == (html, "bad_answer", 60.0, 1)
     assert results[1][1] == {"agent_servers_up": 1, "agent_sends": {html: 0, good: 8}}, "the next step passes it over"
 
     # the HTML server alone: the run ends, and its last line names the server

@@ -128,7 +128,8 @@ def test_a_restarting_agent_server_has_the_restart_window_and_one_that_stays_dow
     assert [o.status for o in outcomes] == ["committed"] and sorted(outcomes[0].rollouts) == [0, 1]
     assert sum(slept) >= 20 > 7.5 and slept[:5] == [0.5, 1.0, 2.0, 4.0, 8.0]
     retried = [e for e in events if e["type"] == "failure"]
-    assert retried and {(e["reason"], e["agent"], e["decision"]) for e in retried} == {("AgentUnreachable", url, "retried")}
+    assert (retried
+            and {(e["reason"], e["agent"], e["decision"]) for e in retried} == {("AgentUnreachable", url, "retried")})
     assert any("restart_window_s" in e for e in retried), "retries past max_infra_attempts_per_prompt say why"
 
     with pytest.raises(RolloutRedispatchExhausted) as err:
@@ -165,7 +166,8 @@ def test_two_agent_servers_one_killed_mid_step_the_run_goes_on(tmp_path, shared_
         assert r["calls_unrecorded"] == 0, r
         ledger = jsonl(tmp_path / "ledger" / f"step_{r['step']}.jsonl")  # each call against the server's record
         trained = {(c["group"], c["rollout"], c["attempt"]) for c in ledger if c["ledger_status"] == "trained"}
-        assert {(g, ro) for g, ro, _ in trained} == {(g, ro) for g in range(4) for ro in range(2)}, "every rollout's calls"
+        assert {(g, ro) for g, ro, _ in trained} == {(g, ro) for g in range(4) for ro in range(2)}, \
+            "every rollout's calls"
         assert len(trained) == 8 and {c["ledger_status"] for c in ledger} <= {"trained", "retired"}
     assert rows[0]["backoff_s"] == 0 and rows[0]["redispatched_rows"] >= 1
     ev = jsonl(tmp_path / "events.jsonl")

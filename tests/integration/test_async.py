@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2", "checkpoint.enabled=false",
          "logger.tensorboard=false"]
 ASYNC = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true"]
-NO_DROP_BUDGETS = ["async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"]
+NO_DROP_BUDGETS = ["async_rl.rollout_failure.max_skipped_prompts=0",
+                   "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"]
 """A sampler that stamps no target step (all but in_order) takes no drop budget, as upstream."""
 
 
@@ -30,7 +31,8 @@ def events(run_dir: Path) -> list[dict]:
 
 def test_in_order_at_staleness_0_is_the_synchronous_loop_exactly(tmp_path, shared_engine):
     runs = {}
-    for mode, extra in (("sync", []), ("async", ["async_rl.enabled=true", "async_rl.sampler.max_staleness_versions=0"])):
+    for mode, extra in (("sync", []),
+                        ("async", ["async_rl.enabled=true", "async_rl.sampler.max_staleness_versions=0"])):
         proc = run_cli(*SMALL, "grpo.max_num_steps=2", *extra, f"run_dir={tmp_path / mode}", *shared_engine)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[mode] = metrics(tmp_path / mode)
@@ -73,7 +75,8 @@ def test_mixed_faults_under_async_defaults_stay_in_the_window_and_the_log_matche
     assert sum(r["dropped_prompt_groups"] for r in rows) == sum(e["type"] == "drop" for e in evs)
     assert sum(r["rollouts_masked"] for r in rows) == sum(e["type"] == "mask" for e in evs)
     assert sum(r["stale_groups_evicted"] for r in rows) == sum(e["type"] == "evict" for e in evs)
-    assert sum(r["redispatched_rows"] for r in rows) == sum(e["type"] == "failure" and e.get("scope") == "row" for e in evs)
+    assert sum(r["redispatched_rows"] for r in rows) == \
+        sum(e["type"] == "failure" and e.get("scope") == "row" for e in evs)
 
 
 UPSTREAM_REPLACE = ["--config", "configs/upstream_pr4124.yaml", "async_rl.enabled=true",
@@ -98,9 +101,11 @@ def test_replace_keeps_a_step_whole_through_two_drops_in_it_and_a_skip(tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, evs = metrics(tmp_path), events(tmp_path)
     assert [(r["groups_target"], r["groups_trained"]) for r in rows] == [(4, 4), (4, 4)]
-    assert [(r["dropped_prompt_groups"], r["skipped_prompt_groups"], r["replaced_prompt_groups"], r["promoted_prompt_groups"])
+    assert [(r["dropped_prompt_groups"], r["skipped_prompt_groups"], r["replaced_prompt_groups"],
+             r["promoted_prompt_groups"])
             for r in rows] == [(0, 0, 2, 0), (0, 0, 1, 0)]  # only the shortfall counts as dropped: none is left
-    replaced = sorted((e["target_step"], e["step"], e["group"], e["status"], e["decision"], e["fresh_step"], e["fresh_group"])
+    replaced = sorted((e["target_step"], e["step"], e["group"], e["status"], e["decision"], e["fresh_step"],
+                       e["fresh_group"])
                       for e in evs if e["type"] == "replace")
     assert [r[:5] for r in replaced] == [(0, 0, 1, "dropped", "fresh_prompt"), (0, 0, 2, "dropped", "fresh_prompt"),
                                          (1, 1, 0, "skipped", "fresh_prompt")]
@@ -120,9 +125,11 @@ def test_replace_keeps_a_step_whole_through_two_drops_in_it_and_a_skip(tmp_path,
 def test_replace_borrows_from_the_furthest_step_and_the_spare_repays_it(tmp_path, shared_engine):
     """At lookahead 2 steps 1 and 2 finish while step 0's group 1 hangs to its deadline and drops:
     a group of the furthest step (2) is promoted into step 0, and the spare repays step 2."""
-    proc = run_cli(*UPSTREAM_REPLACE, *SMALL, *ASYNC, "async_rl.sampler.max_lookahead_versions=2", "grpo.max_num_steps=3",
+    proc = run_cli(*UPSTREAM_REPLACE, *SMALL, *ASYNC, "async_rl.sampler.max_lookahead_versions=2",
+                   "grpo.max_num_steps=3",
                    "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=15",
-                   "faults.inject=[{kind: timeout, step: 0, group: 1, rollout: 0}]", f"run_dir={tmp_path}", *shared_engine)
+                   "faults.inject=[{kind: timeout, step: 0, group: 1, rollout: 0}]", f"run_dir={tmp_path}",
+                   *shared_engine)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [(r["groups_trained"], r["promoted_prompt_groups"], r["replaced_prompt_groups"], r["dropped_prompt_groups"])
@@ -247,7 +254,8 @@ def test_a_promotion_lets_the_short_step_train_before_its_spare_returns(stack, b
             sampler = make_sampler("in_order", 2, 2)
             pump = RolloutPump(cfg, manager, GroupBuffer(8), sampler, 0, 0, resolved)
             pump.start()
-            _, chosen = await asyncio.wait_for(pump.buffer.take_when(lambda ready: ([], sampler.select(0, 0, ready, None))), 120)
+            _, chosen = await asyncio.wait_for(
+                pump.buffer.take_when(lambda ready: ([], sampler.select(0, 0, ready, None))), 120)
             spare_in_flight = [job for task, job in pump.tasks.items() if job[3] and not task.done()]
             for t in [pump.main, pump.watchdog, pump.starved, *pump.tasks]:
                 t.cancel()

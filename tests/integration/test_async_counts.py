@@ -109,7 +109,8 @@ def test_a_retry_that_keeps_an_old_row_is_stamped_with_that_rows_version(stack, 
     takes, events, base, _ = asyncio.run(go())
     retried = [e for e in events if e["type"] == "failure" and (e["step"], e["group"]) == (0, 0)]
     assert [(e["rollout"], e["decision"]) for e in retried] == [(1, "retried")]
-    trained = [(take, w) for take, _ in takes for o, w in zip(take.outcomes, take.start_weights) if (o.step, o.group) == (0, 0)]
+    trained = [(take, w) for take, _ in takes
+               for o, w in zip(take.outcomes, take.start_weights) if (o.step, o.group) == (0, 0)]
     if sampler == "windowed":
         (evict,) = [e for e in events if e["type"] == "evict" and (e["step"], e["group"]) == (0, 0)]
         assert evict["start_weight"] == base and evict["reason"] == "stale" and evict["train_version"] >= base + 2
@@ -125,7 +126,8 @@ def test_a_retry_that_keeps_an_old_row_is_stamped_with_that_rows_version(stack, 
     assert all(counts.get("calls_trained", 0) > 0 for _, counts in takes)
 
 
-SYNC_RUN = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3", "checkpoint.enabled=false",
+SYNC_RUN = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3",
+            "checkpoint.enabled=false",
             "logger.tensorboard=false", "faults.rate={agent_exception: 0.15, guard_reject: 0.1}", "faults.seed=5",
             "agent.context_history.guards.on_reject=raise"]
 SYNC_BEFORE = Path(__file__).parents[1] / "data" / "sync_metrics_before_counts_from_outcomes.json"
@@ -157,7 +159,8 @@ def test_a_seeded_sync_run_writes_the_same_metrics_as_before(tmp_path, shared_en
     if os.environ.get("MINIRL_RECORD_SYNC"):
         SYNC_BEFORE.parent.mkdir(exist_ok=True)
         SYNC_BEFORE.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
-    assert sum(r["guard_rejections"] for r in rows) > 0 and sum(r["rollout_attempts"] > r["rollouts_generated"] for r in rows) > 0
+    assert (sum(r["guard_rejections"] for r in rows) > 0
+            and sum(r["rollout_attempts"] > r["rollouts_generated"] for r in rows) > 0)
     before = json.loads(SYNC_BEFORE.read_text())
     assert [{k: r.get(k, "missing") for k in b} for r, b in zip(rows, before)] == before and len(rows) == len(before)
 
@@ -185,7 +188,8 @@ def test_a_spare_prompts_drop_message_names_the_spare_not_the_next_steps_group(s
                 await manager.session.close()
 
     message = asyncio.run(go())
-    assert message.startswith("spare prompt (step 0, group 3) exhausted its infrastructure retry budget after 1 attempt(s)"), message
+    assert message.startswith("spare prompt (step 0, group 3) exhausted its infrastructure retry budget after 1 "
+                              "attempt(s)"), message
 
 
 @pytest.mark.slow
@@ -204,7 +208,8 @@ def test_an_async_steps_counters_cover_its_own_groups_and_sum_to_the_runs(tmp_pa
             "checkpoint.enabled=false", "logger.tensorboard=false", "async_rl.enabled=true",
             "loss_fn.use_importance_sampling_correction=true", "async_rl.sampler.name=windowed",
             "async_rl.max_inflight_prompts=8", "async_rl.max_buffered_rollouts=8",
-            "async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+            "async_rl.rollout_failure.max_skipped_prompts=0",
+            "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
             "agent.context_history.guards.on_reject=raise", "faults.rate={guard_reject: 0.15}", "faults.seed=2"]
     proc = run_cli(*args, f"run_dir={tmp_path}", *shared_engine)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -219,7 +224,8 @@ def test_an_async_steps_counters_cover_its_own_groups_and_sum_to_the_runs(tmp_pa
     failed = [seed(e) for e in evs if e["type"] == "failure"]
     per_step, consumed = [], set()
     for r in rows:
-        mine = set(r["prompt_seeds"]) | {seed(e) for e in evs if e["type"] == "evict" and e["train_version"] == r["policy_version"]}
+        mine = set(r["prompt_seeds"]) | {seed(e) for e in evs
+                                         if e["type"] == "evict" and e["train_version"] == r["policy_version"]}
         consumed |= mine
         per_step.append(((r["guard_rejections"], sum(r["failures_by_kind"].values())),
                          (sum(s in mine for s in rejected), sum(s in mine for s in failed))))

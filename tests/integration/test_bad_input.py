@@ -24,7 +24,8 @@ from minirl.generation.server import CALL_LOG_STEPS
 from minirl.wire import ROLLOUT_HEADER
 
 CHAT = "/v1/chat/completions"
-GOOD_CHAT = {"messages": items_to_messages(DoorsEnv(11, 2).initial_input()), "tools": chat_tools(TOOLS), "max_completion_tokens": 4}
+GOOD_CHAT = {"messages": items_to_messages(DoorsEnv(11, 2).initial_input()), "tools": chat_tools(TOOLS),
+             "max_completion_tokens": 4}
 
 
 def deep(depth: int = 100_000) -> str:
@@ -39,29 +40,41 @@ async def post(http, url, body=None, raw: bytes | None = None, headers=None) -> 
 
 # ------------------------------------------------------------------------------- model server
 MODEL_CASES = {  # name: (body changes or raw bytes, headers, message fragment, param)
-    "max_tokens_negative": ({"max_tokens": -1, "max_completion_tokens": None}, None, "max_tokens must be at least 1", "max_tokens"),
-    "max_completion_tokens_zero": ({"max_completion_tokens": 0}, None, "max_completion_tokens must be at least 1", "max_completion_tokens"),
+    "max_tokens_negative": ({"max_tokens": -1, "max_completion_tokens": None}, None, "max_tokens must be at least 1",
+                            "max_tokens"),
+    "max_completion_tokens_zero": ({"max_completion_tokens": 0}, None, "max_completion_tokens must be at least 1",
+                                   "max_completion_tokens"),
     "temperature_negative": ({"temperature": -1}, None, "temperature must be non-negative", "temperature"),
     "temperature_nan": ({"temperature": float("nan")}, None, "temperature must be a finite number", "temperature"),
     "top_p_zero": ({"top_p": 0}, None, "top_p must be in (0, 1]", "top_p"),
     "top_p_seven": ({"top_p": 7}, None, "top_p must be in (0, 1]", "top_p"),
-    "top_logprobs_without_logprobs": ({"logprobs": False, "top_logprobs": 5}, None, "`logprobs` must be set to true", "top_logprobs"),
-    "top_logprobs_negative": ({"logprobs": True, "top_logprobs": -2}, None, "`top_logprobs` must be a positive value or -1", "top_logprobs"),
+    "top_logprobs_without_logprobs": ({"logprobs": False, "top_logprobs": 5}, None, "`logprobs` must be set to true",
+                                      "top_logprobs"),
+    "top_logprobs_negative": ({"logprobs": True, "top_logprobs": -2}, None,
+                              "`top_logprobs` must be a positive value or -1", "top_logprobs"),
     # refused by vLLM inside add_request, on the engine thread: still vLLM's 400, not a 500
-    "top_logprobs_above_max_logprobs": ({"logprobs": True, "top_logprobs": 50}, None, "greater than max allowed", "logprobs"),
-    "prefix_not_a_list": ({"required_prefix_token_ids": "1 2 3"}, None, "required_prefix_token_ids must be a list", "required_prefix_token_ids"),
-    "prefix_not_ints": ({"required_prefix_token_ids": [1, 2.5]}, None, "required_prefix_token_ids must hold integers", "required_prefix_token_ids"),
-    "prefix_bool": ({"required_prefix_token_ids": [True]}, None, "required_prefix_token_ids must hold integers", "required_prefix_token_ids"),
-    "prefix_negative": ({"required_prefix_token_ids": [5, -1]}, None, "Token id -1 is out of vocabulary", "required_prefix_token_ids"),
-    "prefix_out_of_vocabulary": ({"required_prefix_token_ids": [5, 10**6]}, None, "Token id 1000000 is out of vocabulary", "required_prefix_token_ids"),
-    "prefix_huge": ({"required_prefix_token_ids": [0] * 1_000_000}, None, "maximum context length is 1024 tokens", "required_prefix_token_ids"),
+    "top_logprobs_above_max_logprobs": ({"logprobs": True, "top_logprobs": 50}, None, "greater than max allowed",
+                                        "logprobs"),
+    "prefix_not_a_list": ({"required_prefix_token_ids": "1 2 3"}, None, "required_prefix_token_ids must be a list",
+                          "required_prefix_token_ids"),
+    "prefix_not_ints": ({"required_prefix_token_ids": [1, 2.5]}, None, "required_prefix_token_ids must hold integers",
+                        "required_prefix_token_ids"),
+    "prefix_bool": ({"required_prefix_token_ids": [True]}, None, "required_prefix_token_ids must hold integers",
+                    "required_prefix_token_ids"),
+    "prefix_negative": ({"required_prefix_token_ids": [5, -1]}, None, "Token id -1 is out of vocabulary",
+                        "required_prefix_token_ids"),
+    "prefix_out_of_vocabulary": ({"required_prefix_token_ids": [5, 10**6]}, None,
+                                 "Token id 1000000 is out of vocabulary", "required_prefix_token_ids"),
+    "prefix_huge": ({"required_prefix_token_ids": [0] * 1_000_000}, None, "maximum context length is 1024 tokens",
+                    "required_prefix_token_ids"),
     "messages_missing": ({"messages": None}, None, "messages", "messages"),
     "stream": ({"stream": True}, None, "does not stream", "stream"),
     "json_nested_too_deep": (deep().encode(), None, "nests deeper", None),
     "json_deep_inside_the_body": (('{"messages": ' + deep() + "}").encode(), None, "nests deeper", None),
     "body_not_an_object": (b"[1, 2]", None, "must be a JSON object, got list", None),
     "body_not_json": (b"{\"messages\": [", None, "not valid JSON", None),
-    "rollout_header_garbage": ({}, {ROLLOUT_HEADER: "step-zero"}, f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2", ROLLOUT_HEADER),
+    "rollout_header_garbage": ({}, {ROLLOUT_HEADER: "step-zero"}, f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2",
+                               ROLLOUT_HEADER),
     "rollout_header_partial": ({}, {ROLLOUT_HEADER: "s0.g1.r0.a0"}, f"{ROLLOUT_HEADER} must look like", ROLLOUT_HEADER),
 }
 
@@ -164,7 +177,8 @@ def test_a_10mb_prompt_is_refused_before_rendering_while_health_answers(stack):
     (status, body), took, worst_health, (good_status, _) = asyncio.run(go())
     assert status == 400 and body["error"]["param"] == "input_text"
     assert "maximum context length is 1024 tokens" in body["error"]["message"]  # the agent reads it as lane A
-    assert f"contains {len(text) + len('user')} characters" in body["error"]["message"]  # every printed field: the role too
+    # every printed field: the role too
+    assert f"contains {len(text) + len('user')} characters" in body["error"]["message"]
     assert took < 10, f"a refused 10 MB prompt took {took:.1f}s"
     assert worst_health < 1.0, f"/health took {worst_health:.2f}s while a 10 MB prompt was handled"
     assert good_status == 200
@@ -215,8 +229,10 @@ def test_a_client_that_disconnects_mid_generation_is_aborted_in_the_engine(stack
 
     full_s, full_steps, emptied_s, left_steps, calls, (good_status, _) = asyncio.run(go())
     assert full_steps >= cap
-    assert emptied_s < full_s / 2, f"engine still busy {emptied_s:.2f}s after the client left (whole reply: {full_s:.2f}s)"
-    assert left_steps < cap / 2, f"the engine took {left_steps} steps for a client that left (whole reply: {full_steps})"
+    assert emptied_s < full_s / 2, \
+        f"engine still busy {emptied_s:.2f}s after the client left (whole reply: {full_s:.2f}s)"
+    assert left_steps < cap / 2, \
+        f"the engine took {left_steps} steps for a client that left (whole reply: {full_steps})"
     assert [c["status"] for c in calls] == [499] and calls[0]["error"] == "client disconnected"
     assert good_status == 200
 
@@ -228,7 +244,8 @@ def test_call_log_keeps_a_bounded_window_of_steps(stack):
         async with stack() as s, aiohttp.ClientSession() as http:
             await post(http, s.model_url + CHAT, one_token, headers={ROLLOUT_HEADER: "s3.g0.r0.a0.c0"})
             for fake in range(CALL_LOG_STEPS + 4):  # made-up steps, far ahead
-                await post(http, s.model_url + CHAT, one_token, headers={ROLLOUT_HEADER: f"s{10**8 + fake}.g0.r0.a0.c0"})
+                await post(http, s.model_url + CHAT, one_token,
+                           headers={ROLLOUT_HEADER: f"s{10**8 + fake}.g0.r0.a0.c0"})
             await post(http, s.model_url + CHAT, one_token, headers={ROLLOUT_HEADER: "s3.g0.r0.a0.c1"})
             held = len(s.model.calls.steps)
             taken = s.model.take_calls(3)
@@ -272,29 +289,36 @@ AGENT_CASES = {  # name: (row changes or raw bytes, message fragment)
     "num_rooms_zero": ({"task.num_rooms": 0}, "task.num_rooms must be in [1, 16]"),
     "num_rooms_negative": ({"task.num_rooms": -1}, "task.num_rooms must be in [1, 16]"),
     "num_rooms_a_string": ({"task.num_rooms": "2"}, "task.num_rooms must be an integer"),
-    "num_rooms_above_max": ({"task.num_rooms": 20_000}, "task.num_rooms must be in [1, 16] (env.max_num_rooms), got 20000"),
-    "input_a_string": ({"responses_create_params.input": "open the door"}, "responses_create_params.input must be a list"),
-    "input_item_not_an_object": ({"responses_create_params.input": ["hi"]}, "responses_create_params.input[0] must be an object"),
+    "num_rooms_above_max": ({"task.num_rooms": 20_000},
+                            "task.num_rooms must be in [1, 16] (env.max_num_rooms), got 20000"),
+    "input_a_string": ({"responses_create_params.input": "open the door"},
+                       "responses_create_params.input must be a list"),
+    "input_item_not_an_object": ({"responses_create_params.input": ["hi"]},
+                                 "responses_create_params.input[0] must be an object"),
     "input_item_of_unknown_type": ({"responses_create_params.input": [{"type": "telepathy", "content": "7"}]},
                                    "responses_create_params.input[0]: unsupported input item type 'telepathy'"),
     "input_message_without_role": ({"responses_create_params.input": [{"type": "message", "content": "7"}]},
                                    "responses_create_params.input[0] lacks key 'role'"),
-    "input_part_of_unknown_type": ({"responses_create_params.input": [{"type": "message", "role": "user", "content": [{"type": "audio"}]}]},
-                                   "unsupported content part type 'audio'"),
+    "input_part_of_unknown_type": (
+        {"responses_create_params.input": [{"type": "message", "role": "user", "content": [{"type": "audio"}]}]},
+        "unsupported content part type 'audio'"),
     "tools_a_string": ({"responses_create_params.tools": "open_door"}, "responses_create_params.tools must be a list"),
-    "sampling_seed_a_string": ({"responses_create_params.seed": "5"}, "responses_create_params.seed must be an integer"),
+    "sampling_seed_a_string": ({"responses_create_params.seed": "5"},
+                               "responses_create_params.seed must be an integer"),
     # issue 29: Gym's per-request extras were read inside the episode, so a bad one answered 500 (INFRA)
     "extra_body_not_json": ({"responses_create_params.metadata": {"extra_body": "{"}},
                             "responses_create_params.metadata.extra_body must be a JSON object written as a string"),
     "extra_body_a_list": ({"responses_create_params.metadata": {"extra_body": "[1]"}},
                           "responses_create_params.metadata.extra_body must be a JSON object written as a string"),
     "extra_body_not_a_string": ({"responses_create_params.metadata": {"extra_body": {"seed": 1}}},
-                                "responses_create_params.metadata.extra_body must be a JSON object written as a string"),
+                                "responses_create_params.metadata.extra_body must be a JSON object written as a "
+                                "string"),
     "extra_body_nested_too_deep": ({"responses_create_params.metadata": {"extra_body": deep()}},
                                    "responses_create_params.metadata.extra_body must be a JSON object"),
     "extra_body_seed_a_string": ({"responses_create_params.metadata": {"extra_body": '{"seed": "7"}'}},
                                  "responses_create_params.metadata.extra_body.seed must be an integer"),
-    "metadata_a_string": ({"responses_create_params.metadata": "seed=7"}, "responses_create_params.metadata must be an object"),
+    "metadata_a_string": ({"responses_create_params.metadata": "seed=7"},
+                          "responses_create_params.metadata must be an object"),
     "json_nested_too_deep": (deep().encode(), "nests deeper"),
     "body_not_an_object": (b"[]", "must be a JSON object"),
     "body_not_json": (b"{", "not JSON"),

@@ -35,7 +35,8 @@ def bench(monkeypatch):
 
 
 def test_every_bench_is_covered_here():
-    covered = {"controller_overhead", "async_speedup", "fault_efficiency", "engine_overhead", "hop_floor", "vs_trl", "gpu_check"}
+    covered = {"controller_overhead", "async_speedup", "fault_efficiency", "engine_overhead", "hop_floor", "vs_trl",
+               "gpu_check"}
     assert {p.stem for p in BENCH.glob("*.py")} == covered
 
 
@@ -78,7 +79,8 @@ def test_p5_instant_backend_records_what_the_ledger_checks(bench):
     assert counts["calls_unrecorded"] == 1 and [r.mask_reason for r in rollouts] == ["unrecorded_calls", None]
     forged = [{**records[0], "generation_token_ids": [5]}, *records[1:]]
     with pytest.raises(RuntimeError, match="ledger mismatch"):
-        Ledger(None).close_step(0, forged, rollouts[:1], version=0)  # both of r0's calls recorded, one with other tokens
+        # both of r0's calls recorded, one with other tokens
+        Ledger(None).close_step(0, forged, rollouts[:1], version=0)
 
 
 # ------------------------------------------------------------- runs attached to the shared engine
@@ -114,7 +116,8 @@ def test_async_speedup_runs_sync_and_async(bench, shared_engine, tmp_path, capsy
 @pytest.mark.slow
 def test_fault_efficiency_runs_a_cell(bench, shared_engine, tmp_path, capsys):
     fe = bench("fault_efficiency")
-    assert fe.main(["--rates", "0.05", "--policies", "all fixes", "--steps", "1", "--out", str(tmp_path)], attach=shared_engine) == 0
+    assert fe.main(["--rates", "0.05", "--policies", "all fixes", "--steps", "1", "--out", str(tmp_path)],
+                   attach=shared_engine) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| all fixes |"))
     assert float(row.split("|")[2].split()[0]) > 0
@@ -134,10 +137,12 @@ def test_engine_benches_parse_their_arguments(name):
 def test_engine_overhead_splits_steps_by_phase(bench):
     """P1's phase table: a round's steps split by how many of its n requests the engine held."""
     phases = bench("engine_overhead").phases
-    minirl = [(0.0, 0.08, 1), (0.1, 0.2, 3), (0.3, 0.05, 4), (0.4, 0.07, 4), (0.5, 0.03, 4), (0.6, 0.04, 3), (0.7, 0.01, 1)]
+    minirl = [(0.0, 0.08, 1), (0.1, 0.2, 3), (0.3, 0.05, 4), (0.4, 0.07, 4), (0.5, 0.03, 4), (0.6, 0.04, 3),
+              (0.7, 0.01, 1)]
     got = phases(minirl, 4)
     assert {k: v[0] for k, v in got.items()} == {"filling": 2, "full": 3, "draining": 2}
-    assert got["filling"][1] == pytest.approx(0.28) and got["full"][2] == pytest.approx(50.0) and got["draining"][2] == pytest.approx(25.0)
+    assert (got["filling"][1] == pytest.approx(0.28) and got["full"][2] == pytest.approx(50.0)
+            and got["draining"][2] == pytest.approx(25.0))
     raw = phases([(0.0, 0.2, 4), (0.2, 0.05, 4), (0.3, 0.01, 2)], 4)  # every prompt in before the first step
     assert raw["filling"] == (0, 0, 0.0) and raw["full"][0] == 2 and raw["draining"][0] == 1
     never_full = phases([(0.0, 0.1, 2), (0.1, 0.1, 3), (0.2, 0.1, 1)], 4)  # the first finished before the last came in
@@ -162,7 +167,8 @@ def test_engine_overhead_reads_cpu_below_a_clock_tick(bench):
     c0 = cpu_s(os.getpid())
     spin(0.003)
     c1 = cpu_s(os.getpid())
-    assert 0.003 <= c1 - c0 < 0.5 and abs(100 * (c1 - c0) - round(100 * (c1 - c0))) > 1e-6  # not a whole number of ticks
+    # not a whole number of ticks
+    assert 0.003 <= c1 - c0 < 0.5 and abs(100 * (c1 - c0) - round(100 * (c1 - c0))) > 1e-6
     spun, leave = threading.Event(), threading.Event()
     worker = threading.Thread(target=lambda: (spin(0.02), spun.set(), leave.wait()))
     worker.start()
@@ -181,7 +187,8 @@ def test_engine_overhead_serves_vllm_with_the_raw_sides_engine(bench):
     from minirl.config import load_config
 
     eo = bench("engine_overhead")
-    assert eo.SERVE_MODULE == "vllm.entrypoints.launchers.api_server.entry" and importlib.util.find_spec(eo.SERVE_MODULE)
+    assert (eo.SERVE_MODULE == "vllm.entrypoints.launchers.api_server.entry"
+            and importlib.util.find_spec(eo.SERVE_MODULE))
     cfg = load_config(None, [])
     engine = eo.engine_args(cfg)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args([*eo.serve_flags(engine), *eo.SERVE_FLAGS])

@@ -44,23 +44,27 @@ def record(call: Call, key: str, t: float, status: int = 200, coords=(0, 0, 0, 0
 def records() -> list[dict]:
     """The attempt's captured calls, listed out of start order: C0, a 503 try of C1, the rejected
     summary request, C1, C2, then the branch."""
-    return [record(C1, "c1", 4.0), record(C0, "c0", 1.0), record(C1, "c1", 2.0, status=503), record(REJECTED, "s1a0", 3.0),
+    return [record(C1, "c1", 4.0), record(C0, "c0", 1.0), record(C1, "c1", 2.0, status=503),
+            record(REJECTED, "s1a0", 3.0),
             record(BRANCH, "c9", 7.0), record(C2, "c2", 6.0)]
 
 
 def rollout(calls, traces=None, reward=1.0, r=0, mask=None) -> Rollout:
-    return Rollout(Coords(0, 0, r, 0), reward, list(calls), traces if traces is not None else split_traces(list(calls)), False,
+    return Rollout(Coords(0, 0, r, 0), reward, list(calls), traces if traces is not None else split_traces(list(calls)),
+                   False,
                    {}, mask)
 
 
 # ------------------------------------------------------------------------------------ the policies
 def test_builtins_and_a_custom_path_resolve_as_upstreams_resolve_selection_policy():
-    assert resolve_selection_policy("all_captured") is resolve_selection_policy("select_all_captured") is select_all_captured
+    assert resolve_selection_policy("all_captured") is resolve_selection_policy("select_all_captured") \
+        is select_all_captured
     assert resolve_selection_policy("returned_history").__name__ == "returned_history"
     assert resolve_selection_policy("test_call_selection:last_call_only") is last_call_only
     for bad, why in (("nope", "must be returned_history, all_captured or an importable package.module:function"),
                      ("no_such_module_x:f", "cannot import 'no_such_module_x:f': ModuleNotFoundError"),
-                     ("math:no_such_fn", "cannot import 'math:no_such_fn': AttributeError"), ("math:pi", "'math:pi' is not callable")):
+                     ("math:no_such_fn", "cannot import 'math:no_such_fn': AttributeError"),
+                     ("math:pi", "'math:pi' is not callable")):
         with pytest.raises(ConfigError, match=r"^context_compaction\.call_selection: " + why):
             load_config(None, [f"context_compaction.call_selection={bad}"])
 
@@ -76,13 +80,18 @@ def test_a_bad_policy_path_exits_2_before_ray_starts(tmp_path):
 
 
 def test_what_a_selection_needs_of_the_rest_of_the_config():
-    with pytest.raises(ConfigError, match=r"^context_compaction\.call_selection: all_captured needs minirl's own agents"):
+    with pytest.raises(ConfigError,
+                       match=r"^context_compaction\.call_selection: all_captured needs minirl's own agents"):
         load_config(None, ["context_compaction.call_selection=all_captured", "agent.external_url=http://127.0.0.1:1"])
-    with pytest.raises(ConfigError, match=r"^context_compaction\.call_selection: all_captured needs context_compaction\.enabled"):
+    with pytest.raises(ConfigError,
+                       match=r"^context_compaction\.call_selection: all_captured needs context_compaction\.enabled"):
         load_config("configs/plain.yaml", ["context_compaction.call_selection=all_captured"])
     with pytest.raises(ConfigError, match=r"^loss_fn\.truncated_importance_sampling_type: seq-mask-tis with"):
-        load_config(None, ["context_compaction.call_selection=all_captured", "loss_fn.use_importance_sampling_correction=true",
-                           "loss_fn.truncated_importance_sampling_type=seq-mask-tis", "loss_fn.truncated_importance_sampling_ratio=2",
+        load_config(None,
+                    ["context_compaction.call_selection=all_captured",
+                     "loss_fn.use_importance_sampling_correction=true",
+                           "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+                           "loss_fn.truncated_importance_sampling_ratio=2",
                            "loss_fn.truncated_importance_sampling_ratio_min=0.5"])
     assert load_config(None).context_compaction.call_selection == "returned_history"  # upstream's default
     assert load_config("configs/upstream_pr4124.yaml").context_compaction.call_selection == "returned_history"
@@ -94,7 +103,8 @@ def test_all_captured_trains_every_usable_call_once_and_not_the_rejected_or_fail
     once, in two traces (the chain, then the branch with C0's tokens as its unmasked-off context)."""
     r = rollout([C0, C1, C2])
     assert select_calls("all_captured", [r], records(), max_len=1024) == 1
-    assert [c.gen for c in r.calls] == [C0.gen, C1.gen, C2.gen, BRANCH.gen]  # start order; the 503 and the rejected one out
+    # start order; the 503 and the rejected one out
+    assert [c.gen for c in r.calls] == [C0.gen, C1.gen, C2.gen, BRANCH.gen]
     trained = [tok for t in r.traces for tok, m in zip(t.tokens, t.loss_mask) if m]
     assert trained == C0.gen + C1.gen + C2.gen + BRANCH.gen
     assert [len(t.tokens) for t in r.traces] == [len(C2.prompt) + 4, len(BRANCH.prompt) + 2]
@@ -127,10 +137,13 @@ def unselected_terminal(records, result):
 def test_a_custom_policy_chooses_membership_and_minirl_checks_it():
     r = rollout([C0, C1, C2])
     assert select_calls("test_call_selection:last_call_only", [r], records(), max_len=1024) == 1
-    assert [c.gen for c in r.calls] == [BRANCH.gen] and sum(r.traces[0].loss_mask) == len(BRANCH.gen)  # the last to start
+    # the last to start
+    assert [c.gen for c in r.calls] == [BRANCH.gen] and sum(r.traces[0].loss_mask) == len(BRANCH.gen)
     with pytest.raises(RuntimeError, match="selected 1 record.* not usable captured calls of attempt s0.g0.r0.a0"):
         select_calls("test_call_selection:stray_record", [rollout([C0])], records(), max_len=1024)
-    with pytest.raises(RuntimeError, match="named terminal response 's0.g0.r0.a0.c2' of attempt s0.g0.r0.a0, which it did not select"):
+    with pytest.raises(RuntimeError,
+                       match="named terminal response 's0.g0.r0.a0.c2' of attempt s0.g0.r0.a0, "
+                             "which it did not select"):
         select_calls("test_call_selection:unselected_terminal", [rollout([C0])], records(), max_len=1024)
 
 
@@ -183,7 +196,8 @@ def f64_loss_and_grad(model, batch) -> tuple[float, list[torch.Tensor]]:
     pos = torch.arange(ids.shape[1], dtype=torch.float64)[None]
     prev = lp.detach() - 0.3 * torch.sin(1.7 * pos + torch.as_tensor(batch.rollout, dtype=torch.float64)[:, None])
     mask = torch.as_tensor(batch.valid_mask(), dtype=torch.float64)
-    loss, _ = clipped_pg_loss(lp, prev, torch.as_tensor(batch.advantages, dtype=torch.float64), mask, batch.global_valid_tokens)
+    loss, _ = clipped_pg_loss(lp, prev, torch.as_tensor(batch.advantages, dtype=torch.float64), mask,
+                              batch.global_valid_tokens)
     loss.backward()
     return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
@@ -247,16 +261,19 @@ def test_selection_over_a_real_stacks_call_records(stack, base_cfg, tokenizer):
     results, calls = asyncio.run(go())
 
     def parsed():
-        return [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer), max_len=max_len, overlong_filtering=True)
+        return [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer), max_len=max_len,
+                              overlong_filtering=True)
                 for r, (_, body) in enumerate(results)]
 
     rollouts = parsed()
     assert Ledger(None).close_step(0, calls, rollouts, version=0)["calls_unrecorded"] == 0
     returned = [[c.gen for c in r.calls] for r in rollouts]
-    assert select_calls("all_captured", rollouts, calls, max_len) == 0 and [[c.gen for c in r.calls] for r in rollouts] == returned
+    assert (select_calls("all_captured", rollouts, calls, max_len) == 0
+            and [[c.gen for c in r.calls] for r in rollouts] == returned)
     rejected = [c for c in calls if is_summary_call(c["call"])]
     assert len(rejected) == 6
-    with pytest.raises(RuntimeError, match=r"every_usable_record selected 3 record\(s\) that are not usable captured calls"):
+    with pytest.raises(RuntimeError,
+                       match=r"every_usable_record selected 3 record\(s\) that are not usable captured calls"):
         select_calls("test_call_selection:every_usable_record", parsed(), calls, max_len)
     last = parsed()
     assert select_calls("test_call_selection:last_call_only", last, calls, max_len) == 2

@@ -16,7 +16,8 @@ PICTURE = "red blue\nlamp3\ndoor7"
 
 
 def test_normalize_content_follows_vllm():
-    parts = [{"type": "text", "text": "Room 1."}, {"type": "image_url", "image_url": {"url": "data:text/plain," + PICTURE, "detail": "auto"}},
+    parts = [{"type": "text", "text": "Room 1."},
+             {"type": "image_url", "image_url": {"url": "data:text/plain," + PICTURE, "detail": "auto"}},
              {"type": "input_text", "text": "b"}, {"type": "text", "text": None}]
     assert normalize_content(parts) == f"Room 1.\n<image>{PICTURE}</image>\nb"
     assert normalize_content(None) == "" and normalize_content("x") == "x"
@@ -30,7 +31,8 @@ def test_list_content_renders_as_flattened_string_on_both_routes(stack):
     listed = [
         {"role": "system", "content": [{"type": "text", "text": "Open doors."}]},
         {"role": "user", "content": [{"type": "text", "text": "Room 1."},
-                                     {"type": "image_url", "image_url": {"url": "data:text/plain," + PICTURE, "detail": "auto"}}]},
+                                     {"type": "image_url",
+                                      "image_url": {"url": "data:text/plain," + PICTURE, "detail": "auto"}}]},
     ]
     flat = [{"role": m["role"], "content": normalize_content(m["content"])} for m in listed]
     tools = chat_tools(TOOLS)
@@ -42,9 +44,11 @@ def test_list_content_renders_as_flattened_string_on_both_routes(stack):
                     return r.status, await r.json()
             _, tok_list = await post("/tokenize", {"messages": listed, "tools": tools})
             _, tok_flat = await post("/tokenize", {"messages": flat, "tools": tools})
-            _, chat = await post("/v1/chat/completions", {"messages": listed, "tools": tools, "max_completion_tokens": 1,
+            _, chat = await post("/v1/chat/completions",
+                                 {"messages": listed, "tools": tools, "max_completion_tokens": 1,
                                                           "return_token_ids": True})
-            web_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+            web_image = [{"role": "user",
+                          "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
             refused = [(await post(path, {"messages": web_image}))[0] for path in ("/tokenize", "/v1/chat/completions")]
             return tok_list, tok_flat, chat, refused
 
@@ -59,7 +63,8 @@ def test_reasoning_parser_switch(stack):
     text = "<think>door7</think><tool_call>{\"name\": \"open_door\", \"arguments\": {\"code\": 7}}</tool_call>"
     on, off = parse_reply(text), parse_reply(text, reasoning_parser=None)
     assert on["reasoning"] == "door7" and on["content"] is None
-    assert off["reasoning"] is None and off["content"] == "<think>door7</think>" and [c["function"] for c in off["tool_calls"]] == [c["function"] for c in on["tool_calls"]]
+    assert (off["reasoning"] is None and off["content"] == "<think>door7</think>"
+            and [c["function"] for c in off["tool_calls"]] == [c["function"] for c in on["tool_calls"]])
 
     messages = [{"role": "user", "content": "Room 1.<image>" + PICTURE + "</image>"}]
 

@@ -49,8 +49,10 @@ def test_save_writes_a_manifest_of_every_file_and_it_verifies(tmp_path):
 @pytest.mark.parametrize(
     "damage,reason",
     [
-        (lambda p: p.joinpath("policy/model.safetensors").write_bytes(b"\0" * 123), "policy/model.safetensors: size 123 != 4096"),
-        (lambda p: p.joinpath("trainer_state.pt").write_bytes(b"optimizer state 9"), "trainer_state.pt: sha256 mismatch"),
+        (lambda p: p.joinpath("policy/model.safetensors").write_bytes(b"\0" * 123),
+         "policy/model.safetensors: size 123 != 4096"),
+        (lambda p: p.joinpath("trainer_state.pt").write_bytes(b"optimizer state 9"),
+         "trainer_state.pt: sha256 mismatch"),
         (lambda p: p.joinpath("policy/tokenizer.json").unlink(), "policy/tokenizer.json: missing"),
         (lambda p: p.joinpath("state.json").write_text('{"step": 0, "manif'), "state.json unreadable"),
         (lambda p: p.joinpath("state.json").unlink(), "state.json unreadable"),
@@ -91,7 +93,8 @@ def test_auto_skips_a_checkpoint_whose_manifest_is_empty(tmp_path):
     good, empty = save(tmp_path, 0), save(tmp_path, 1)
     state = checkpoint.read_state(empty)
     (empty / "state.json").write_text(json.dumps({**state, "manifest": {}}))
-    assert checkpoint.select(tmp_path, "auto") == (good, [(empty, "state.json has an empty manifest: nothing to verify")])
+    assert checkpoint.select(tmp_path, "auto") == (good,
+                                                   [(empty, "state.json has an empty manifest: nothing to verify")])
 
 
 def save_with_config(run_dir: Path, overrides: list[str]) -> Path:
@@ -120,9 +123,12 @@ def test_a_resume_that_changes_the_step_shape_is_refused_naming_the_keys(tmp_pat
             checkpoint.check_resume(load_config(None, [*new, f"run_dir={tmp_path}", f"checkpoint.resume={resume}"]))
         assert str(err.value).startswith(message) and str(path) in str(err.value) and "\n" not in str(err.value)
     # what does not shape a step may change (max_num_steps grows on every resume); sync ignores the sampler keys
-    checkpoint.check_resume(load_config(None, [*old, "grpo.max_num_steps=99", f"run_dir={tmp_path}", "checkpoint.resume=auto"]))
+    checkpoint.check_resume(load_config(None,
+                                        [*old, "grpo.max_num_steps=99", f"run_dir={tmp_path}",
+                                         "checkpoint.resume=auto"]))
     if not old:
-        checkpoint.check_resume(load_config(None, ["async_rl.sampler.name=windowed", f"run_dir={tmp_path}", "checkpoint.resume=auto"]))
+        checkpoint.check_resume(load_config(None, ["async_rl.sampler.name=windowed", f"run_dir={tmp_path}",
+                                                   "checkpoint.resume=auto"]))
 
 
 def test_cli_refuses_a_changed_resume_and_an_unwritable_checkpoint_dir_before_ray_starts(tmp_path):
@@ -130,7 +136,8 @@ def test_cli_refuses_a_changed_resume_and_an_unwritable_checkpoint_dir_before_ra
     proc = run_cli(f"run_dir={tmp_path}", "checkpoint.resume=auto", "grpo.num_prompts_per_step=3", timeout=60)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     assert [x for x in proc.stderr.splitlines() if x.strip()] == [
-        f"ConfigError: grpo.num_prompts_per_step: differs from the checkpoint resumed (grpo.num_prompts_per_step: 8 -> 3; {path}): "
+        "ConfigError: grpo.num_prompts_per_step: differs from the checkpoint resumed (grpo.num_prompts_per_step: 8 -> "
+        f"3; {path}): "
         "a resume must keep the step's shape and the staleness window; set them back, or start a new run_dir"]
     other = tmp_path / "other"
     other.mkdir()
@@ -138,7 +145,8 @@ def test_cli_refuses_a_changed_resume_and_an_unwritable_checkpoint_dir_before_ra
     proc = run_cli(f"run_dir={other}", timeout=60)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert line.startswith(f"ConfigError: checkpoint.enabled: checkpoints cannot be written to {other / 'checkpoints'}: ")
+    assert line.startswith("ConfigError: checkpoint.enabled: checkpoints cannot be written to "
+                           f"{other / 'checkpoints'}: ")
     assert line.endswith("(make it writable, or set checkpoint.enabled=false)")
 
 
@@ -146,7 +154,8 @@ def test_an_explicit_damaged_checkpoint_raises_naming_the_path_and_the_file(tmp_
     good, bad = save(tmp_path, 0), save(tmp_path, 1)
     (bad / "trainer_state.pt").write_bytes(b"")
     assert checkpoint.select(tmp_path, str(good)) == (good, [])
-    with pytest.raises(CheckpointError, match=rf"checkpoint.resume={bad} cannot be trusted: trainer_state.pt: size 0 != 17"):
+    with pytest.raises(CheckpointError,
+                       match=rf"checkpoint.resume={bad} cannot be trusted: trainer_state.pt: size 0 != 17"):
         checkpoint.select(tmp_path, str(bad))
     assert checkpoint.select(tmp_path, "none") == (None, [])
 
@@ -170,17 +179,21 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
              "checkpoint.save_period=1", "checkpoint.keep_last_k=0", f"run_dir={tmp_path}", *shared_engine]
     first = run_cli(*small, "grpo.max_num_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert {p.name for p in tmp_path.iterdir()} <= set(checkpoint.RUN_OUTPUTS), "run_dir_exists=overwrite removes a run whole"
+    assert {p.name for p in tmp_path.iterdir()} <= set(checkpoint.RUN_OUTPUTS), \
+        "run_dir_exists=overwrite removes a run whole"
     kept = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     # issue 49: a fresh run into it (B) wrote over it; now refused before Ray, and so is a resume under another model
     for extra, start in ((["grpo.seed=99"], f"ConfigError: run_dir: {tmp_path} holds an earlier run (metrics.jsonl, "
                           "events.jsonl, ledger, checkpoints/step_0, checkpoints/step_1), and checkpoint.resume=none"),
                          (["checkpoint.resume=auto", "policy.model_name=models/tiny-summarize"],
-                          f"ConfigError: policy.model_name: {REPO_ROOT / 'models' / 'tiny-summarize'} is not the model of the "
-                          f"checkpoint resumed ({tmp_path / 'checkpoints' / 'step_1'}, written with policy.model_name={MODEL}): "
+                          f"ConfigError: policy.model_name: {REPO_ROOT / 'models' / 'tiny-summarize'} is not the model "
+                          "of the "
+                          f"checkpoint resumed ({tmp_path / 'checkpoints' / 'step_1'}, written with "
+                          f"policy.model_name={MODEL}): "
                           "vocab_size 512 there, 576 here")):
         refused = run_cli(*small, "grpo.max_num_steps=1", *extra, timeout=120)
-        assert refused.returncode == 2 and refused.stdout == "" and last_line(refused.stderr).startswith(start), refused.stderr
+        assert refused.returncode == 2 and refused.stdout == "" and last_line(refused.stderr).startswith(start), \
+            refused.stderr
         assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == kept, "the earlier run is intact"
     damaged = tmp_path / "checkpoints" / "step_1" / "policy" / "model.safetensors"
     size = damaged.stat().st_size
@@ -192,7 +205,8 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
     reason = f"policy/model.safetensors: size {size // 2} != {size}"
     assert f"skipping checkpoint {damaged.parent.parent}: {reason}" in second.stderr
     assert (f"minirl: resumed from {tmp_path / 'checkpoints' / 'step_0'} at step 1; the dataset differs from the "
-            "checkpoint's (env.data_seed: 1234 -> 7): the steps from here draw their prompts from the new one") in second.stdout
+            "checkpoint's (env.data_seed: 1234 -> 7): the steps from here draw their prompts from the new one"
+            in second.stdout)
     assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3], "no gap, no duplicate"
     events = rows(tmp_path / "events.jsonl")
     skipped = [(e["checkpoint"], e["reason"]) for e in events if e["type"] == "checkpoint_skipped"]
@@ -207,4 +221,5 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
     third = run_cli(*small, "grpo.max_num_steps=4", f"checkpoint.resume={damaged.parent.parent}")
     assert third.returncode == 1
     assert last_line(third.stderr).startswith(
-        f"CheckpointError: checkpoint.resume={damaged.parent.parent} cannot be trusted: policy/model.safetensors: size 7 != ")
+        f"CheckpointError: checkpoint.resume={damaged.parent.parent} cannot be trusted: policy/model.safetensors: size "
+        "7 != ")

@@ -1,5 +1,5 @@
-"""The failure-policy sweep (`python -m minirl.experiments.sweep`): end to end, a 2-cell sweep of real runs on one shared engine; and its
-answers to issue M's questions on constructed results with known answers."""
+"""The failure-policy sweep (`python -m minirl.experiments.sweep`): end to end, a 2-cell sweep of real runs on one
+shared engine; and its answers to issue M's questions on constructed results with known answers."""
 
 import csv
 import subprocess

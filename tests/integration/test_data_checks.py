@@ -72,17 +72,21 @@ def changed(row: dict, path: str, value) -> dict:
 DELETE = object()
 UNRUNNABLE = [  # (path, value, what the message names): AA item 4's cases as the review tried them
     ("responses_create_params.input", [5], r"responses_create_params\.input\[0\] must be an object, got 5"),
-    ("responses_create_params.input", "open the door", r"responses_create_params\.input must be a list of items, got str"),
+    ("responses_create_params.input", "open the door",
+     r"responses_create_params\.input must be a list of items, got str"),
     ("responses_create_params.input", [], r"responses_create_params\.input must hold at least one item, got \[\]"),
     ("responses_create_params.tools", "x", r"responses_create_params\.tools must be a list of objects, got 'x'"),
-    ("responses_create_params.max_output_tokens", -1, r"responses_create_params\.max_output_tokens must be an integer >= 1"),
+    ("responses_create_params.max_output_tokens", -1,
+     r"responses_create_params\.max_output_tokens must be an integer >= 1"),
     ("task.num_rooms", 0, r"task\.num_rooms must be in \[1, 16\] \(env\.max_num_rooms\), got 0"),
     ("task", DELETE, r"task must be an object, got None"),  # a Gym row: its resources server's fields, no doors task
-    ("agent_ref", {"name": "my_agent"}, r"agent_ref\.name: unknown agent_ref name 'my_agent'; known: \['simple_agent', 'compaction_agent'\]"),
+    ("agent_ref", {"name": "my_agent"},
+     r"agent_ref\.name: unknown agent_ref name 'my_agent'; known: \['simple_agent', 'compaction_agent'\]"),
 ]
 
 
-@pytest.mark.parametrize("path,value,message", UNRUNNABLE, ids=[f"{p}={'(deleted)' if v is DELETE else repr(v)}"[:40] for p, v, _ in UNRUNNABLE])
+@pytest.mark.parametrize("path,value,message", UNRUNNABLE,
+                         ids=[f"{p}={'(deleted)' if v is DELETE else repr(v)}"[:40] for p, v, _ in UNRUNNABLE])
 def test_a_row_minirls_agents_cannot_run_is_refused_before_ray(base_cfg, tmp_path, path, value, message):
     good = doors_rows(base_cfg, 2)
     cfg = own_pool_cfg(base_cfg, tmp_path, [good[0], changed(good[1], path, value), good[0]])
@@ -90,14 +94,16 @@ def test_a_row_minirls_agents_cannot_run_is_refused_before_ray(base_cfg, tmp_pat
         data.prepare(cfg)
     assert f"'{tmp_path / 'train.jsonl'}' line 2: " in str(err.value) and re.search(message, str(err.value)), err.value
     # the same row is for an external Gym agent to judge (a string input is valid for Gym)
-    external = own_pool_cfg(base_cfg, tmp_path, [good[0], changed(good[1], path, value)], external_url="http://127.0.0.1:9")
+    external = own_pool_cfg(base_cfg, tmp_path, [good[0], changed(good[1], path, value)],
+                            external_url="http://127.0.0.1:9")
     data.prepare(external)
 
 
 def test_the_validation_rows_are_checked_too(base_cfg, tmp_path):
     cfg = copy.deepcopy(base_cfg)
     cfg.grpo.val_num_prompts = 2
-    cfg.data.validation_jsonl = write(tmp_path / "val.jsonl", [*doors_rows(base_cfg, 1), changed(doors_rows(base_cfg, 1)[0], "task", DELETE)])
+    cfg.data.validation_jsonl = write(tmp_path / "val.jsonl",
+                                      [*doors_rows(base_cfg, 1), changed(doors_rows(base_cfg, 1)[0], "task", DELETE)])
     with pytest.raises(ConfigError, match=r"^data\.validation_jsonl: '.*val\.jsonl' line 2: .*task must be an object"):
         data.prepare(cfg)
 
@@ -147,8 +153,10 @@ def test_the_cli_refuses_an_unrunnable_row_with_exit_2_before_ray(base_cfg, tmp_
     rows = [doors_rows(base_cfg, 1)[0], changed(doors_rows(base_cfg, 1)[0], "responses_create_params.input", "hi")]
     path = write(tmp_path / "rows.jsonl", rows)
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen([sys.executable, "-m", "minirl.train", f"data.train_jsonl={path}", f"run_dir={tmp_path / 'run'}"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "minirl.train", f"data.train_jsonl={path}",
+                             f"run_dir={tmp_path / 'run'}"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:  # it went on to start Ray: end it and everything it started
@@ -166,8 +174,10 @@ def test_the_cli_refuses_an_unrunnable_row_with_exit_2_before_ray(base_cfg, tmp_
 def test_result_fields_of_a_dumped_row_are_left_out_with_one_line(base_cfg, tmp_path, capsys):
     row = doors_rows(base_cfg, 1)[0]
     dumped = {**row, "response": {"output": []}, "reward": 0.0, "evidence": {"calls": 1}, "mask_sample": True,
-              "failure_kind": "agent_timeout", "failure_reason": "x", "failure": {"terminal": True, "failure_reason": "x"},
-              "_ng_failure_class": "Timeout", "_ng_failure_terminal": True, "instance_config": {"mask_sample": True, "level": 3},
+              "failure_kind": "agent_timeout", "failure_reason": "x",
+              "failure": {"terminal": True, "failure_reason": "x"},
+              "_ng_failure_class": "Timeout", "_ng_failure_terminal": True,
+              "instance_config": {"mask_sample": True, "level": 3},
               "_rowidx": 4, "_minirl": {"step": 9, "group": 1, "rollout": 4, "attempt": 2}}
     cfg = own_pool_cfg(base_cfg, tmp_path, [row, dumped])
     cfg.grpo.val_num_prompts, cfg.grpo.val_num_generations = 2, 1
@@ -175,9 +185,12 @@ def test_result_fields_of_a_dumped_row_are_left_out_with_one_line(base_cfg, tmp_
     data.prepare(cfg)
     printed = [line for line in capsys.readouterr().out.splitlines() if "result fields" in line]
     assert len(printed) == 2  # one line per file
-    assert printed[0] == (f"minirl: data.train_jsonl: left out the result fields of 1 of 2 rows of '{cfg.data.train_jsonl}' "
-                          "(response, reward, evidence, mask_sample, failure_kind, failure_reason, failure, _ng_failure_class, "
-                          "_ng_failure_terminal, _rowidx, _minirl, instance_config.mask_sample): a row is sent as its prompt, "
+    assert printed[0] == ("minirl: data.train_jsonl: left out the result fields of 1 of 2 rows of "
+                          f"'{cfg.data.train_jsonl}' "
+                          "(response, reward, evidence, mask_sample, failure_kind, failure_reason, failure, "
+                          "_ng_failure_class, "
+                          "_ng_failure_terminal, _rowidx, _minirl, instance_config.mask_sample): a row is sent as its "
+                          "prompt, "
                           "never with a rollout's outcome")
     cfg.data.shuffle = False
     sent = prompt_row(cfg, 0, 1)
@@ -188,10 +201,13 @@ def test_result_fields_of_a_dumped_row_are_left_out_with_one_line(base_cfg, tmp_
 # ----------------------------------------------------------------------- summarizer threshold (AA 7)
 @pytest.mark.parametrize("overrides,names", [
     (["agent.context_history.policy.summarize.threshold_tokens=[300,400]"],
-     r"\[300, 400\] can draw a threshold above the context guard's agent\.context_history\.guards\.max_total_tokens=256"),
-    (["agent.context_history.policy.summarize.threshold_tokens=[1000000000,1000000000]", "agent.context_history.guards.max_total_tokens=null"],
+     r"\[300, 400\] can draw a threshold above the context guard's "
+     r"agent\.context_history\.guards\.max_total_tokens=256"),
+    (["agent.context_history.policy.summarize.threshold_tokens=[1000000000,1000000000]",
+      "agent.context_history.guards.max_total_tokens=null"],
      r"no prompt reaches: the model's max length policy\.generation\.vllm_cfg\.max_model_len=1024"),
-    (["agent.context_history.policy.summarize.threshold_tokens=[200,1023]", "agent.context_history.guards.max_total_tokens=null"],
+    (["agent.context_history.policy.summarize.threshold_tokens=[200,1023]",
+      "agent.context_history.guards.max_total_tokens=null"],
      r"pass thresholds up to 1022 only"),
 ])
 def test_a_summarizing_threshold_that_can_never_fire_is_refused(overrides, names):
@@ -202,7 +218,8 @@ def test_a_summarizing_threshold_that_can_never_fire_is_refused(overrides, names
 def test_a_reachable_summarizing_threshold_passes():
     load_config(SUMMARIZE_YAML, ["agent.context_history.policy.summarize.threshold_tokens=[210,256]"])  # at the guard
     load_config(SUMMARIZE_YAML, ["agent.context_history.policy.summarize.threshold_tokens=[200,1022]",
-                                 "agent.context_history.guards.max_total_tokens=null"])  # a 1023-token prompt passes 1022
+                                 # a 1023-token prompt passes 1022
+                                 "agent.context_history.guards.max_total_tokens=null"])
     load_config(SUMMARIZE_YAML, ["agent.context_history.policy.summarize.threshold_tokens=[200,1030]",
                                  "agent.context_history.guards.max_total_tokens=null",
                                  "agent.context_history.guards.reserved_generation_tokens=8"])
@@ -212,7 +229,8 @@ def test_a_reachable_summarizing_threshold_passes():
 def test_a_directory_or_a_fifo_is_named_as_what_it_is(tmp_path):
     fifo = tmp_path / "rows.fifo"
     os.mkfifo(fifo)
-    for path, what in ((tmp_path, "is a directory"), (fifo, r"is a FIFO \(named pipe\)"), (tmp_path / "none.jsonl", "no such file")):
+    for path, what in ((tmp_path, "is a directory"), (fifo, r"is a FIFO \(named pipe\)"),
+                       (tmp_path / "none.jsonl", "no such file")):
         with pytest.raises(ConfigError, match=rf"^data\.train_jsonl: {re.escape(str(path))}: {what}"):
             load_config(overrides=[f"data.train_jsonl={path}"])
 
@@ -228,7 +246,8 @@ def test_a_temperature_of_another_type_says_its_type(base_cfg, tmp_path, value, 
 def test_a_bom_and_blank_lines_are_accepted(base_cfg, tmp_path):
     rows = doors_rows(base_cfg, 3)
     path = tmp_path / "train.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n" + json.dumps(rows[2]) + "\n\n \n").encode())
+    text = json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n" + json.dumps(rows[2]) + "\n\n \n"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
     cfg = copy.deepcopy(base_cfg)
     cfg.data.train_jsonl, cfg.data.shuffle = str(path), False
     cfg.grpo.num_prompts_per_step = 3
@@ -287,7 +306,8 @@ def test_dataset_rows_draw_their_own_summarizing_threshold_and_a_group_shares_it
     summarized = [play(cfg, Scripted(), variant(i))["evidence"]["summaries"] for i in range(24)]
     assert 0 < sum(summarized) < len(summarized), summarized  # one threshold for all: all or none
     for i in range(4):
-        group = {play(cfg, Scripted(), variant(i, r, a, seed=100 + r))["evidence"]["summaries"] for r in range(3) for a in range(2)}
+        group = {play(cfg, Scripted(), variant(i, r, a, seed=100 + r))["evidence"]["summaries"] for r in range(3)
+                 for a in range(2)}
         assert group == {summarized[i]}
     ids = {start_episode(variant(0, r, a, seed=r)).prompt for r in range(3) for a in range(2)}
     assert len(ids) == 1 and len({start_episode(variant(i)).prompt for i in range(24)}) == 24

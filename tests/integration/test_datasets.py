@@ -33,9 +33,11 @@ def foreign_rows(n: int) -> list[dict]:
     no sampling parameters, an environment field (`expected_call`) that only its server reads."""
     rows = []
     for i in range(n):
-        params = {"input": [{"role": "developer", "content": "call get_weather"}, {"role": "user", "content": f"city {i}?"}],
+        params = {"input": [{"role": "developer", "content": "call get_weather"},
+                            {"role": "user", "content": f"city {i}?"}],
                   "tools": [TOOL]}
-        rows.append({"responses_create_params": params, "expected_call": {"name": "get_weather", "arguments": {"city": f"c{i}"}}})
+        rows.append({"responses_create_params": params,
+                     "expected_call": {"name": "get_weather", "arguments": {"city": f"c{i}"}}})
     if n > 1:
         rows[1]["agent_ref"] = {"name": "my_agent"}
         rows[1]["responses_create_params"]["metadata"] = {"extra_body": '{"top_k": 5}', "tag": "x"}
@@ -94,11 +96,14 @@ BAD_LINES = [
     ("[1, 2]", r"line 2: a row must be a JSON object, got list"),
     ({"input": "hi"}, r"line 2: responses_create_params must be an object .* got nothing"),
     ({"responses_create_params": {"tools": []}}, r"line 2: responses_create_params.input must be"),
-    ({"responses_create_params": {"input": "hi", "seed": 3}}, r"line 2: responses_create_params.seed: Gym's request parameters forbid it"),
-    ({"responses_create_params": {"input": "hi", "metadata": {"extra_body": "[1]"}}}, r"line 2: .*metadata.extra_body must be a JSON object"),
+    ({"responses_create_params": {"input": "hi", "seed": 3}},
+     r"line 2: responses_create_params.seed: Gym's request parameters forbid it"),
+    ({"responses_create_params": {"input": "hi", "metadata": {"extra_body": "[1]"}}},
+     r"line 2: .*metadata.extra_body must be a JSON object"),
     ({"responses_create_params": {"input": "hi", "temperature": 0.5}},
      r"line 2: responses_create_params.temperature=0.5 differs from policy.generation.temperature=1.0"),
-    ({"responses_create_params": {"input": "hi"}, "agent_ref": "simple_agent"}, r"line 2: agent_ref must be an object with a string name"),
+    ({"responses_create_params": {"input": "hi"}, "agent_ref": "simple_agent"},
+     r"line 2: agent_ref must be an object with a string name"),
 ]
 
 
@@ -176,7 +181,8 @@ def test_the_manager_passes_rows_through_but_the_seed_and_its_bookkeeping(base_c
         assert extras.pop("seed") == data.sampling_seed(cfg, 1, g, r, 0)
         want = rows[g]["responses_create_params"]
         assert extras == extra_body(want)  # the row's own extras (top_k) kept beside the seed
-        assert {k: v for k, v in params.items() if k != "metadata"} == {k: v for k, v in want.items() if k != "metadata"}
+        assert {k: v for k, v in params.items() if k != "metadata"} == \
+            {k: v for k, v in want.items() if k != "metadata"}
         assert {k: v for k, v in (params.get("metadata") or {}).items() if k != "extra_body"} == \
             {k: v for k, v in (want.get("metadata") or {}).items() if k != "extra_body"}
         assert sent == {k: v for k, v in rows[g].items() if k != "responses_create_params"}
@@ -200,12 +206,16 @@ def test_per_room_hazard_reads_the_row_count_through_the_dataset_accessor(base_c
     plan = FaultPlan(cfg.faults)
     expected = [(kind, g, r) for g in range(4) for r in range(4) for kind in FAULT_KINDS
                 if plan.call_of(kind, Coords(0, g, r, 0), rows[g]["task"]["num_rooms"]) is not None]
-    faults = lambda evs: sorted((e["kind"], e["group"], e["rollout"]) for e in evs if e["type"] == "fault")  # noqa: E731
+
+    def faults(evs):
+        return sorted((e["kind"], e["group"], e["rollout"]) for e in evs if e["type"] == "fault")
+
     assert faults(from_doors) == faults(from_jsonl) == sorted(expected) and expected
 
 
 def test_nothing_above_the_dataset_reads_environment_fields():
-    for module in ("rollout/manager.py", "controller.py", "async_rl/pump.py", "async_rl/source.py", "async_rl/pacing.py", "validation.py"):
+    for module in ("rollout/manager.py", "controller.py", "async_rl/pump.py", "async_rl/source.py",
+                   "async_rl/pacing.py", "validation.py"):
         source = (REPO / "minirl" / module).read_text()
         assert '["task"]' not in source and '"num_rooms"' not in source and "['task']" not in source, module
 

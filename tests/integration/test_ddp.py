@@ -87,19 +87,24 @@ def real_batches(cfg, tokenizer, steps=2, groups=4, gens=4):
         for g in range(groups):
             row = prompt_row(cfg, step, g)
             params = row["responses_create_params"]
-            prompt = tokenizer.apply_chat_template(items_to_messages(params["input"]), tools=chat_tools(params["tools"]),
+            prompt = tokenizer.apply_chat_template(items_to_messages(params["input"]),
+                                                   tools=chat_tools(params["tools"]),
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
             code = make_rooms(row["task"]["seed"], row["task"]["num_rooms"])[0].code
             rollouts = {}
             for r in range(gens):
                 guess = code if (r + g) % 3 == 0 else (code + r + 1) % 10
-                reply = (f'<think>door{guess}</think><tool_call>{{"name": "open_door", "arguments": {{"code": {guess}}}}}'
+                reply = (f'<think>door{guess}</think><tool_call>{{"name": "open_door", "arguments": {{"code": '
+                         f'{guess}}}}}'
                          "</tool_call><|im_end|>")
                 gen = tokenizer(reply, add_special_tokens=False)["input_ids"]
-                item = {"type": "function_call", "name": "open_door", "call_id": "c", "arguments": f'{{"code": {guess}}}',
-                        "prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-1.0] * len(gen)}
+                item = {"type": "function_call", "name": "open_door", "call_id": "c",
+                        "arguments": f'{{"code": {guess}}}',
+                        "prompt_token_ids": prompt, "generation_token_ids": gen,
+                        "generation_log_probs": [-1.0] * len(gen)}
                 result = {"response": {"output": [item]}, "reward": float(guess == code)}
-                rollouts[r] = parse_rollout(result, Coords(step, g, r, 0), vocab_size=512, max_len=1024, overlong_filtering=False)
+                rollouts[r] = parse_rollout(result, Coords(step, g, r, 0), vocab_size=512, max_len=1024,
+                                            overlong_filtering=False)
             outcomes.append(GroupOutcome(g, "committed", rollouts))
         batches.append(assemble(cfg, outcomes, pad_id=0)[0])
     return batches

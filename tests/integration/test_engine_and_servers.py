@@ -37,7 +37,8 @@ def test_openai_client_gets_tool_calls_token_ids_and_logprobs(stack, base_cfg):
         async with stack() as s:
             client = openai.AsyncOpenAI(base_url=s.model_url + "/v1", api_key="unused")
             resp = await client.chat.completions.create(
-                model=base_cfg.policy.model_name, messages=messages(), tools=CHAT_TOOLS,  # an unknown name is vLLM's 404
+                # an unknown name is vLLM's 404
+                model=base_cfg.policy.model_name, messages=messages(), tools=CHAT_TOOLS,
                 logprobs=True, top_logprobs=0, temperature=0.0, max_completion_tokens=40,
                 extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
             )
@@ -63,7 +64,8 @@ def test_http_logprobs_match_the_trainer_rescoring_the_same_tokens(stack, base_c
         async with stack() as s, aiohttp.ClientSession() as http:
             bodies = []
             for seed in range(4):
-                body = {"messages": messages(), "logprobs": True, "return_token_ids": True, "seed": seed, "max_completion_tokens": 40}
+                body = {"messages": messages(), "logprobs": True, "return_token_ids": True, "seed": seed,
+                        "max_completion_tokens": 40}
                 async with http.post(s.model_url + "/v1/chat/completions", json=body) as r:
                     bodies.append(await r.json())
             return bodies
@@ -109,7 +111,8 @@ def test_weight_sync_changes_greedy_generation_and_restores_exactly(engine, base
 
     worker = PolicyWorker(base_cfg)
     original = worker.get_weights()
-    prompt = tokenizer.apply_chat_template(messages(), tools=CHAT_TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(messages(), tools=CHAT_TOOLS, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
 
     def gen():
@@ -159,7 +162,8 @@ def test_a_burst_of_long_seeded_prompts_does_not_crash_the_engine(engine):
     from vllm import SamplingParams
 
     prompt = [1, 388, 201] + [300 + i % 50 for i in range(208)] + [2, 201, 1, 348, 201]
-    futures = [engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=32, seed=i, logprobs=0)) for i in range(64)]
+    futures = [engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=32, seed=i, logprobs=0))
+               for i in range(64)]
     results = [f.result(timeout=120) for f in futures]  # 64 x 216 tokens > the 4096-token step budget
     assert engine.dead is None and all(len(r.token_ids) >= 1 for r in results)
 
@@ -209,7 +213,8 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
     from minirl.trainer.policy_worker import PolicyWorker
 
     weights = PolicyWorker(base_cfg).get_weights()
-    prompt = tokenizer.apply_chat_template(messages(), tools=CHAT_TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(messages(), tools=CHAT_TOOLS, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
     long = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, logprobs=0, seed=3)
     v0 = engine.version
     try:
@@ -249,7 +254,8 @@ vllm.LLM.__init__ = lambda self, *a, **kw: (built_on.append(threading.get_ident(
 engine = VllmEngine(cfg.policy.model_name, max_model_len=cfg.policy.generation.vllm_cfg.max_model_len, seed=0)
 assert engine.sampler_compiled.wait(300) and engine.steps == 0
 built = (len(_debug_get_cache_entry_list(code)), dict(counters["stats"]))
-futs = [engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=3, logprobs=k, seed=i)) for i, k in enumerate((0, 0, 2))]
+futs = [engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=3, logprobs=k, seed=i))
+        for i, k in enumerate((0, 0, 2))]
 engine.generate([5], SamplingParams(max_tokens=2, logprobs=0, seed=9)).result()  # a batch of 1 too
 [f.result() for f in futs]
 stepped_on = engine.run(lambda llm: threading.get_ident()).result()

@@ -106,7 +106,8 @@ def test_infra_backoff_schedule_then_drop_budget(stack, base_cfg):
     assert run.sleeps == [1.0, 2.0, 3.0], "min(base * 2**(k-1), max) between the 4 attempts"
     assert isinstance(run.error, RolloutRedispatchExhausted)
     msg = str(run.error)
-    assert msg.startswith("prompt idx=0 exhausted its infrastructure retry budget after 4 attempt(s) (max_infra_attempts_per_prompt=4)")
+    assert msg.startswith("prompt idx=0 exhausted its infrastructure retry budget after 4 attempt(s) "
+                          "(max_infra_attempts_per_prompt=4)")
     assert "this was drop 1 with no rollout committed in between, exceeding max_consecutive_dropped_prompts=0" in msg
     assert "Last failure was GymTransportError: NeMo-Gym /run failed with HTTP 500" in msg
     # each group attempt re-sent only the failing row, twice (max_row_attempts=2): attempts 0..7
@@ -140,7 +141,8 @@ def test_failed_attempt_calls_are_retired_never_trained(stack, base_cfg):
     retired = [c for c in run.calls if (c["group"], c["rollout"], c["attempt"]) == (0, 1, 0)]
     assert retired and counts["calls_retired"] == len(retired)
     trained = {tuple(c.gen) for r in rollouts for c in r.calls}
-    ledger_keys = {tuple(c["generation_token_ids"]): (c["group"], c["rollout"], c["attempt"]) for c in run.calls if c["status"] == 200}
+    ledger_keys = {tuple(c["generation_token_ids"]): (c["group"], c["rollout"], c["attempt"])
+                   for c in run.calls if c["status"] == 200}
     assert all(ledger_keys[g] != (0, 1, 0) for g in trained), "no trained call comes from the failed attempt"
     assert all(ledger_keys[g][2] == (1 if ledger_keys[g][:2] == (0, 1) else 0) for g in trained)
 
@@ -163,15 +165,18 @@ def test_transport_and_timeout_end_like_lane_b(stack, base_cfg, kind, cls, text)
 
     fault = {"kind": kind, "step": 0, "group": 1, "rollout": 0, "attempt": 0}
     run = run_step(stack, policy_cfg(base_cfg, [fault], groups=4, redispatch=False, rollout_timeout_s=6.0))
-    assert isinstance(run.error, RolloutRedispatchExhausted) and "exceeding max_consecutive_dropped_prompts=0" in str(run.error)
+    assert (isinstance(run.error, RolloutRedispatchExhausted)
+            and "exceeding max_consecutive_dropped_prompts=0" in str(run.error))
     (failure,) = run.failures()
     assert failure["class"] == "infra" and failure["reason"] == cls.__name__ and text in failure["error"]
 
-    cfg = policy_cfg(base_cfg, [fault], groups=4, redispatch=False, rollout_timeout_s=6.0, max_consecutive_dropped_prompts=5)
+    cfg = policy_cfg(base_cfg, [fault], groups=4, redispatch=False, rollout_timeout_s=6.0,
+                     max_consecutive_dropped_prompts=5)
     cfg.context_compaction.allow_step_shrink, cfg.async_rl.rollout_failure.min_step_batch_fraction = False, 1.0
     run = run_step(stack, cfg)
     assert run.error is None and [o.status for o in run.outcomes] == ["committed", "dropped", "committed", "committed"]
-    with pytest.raises(RuntimeError, match=r"training step 0 lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4"):
+    with pytest.raises(RuntimeError,
+                       match=r"training step 0 lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4"):
         check_step(cfg, 0, run.outcomes)
 
 
@@ -190,11 +195,13 @@ def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base
     run = run_step(stack, policy_cfg(base_cfg, [both], max_data_attempts_per_prompt=1, max_skipped_prompts=1))
     assert isinstance(run.error, RolloutDataFailure)
     assert str(run.error).startswith("skipped 1 prompts and this one also exhausted its data budget, exceeding "
-                                     "max_skipped_prompts=1; the dataset or sequence-length configuration is likely wrong. ")
+                                     "max_skipped_prompts=1; the dataset or sequence-length configuration is likely "
+                                     "wrong. ")
     assert "invalid JSON" in str(run.error.__cause__)
     # the cause, named (the two cut bodies may fail to parse at different tokens: one or both count as one failure)
     assert re.search(r"Dominant failure \((all 2 lost group\(s\)|1 of 2 lost groups)\): AgentBadAnswer: "
-                     r"malformed /run result: NeMo-Gym /run for s0\.g[01]\.r0\.a0 returned invalid JSON", str(run.error)), run.error
+                     r"malformed /run result: NeMo-Gym /run for s0\.g[01]\.r0\.a0 returned invalid JSON",
+                     str(run.error)), run.error
 
 
 def test_a_group_with_every_rollout_masked_has_no_owner_and_drops_under_cc(stack, base_cfg):
@@ -232,7 +239,8 @@ def test_a_model_error_fails_the_row_and_is_redispatched_not_masked(stack, base_
     assert g1.status == "committed" and g1.row_retries == 1
     assert g1.rollouts[0].coords.attempt == 1 and g1.rollouts[0].sample_mask == 1
     (failure,) = run.failures()
-    assert (failure["class"], failure["reason"], failure["error_type"]) == ("infra", "GymTransportError", "ModelCallFailed")
+    assert (failure["class"], failure["reason"],
+            failure["error_type"]) == ("infra", "GymTransportError", "ModelCallFailed")
     assert "injected model_error at s0.g1.r0.a0.c0" in failure["error"]
     assert_invariants(run)
 
@@ -380,7 +388,8 @@ GOOD_ITEM = {"type": "function_call", "name": "open_door", "arguments": "{}", "c
              "prompt_token_ids": [1, 2, 3], "generation_token_ids": [5, 6], "generation_log_probs": [-0.1, -0.2]}
 EMPTY_REPLY = {"type": "message", "role": "assistant"}
 ISSUE_29_RESULTS = {  # group: (what rollout 0 of the group answers, as JSON text; the message fragment)
-    0: ('{"response": {"output": [ITEM]}, "reward": 1' + "0" * 400 + "}", "reward must be a finite number with |reward| <="),
+    0: ('{"response": {"output": [ITEM]}, "reward": 1' + "0" * 400 + "}",
+        "reward must be a finite number with |reward| <="),
     1: ('{"response": {"output": [ITEM_LPS]}, "reward": 1.0}', "generation_log_probs must be finite and <= 0"),
     2: ('{"response": {"output": [ITEM_F32]}, "reward": 1.0}', "got -1e+308 (finite in float32"),
     3: ('{"response": {"output": [ITEM]}, "reward": 1.0, "evidence": {"compactions": "many"}}', "evidence.compactions"),
@@ -397,7 +406,8 @@ def _issue_29_body(group: int) -> str:
     text = ISSUE_29_RESULTS[group][0]
     for name, item in {"ITEM_LPS": {**GOOD_ITEM, "generation_log_probs": [-0.1, -(10**400)]},
                        "ITEM_F32": {**GOOD_ITEM, "generation_log_probs": [-0.1, -1e308]},
-                       "CONTENT_5": {**EMPTY_REPLY, "content": 5}, "CONTENT_NULL": {**EMPTY_REPLY, "content": [{"text": None}]},
+                       "CONTENT_5": {**EMPTY_REPLY, "content": 5},
+                       "CONTENT_NULL": {**EMPTY_REPLY, "content": [{"text": None}]},
                        "ITEM": GOOD_ITEM}.items():
         text = text.replace(name, json.dumps(item))
     return text
@@ -468,7 +478,8 @@ def test_a_group_deadline_before_any_send_names_fresh_attempts_never_minus_one(b
     assert sorted((e["rollout"], e["attempt"]) for e in run.failures()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [e["decision"] for e in run.failures()] == ["retried", "retried", "dropped", "dropped"]
     assert run.manager.reservations == {} and run.manager.in_flight == {}
-    assert len({e["group_attempt"] for e in run.failures()}) == 2, "one fresh group id per group attempt, shared by its rows"
+    assert len({e["group_attempt"] for e in run.failures()}) == 2, \
+        "one fresh group id per group attempt, shared by its rows"
 
 
 def test_a_group_retry_keeps_returned_rows_unless_keep_returned_rows_is_false(stack, base_cfg):

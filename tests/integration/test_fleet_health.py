@@ -40,7 +40,8 @@ def test_a_hung_worker_is_quarantined_and_the_run_trains_on(tmp_path, shared_eng
     assert len(hung) == 1 and hung[0]["step"] == 1 and hung[0]["rank"] in (0, 1), quarantined
     assert hung[0]["worker"] in json.loads((tmp_path / "endpoints.json").read_text())["generation_workers"]
     readmitted = [e for e in events if e["type"] == "worker_readmitted"]
-    assert not any(e["worker"] == hung[0]["worker"] and e["t"] > hung[0]["t"] for e in readmitted), "a wedged worker stays out"
+    assert not any(e["worker"] == hung[0]["worker"] and e["t"] > hung[0]["t"] for e in readmitted), \
+        "a wedged worker stays out"
     # on a loaded 2-core machine a healthy worker's /health may answer 503 for a few probes (an engine
     # step past engine.STUCK_STEP_S) and be quarantined: then it must come back, and it is not the hang
     for e in quarantined:

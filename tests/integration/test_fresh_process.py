@@ -16,7 +16,8 @@ from minirl.config import REPO_ROOT
 @pytest.mark.parametrize("override,line", [
     ("no.such.key=1", "ConfigError: no.such.key: unknown config key"),
     ("policy.generation.temperature=0", "ConfigError: policy.generation.temperature: must be > 0, got 0.0"),
-    ("policy.generation.vllm_cfg.max_model_len=4096", "ConfigError: policy.generation.vllm_cfg.max_model_len: must be <= the "
+    ("policy.generation.vllm_cfg.max_model_len=4096",
+     "ConfigError: policy.generation.vllm_cfg.max_model_len: must be <= the "
      f"model's max_position_embeddings (2048, {REPO_ROOT}/models/tiny-doors/config.json), got 4096"),
 ])
 def test_cli_bad_value_exits_2_with_one_line_before_ray_starts(override, line):

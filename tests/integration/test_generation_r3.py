@@ -56,12 +56,14 @@ def test_check_weights_names_the_tensor_that_does_not_fit(base_cfg):
     assert expected["lm_head.weight"] == expected["model.embed_tokens.weight"] == (512, 128)  # tied: vLLM skips it
     good = [(k, np.zeros(v, np.float32)) for k, v in expected.items()]
     check_weights(good, expected, served)  # the policy's own state_dict (lm_head included) fits
-    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \(576, 128\), but the served model .*tiny-doors has \(512, 128\)"):
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \(576, 128\), but the served model "
+                                         r".*tiny-doors has \(512, 128\)"):
         check_weights(summarize_weights(), expected, served)
     with pytest.raises(ValueError, match="'model.extra.weight' is not a tensor of the served model"):
         check_weights(good + [("model.extra.weight", np.zeros(3, np.float32))], expected, served)
     with pytest.raises(ValueError, match="'model.norm.weight' is int64, not floating point"):
-        check_weights([(k, np.zeros(v, np.int64 if k == "model.norm.weight" else np.float32)) for k, v in expected.items()], expected, served)
+        check_weights([(k, np.zeros(v, np.int64 if k == "model.norm.weight" else np.float32))
+                       for k, v in expected.items()], expected, served)
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) of the served model .*'model.norm.weight'"):
         check_weights([kv for kv in good if kv[0] != "model.norm.weight"], expected, served)
 
@@ -77,22 +79,26 @@ def test_another_models_weights_are_refused_and_the_shared_worker_serves_on(shar
         with pytest.raises(Exception) as refused:
             ray.get(worker.update_weights.remote(summarize_weights(), 10_000))
         message = str(refused.value)
-        assert "ValueError: weights of version 10000 refused, the engine keeps serving version" in message, message[-800:]
-        assert "'model.embed_tokens.weight' has shape (576, 128)" in message and "has (512, 128)" in message, message[-800:]
+        assert "ValueError: weights of version 10000 refused, the engine keeps serving version" in message, \
+            message[-800:]
+        assert "'model.embed_tokens.weight' has shape (576, 128)" in message and "has (512, 128)" in message, \
+            message[-800:]
         assert served_ok(url) == (200, before, 200)  # the same version, healthy, and it answers
         assert ray.get(worker.weights_finite.remote())
     finally:
         ray.shutdown()
 
 
-def test_an_update_failing_inside_vllms_reload_marks_the_engine_dead_and_the_next_reset_restarts_it(shared_engine, base_cfg):
+def test_an_update_failing_inside_vllms_reload_marks_the_engine_dead_and_the_next_reset_restarts_it(
+    shared_engine, base_cfg):
     """The fallback behind the check: weights that pass it but fail inside vLLM's reload (here a float
     dtype torch cannot hold) leave no engine serving from half-loaded layers: /health is 503 and a chat
     request is refused, the process lives on (Ray would re-run the same update on a restarted worker),
     and the next run's `reset` restarts the worker, which then serves."""
     from safetensors.numpy import load_file
 
-    odd = [(k, a.astype(np.longdouble)) for k, a in load_file(f"{base_cfg.policy.model_name}/model.safetensors").items()]
+    odd = [(k, a.astype(np.longdouble))
+           for k, a in load_file(f"{base_cfg.policy.model_name}/model.safetensors").items()]
     ray = connect(shared_engine)
     try:
         worker = ray.get_actor("shared-gen-1")
@@ -139,11 +145,13 @@ def test_the_model_is_served_by_the_name_as_written_and_its_basename(stack, base
     served = base_cfg.policy.model_name
     assert all(served_as(n, served) for n in (served, "models/tiny-doors", "tiny-doors", "./models/tiny-doors/",
                                               str(Path(served).parent / "." / "tiny-doors")))
-    assert not any(served_as(n, served) for n in ("doors", "tiny", "other/tiny-doors", "../tiny-doors", "/models/tiny-doors", ""))
+    assert not any(served_as(n, served)
+                   for n in ("doors", "tiny", "other/tiny-doors", "../tiny-doors", "/models/tiny-doors", ""))
 
     async def go():
         async with stack() as s, aiohttp.ClientSession() as http:
-            ok = [await post(http, s.model_url + CHAT, {**GOOD_CHAT, "model": n}) for n in ("models/tiny-doors", "tiny-doors")]
+            ok = [await post(http, s.model_url + CHAT, {**GOOD_CHAT, "model": n})
+                  for n in ("models/tiny-doors", "tiny-doors")]
             tok = await post(http, s.model_url + "/tokenize", {"model": "tiny-doors", "prompt": "door 7"})
             wrong = await post(http, s.model_url + CHAT, {**GOOD_CHAT, "model": "models/tiny-summarize"})
             return ok, tok, wrong
@@ -169,13 +177,16 @@ def test_a_headerless_call_samples_with_a_seed_of_its_own_and_a_keyed_one_as_sen
         async with stack() as s, aiohttp.ClientSession() as http:
             messages, replies = list(GOOD_CHAT["messages"]), []
             for _ in range(3):
-                body = {**GOOD_CHAT, "messages": messages, "seed": 7, "max_completion_tokens": 8, "return_token_ids": True}
+                body = {**GOOD_CHAT, "messages": messages, "seed": 7, "max_completion_tokens": 8,
+                        "return_token_ids": True}
                 status, out = await post(http, s.model_url + CHAT, body)
                 assert status == 200, out
                 replies.append(out)
-                messages = messages + [{"role": "assistant", "content": out["choices"][0]["message"].get("content") or "?"},
+                messages = messages + [{"role": "assistant",
+                                        "content": out["choices"][0]["message"].get("content") or "?"},
                                        {"role": "user", "content": "Try another door."}]
-            again = await post(http, s.model_url + CHAT, {**GOOD_CHAT, "seed": 7, "max_completion_tokens": 8, "return_token_ids": True})
+            again = await post(http, s.model_url + CHAT,
+                               {**GOOD_CHAT, "seed": 7, "max_completion_tokens": 8, "return_token_ids": True})
             keyed = await post(http, s.model_url + CHAT, {**GOOD_CHAT, "seed": 7, "max_completion_tokens": 8},
                                headers={ROLLOUT_HEADER: "s0.g0.r0.a0.c0"})
             marked = await post(http, s.model_url + CHAT, {**GOOD_CHAT, "seed": 7, "max_completion_tokens": 8},
@@ -230,17 +241,21 @@ def gym_like_agent(model_url: str, turns: int = 3):
         messages, output = items_to_messages(params["input"]), []
         async with aiohttp.ClientSession() as http:
             for _ in range(turns):
-                body = {"messages": messages, "seed": seed, "max_completion_tokens": 12, "logprobs": True, "return_token_ids": True}
+                body = {"messages": messages, "seed": seed, "max_completion_tokens": 12, "logprobs": True,
+                        "return_token_ids": True}
                 status, out = await post(http, model_url + CHAT, body)
                 if status != 200:
                     return web.json_response({"error": out}, status=500)
                 choice = out["choices"][0]
                 text = choice["message"].get("content") or ""
-                output.append({"type": "message", "role": "assistant", "content": text, "prompt_token_ids": out["prompt_token_ids"],
+                output.append({"type": "message", "role": "assistant", "content": text,
+                               "prompt_token_ids": out["prompt_token_ids"],
                                "generation_token_ids": choice["token_ids"],
                                "generation_log_probs": [c["logprob"] for c in choice["logprobs"]["content"]]})
-                messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Try another door."}]
-        reward = float(len({tuple(o["generation_token_ids"]) for o in output})) / turns  # distinct replies: a reward that varies
+                messages = messages + [{"role": "assistant", "content": text},
+                                       {"role": "user", "content": "Try another door."}]
+        # distinct replies: a reward that varies
+        reward = float(len({tuple(o["generation_token_ids"]) for o in output})) / turns
         return web.json_response({**row, "response": {"output": output}, "reward": reward})
 
     return serve_run_in_thread(run)
@@ -265,7 +280,8 @@ def test_an_external_agent_sending_one_seed_gets_a_seed_per_call_and_reruns_iden
                            f"run_dir={run_dir}", *shared_engine)
             assert proc.returncode == 0, proc.stderr[-3000:]
             metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            ledger = [json.loads(x) for s in (0, 1) for x in (run_dir / "ledger" / f"step_{s}.jsonl").read_text().splitlines()]
+            ledger = [json.loads(x) for s in (0, 1)
+                      for x in (run_dir / "ledger" / f"step_{s}.jsonl").read_text().splitlines()]
             runs.append(([{k: m[k] for k in keys} for m in metrics], ledger))
     finally:
         loop.call_soon_threadsafe(loop.stop)

@@ -36,7 +36,8 @@ def wait_gone(*pids: int, timeout: float = 30.0) -> bool:
 def chat(url: str, key: str | None, timeout: float | None = None, **extra) -> tuple[int, dict | None]:
     async def go():
         headers = {ROLLOUT_HEADER: key} if key else {}
-        body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 8, "seed": 1, **extra}
+        body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 8, "seed": 1,
+                **extra}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
             async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                 return r.status, await r.json()
@@ -78,9 +79,11 @@ def test_engines_spin_only_while_their_threads_fit_the_cores(monkeypatch):
     assert engine_env(one) == {"OMP_NUM_THREADS": "2"}  # 2 threads on 4 cores: libgomp's own rule
     assert engine_env(two) == {"OMP_NUM_THREADS": "2"}  # 4 on 4
     assert engine_env(load_config(None, ["cluster.num_generation_workers=3"]))["GOMP_SPINCOUNT"] == THROTTLED_SPIN
-    assert engine_env(load_config(None, ["policy.generation.vllm_cfg.omp_threads=5"]))["GOMP_SPINCOUNT"] == THROTTLED_SPIN
+    assert engine_env(load_config(None,
+                                  ["policy.generation.vllm_cfg.omp_threads=5"]))["GOMP_SPINCOUNT"] == THROTTLED_SPIN
     # a joined cluster's placement is unknown here: libgomp decides on each node
-    assert "GOMP_SPINCOUNT" not in engine_env(load_config(None, ["cluster.num_generation_workers=3", "cluster.ray_address=10.0.0.1:6379"]))
+    remote = load_config(None, ["cluster.num_generation_workers=3", "cluster.ray_address=10.0.0.1:6379"])
+    assert "GOMP_SPINCOUNT" not in engine_env(remote)
     monkeypatch.setenv("GOMP_SPINCOUNT", "20k")  # the driver's own setting wins, either way
     assert engine_env(one)["GOMP_SPINCOUNT"] == engine_env(two)["GOMP_SPINCOUNT"] == "20k"
 
@@ -97,7 +100,8 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         engine_pid, front_pid = ray.get(worker.pid.remote()), ray.get(worker.frontend_pid.remote())
         assert engine_pid != front_pid and alive(front_pid)
         assert psutil.Process(front_pid).ppid() == engine_pid
-        assert psutil.Process(engine_pid).environ()["GOMP_SPINCOUNT"] == os.environ["GOMP_SPINCOUNT"]  # set before torch loads
+        # set before torch loads
+        assert psutil.Process(engine_pid).environ()["GOMP_SPINCOUNT"] == os.environ["GOMP_SPINCOUNT"]
 
         # a call crosses to the engine and back, and lands in the front end's call log
         t_call, steps_before = time.monotonic(), ray.get(worker.stats.remote())["steps"]
@@ -113,7 +117,8 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
 
         # required_prefix_token_ids: vLLM's vocabulary check runs in the engine's process
         status, err = chat(url, None, required_prefix_token_ids=[10**9])
-        assert status == 400 and "out of vocabulary" in err["error"]["message"] and err["error"]["param"] == "required_prefix_token_ids"
+        assert (status == 400 and "out of vocabulary" in err["error"]["message"]
+                and err["error"]["param"] == "required_prefix_token_ids")
 
         # a caller that leaves is recorded as 499 and the engine stops stepping its request
         before = ray.get(worker.stats.remote())["steps"]
@@ -138,7 +143,8 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         assert status == 200 and (record["version_start"], record["version_end"]) == (7, 7)
 
         # a new run's reset ends the previous run's engine_hang (sweeps reuse workers): the same engine steps again
-        cfg = load_config(None, [*WATCHDOG, "faults.inject=[{kind: engine_hang, step: 9, group: 0, rollout: 0, attempt: 0}]"])
+        cfg = load_config(None,
+                          [*WATCHDOG, "faults.inject=[{kind: engine_hang, step: 9, group: 0, rollout: 0, attempt: 0}]"])
         ray.get(worker.reset.remote(cfg))
         assert chat(url, "s9.g0.r0.a0.c0", timeout=2.0)[0] == 0
         steps = ray.get(worker.stats.remote())["steps"]
@@ -157,7 +163,8 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         # engine_hang: a step that never returns. The front end still answers, but /health turns 503 once the step
         # has run for STUCK_STEP_S; past step_timeout_s the engine is dead and the worker ends itself, so Ray
         # restarts it (vLLM's executor gives up on a step after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
-        cfg = load_config(None, [*WATCHDOG, "faults.inject=[{kind: engine_hang, step: 8, group: 0, rollout: 0, attempt: 0}]"])
+        cfg = load_config(None,
+                          [*WATCHDOG, "faults.inject=[{kind: engine_hang, step: 8, group: 0, rollout: 0, attempt: 0}]"])
         ray.get(worker.reset.remote(cfg))
         assert chat(url, "s8.g0.r0.a0.c0", timeout=2.0)[0] == 0
         deadline = time.time() + 10
@@ -198,5 +205,6 @@ def test_a_front_end_that_cannot_start_is_a_clear_error(engine, base_cfg):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=rf"generation worker 0's HTTP front end \(pid \d+\) at 127.0.0.1:{port} failed to start: OSError: .*address already in use"):
+        with pytest.raises(RuntimeError, match=rf"generation worker 0's HTTP front end \(pid \d+\) at 127.0.0.1:{port} "
+                                               r"failed to start: OSError: .*address already in use"):
             FrontEnd(engine, base_cfg, 0, "127.0.0.1", port)

@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _extras() -> dict[str, dict[str, Requirement]]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return {name: {Requirement(r).name: Requirement(r) for r in reqs} for name, reqs in project["optional-dependencies"].items()}
+    return {name: {Requirement(r).name: Requirement(r) for r in reqs}
+            for name, reqs in project["optional-dependencies"].items()}
 
 
 def _pinned(req: Requirement) -> str:

@@ -86,7 +86,8 @@ def test_each_rollout_attempt_is_its_own_gym_episode(base_cfg, tmp_path):
     for row in seen:
         RunRequest.model_validate(row)  # still what Gym's request models take
         c = row["_minirl"]
-        assert (row["_ng_task_index"], row["_ng_rollout_index"], row["_ng_attempt_index"]) == (0, c["rollout"], c["attempt"])
+        assert (row["_ng_task_index"], row["_ng_rollout_index"],
+                row["_ng_attempt_index"]) == (0, c["rollout"], c["attempt"])
     ids = [gym_episode_id(row) for row in seen]
     assert len(set(ids)) == len(ids), ids
     assert ("s0.g0.r1", 1) in ids  # the re-send is the next attempt of the same rollout
@@ -98,7 +99,8 @@ def test_a_rows_own_task_index_wins_and_doors_rows_carry_the_task_seed(base_cfg,
     doors = _serve_rows(cfg, [[prompt_row(cfg, 0, 0)]], fail_first=set())
     assert {row["_ng_task_index"] for row in doors} == {prompt_row(cfg, 0, 0)["task"]["seed"]}
     cfg.data.train_jsonl = str(tmp_path / "own.jsonl")
-    (tmp_path / "own.jsonl").write_text(json.dumps({"responses_create_params": {"input": "hi"}, "_ng_task_index": 41}) + "\n")
+    (tmp_path / "own.jsonl").write_text(json.dumps({"responses_create_params": {"input": "hi"},
+                                                    "_ng_task_index": 41}) + "\n")
     own = _serve_rows(cfg, [[prompt_row(cfg, 0, 0)]], fail_first=set())
     assert [row["_ng_task_index"] for row in own] == [41, 41]
     assert len({gym_episode_id(row) for row in own}) == 2
@@ -115,7 +117,8 @@ def test_held_out_rows_carry_distinct_collector_keys(base_cfg):
 def test_an_external_agent_name_is_any_gym_agent_instance():
     """`agent.name` is what a row without `agent_ref` is sent with; Gym 0.7's `single_agent_turn_legacy`
     refuses any name but its configured agent's, so for an external agent it is free."""
-    cfg = load_config(overrides=["agent.external_url=http://127.0.0.1:1", "agent.name=example_single_tool_call_session_agent"])
+    cfg = load_config(overrides=["agent.external_url=http://127.0.0.1:1",
+                                 "agent.name=example_single_tool_call_session_agent"])
     assert prompt_row(cfg, 0, 0)["agent_ref"] == {"name": "example_single_tool_call_session_agent"}
     with pytest.raises(ConfigError, match=r"^agent.name: must be simple_agent or compaction_agent, got 'other_agent'$"):
         load_config(overrides=["agent.name=other_agent"])  # minirl's own pool serves only its two agents

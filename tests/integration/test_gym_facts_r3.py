@@ -30,7 +30,8 @@ KW = dict(vocab_size=VOCAB, max_len=4096, overlong_filtering=False)
 
 def _item(base: int) -> dict:
     return {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
-            "prompt_token_ids": [1, 2, 3], "generation_token_ids": [base, base + 1], "generation_log_probs": [-0.1, -0.2]}
+            "prompt_token_ids": [1, 2, 3], "generation_token_ids": [base, base + 1],
+            "generation_log_probs": [-0.1, -0.2]}
 
 
 def _ok(row: dict, r: int) -> dict:
@@ -88,7 +89,8 @@ def test_a_wrong_typed_terminal_stamp_is_not_sent_fifteen_times(base_cfg):
         row = await request.json()
         r = row["_minirl"]["rollout"]
         sends[r] = sends.get(r, 0) + 1
-        return web.json_response({**_ok(row, r), "_ng_failure_class": "Timeout", "_ng_failure_terminal": "true"} if r == 0
+        return web.json_response({**_ok(row, r), "_ng_failure_class": "Timeout",
+                                  "_ng_failure_terminal": "true"} if r == 0
                                  else _ok(row, r))
 
     cfg = _cfg(base_cfg)
@@ -108,7 +110,8 @@ def judge_failsafe(row: dict, r: int, error: str = "judge endpoint answered 503"
     data = _ok(row, r)
     instance_config = data.get("instance_config")
     return data | {"reward": 0.0, "mask_sample": True, "failure_kind": "judge_failed", "failure_reason": error,
-                   "instance_config": {**(instance_config if isinstance(instance_config, dict) else {}), "mask_sample": True},
+                   "instance_config": {**(instance_config if isinstance(instance_config, dict) else {}),
+                                       "mask_sample": True},
                    "_ng_failure_class": "judge_failed", "_ng_failure_judge_error": error}
 
 
@@ -133,7 +136,8 @@ def test_judge_failsafe_is_a_masked_rollout_that_trains_on(base_cfg, preset):
     assert out.status == "committed" and sends == {0: 1, 1: 1}
     masked = out.rollouts[0]
     assert masked.mask_reason == "mask_sample" and masked.sample_mask == 0 and out.rollouts[1].sample_mask == 1
-    assert masked.evidence["failure_kind"] == "judge_failed" and masked.evidence["failure_reason"] == "judge endpoint answered 503"
+    assert (masked.evidence["failure_kind"] == "judge_failed"
+            and masked.evidence["failure_reason"] == "judge endpoint answered 503")
     assert not [e for e in events if e["type"] == "failure"]
 
 
@@ -143,7 +147,8 @@ def test_which_fact_wins():
     judge = judge_failsafe({}, 0)
     assert episode_failure(judge) is None and sample_mask(judge)["failure_kind"] == "judge_failed"
     terminal = episode_failure({**judge, "_ng_failure_terminal": True})
-    assert terminal is not None and terminal.terminal is True and failure_facts(terminal)["failure_kind"] == "judge_failed"
+    assert (terminal is not None and terminal.terminal is True
+            and failure_facts(terminal)["failure_kind"] == "judge_failed")
     legacy_only = {**_ok({}, 0), "instance_config": {"mask_sample": True}, "_ng_failure_class": "judge_failed"}
     assert episode_failure(legacy_only) is None
     assert parse_rollout(legacy_only, Coords(0, 0, 0, 0), **KW).mask_reason == "mask_sample"
@@ -218,7 +223,8 @@ def test_a_siblings_deterministic_failure_logs_each_rows_own_class(base_cfg):
     assert out.status == "skipped" and "DeterministicFailure" in out.reason
     group_level = {(e["rollout"], e["reason"], e["class"], e["decision"], e["terminal"]) for e in events
                    if e["type"] == "failure" and "scope" not in e}
-    assert group_level == {(0, "DeterministicFailure", "data", "skipped", True), (1, "GymTransportError", "infra", "skipped", False)}
+    assert group_level == {(0, "DeterministicFailure", "data", "skipped", True),
+                           (1, "GymTransportError", "infra", "skipped", False)}
 
 
 # ------------------------------------------------------------------------ AA LOW: `terminal` on retries
@@ -250,8 +256,8 @@ def test_a_huge_failure_kind_is_cut_with_a_marker(base_cfg):
         row = await request.json()
         r = row["_minirl"]["rollout"]
         if r == 0:
-            return web.json_response({"episode_id": {}, "task_id": {}, "failure": {"failure_reason": "x" * 5000,
-                                                                                  "terminal": False, "failure_kind": huge}})
+            failure = {"failure_reason": "x" * 5000, "terminal": False, "failure_kind": huge}
+            return web.json_response({"episode_id": {}, "task_id": {}, "failure": failure})
         return web.json_response({"_ng_failure_class": huge, "_ng_failure_message": "y" * 5000})
 
     cfg = _cfg(base_cfg)
@@ -315,7 +321,8 @@ def test_an_environment_server_failure_gets_a_kind_from_gyms_vocabulary():
     assert classify(exc) == INFRA and facts == {"failure_kind": "agent_run_error", "stage": "seed", "terminal": False}
     assert known_kind(facts["failure_kind"]) and exc.error_type == "environment_server_failed"
     assert failure_facts(episode_failure({"_ng_failure_class": "timeout_exceeded"}))["failure_kind"] == "agent_timeout"
-    assert failure_facts(episode_failure({"_ng_failure_class": "gdpval:reference_missing"}))["failure_kind"] == "gdpval:reference_missing"
+    assert failure_facts(episode_failure({"_ng_failure_class": "gdpval:reference_missing"}))["failure_kind"] == \
+        "gdpval:reference_missing"
 
 
 # ------------------------------------------------------------------------ AA-5: minirl's agent echoes no result fact
@@ -329,7 +336,8 @@ def test_minirls_agent_does_not_echo_result_facts_from_its_request(stack, base_c
     cfg = copy.deepcopy(base_cfg)
     cfg.env.num_rooms = 1
     dumped = {"_ng_failure_class": "Timeout", "_ng_failure_terminal": True, "_ng_failure_message": "old run's timeout",
-              "failure": {"failure_reason": "old", "terminal": True}, "mask_sample": True, "failure_kind": "judge_failed",
+              "failure": {"failure_reason": "old", "terminal": True}, "mask_sample": True,
+              "failure_kind": "judge_failed",
               "failure_reason": "old judge", "instance_config": {"mask_sample": True, "keep": 1}}
 
     async def go():

@@ -38,12 +38,15 @@ def test_the_mapping_table():
     exc = episode_failure({"episode_id": {"id": "e"}, "task_id": {"id": "t"}, "failure": lost})
     assert isinstance(exc, EpisodeFailed) and classify(exc) == INFRA
     assert failure_facts(exc) == {"failure_kind": "session_lost", "stage": "seed", "terminal": False}
-    exc = episode_failure({"episode_id": {}, "task_id": {}, "failure": {"failure_reason": "bad task", "terminal": True}})
+    exc = episode_failure({"episode_id": {}, "task_id": {},
+                           "failure": {"failure_reason": "bad task", "terminal": True}})
     assert isinstance(exc, EpisodeFailedTerminal) and classify(exc) == DATA and "bad task" in str(exc)
     assert failure_facts(exc) == {"failure_kind": "agent_run_error", "stage": None, "terminal": True}
-    stamped = episode_failure({"_ng_failure_class": "skipped", "_ng_failure_terminal": True, "_ng_failure_message": "no"})
+    stamped = episode_failure({"_ng_failure_class": "skipped", "_ng_failure_terminal": True,
+                               "_ng_failure_message": "no"})
     # a class outside Gym's vocabulary (Stirrup's `skipped`) is the error type; the kind is a vocabulary one
-    assert classify(stamped) == DATA and stamped.terminal and failure_facts(stamped)["failure_kind"] == "agent_run_error"
+    assert (classify(stamped) == DATA and stamped.terminal
+            and failure_facts(stamped)["failure_kind"] == "agent_run_error")
     assert stamped.error_type == "skipped"
     assert classify(episode_failure({"_ng_failure_class": "timeout_exceeded"})) == INFRA  # unstamped: retried
     for plain in ({"response": {"output": []}, "reward": 0.0}, {"failure": "text"}, [1], None, {"failure": None}):
@@ -52,13 +55,16 @@ def test_the_mapping_table():
     judge = {"reward": 0.0, "mask_sample": True, "failure_kind": "judge_failed", "failure_reason": "judge 503"}
     assert sample_mask(judge) == {"failure_kind": "judge_failed", "failure_reason": "judge 503"}
     assert sample_mask({"reward": 0.0, "instance_config": {"mask_sample": True}})["failure_kind"] == "verifier_error"
-    assert sample_mask({"reward": 0.0, "mask_sample": False, "failure_kind": "judge_failed"}) is None  # named, still measured
+    # named, still measured
+    assert sample_mask({"reward": 0.0, "mask_sample": False, "failure_kind": "judge_failed"}) is None
     assert sample_mask({"mask_sample": None}) is None and sample_mask(None) is None
 
     # error bodies: `terminal` decides where it is given, else the status does (as before)
-    body = json.dumps({"error": "x", "failure_kind": "provider_oom_killed", "stage": "agent", "terminal": False}).encode()
+    body = json.dumps({"error": "x", "failure_kind": "provider_oom_killed", "stage": "agent",
+                       "terminal": False}).encode()
     exc = error_failure(400, body, "HTTP 400", None)
-    assert classify(exc) == INFRA and failure_facts(exc) == {"failure_kind": "provider_oom_killed", "stage": "agent", "terminal": False}
+    assert (classify(exc) == INFRA
+            and failure_facts(exc) == {"failure_kind": "provider_oom_killed", "stage": "agent", "terminal": False})
     exc = error_failure(500, b'{"error": "y", "terminal": true}', "HTTP 500", None)
     assert isinstance(exc, RolloutDataFailure) and exc.terminal is True
     assert classify(error_failure(500, b'"ValueError()"', "m", None)) == INFRA  # Gym's middleware body: a JSON string
@@ -70,12 +76,14 @@ def test_the_mapping_table():
     transport = GymTransportError("failed in transport")
     transport.__cause__ = ConnectionResetError()
     for exc, kind in ((RolloutTimeout("t"), "agent_timeout"), (transport, "transport_peer_drop"),
-                      (RolloutDataFailure("malformed /run result"), "minirl:bad_result"), (TimeoutError(), "transport_timeout"),
+                      (RolloutDataFailure("malformed /run result"), "minirl:bad_result"),
+                      (TimeoutError(), "transport_timeout"),
                       (ConnectionRefusedError(), "transport_unreachable"), (KeyError("k"), "minirl:key_error")):
         assert failure_facts(exc)["failure_kind"] == kind and known_kind(kind), exc
     assert len(FAILURE_KINDS) == 22 and "session_lost" in FAILURE_KINDS and not known_kind("Bad Kind")
 
-    assert run_error_body(ValueError("v")) == {"error": "ValueError('v')", "type": "ValueError", "failure_kind": "agent_run_error",
+    assert run_error_body(ValueError("v")) == {"error": "ValueError('v')", "type": "ValueError",
+                                               "failure_kind": "agent_run_error",
                                                "stage": "agent", "terminal": False}
     assert run_error_body(ValueError("row"), 400, stage="admission")["failure_kind"] == "minirl:bad_row"
     import minirl.agents.server as agent_server
@@ -87,7 +95,8 @@ def test_the_mapping_table():
 
 def _item(base: int) -> dict:
     return {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
-            "prompt_token_ids": [1, 2, 3], "generation_token_ids": [base, base + 1], "generation_log_probs": [-0.1, -0.2]}
+            "prompt_token_ids": [1, 2, 3], "generation_token_ids": [base, base + 1],
+            "generation_log_probs": [-0.1, -0.2]}
 
 
 def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
@@ -138,7 +147,8 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
     assert masked.evidence["failure_reason"] == "session expired before verify"
     assert sends[1, 0] == 1 and sends[1, 1] == 1, "a terminal EpisodeFailure is never retried"
     assert sends[2, 0] == 2 and sends[2, 1] == 1, "a non-terminal one is re-sent alone"
-    assert sends[3, 0] == sends[3, 1] == 4, "2 group attempts (max_infra_attempts_per_prompt) x 2 sends (max_row_attempts)"
+    assert sends[3, 0] == sends[3, 1] == 4, \
+        "2 group attempts (max_infra_attempts_per_prompt) x 2 sends (max_row_attempts)"
     failures = [e for e in events if e["type"] == "failure"]
     assert {(e["group"], e["class"], e["decision"], e["failure_kind"], e["terminal"]) for e in failures} == {
         (1, "data", "skipped", "agent_run_error", True), (2, "infra", "retried", "provider_oom_killed", False),
@@ -147,14 +157,17 @@ def test_gym_facts_drive_the_rollout_managers_lanes(base_cfg):
 
     batch, stats = assemble(cfg, outcomes, pad_id=0)
     g0 = batch.group == 0
-    assert (batch.sample_mask[g0 & (batch.rollout == 0)] == 0).all() and (batch.sample_mask[g0 & (batch.rollout == 1)] == 1).all()
-    # out of the baseline: the survivor is alone, so its advantage is 0 (with the masked reward 0.0 in it, it would be 1.0)
+    assert (batch.sample_mask[g0 & (batch.rollout == 0)] == 0).all() \
+        and (batch.sample_mask[g0 & (batch.rollout == 1)] == 1).all()
+    # out of the baseline: the survivor is alone, so its advantage is 0 (with the masked reward 0.0 in it, it would be
+    # 1.0)
     assert np.allclose(batch.advantages[g0], 0.0)
     assert stats["rollouts_masked"] == 1 and stats["rollouts_trained"] == 3
     kept = [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
     assert kind_counts(outcomes, kept) == {"failures_by_kind": {"agent_run_error": 2, "provider_oom_killed": 1 + 8},
                                            "masked_by_kind": {"session_lost": 1}}
-    assert [o.failures_by_kind for o in outcomes] == [{}, {"agent_run_error": 2}, {"provider_oom_killed": 1}, {"provider_oom_killed": 8}]
+    assert [o.failures_by_kind
+            for o in outcomes] == [{}, {"agent_run_error": 2}, {"provider_oom_killed": 1}, {"provider_oom_killed": 8}]
     assert kind_counts([], []) == {"failures_by_kind": {}, "masked_by_kind": {}}
 
 
@@ -177,8 +190,9 @@ def test_minirls_agent_server_speaks_gyms_failure_shapes(stack, base_cfg):
             out = {}
             for name, body in (("bad", {"agent_ref": {"name": "simple_agent"}}),
                                ("unknown", {**prompt_row(cfg, 0, 0), "agent_ref": {"name": "nope"}}),
-                               *((f"r{r}", {**prompt_row(cfg, 0, 0), "_rowidx": r, "_minirl": {"step": 0, "group": 0, "rollout": r,
-                                                                                                  "attempt": 0}}) for r in (0, 1))):
+                               *((f"r{r}", {**prompt_row(cfg, 0, 0), "_rowidx": r,
+                                            "_minirl": {"step": 0, "group": 0, "rollout": r, "attempt": 0}})
+                                 for r in (0, 1))):
                 async with http.post(s.agent_url + "/run", json=body) as resp:
                     out[name] = (resp.status, await resp.read())
             return out
@@ -186,13 +200,15 @@ def test_minirls_agent_server_speaks_gyms_failure_shapes(stack, base_cfg):
     out = asyncio.run(go())
     for name, status, kind in (("bad", 400, "minirl:bad_row"), ("unknown", 404, "minirl:unknown_agent")):
         body = json.loads(out[name][1])
-        assert out[name][0] == status and (body["failure_kind"], body["stage"], body["terminal"]) == (kind, "admission", True)
+        assert (out[name][0] == status
+                and (body["failure_kind"], body["stage"], body["terminal"]) == (kind, "admission", True))
         exc = error_failure(status, out[name][1], "m", body["type"])
         assert classify(exc) == DATA and exc.terminal is True
     plain, lost = (json.loads(out[f"r{r}"][1]) for r in (0, 1))
     assert out["r0"][0] == out["r1"][0] == 200
     assert (plain["mask_sample"], plain["failure_kind"], plain["failure_reason"]) == (False, None, None)
-    assert lost["mask_sample"] is True and lost["failure_kind"] == "session_lost" and "session_lost" in lost["failure_reason"]
+    assert (lost["mask_sample"] is True and lost["failure_kind"] == "session_lost"
+            and "session_lost" in lost["failure_reason"])
     assert lost["reward"] == 0.0, "a lost session's score is no measurement: 0.0, as Gym's failsafes report it"
     kw = dict(vocab_size=10**6,
               max_len=cfg.policy.max_total_sequence_length, overlong_filtering=False)

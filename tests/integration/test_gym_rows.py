@@ -96,7 +96,8 @@ def test_agent_reads_the_seed_from_extra_body(stack, base_cfg):
                 async with http.post(s.agent_url + "/run", json=row) as r:
                     assert r.status == 200, await r.text()
                     body = await r.json()
-                out.append([it["generation_token_ids"] for it in body["response"]["output"] if "generation_token_ids" in it])
+                out.append([it["generation_token_ids"]
+                            for it in body["response"]["output"] if "generation_token_ids" in it])
             return out
 
     a, b, c = asyncio.run(go())

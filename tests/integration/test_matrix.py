@@ -23,7 +23,8 @@ def test_the_table_reads_the_configs_own_values():
     table = {s.name: s.values for s in switches()}
     assert table["mode"] == ("sync", *SAMPLER_TRAITS)
     assert table["is_correction"] == (None, "tis", "icepop", "seq-mask-tis")
-    assert set(table["compaction"]) == set(choices("agent.context_history.policy.type")) >= {"identity", "recency", "summarize"}
+    assert set(table["compaction"]) == set(choices("agent.context_history.policy.type")) \
+        >= {"identity", "recency", "summarize"}
     assert table["fix2"] == choices("agent.context_history.guards.on_reject")
 
 
@@ -60,7 +61,8 @@ def _write(run_dir: Path, rows: list[dict], events: list[dict], ledger: dict[int
 
 
 def _row(step: int, **kw) -> dict:
-    return {"step": step, "groups_target": 4, "groups_trained": 4, "dropped_prompt_groups": 0, "skipped_prompt_groups": 0,
+    return {"step": step, "groups_target": 4, "groups_trained": 4, "dropped_prompt_groups": 0,
+            "skipped_prompt_groups": 0,
             "rollouts_masked": 0, "stale_groups_evicted": 0, "policy_version": step, "loss": 0.1, "grad_norm": 1.0} | kw
 
 
@@ -115,7 +117,8 @@ SUMMARIZE_WORKERS = f"""
 import sys
 from minirl.cluster import start_shared_generation
 from minirl.config import load_config
-cfg = load_config("configs/summarize.yaml", ["cluster.num_generation_workers={SHARED_WORKERS}", "cluster.cpus_per_generation_worker=0.5"])
+cfg = load_config("configs/summarize.yaml",
+                  ["cluster.num_generation_workers={SHARED_WORKERS}", "cluster.cpus_per_generation_worker=0.5"])
 print(" ".join(start_shared_generation(cfg, "matrix-summarize")), flush=True)
 sys.stdin.read()
 """

@@ -15,13 +15,15 @@ from minirl.config import REPO_ROOT, AgentConfig, load_config
 from minirl.generation.chat_format import parse_reply
 
 SAMPLE = ('<|im_start|>user\nRoom 1.<image>lamp 3 , door 9 ; gold red</image><|im_end|>\n<|im_start|>assistant\n'
-          '<think>door 9</think><tool_call>{"name": "open_door", "arguments": {"code": 9}}</tool_call><|im_end|> it\'s  x\n\n')
+          '<think>door 9</think><tool_call>{"name": "open_door", "arguments": {"code": 9}}</tool_call><|im_end|> '
+          'it\'s  x\n\n')
 
 
 def test_build_script_makes_a_loadable_model(tmp_path):
     out = tmp_path / "m"
     proc = subprocess.run(
-        [sys.executable, "scripts/build_tiny_model.py", "--out", str(out), "--episodes", "60", "--sft-steps", "3", "--batch", "4"],
+        [sys.executable, "scripts/build_tiny_model.py", "--out", str(out), "--episodes", "60", "--sft-steps", "3",
+         "--batch", "4"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -29,7 +31,8 @@ def test_build_script_makes_a_loadable_model(tmp_path):
     assert model.config.model_type == "qwen2"
     info = json.loads((out / "build_info.json").read_text())
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
-    assert "task" not in info["args"] and "summary_recall" not in info  # the default build records what it did before issue 30
+    # the default build records what it did before issue 30
+    assert "task" not in info["args"] and "summary_recall" not in info
 
 
 def test_summarize_build_runs_its_teacher_through_the_summarizing_policy(tmp_path, capsys):
@@ -110,7 +113,8 @@ def test_summarizing_teacher_drops_the_fact_sometimes_and_answers_from_its_summa
         env = DoorsEnv(seed=rng.randrange(2**31), num_rooms=4, task="doors_memory")
         cfg = AgentConfig(max_steps=4)
         cfg.context_history.policy.type = "summarize"
-        cfg.context_history.policy.summarize.threshold_tokens = [320, 340]  # rough counts ~100, 190, 280, 370: before the last room only
+        # rough counts ~100, 190, 280, 370: before the last room only
+        cfg.context_history.policy.summarize.threshold_tokens = [320, 340]
         row = {"responses_create_params": {"input": env.initial_input(), "tools": TOOLS},
                "task": {"env": "doors_memory", "seed": env.seed, "num_rooms": 4},
                "_minirl": {"step": 0, "group": i, "rollout": 0, "attempt": 0}}
@@ -163,7 +167,8 @@ def test_note_drills_train_the_notes_digit_and_redraw_it():
 
     hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
     examples = b.summarizing_transcripts(16, 0.9, 0.5, 0, render, lambda m, t: len(hf(render(m, t))["input_ids"]))
-    for kind, head, trained in (("summary", "<summary>keep\nnote", 1), ("hidden_door", "<|im_start|>assistant\n<think>note", 2)):
+    for kind, head, trained in (("summary", "<summary>keep\nnote", 1),
+                                ("hidden_door", "<|im_start|>assistant\n<think>note", 2)):
         drills = b.note_drills(examples, hf, 3, 0, kind)
         assert drills and len(drills) % 3 == 0
         digits = set()

@@ -71,7 +71,8 @@ def test_least_outstanding_and_refused_worker_skipped(tmp_path):
     async def go():
         a, b = Backend("a"), Backend("b")
         urls = [await a.start(), await b.start()]
-        router = await asyncio.get_running_loop().run_in_executor(None, GenerationRouter, router_cfg(), [dead_url(), *urls])
+        router = await asyncio.get_running_loop().run_in_executor(
+            None, GenerationRouter, router_cfg(), [dead_url(), *urls])
         try:
             assert 6000 <= int(router.url.rsplit(":", 1)[1]) <= 6099
             async with aiohttp.ClientSession() as http:
@@ -122,7 +123,9 @@ def test_no_shard_status_must_not_be_one_gym_retries():
         with pytest.raises(ConfigError, match="async_rl.generation_router.no_healthy_backend_status"):
             load_config(None, [f"async_rl.generation_router.no_healthy_backend_status={bad}"])
     with pytest.raises(ConfigError, match="async_rl.generation_router.port_range_high"):
-        load_config(None, ["async_rl.generation_router.port_range_low=6100", "async_rl.generation_router.port_range_high=6000"])
+        load_config(None,
+                    ["async_rl.generation_router.port_range_low=6100",
+                     "async_rl.generation_router.port_range_high=6000"])
 
 
 FAST = dict(enabled=True, probe_interval_s=0.25, probe_timeout_s=0.2, unhealthy_threshold=2, healthy_threshold=2)
@@ -157,7 +160,8 @@ def test_fleet_health_quarantines_a_hung_worker_fails_its_requests_at_once_and_r
                 assert status == 503 and "quarantined" in body["error"]["message"], body
                 assert "probe_timeout_s=0.2" in body["error"]["message"]
                 report = await poll()
-                assert [(e["type"], e["rank"], e["worker"]) for e in report["events"]] == [("worker_quarantined", 0, urls[0])]
+                assert [(e["type"], e["rank"], e["worker"])
+                        for e in report["events"]] == [("worker_quarantined", 0, urls[0])]
                 assert report["healthy"] == 1 and report["error"] is None
                 for _ in range(3):  # quarantined: everything goes to b, though a has nothing outstanding
                     assert (await post("/tokenize"))[1]["backend"] == "b"
@@ -188,9 +192,11 @@ def test_a_restarted_worker_rejoins_and_too_few_healthy_workers_name_the_quarant
             await until(lambda: urls[0] in router.quarantined, what="a's quarantine")
             report = await loop.run_in_executor(None, router.poll_health)
             assert report["healthy"] == 1
-            assert report["error"].startswith("1 of 2 generation workers healthy, below async_rl.generation_fleet_health"
+            assert report["error"].startswith("1 of 2 generation workers healthy, below "
+                                              "async_rl.generation_fleet_health"
                                               ".min_healthy_shards=2; quarantined by their /health probes: worker 0 at "
-                                              f"{urls[0]}: 2 consecutive failed probes (last: /health failed: "), report["error"]
+                                              f"{urls[0]}: 2 consecutive failed probes (last: /health failed: "), \
+        report["error"]
             restarted = Backend("a2")
             await restarted.start(port=int(urls[0].rsplit(":", 1)[1]))  # back at the same URL, as Ray restarts it
             await until(lambda: not router.quarantined, what="the restarted worker's re-admission")
@@ -209,12 +215,14 @@ def test_a_quarantine_names_the_error_an_unhealthy_worker_answered():
         loop = asyncio.get_running_loop()
         a, b = Backend("a"), Backend("b")
         urls = [await a.start(), await b.start()]
-        router = await loop.run_in_executor(None, lambda: GenerationRouter(router_cfg(), urls, health=GenerationFleetHealthConfig(**FAST)))
+        router = await loop.run_in_executor(
+            None, lambda: GenerationRouter(router_cfg(), urls, health=GenerationFleetHealthConfig(**FAST)))
         try:
             a.unhealthy = "an engine step has been running for 7 s (wedged?)"  # what server.health answers
             await until(lambda: urls[0] in router.quarantined, what="a's quarantine")
             assert router.quarantined[urls[0]].endswith(
-                "consecutive failed probes (last: /health answered HTTP 503: an engine step has been running for 7 s (wedged?))")
+                "consecutive failed probes (last: /health answered HTTP 503: an engine step has been running for 7 s "
+                "(wedged?))")
             (event,) = (await loop.run_in_executor(None, router.poll_health))["events"]
             assert event["type"] == "worker_quarantined" and "running for 7 s" in event["reason"]
         finally:
@@ -234,16 +242,19 @@ def test_fleet_health_config_is_validated():
         ([f"{key}.unhealthy_threshold=0"], "must be >= 1"),
         ([f"{key}.healthy_threshold=0"], "must be >= 1"),
         ([f"{key}.probe_interval_s=0"], "must be > 0"),
-        ([f"{key}.enabled=true", "async_rl.generation_router.enabled=false"], "needs async_rl.generation_router.enabled=true"),
+        ([f"{key}.enabled=true", "async_rl.generation_router.enabled=false"],
+         "needs async_rl.generation_router.enabled=true"),
     ):
         with pytest.raises(ConfigError, match=re.escape(overrides[0].split("=")[0]) + ": " + re.escape(problem)):
             load_config(None, overrides)
     cfg = load_config(None, [f"{key}.enabled=true", "cluster.num_generation_workers=2", f"{key}.min_healthy_shards=2"])
-    assert cfg.async_rl.generation_fleet_health.probe_interval_s == 5.0 and cfg.async_rl.generation_fleet_health.probe_timeout_s == 2.0
+    assert (cfg.async_rl.generation_fleet_health.probe_interval_s == 5.0
+            and cfg.async_rl.generation_fleet_health.probe_timeout_s == 2.0)
     assert load_config().async_rl.generation_fleet_health.enabled is False
 
 
-# ------------------------------------------------------------------------------- issue 29: half-sent bodies, the session
+# ------------------------------------------------------------------------------- issue 29: half-sent bodies, the
+# session
 def test_a_client_that_stalls_mid_body_gets_408_and_is_closed_while_others_are_served():
     """A raw socket on loopback sends headers and half its body, then nothing: within
     connect_timeout_s the router answers 408 and closes the connection; a whole request meanwhile
@@ -278,7 +289,8 @@ def test_a_client_that_stalls_mid_body_gets_408_and_is_closed_while_others_are_s
 
             stalled = loop.run_in_executor(None, stall)
             async with aiohttp.ClientSession() as http:
-                async with http.post(router.url + "/tokenize", json={"prompt": "door 7 " * 500_000}) as r:  # 3.5 MB: many chunks
+                # 3.5 MB: many chunks
+                async with http.post(router.url + "/tokenize", json={"prompt": "door 7 " * 500_000}) as r:
                     whole = r.status, await r.json()
             took, answer, rest = await stalled
             return took, answer, rest, whole
@@ -316,7 +328,8 @@ print("stopped", flush=True)
 """
     from minirl.config import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "-W", "default", "-c", child], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    done = subprocess.run([sys.executable, "-W", "default", "-c", child], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT)
     assert done.returncode == 0 and "stopped" in done.stdout, done.stderr[-2000:]
     assert "Unclosed" not in done.stderr, done.stderr[-2000:]
 
@@ -329,7 +342,8 @@ def test_a_client_that_stalls_mid_headers_is_closed():
     async def go():
         loop = asyncio.get_running_loop()
         a = Backend("a")
-        router = await loop.run_in_executor(None, GenerationRouter, router_cfg(connect_timeout_s=0.5), [await a.start()])
+        router = await loop.run_in_executor(None, GenerationRouter, router_cfg(connect_timeout_s=0.5),
+                                            [await a.start()])
         try:
             port = int(router.url.rsplit(":", 1)[1])
 

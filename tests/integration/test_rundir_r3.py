@@ -42,7 +42,8 @@ def earlier_run(run_dir: Path, model: str = "models/tiny-doors") -> None:
         (Path(d) / "trainer_state.pt").write_bytes(b"optimizer")
 
     for step in range(4):
-        state = {"step": step, "next_step": step + 1, "rollout_manager": {}, "config": json.loads(json.dumps(asdict(cfg)))}
+        state = {"step": step, "next_step": step + 1, "rollout_manager": {},
+                 "config": json.loads(json.dumps(asdict(cfg)))}
         checkpoint.save(run_dir, step, state, write, cfg.policy.model_name, keep_last_k=2)
 
 
@@ -61,7 +62,8 @@ def test_a_fresh_run_into_an_earlier_runs_folder_is_refused_before_ray_and_leave
     # overwrite cannot be asked of a resume from inside the folder: it would remove the checkpoint
     proc = run_cli(f"run_dir={run}", "checkpoint.resume=auto", "run_dir_exists=overwrite", timeout=120)
     assert proc.returncode == 2 and last_line(proc.stderr).startswith(
-        "ConfigError: run_dir_exists: overwrite would remove the checkpoint checkpoint.resume=auto resumes from"), proc.stderr
+        "ConfigError: run_dir_exists: overwrite would remove the checkpoint checkpoint.resume=auto resumes from"), \
+        proc.stderr
     assert snapshot(run) == before
 
 
@@ -77,7 +79,8 @@ def test_overwrite_removes_every_file_a_run_writes_and_nothing_else_and_a_resume
         assert checkpoint.claim_run_dir(load_config(None, [f"run_dir={run}", f"checkpoint.resume={resume}"]), run) == []
         assert snapshot(run) == before
     removed = checkpoint.claim_run_dir(load_config(None, [f"run_dir={run}", "run_dir_exists=overwrite"]), run)
-    assert removed == ["config.yaml", "endpoints.json", "metrics.jsonl", "events.jsonl", "ledger", "tensorboard", "checkpoints"]
+    assert removed == ["config.yaml", "endpoints.json", "metrics.jsonl", "events.jsonl", "ledger", "tensorboard",
+                       "checkpoints"]
     assert [p.name for p in run.iterdir()] == ["notes.txt"] and checkpoint.earlier_run(run) == []
     # a folder with only what every run writes whole (a start that wrote nothing else) is no earlier run
     (run / "config.yaml").write_text("x")
@@ -95,7 +98,8 @@ def test_resuming_a_checkpoint_of_another_model_is_refused_before_ray_naming_bot
         f"ConfigError: policy.model_name: {REPO_ROOT / 'models' / 'tiny-doors'} is not the model of the checkpoint "
         f"resumed ({step3}, written with policy.model_name={REPO_ROOT / 'models' / 'tiny-summarize'}): vocab_size 576 "
         "there, 512 here; resume with that model, or start a new run_dir"]
-    checkpoint.check_resume(load_config(None, [f"run_dir={run}", "checkpoint.resume=auto", "policy.model_name=models/tiny-summarize"]))
+    checkpoint.check_resume(load_config(None, [f"run_dir={run}", "checkpoint.resume=auto",
+                                               "policy.model_name=models/tiny-summarize"]))
 
 
 def test_a_resume_names_each_change_of_the_prompt_stream(tmp_path):
@@ -107,7 +111,8 @@ def test_a_resume_names_each_change_of_the_prompt_stream(tmp_path):
     rows.write_text(json.dumps({"responses_create_params": {"input": [{"role": "user", "content": "hi"}]}}) + "\n")
     assert checkpoint.dataset_changes(old, load_config(None, ["env.data_seed=7", f"data.train_jsonl={rows}"])) == [
         f"data.train_jsonl: None -> {str(rows)!r}", "env.data_seed: 1234 -> 7"]
-    assert checkpoint.dataset_changes(None, load_config(None, [])) == [], "a checkpoint without a config: nothing to compare"
+    assert checkpoint.dataset_changes(None, load_config(None, [])) == [], \
+        "a checkpoint without a config: nothing to compare"
 
 
 def test_a_ray_address_that_does_not_answer_is_refused_in_seconds_naming_it_as_typed(tmp_path):
@@ -137,13 +142,15 @@ def test_ray_endpoint_reads_host_and_port(address, endpoint):
 
 
 @pytest.mark.parametrize("overrides,line", [
-    (["cluster.ray_address=10.0.0.1"], "cluster.ray_address: must be auto, host:port or ray://host:port, got '10.0.0.1'"),
+    (["cluster.ray_address=10.0.0.1"],
+     "cluster.ray_address: must be auto, host:port or ray://host:port, got '10.0.0.1'"),
     (["cluster.attach_generation_workers=shared-gen"],
      "cluster.attach_generation_workers: needs cluster.ray_address, the cluster whose workers are named 'shared-gen': "
      "without it a new local Ray starts, which runs no such workers"),
     (["grpo.num_generations_per_prompt=1"],  # issue 49 LOW: every advantage 0, the run trained nothing silently
      "grpo.num_generations_per_prompt: must be >= 2, got 1: GRPO's advantage is a rollout's reward against the rest of "
-     "its group, and a group with at most one valid rollout gets advantage 0 (as upstream), so every step would train nothing"),
+     "its group, and a group with at most one valid rollout gets advantage 0 (as upstream), so every step would train "
+     "nothing"),
 ])
 def test_settings_that_cannot_work_are_refused_naming_the_key(overrides, line):
     with pytest.raises(ConfigError) as err:

@@ -5,7 +5,8 @@ and talks to it over ZMQ, as in training (no Ray needed for that).
 - every field the chat template prints is counted before rendering, so a 10 MB tool name, role,
   tool-call name or parameter name is refused at once with vLLM's `input_text` 400, and `/health`
   stays fast meanwhile; a field the template does not print (a tool's description) is served;
-- an unknown model name is vLLM's 404, naming the served path whole; `top_logprobs` and `logprob_token_ids` answer as vLLM does;
+- an unknown model name is vLLM's 404, naming the served path whole; `top_logprobs` and `logprob_token_ids` answer
+  as vLLM does;
 - a token id beyond 64 bits is vLLM's 400 naming its field, across the process boundary too;
 - a `required_prefix_token_ids` that is not the messages' earlier turns is a 400 naming it, and the
   prefixes minirl's own agents send all pass;
@@ -58,7 +59,8 @@ def with_tool(name="open_door", params=("door",), description="open a door") -> 
 
 def assistant_call(name="open_door", arguments='{"door": 3}') -> dict:
     msgs = GOOD_CHAT["messages"] + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "locked"},
     ]
     return {**GOOD_CHAT, "messages": msgs}
@@ -91,8 +93,11 @@ def test_rendered_chars_is_a_lower_bound_on_the_template_text(tokenizer):
         counted = rendered_chars(messages, tools)
         assert 0 < counted <= len(text), (messages, tools, counted, len(text))
     # a printed field counts in full; a skipped one (a tool's description) not at all
-    assert rendered_chars(msgs, with_tool(name="n" * 1000)["tools"]) - rendered_chars(msgs, with_tool()["tools"]) == 1000 - len("open_door")
-    assert rendered_chars(msgs, with_tool(description="d" * 1000)["tools"]) == rendered_chars(msgs, with_tool()["tools"])
+    assert rendered_chars(msgs,
+                          with_tool(name="n" * 1000)["tools"]) - rendered_chars(
+                              msgs, with_tool()["tools"]) == 1000 - len("open_door")
+    assert rendered_chars(msgs,
+                          with_tool(description="d" * 1000)["tools"]) == rendered_chars(msgs, with_tool()["tools"])
 
 
 HUGE_FIELDS = {  # name: a request whose one field holds 10 MB of text
@@ -101,7 +106,8 @@ HUGE_FIELDS = {  # name: a request whose one field holds 10 MB of text
     "role": lambda: {**GOOD_CHAT, "messages": [{"role": "r" * BIG, "content": "hi"}]},
     "tool_call_name": lambda: assistant_call(name="f" * BIG),
     "tool_call_arguments": lambda: assistant_call(arguments="a" * BIG),
-    "reasoning": lambda: {**GOOD_CHAT, "messages": GOOD_CHAT["messages"] + [{"role": "assistant", "content": "x", "reasoning": "w" * BIG}]},
+    "reasoning": lambda: {**GOOD_CHAT, "messages": GOOD_CHAT["messages"]
+                          + [{"role": "assistant", "content": "x", "reasoning": "w" * BIG}]},
 }
 
 
@@ -119,7 +125,8 @@ def test_10mb_in_any_printed_field_is_refused_at_once_while_health_answers(front
                 t0 = time.perf_counter()
                 one_by_one[name] = (*await post(http, front + CHAT, raw=raw), time.perf_counter() - t0)
             t0 = time.perf_counter()
-            together = await asyncio.gather(*(post(http, front + CHAT, raw=bodies[n]) for n in ("tool_name", "role", "parameter_name")))
+            together = await asyncio.gather(*(post(http, front + CHAT, raw=bodies[n])
+                                              for n in ("tool_name", "role", "parameter_name")))
             together_s = time.perf_counter() - t0
             await asyncio.sleep(0.2)
             worst = await asyncio.to_thread(watch.stop)
@@ -128,7 +135,8 @@ def test_10mb_in_any_printed_field_is_refused_at_once_while_health_answers(front
     one_by_one, together, together_s, worst_health, (good_status, _) = asyncio.run(go())
     for name, (status, body, took) in one_by_one.items():
         assert status == 400 and body["error"]["param"] == "input_text", (name, status, str(body)[:300])
-        assert "maximum context length is 1024 tokens" in body["error"]["message"] and "characters" in body["error"]["message"], name
+        assert ("maximum context length is 1024 tokens" in body["error"]["message"]
+                and "characters" in body["error"]["message"]), name
         assert took < 1.0, f"{name}: refused after {took:.2f}s"
     assert [s for s, _ in together] == [400, 400, 400] and together_s < 2.0, together_s
     assert worst_health < 1.0, f"/health took {worst_health:.2f}s while 10 MB fields were refused"
@@ -166,7 +174,8 @@ def test_top_logprobs_20_gives_20_per_token_sampled_first_as_vllm_orders_them(fr
     for entry in content:
         top = entry["top_logprobs"]
         assert len(top) == 20
-        assert top[0]["token"] == entry["token"] and top[0]["logprob"] == entry["logprob"]  # vLLM: the sampled token first
+        # vLLM: the sampled token first
+        assert top[0]["token"] == entry["token"] and top[0]["logprob"] == entry["logprob"]
         rest = [t["logprob"] for t in top[1:]]
         assert rest == sorted(rest, reverse=True) and len({t["token"] for t in top}) == 20
 
@@ -223,7 +232,8 @@ def test_a_prefix_that_is_not_the_messages_earlier_turns_is_a_400(front, tokeniz
     assert gen[-1] == tokenizer.eos_token_id, "the first reply should end its turn"
     prefix = prompt + gen
     msg = reply["choices"][0]["message"]
-    history = GOOD_CHAT["messages"] + [{"role": "assistant", "content": msg.get("content") or "", "reasoning": msg.get("reasoning"),
+    history = GOOD_CHAT["messages"] + [{"role": "assistant", "content": msg.get("content") or "",
+                                        "reasoning": msg.get("reasoning"),
                                         "tool_calls": msg.get("tool_calls") or []},
                                        {"role": "user", "content": "door 4"}]
     second = {**GOOD_CHAT, "messages": history, "return_token_ids": True}

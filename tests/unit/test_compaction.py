@@ -31,7 +31,8 @@ def pictures(items):
     for it in items:
         content = it.get("output") if it.get("type") == "function_call_output" else it.get("content")
         if isinstance(content, list):
-            out += [p["image_url"].split(",", 1)[1] if p["type"] == "input_image" else p["text"] for p in content if p["type"] == "input_image" or p.get("text") == MARK]
+            out += [p["image_url"].split(",", 1)[1] if p["type"] == "input_image" else p["text"]
+                    for p in content if p["type"] == "input_image" or p.get("text") == MARK]
     return out
 
 
@@ -94,13 +95,15 @@ def test_only_dropped_parts_change():
     res = compact(h, cfg(keep_groups=1, keep_blocks=3), 2)
     kept = [it for it in res.items]
     assert [it["type"] for it in kept] == [it["type"] for it in h]  # no item removed or reordered
-    texts = [p.get("text") for it in kept for p in (it.get("output") if isinstance(it.get("output"), list) else []) if p["type"] == "input_text"]
+    texts = [p.get("text") for it in kept
+             for p in (it.get("output") if isinstance(it.get("output"), list) else []) if p["type"] == "input_text"]
     assert texts.count("Wrong code.") == 3
 
 
 @pytest.mark.parametrize(
     "schedule,chunk,expect",
-    [("rolling_recency", 1, [True, True, True, True, True]), ("turn_chunked_recency", 2, [False, False, True, False, True]),
+    [("rolling_recency", 1, [True, True, True, True, True]),
+     ("turn_chunked_recency", 2, [False, False, True, False, True]),
      ("turn_chunked_recency", 3, [False, False, False, True, False])],
 )
 def test_schedules(schedule, chunk, expect):

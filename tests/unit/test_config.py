@@ -38,11 +38,13 @@ def test_upstream_preset_sets_every_switch():
     assert cfg.loss_fn.reference_policy_kl_penalty == 0.01  # upstream's default; the default run's is 0
     assert load_config().loss_fn.reference_policy_kl_penalty == 0.0
     # one key turns a fix back on
-    assert load_config(str(CONFIGS / "upstream_pr4124.yaml"), ["context_compaction.redispatch_dropped_groups=true"]).context_compaction.redispatch_dropped_groups
+    cfg = load_config(str(CONFIGS / "upstream_pr4124.yaml"), ["context_compaction.redispatch_dropped_groups=true"])
+    assert cfg.context_compaction.redispatch_dropped_groups
 
 
 def test_fault_list_in_yaml_flow_style():
-    cfg = load_config(None, ["faults.inject=[{kind: guard_reject, step: 0, group: 1, rollout: 0}]", "faults.rate.agent_exception=0.05"])
+    cfg = load_config(None, ["faults.inject=[{kind: guard_reject, step: 0, group: 1, rollout: 0}]",
+                             "faults.rate.agent_exception=0.05"])
     spec = cfg.faults.inject[0]
     assert (spec.kind, spec.step, spec.group, spec.rollout, spec.attempt) == ("guard_reject", 0, 1, 0, None)
     assert cfg.faults.rate == {"agent_exception": 0.05}
@@ -55,11 +57,13 @@ def test_fault_list_in_yaml_flow_style():
         (["grpo.max_num_steps=abc"], "grpo.max_num_steps", "could not be converted"),
         (["policy.train_global_batch_size=5"], "policy.train_global_batch_size", "must equal"),
         (["async_rl.rollout_failure.max_backoff_s=0.1"], "async_rl.rollout_failure.max_backoff_s", ">= backoff_base_s"),
-        (["async_rl.rollout_failure.min_step_batch_fraction=0"], "async_rl.rollout_failure.min_step_batch_fraction", "(0, 1]"),
+        (["async_rl.rollout_failure.min_step_batch_fraction=0"], "async_rl.rollout_failure.min_step_batch_fraction",
+         "(0, 1]"),
         (["context_compaction.allow_step_shrink=false"], "async_rl.rollout_failure.min_step_batch_fraction",
          "context compaction requires min_step_batch_fraction=1"),
         (["loss_fn.token_level_loss=false"], "loss_fn.token_level_loss", "requires token_level_loss"),
-        (["agent.context_history.schedule.actions_per_chunk=2"], "agent.context_history.schedule.actions_per_chunk", "must be 1"),
+        (["agent.context_history.schedule.actions_per_chunk=2"], "agent.context_history.schedule.actions_per_chunk",
+         "must be 1"),
         (["faults.rate.meteor=0.1"], "faults.rate.meteor", "unknown fault kind"),
         (["faults.inject=[{kind: timeout}]", "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=null"],
          "async_rl.rollout_failure.nemo_gym.rollout_timeout_s", "would hang"),
@@ -98,7 +102,8 @@ def test_fault_list_in_yaml_flow_style():
         (["policy.generation.vllm_cfg.max_model_len=4096"], "policy.generation.vllm_cfg.max_model_len",
          "must be <= the model's max_position_embeddings (2048"),
         (["async_rl.sampler.name=in_ordr"], "async_rl.sampler.name", "got 'in_ordr'"),  # async off: still a typo
-        (["policy.generation.temperature=1e-6"], "policy.generation.temperature", "must be >= 1e-05 (below it vLLM samples greedily"),
+        (["policy.generation.temperature=1e-6"], "policy.generation.temperature",
+         "must be >= 1e-05 (below it vLLM samples greedily"),
         (["cluster.num_cpus=2", "cluster.num_generation_workers=8"], "cluster.num_cpus",
          "the workers need 9 CPUs (cluster.num_generation_workers=8 x cluster.cpus_per_generation_worker=1 + "
          "cluster.num_policy_workers=1 x cluster.cpus_per_policy_worker=1), more than Ray offers (cluster.num_cpus=2)"),
@@ -112,7 +117,8 @@ def test_errors_name_the_key(overrides, key, text):
 
 
 def test_valid_edge_values_pass():
-    cfg = load_config(None, ["async_rl.stall_watchdog.stall_timeout_s=null", "policy.optimizer.lr=0", "env.num_rooms=16",
+    cfg = load_config(None,
+                      ["async_rl.stall_watchdog.stall_timeout_s=null", "policy.optimizer.lr=0", "env.num_rooms=16",
                              "policy.generation.top_p=1", "agent.external_url=https://agents.example:8443/base"])
     assert cfg.env.num_rooms == cfg.env.max_num_rooms == 16 and cfg.async_rl.stall_watchdog.stall_timeout_s is None
 
@@ -148,7 +154,8 @@ def test_validate_walks_choices_bounds_and_sections_of_a_config_built_in_python(
     for path, value, problem in (
         ("agent.name", "other_agent", "agent.name: must be simple_agent or compaction_agent, got 'other_agent'"),
         ("loss_fn.truncated_importance_sampling_type", "tls", "must be null, tis, icepop or seq-mask-tis, got 'tls'"),
-        ("async_rl.generation_router.port_range_low", 0, "async_rl.generation_router.port_range_low: must be in [1, 65535], got 0"),
+        ("async_rl.generation_router.port_range_low", 0,
+         "async_rl.generation_router.port_range_low: must be in [1, 65535], got 0"),
         ("async_rl.max_inflight_prompts", 0, "async_rl.max_inflight_prompts: must be >= 1, got 0"),
         ("async_rl.rollout_failure.min_step_batch_fraction", 1.5, "must be in (0, 1], got 1.5"),
         ("policy.optimizer.eps", float("nan"), "policy.optimizer.eps: must be a finite number, got nan"),

@@ -59,7 +59,8 @@ def test_all_traces_of_a_rollout_share_its_advantage():
     rollouts = {}
     for r, reward in enumerate([1.0, 0.0, 0.5]):
         items = [item([1, 2], [3, 4]), item([1, 9, 3, 4], [5])] if r == 0 else [item([1, 2], [3])]
-        rollouts[r] = parse_rollout(result(items, reward), Coords(0, 0, r, 0), vocab_size=50, max_len=100, overlong_filtering=False)
+        rollouts[r] = parse_rollout(result(items, reward), Coords(0, 0, r, 0), vocab_size=50, max_len=100,
+                                    overlong_filtering=False)
     assert len(rollouts[0].traces) == 2
     batch, stats = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
     # rollout 0: others {0, 0.5}: mean 0.25, unbiased std sqrt(0.03125*... ) -> computed by hand
@@ -113,7 +114,8 @@ def test_without_compaction_a_rewritten_history_is_upstreams_non_contiguous_fail
         (result([item([1], [2], [float("nan")])]), "Generation logprobs contain NaN"),
         (result([item([1], [2, 3], [-1.0])]), "one number per generated token"),
         (result([]), "empty episode"),
-        (result([item(list(range(1, 40)), [1] * 70)]), "trace of 109 tokens exceeds policy.max_total_sequence_length=100"),
+        (result([item(list(range(1, 40)), [1] * 70)]),
+         "trace of 109 tokens exceeds policy.max_total_sequence_length=100"),
     ],
 )
 def test_bad_results_are_data_failures_naming_the_problem(res, message):
@@ -152,7 +154,8 @@ def test_a_shrunk_step_reports_its_target_not_its_size():
 
 def test_floor_message_is_upstreams():
     outs = [outcome(0, "committed"), outcome(1, "dropped"), outcome(2, "committed"), outcome(3, "committed")]
-    with pytest.raises(RuntimeError, match=r"training step 7 lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4 set by async_rl.rollout_failure.min_step_batch_fraction=1.0") as err:
+    with pytest.raises(RuntimeError, match=r"training step 7 lost 1 of 4 prompt group\(s\), leaving 3, below the floor "
+                                           r"of 4 set by async_rl.rollout_failure.min_step_batch_fraction=1.0") as err:
         check_step(step_cfg(False, 1.0), 7, outs)
     text = str(err.value)  # the cause comes before upstream's guess that the generation fleet is failing
     assert text.index("Dominant failure") < text.index("Either the generation fleet") and ".." not in text
@@ -220,7 +223,8 @@ def test_an_external_agents_calls_are_matched_by_their_tokens():
     rb.coords = b
     unkeyed = lambda p, g, v=0: {"prompt_token_ids": p, "generation_token_ids": g, "status": 200,  # noqa: E731
                                  "version_start": v, "version_end": v, "generation_log_probs": [-0.5] * len(g)}
-    pool = [unkeyed([1, 2], [3]), unkeyed([1, 2, 3, 4], [5]), unkeyed([9], [9])]  # b's call is missing; [9] is another's
+    # b's call is missing; [9] is another's
+    pool = [unkeyed([1, 2], [3]), unkeyed([1, 2, 3, 4], [5]), unkeyed([9], [9])]
     counts, left = Ledger(None).match_external(0, pool, [ra, rb], version=0)
     assert (counts["calls_matched"], counts["calls_unrecorded"], counts["tokens_matched"]) == (2, 1, 2)
     assert ra.sample_mask == 1 and rb.mask_reason == "unrecorded_calls"
@@ -267,13 +271,15 @@ def test_the_reward_bound_keeps_a_worst_case_step_finite_in_float32():
     bound = reward_bound(True)
     assert reward_bound(False) == pytest.approx(bound * 1e6)
     for bad in (3.4028234663852886e38, 1e38, 7e36, bound * 1.0001, -bound * 1.0001, 10**400, -(10**400)):
-        with pytest.raises(RolloutDataFailure, match=re.escape(f"reward must be a finite number with |reward| <= {bound:.4g}")):
+        with pytest.raises(RolloutDataFailure,
+                           match=re.escape(f"reward must be a finite number with |reward| <= {bound:.4g}")):
             parse(result([item([1], [2])], reward=bad))
     cfg = load_config(None, ["policy.train_micro_batch_size=4"])
     cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 4
     gen = list(range(10, 60))  # 50 generated tokens per trace, as the issue's case
     rewards = [bound, 0.0, 1e-300, 0.0]  # rollout 0's others {0, 1e-300, 0}: a spread of ~0, so |A| = bound / eps
-    rollouts = {r: parse_rollout(result([item([3, 4, 5], gen, [-1.0] * 50)], reward=x), Coords(0, 0, r, 0), vocab_size=400,
+    rollouts = {r: parse_rollout(result([item([3, 4, 5], gen, [-1.0] * 50)], reward=x), Coords(0, 0, r, 0),
+                                 vocab_size=400,
                                  max_len=1024, overlong_filtering=False) for r, x in enumerate(rewards)}
     batch, _ = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
     assert cfg.grpo.normalize_rewards and cfg.grpo.use_leave_one_out_baseline
@@ -291,24 +297,32 @@ def deep_list(depth):
 
 ISSUE_29_CASES = {  # name: (result, field the message names)
     "reward_huge_int": (result([item([1], [2])], reward=10**400), "reward must be a finite number"),
-    "logprob_huge_negative_int": (result([item([1], [2], [-(10**400)])]), "generation_log_probs must be finite and <= 0"),
+    "logprob_huge_negative_int": (result([item([1], [2], [-(10**400)])]),
+                                  "generation_log_probs must be finite and <= 0"),
     "logprob_float64_not_float32": (result([item([1], [2], [-1e308])]), "got -1e+308 (finite in float32"),
     "logprob_positive_int": (result([item([1], [2], [1])]), "generation_log_probs must be finite and <= 0, got 1"),
     "logprob_bool": (result([item([1], [2], [True])]), "one number per generated token"),
     "token_id_huge_int": (result([item([1], [10**400])]), "in generation_token_ids is out of vocabulary"),
-    "compactions_a_string": (result([item([1], [2])], compactions="many"), "evidence.compactions must be a non-negative integer"),
-    "compactions_negative": (result([item([1], [2])], compactions=-1), "evidence.compactions must be a non-negative integer"),
+    "compactions_a_string": (result([item([1], [2])], compactions="many"),
+                             "evidence.compactions must be a non-negative integer"),
+    "compactions_negative": (result([item([1], [2])], compactions=-1),
+                             "evidence.compactions must be a non-negative integer"),
     "guard_an_int": (result([item([1], [2])], guard=5), "evidence.guard must be a list of flat objects"),
     "guard_a_list_of_ints": (result([item([1], [2])], guard=[1]), "evidence.guard must be a list of flat objects"),
-    "guard_nested": (result([item([1], [2])], guard=[{"decision": deep_list(50_000)}]), "evidence.guard must be a list of flat"),
+    "guard_nested": (result([item([1], [2])], guard=[{"decision": deep_list(50_000)}]),
+                     "evidence.guard must be a list of flat"),
     "errors_not_strings": (result([item([1], [2])], errors=[1]), "evidence.errors must be a list of strings"),
-    "capture_failed_a_string": (result([item([1], [2])], capture_failed="yes"), "evidence.capture_failed must be a boolean"),
-    "evidence_a_list": ({"response": {"output": [item([1], [2])]}, "reward": 1.0, "evidence": [1]}, "evidence must be an object"),
+    "capture_failed_a_string": (result([item([1], [2])], capture_failed="yes"),
+                                "evidence.capture_failed must be a boolean"),
+    "evidence_a_list": ({"response": {"output": [item([1], [2])]}, "reward": 1.0, "evidence": [1]},
+                        "evidence must be an object"),
     "content_an_int": (result([item([1], [2]), {"type": "message", "role": "assistant", "content": 5}]),
                        "response.output[1].content must be a string or a list of parts"),
-    "content_text_an_int": (result([item([1], [2]), {"type": "message", "role": "assistant", "content": [{"text": 5}]}]),
+    "content_text_an_int": (result([item([1], [2]),
+                                    {"type": "message", "role": "assistant", "content": [{"text": 5}]}]),
                             "response.output[1].content must be"),
-    "content_text_null": (result([item([1], [2]), {"type": "message", "role": "assistant", "content": [{"text": None}]}]),
+    "content_text_null": (result([item([1], [2]),
+                                  {"type": "message", "role": "assistant", "content": [{"text": None}]}]),
                           "response.output[1].content must be"),
     "output_deep": ({"response": {"output": deep_list(200_000)}, "reward": 1.0}, "response.output[0]"),
 }
@@ -325,7 +339,9 @@ def test_each_malformed_shape_of_issue_29_is_a_data_failure_naming_the_field(cas
 def _json_values():
     scalars = (st.none() | st.booleans() | st.integers(min_value=-(10**400), max_value=10**400)
                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    return st.recursive(scalars,
+                        lambda inner: st.lists(inner,
+                                               max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
                         max_leaves=12)
 
 
@@ -338,7 +354,8 @@ FIELDS = [("reward",), ("evidence",), ("evidence", "compactions"), ("evidence", 
 
 
 def _good():
-    return {"response": {"output": [item([1, 2], [3, 4], [-0.5, -1.0]), {"type": "message", "role": "assistant", "content": "hi"}]},
+    return {"response": {"output": [item([1, 2], [3, 4], [-0.5, -1.0]),
+                                    {"type": "message", "role": "assistant", "content": "hi"}]},
             "reward": 0.5, "evidence": {"compactions": 1, "guard": [{"call": 0, "decision": "admit"}], "errors": []}}
 
 
@@ -393,8 +410,10 @@ def test_validation_reads_a_held_out_result_with_the_same_checks():
     from minirl.rollout.evidence import parse_scored, reward_bound
 
     bound = reward_bound(True)
-    good = parse_scored({"response": {"status": "completed", "output": []}, "reward": 1, "evidence": {"end_reason": "env_done"}}, bound)
-    assert good == {"reward": 1.0, "evidence": {"end_reason": "env_done", "guard": [], "errors": []}, "response": {"status": "completed"}, "mask": None}
+    good = parse_scored({"response": {"status": "completed", "output": []}, "reward": 1,
+                         "evidence": {"end_reason": "env_done"}}, bound)
+    assert good == {"reward": 1.0, "evidence": {"end_reason": "env_done", "guard": [], "errors": []},
+                    "response": {"status": "completed"}, "mask": None}
     masked = parse_scored({"response": {}, "reward": 0, "mask_sample": True, "failure_kind": "judge_failed"}, bound)
     assert masked["mask"] == {"failure_kind": "judge_failed", "failure_reason": None}
     for bad, fragment in (({"response": {}, "reward": 10**400}, "reward must be a finite number"),
@@ -410,7 +429,8 @@ def test_reward_mean_keeps_its_meaning_and_reward_mean_trained_leaves_masked_rol
     cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 3
     empty = {"type": "message", "role": "assistant", "content": ""}  # lane A: masked capture_failed
     rollouts = {r: parse_rollout(result([item([1], [2])] + ([empty] if r == 2 else []), reward), Coords(0, 0, r, 0),
-                                 vocab_size=50, max_len=100, overlong_filtering=False) for r, reward in enumerate([1.0, 0.5, 0.0])}
+                                 vocab_size=50, max_len=100, overlong_filtering=False)
+                for r, reward in enumerate([1.0, 0.5, 0.0])}
     _, stats = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
     assert stats["rollouts_masked"] == 1
     assert stats["reward_mean"] == pytest.approx(0.5) and stats["reward_mean_trained"] == pytest.approx(0.75)

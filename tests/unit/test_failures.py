@@ -33,7 +33,9 @@ class Status(Exception):
         self.status = status
 
 
-@pytest.mark.parametrize("status,kind", [(500, INFRA), (503, INFRA), (408, INFRA), (429, INFRA), (400, DATA), (404, DATA), (422, DATA)])
+@pytest.mark.parametrize("status,kind",
+                         [(500, INFRA), (503, INFRA), (408, INFRA), (429, INFRA), (400, DATA), (404, DATA),
+                          (422, DATA)])
 def test_http_statuses(status, kind):
     assert classify(Status(status)) == kind
 
@@ -137,7 +139,8 @@ def test_coordinates_round_trip_and_bad_ones_are_named():
     for bad in ("s1.g1", "s1.g1.r1.a1.cx", "s-1.g0.r0.a0.c0", "x" * 5000, 7):
         with pytest.raises(BadCoordinates, match="must look like s0.g1.r0.a0.c2"):
             parse_call_key(bad)
-    for block, field in (({"step": 0, "group": 0, "rollout": 0}, "attempt"), ({"step": "0", "group": 0, "rollout": 0, "attempt": 0}, "step"),
+    for block, field in (({"step": 0, "group": 0, "rollout": 0}, "attempt"),
+                         ({"step": "0", "group": 0, "rollout": 0, "attempt": 0}, "step"),
                          ({"step": 0, "group": True, "rollout": 0, "attempt": 0}, "group")):
         with pytest.raises(BadCoordinates, match=f"_minirl.{field} must be a non-negative integer"):
             Coords.from_row({"_minirl": block})
@@ -146,7 +149,8 @@ def test_coordinates_round_trip_and_bad_ones_are_named():
 
 
 def test_run_error_body_is_typed_and_parsed_back():
-    exc = ContextGuardRejected("Context guard rejected model call at complete action boundary: step=2 guards=max_total_tokens")
+    exc = ContextGuardRejected("Context guard rejected model call at complete action boundary: step=2 "
+                               "guards=max_total_tokens")
     body = run_error_body(exc)
     assert body == {"error": repr(exc), "type": "ContextGuardRejected", "failure_kind": "agent_run_error",
                     "stage": "agent", "terminal": False} and run_error_status(exc) == 500

@@ -103,10 +103,12 @@ def test_upstream_mode_edges_against_the_reference():
     for rewards, mask in cases:
         for exclude in (True, False):
             want = reference_advantages(rewards, mask, exclude_masked=exclude)
-            np.testing.assert_allclose(group_advantages(rewards, mask, exclude_masked=exclude), want, rtol=1e-9, atol=1e-12,
+            np.testing.assert_allclose(group_advantages(rewards, mask, exclude_masked=exclude), want, rtol=1e-9,
+                                       atol=1e-12,
                                        err_msg=f"{rewards} {mask} exclude={exclude}")
     assert group_advantages([0.1, 0.1, 0.1], [0, 0, 0], exclude_masked=False).tolist() == [0.0] * 3
-    assert group_advantages([0.1, 0.1, 0.1, 0.0], [0, 1, 1, 1], exclude_masked=False)[3] == pytest.approx(-0.1, abs=1e-12)
+    assert group_advantages([0.1, 0.1, 0.1, 0.0], [0, 1, 1, 1],
+                            exclude_masked=False)[3] == pytest.approx(-0.1, abs=1e-12)
 
 
 def test_masked_rollouts_and_the_baseline():
@@ -211,9 +213,13 @@ def test_kl_gradient_is_upstreams_not_plain_k3():
     plain = torch.tensor([curr0], dtype=torch.float64, requires_grad=True)
     d = (torch.tensor([ref], dtype=torch.float64) - plain).clamp(-20, 20)
     k3 = (torch.exp(d) - d - 1).clamp(-10, 10)
-    ((-adv * torch.exp(plain - plain.detach()) + beta * k3) * torch.tensor([mask], dtype=torch.float64)).sum().div(n).backward()
+    (
+        (
+            -adv * torch.exp(plain - plain.detach()) + beta * k3) * torch.tensor(
+                [mask], dtype=torch.float64)).sum().div(n).backward()
     gap = (curr.grad - plain.grad)[0].tolist()
-    np.testing.assert_allclose(gap, [m * beta * float(k) / n if f else 0.0 for m, k, f in zip(mask, k3[0].detach(), free)],
+    np.testing.assert_allclose(gap, [m * beta * float(k) / n if f else 0.0
+                                     for m, k, f in zip(mask, k3[0].detach(), free)],
                                rtol=1e-12, atol=1e-15)
 
 
@@ -303,7 +309,8 @@ def reference_is_loss(curr, prev, gen, adv, mask, kind, hi, lo):
     return total / count, oob / count
 
 
-@pytest.mark.parametrize("kind,hi,lo", [(None, None, None), ("tis", 2.0, None), ("tis", 2.0, 0.5), ("icepop", 5.0, 0.5)])
+@pytest.mark.parametrize("kind,hi,lo",
+                         [(None, None, None), ("tis", 2.0, None), ("tis", 2.0, 0.5), ("icepop", 5.0, 0.5)])
 def test_importance_sampling_correction_matches_reference(kind, hi, lo):
     g = torch.Generator().manual_seed(3)
     B, T = 4, 12
@@ -315,7 +322,8 @@ def test_importance_sampling_correction_matches_reference(kind, hi, lo):
     mask = (torch.rand(B, T, generator=g) > 0.2).double()
     mask[0, 0] = 1
     n = float(mask.sum())
-    loss, m = clipped_pg_loss(curr, prev, adv, mask, n, generation_logprobs=gen, is_type=kind, is_ratio=hi, is_ratio_min=lo)
+    loss, m = clipped_pg_loss(curr, prev, adv, mask, n, generation_logprobs=gen, is_type=kind, is_ratio=hi,
+                              is_ratio_min=lo)
     want, oob = reference_is_loss(curr.tolist(), prev.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), kind,
                                   hi if hi is not None else math.inf, lo)
     assert float(loss) == pytest.approx(want, rel=1e-12)
@@ -357,7 +365,8 @@ def test_lane_a_survivor_trains_with_r1_minus_r0_in_upstream_mode(upstream):
     from minirl.controller import assemble
 
     shape = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"]
-    cfg = load_config(str(REPO_ROOT / "configs" / "upstream_pr4124.yaml"), shape) if upstream else load_config(None, shape)
+    cfg = load_config(str(REPO_ROOT / "configs" / "upstream_pr4124.yaml"),
+                      shape) if upstream else load_config(None, shape)
     assert cfg.grpo.baseline_excludes_masked is not upstream
     rewards = [[1.0, 0.0], [0.25, 1.0], [0.5, 0.5], [0.0, 0.75]]
     batch, stats = assemble(cfg, lane_a_step(cfg, rewards), pad_id=0)
@@ -381,7 +390,8 @@ def test_sequence_level_normaliser_counts_trained_rows():
     from minirl.controller import assemble
 
     cfg = load_config(None, ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
-                             "context_compaction.enabled=false", "agent.name=simple_agent", "loss_fn.token_level_loss=false"])
+                             "context_compaction.enabled=false", "agent.name=simple_agent",
+                             "loss_fn.token_level_loss=false"])
     batch, stats = assemble(cfg, lane_a_step(cfg, [[1.0, 0.0]] * 4), pad_id=0)
     assert len(batch.sample_mask) == 8 and stats["rollouts_trained"] == 7
     assert batch.global_valid_samples == float(batch.sample_mask.sum()) == 7.0

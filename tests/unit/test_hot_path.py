@@ -48,7 +48,8 @@ def test_loads_is_json_loads(raw):
 def test_loads_body_is_loads_of_the_replaced_text(encoding):
     """The model client's reply parsing: as `loads(resp.text(errors="replace"))` was, invalid UTF-8 included."""
     for raw in ODD_JSON + [b'"\xff"', b'{"a": "\xed\xa0\x80"}', '{"é": 1}'.encode("utf-16")]:
-        assert repr(outcome(lambda r: jsonio.loads_body(r, encoding), raw)) == repr(outcome(jsonio.loads, raw.decode(encoding, errors="replace")))
+        assert repr(outcome(lambda r: jsonio.loads_body(r, encoding), raw)) == \
+            repr(outcome(jsonio.loads, raw.decode(encoding, errors="replace")))
 
 
 def test_dumps_round_trips_and_keeps_nan():
@@ -69,9 +70,12 @@ def walked(obj) -> bool:
     return all(walked(v) for v in items)
 
 
-FLOATY = [[1.0, math.nan], [math.inf, -math.inf], [1e308, 1e308], [1e308, 1e308, math.nan], [2**2000, 1.0], [2**2000, -math.inf],
-          [True, math.nan], [[math.nan]], ["a", math.inf], (1, 2, math.nan), [1, {"a": math.nan}], [], [-math.inf], [None, 0.5],
-          {"lp": [-0.5] * 48, "ids": list(range(200)), "text": "null", "x": None}, {"deep": [[{"lp": (0.5, math.nan)}]]}]
+FLOATY = [[1.0, math.nan], [math.inf, -math.inf], [1e308, 1e308], [1e308, 1e308, math.nan], [2**2000, 1.0],
+          [2**2000, -math.inf],
+          [True, math.nan], [[math.nan]], ["a", math.inf], (1, 2, math.nan), [1, {"a": math.nan}], [], [-math.inf],
+          [None, 0.5],
+          {"lp": [-0.5] * 48, "ids": list(range(200)), "text": "null", "x": None},
+          {"deep": [[{"lp": (0.5, math.nan)}]]}]
 
 
 @pytest.mark.parametrize("value", FLOATY, ids=range(len(FLOATY)))
@@ -103,30 +107,37 @@ def reference(server, body, req, prompt, result) -> dict:
         return f"token_id:{tok}" if as_ids else (text if text is not None else server.tokenizer.decode([tok]))
 
     def top(entries):
-        return [ChatCompletionLogProb(token=(t := name(tok, text)), logprob=max(lp, -9999.0), bytes=list(t.encode("utf-8", errors="replace")))
+        return [ChatCompletionLogProb(token=(t := name(tok, text)), logprob=max(lp, -9999.0),
+                                      bytes=list(t.encode("utf-8", errors="replace")))
                 for j, (tok, lp, text) in enumerate(entries) if every or (k is not None and j < k)]
 
     logprobs = ChatCompletionLogProbs(content=[
         ChatCompletionLogProbsContent(token=name(tok, text), logprob=max(lp, -9999.0),
                                       bytes=None if text is None else list(text.encode("utf-8", errors="replace")),
                                       top_logprobs=top(result.top[i] if result.top else [(tok, lp, text)]))
-        for i, (tok, lp, text) in enumerate(zip(result.token_ids, result.logprobs, result.decoded))]) if req.logprobs else None
+        for i, (tok, lp,
+                text) in enumerate(zip(result.token_ids, result.logprobs, result.decoded))]) if req.logprobs else None
     tools = body.get("tools")
-    parsed = parse_reply(result.text, tools_enabled=bool(tools) and body.get("tool_choice", "auto" if tools else "none") != "none",
+    parsed = parse_reply(result.text,
+                         tools_enabled=bool(tools) and body.get("tool_choice", "auto" if tools else "none") != "none",
                          reasoning_parser=server.reasoning_parser)
     message = ChatMessage(role="assistant", content=parsed["content"], reasoning=parsed["reasoning"],
-                          tool_calls=[ToolCall(id=tc["id"], function=FunctionCall(**tc["function"])) for tc in parsed["tool_calls"]])
+                          tool_calls=[ToolCall(id=tc["id"], function=FunctionCall(**tc["function"]))
+                                      for tc in parsed["tool_calls"]])
     finish = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason
     choice = ChatCompletionResponseChoice(index=0, message=message, logprobs=logprobs, finish_reason=finish,
                                           token_ids=result.token_ids if req.return_token_ids else None)
-    usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=len(result.token_ids), total_tokens=len(prompt) + len(result.token_ids))
-    return ChatCompletionResponse(model=req.model or server.model_name, choices=[choice], usage=usage,
-                                  prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None).model_dump(exclude_none=True)
+    usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=len(result.token_ids),
+                      total_tokens=len(prompt) + len(result.token_ids))
+    return ChatCompletionResponse(
+        model=req.model or server.model_name, choices=[choice], usage=usage,
+        prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None).model_dump(exclude_none=True)
 
 
 REPLY = '<think>door 3?</think>Trying.<tool_call>{"name": "open_door", "arguments": {"code": 3}}</tool_call>'
 OPTIONS = [
-    {"logprobs": True, "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True},  # minirl's agents
+    # minirl's agents
+    {"logprobs": True, "top_logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True},
     {"logprobs": True, "top_logprobs": 2},
     {"logprobs": True, "top_logprobs": -1},
     {"logprobs": True, "logprob_token_ids": [5, 7]},
@@ -143,7 +154,9 @@ def test_response_is_vllm_classes_dump(server, tokenizer, options, tools):
 
     body = {"model": server.model_name, "messages": [{"role": "user", "content": "Room 1."}], **options}
     if tools:
-        body["tools"] = [{"type": "function", "function": {"name": "open_door", "parameters": {"type": "object", "properties": {"code": {}}}}}]
+        body["tools"] = [{"type": "function",
+                          "function": {"name": "open_door",
+                                       "parameters": {"type": "object", "properties": {"code": {}}}}}]
     req = ChatCompletionRequest.model_validate(body)
     ids = tokenizer(REPLY, add_special_tokens=False)["input_ids"]
     decoded = [tokenizer.decode([t]) for t in ids]
@@ -172,12 +185,15 @@ def test_render_ids_are_apply_chat_templates(server, tokenizer, base_cfg):
     params = prompt_row(base_cfg, 0, 3)["responses_create_params"]
     messages, tools = items_to_messages(params["input"]), chat_tools(params["tools"])
     turns = messages + [{"role": "assistant", "content": "Trying.", "reasoning_content": "door 3?",
-                         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "open_door", "arguments": '{"code": 3}'}}]},
+                         "tool_calls": [{"id": "c1", "type": "function",
+                                         "function": {"name": "open_door", "arguments": '{"code": 3}'}}]},
                         {"role": "tool", "tool_call_id": "c1", "content": "Room 2. " + "door7 lamp3 " * 2000}]
     for msgs in (messages, turns):
-        expected = list(tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False))
+        expected = list(tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True, add_generation_prompt=True,
+                                                      return_dict=False))
         assert server.render(json.loads(json.dumps(msgs)), tools) == expected
-    assert len(tokenizer.apply_chat_template(turns, tools=tools, tokenize=False)) > INLINE_BYTES  # the encode_batch branch ran
+    # the encode_batch branch ran
+    assert len(tokenizer.apply_chat_template(turns, tools=tools, tokenize=False)) > INLINE_BYTES
 
 
 def test_stretches_encode_as_the_whole_text(server, tokenizer):

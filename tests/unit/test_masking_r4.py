@@ -55,7 +55,8 @@ def ref_advantages(rewards: list[float], members: list[bool]) -> list[float]:
 
 
 def rollout(g: int, r: int, reward: float, lengths=(3,), reason=None) -> Rollout:
-    """A rollout of len(lengths) traces (each a rewritten history), generating lengths[k] tokens after a 3-token prompt."""
+    """A rollout of len(lengths) traces (each a rewritten history), generating lengths[k] tokens after a 3-token
+    prompt."""
     calls = [Call([100 + k, 7, 8], [10 + j % 50 for j in range(n)], [-0.5] * n) for k, n in enumerate(lengths)]
     traces = [t for c in calls for t in split_traces([c])]
     return Rollout(Coords(0, g, r, 0), reward, calls, traces, reason == "capture_failed", {}, reason)
@@ -73,7 +74,8 @@ def config(policy: str, groups: int, g: int, *extra: str):
 
 EDGES = [  # (rewards, kinds): constant sets with an inexact mean, groups of 1 and 2, all-masked groups
     ([0.7], ["trained"]), ([0.7], ["env_flag"]),
-    ([0.3, 0.1], ["trained", "env_flag"]), ([0.3, 0.1], ["trained", "placeholder"]), ([0.3, 0.1], ["env_flag", "truncated"]),
+    ([0.3, 0.1], ["trained", "env_flag"]), ([0.3, 0.1], ["trained", "placeholder"]),
+    ([0.3, 0.1], ["env_flag", "truncated"]),
     ([0.1, 0.1], ["trained", "trained"]), ([1.0, 0.0], ["trained", "seq_logprob_error"]),
     ([0.1, 0.1, 0.1], ["trained"] * 3), ([0.1, 0.1, 0.1], ["trained", "env_flag", "truncated"]),
     ([0.1, 0.1, 0.1, 0.0], ["trained", "trained", "env_flag", "trained"]),
@@ -132,10 +134,13 @@ def test_a_timeout_still_reads_as_a_failure_for_the_group():
 
 
 def test_a_contradictory_combination_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"^grpo\.masked_sample_rewards_in_baseline: true needs grpo\.baseline_excludes_masked=true"):
+    with pytest.raises(ConfigError,
+                       match=r"^grpo\.masked_sample_rewards_in_baseline: true needs "
+                             r"grpo\.baseline_excludes_masked=true"):
         load_config(None, ["grpo.baseline_excludes_masked=false", "grpo.masked_sample_rewards_in_baseline=true"])
     for exclude, reinstate in POLICIES.values():
-        load_config(None, [f"grpo.baseline_excludes_masked={exclude}", f"grpo.masked_sample_rewards_in_baseline={reinstate}"])
+        load_config(None,
+                    [f"grpo.baseline_excludes_masked={exclude}", f"grpo.masked_sample_rewards_in_baseline={reinstate}"])
 
 
 def test_the_upstream_preset_sets_upstreams_baseline():
@@ -165,8 +170,10 @@ def test_masking_stats_of_a_hand_built_step(policy):
     assert m == pytest.approx({
         "rows": 12, "placeholder_rows": 1, "env_flag_rows": 2, "env_flag_frac": 2 / 12, "truncated_rows": 1,
         "truncated_frac": 1 / 12, "seq_logprob_error_rows": 1, "masked_frac": 5 / 12, "trained_frac": 7 / 12,
-        "baseline_rows": baseline, "reinstated_rows": reinstated, "reward_mean_trained": 2 / 7, "reward_mean_env_flag": 0.5,
-        "reward_mean_truncated": 0.25, "reward_mean_masked": 0.35, "groups": 3, "groups_lt2_trained_frac": 1 / 3}, rel=1e-12)
+        "baseline_rows": baseline, "reinstated_rows": reinstated, "reward_mean_trained": 2 / 7,
+        "reward_mean_env_flag": 0.5,
+        "reward_mean_truncated": 0.25, "reward_mean_masked": 0.35, "groups": 3, "groups_lt2_trained_frac": 1 / 3},
+                              rel=1e-12)
     assert stats["rollouts_masked"] == 5 and stats["rollouts_trained"] == 7
 
 
@@ -178,8 +185,10 @@ def test_rollout_stats_of_a_hand_built_step(policy):
     zero = {"exclude": 5 / 7, "reinstate": 4 / 7, "upstream": 4 / 7}[policy]
     assert s == pytest.approx({
         # generated tokens per rollout: 5 7 10 2 | 12 20 1 8 | 1 1 1 1; passes (reward >= 1): 5, 12, 8
-        "gen_tokens/mean": 69 / 12, "gen_tokens/p50": 3.5, "gen_tokens/p75": 8.5, "gen_tokens/p90": 11.8, "gen_tokens/max": 20,
-        "gen_tokens/pass/mean": 25 / 3, "gen_tokens/pass/p50": 8, "gen_tokens/pass/p75": 10, "gen_tokens/pass/p90": 11.2,
+        "gen_tokens/mean": 69 / 12, "gen_tokens/p50": 3.5, "gen_tokens/p75": 8.5, "gen_tokens/p90": 11.8,
+        "gen_tokens/max": 20,
+        "gen_tokens/pass/mean": 25 / 3, "gen_tokens/pass/p50": 8, "gen_tokens/pass/p75": 10,
+        "gen_tokens/pass/p90": 11.2,
         "gen_tokens/pass/max": 12,
         "gen_tokens/fail/mean": 44 / 9, "gen_tokens/fail/p50": 1, "gen_tokens/fail/p75": 7, "gen_tokens/fail/p90": 12,
         "gen_tokens/fail/max": 20,

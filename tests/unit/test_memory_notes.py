@@ -164,7 +164,8 @@ def test_a_summary_keeping_the_needed_notes_is_at_the_ceiling():
     results = play(notes_cfg(*SUMMARIZE), reader)
     wins, tries = needed_room_wins(results)
     lo, _ = wilson(wins, tries)
-    print(f"oracle summary: needed rooms {wins}/{tries} = {wins / tries:.3f} (lo {lo:.3f}), recall {recall(results):.3f}")
+    print(f"oracle summary: needed rooms {wins}/{tries} = {wins / tries:.3f} (lo {lo:.3f}), recall "
+          f"{recall(results):.3f}")
     assert all(r["evidence"]["summaries"] == 1 and r["evidence"]["summary_facts_needed"] == 2 for r in results)
     assert all(r["reward"] == 1.0 for r in results) and lo > 0.98 and recall(results) == 1.0
     assert not any(n["guessed"] for n in reader.needed)
@@ -204,7 +205,8 @@ def test_the_layout_is_drawn_per_prompt_and_the_rooms_are_doors_own():
             assert sum(n.text in p for p in pictures) == 1 and n.text in pictures[n.shown_in_room]
             if n.needed_in_room is not None:
                 assert pictures[n.needed_in_room].endswith(f"\ndoor{n.tag}?")
-        assert "note" not in json.dumps(env.initial_input())  # notes come in tool replies: protect_initial_context keeps none
+        # notes come in tool replies: protect_initial_context keeps none
+        assert "note" not in json.dumps(env.initial_input())
         first[min(notes, key=lambda n: n.shown_in_room).tag] += 1
         pairs[notes[0].needed_in_room] += 1
     assert all(150 < first[t] < 250 for t in "ABC") and all(240 < pairs[r] < 360 for r in (ROOMS - 2, ROOMS - 1))
@@ -239,7 +241,8 @@ def test_the_config_loads_and_its_guard_is_between_the_arms():
 
 @pytest.mark.parametrize("overrides, message", [
     (["env.task=doors_notes", "env.num_rooms=6"], "env.num_rooms: must be >= 7 for env.task=doors_notes, got 6"),
-    (["env.task=doors_notes", "env.num_rooms=7", "env.num_rooms_choices=[7,5]"], "env.num_rooms_choices[1]: must be >= 7"),
+    (["env.task=doors_notes", "env.num_rooms=7", "env.num_rooms_choices=[7,5]"],
+     "env.num_rooms_choices[1]: must be >= 7"),
 ])
 def test_too_few_rooms_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

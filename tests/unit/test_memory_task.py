@@ -114,7 +114,8 @@ def last_room_rate(cfg: MinirlConfig, seeds: int = SEEDS) -> tuple[int, list[dic
     async def play():
         out = []
         for group in range(seeds):
-            row = {**prompt_row(cfg, 0, group), "_rowidx": 0, "_minirl": {"step": 0, "group": group, "rollout": 0, "attempt": 0}}
+            row = {**prompt_row(cfg, 0, group), "_rowidx": 0,
+                   "_minirl": {"step": 0, "group": group, "rollout": 0, "attempt": 0}}
             row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=7)
             out.append(await run_episode(row, cfg.agent, reader))
         return out
@@ -141,7 +142,8 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def test_recency_compaction_is_near_chance_on_the_last_room(keep):
     wins, results, reader = last_room_rate(memory_cfg("recency", keep))
     lo, hi = wilson(wins, SEEDS)
-    print(f"recency keep_last_groups={keep or 1}: last room {wins}/{SEEDS} = {wins / SEEDS:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]")
+    print(f"recency keep_last_groups={keep or 1}: last room {wins}/{SEEDS} = {wins / SEEDS:.3f}, 95% CI [{lo:.3f}, "
+          f"{hi:.3f}]")
     assert all(reader.last_room_guessed), "recency must have dropped the note before the last call"
     assert all(r["evidence"]["images_dropped"] > 0 for r in results)
     assert hi < 0.3  # chance is 1/7..1/10 (digits the last picture does not show)

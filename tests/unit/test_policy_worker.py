@@ -134,7 +134,8 @@ def test_top_p_logprobs_match_a_float64_reference():
     # top_p = 1: the unfiltered log-softmax, exactly as before
     with torch.no_grad():
         want = torch.log_softmax(worker.model(input_ids=ids, attention_mask=attn).logits.float()[:, :-1], dim=-1)
-        assert torch.equal(token_logprobs(worker.model, ids, attn, 1.0)[:, 1:], want.gather(-1, ids[:, 1:, None]).squeeze(-1))
+        assert torch.equal(token_logprobs(worker.model, ids, attn, 1.0)[:, 1:],
+                           want.gather(-1, ids[:, 1:, None]).squeeze(-1))
 
 
 def test_top_p_training_step_and_kl_on_unfiltered_logprobs():

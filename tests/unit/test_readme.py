@@ -21,7 +21,8 @@ def _section(text: str, heading: str) -> str:
 
 def test_the_readme_stays_under_its_budget():
     size = len(README.read_bytes())
-    assert size <= BUDGET_BYTES, f"README.md is {size} bytes, over its {BUDGET_BYTES}: move detail to docs/ or bench/history/"
+    assert size <= BUDGET_BYTES, \
+        f"README.md is {size} bytes, over its {BUDGET_BYTES}: move detail to docs/ or bench/history/"
 
 
 def test_every_performance_cell_holds_one_current_figure():
@@ -43,7 +44,8 @@ def test_the_layering_list_matches_the_layering_test():
         for name in re.findall(r"`([a-z_]+(?:/[a-z_]+)*)(?:\.py|/)`", line):  # `wire.py`, `algo/`, `gym/failures.py`
             listed["minirl." + name.replace("/", ".")] = floor
     expected = {k: v for k, v in FLOORS.items() if k != "minirl"}
-    assert listed == expected, f"README's Layering list and tests/unit/test_layering.py's FLOORS differ: {set(listed.items()) ^ set(expected.items())}"
+    assert listed == expected, ("README's Layering list and tests/unit/test_layering.py's FLOORS differ: "
+                                f"{set(listed.items()) ^ set(expected.items())}")
 
 
 def test_every_module_opens_with_a_docstring():

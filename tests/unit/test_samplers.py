@@ -102,12 +102,17 @@ def test_unknown_sampler_and_a_buffer_too_small_for_the_window_are_config_errors
                            "loss_fn.use_importance_sampling_correction=true"])
     with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction"):
         load_config(None, ["async_rl.enabled=true"])
-    with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction: must be true with async_rl.sampler.name=ready_first"):
-        load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=ready_first", "async_rl.sampler.max_staleness_versions=0",
-                           "async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"])
+    with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction: must be true with "
+                                          "async_rl.sampler.name=ready_first"):
+        load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=ready_first",
+                           "async_rl.sampler.max_staleness_versions=0",
+                           "async_rl.rollout_failure.max_skipped_prompts=0",
+                           "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"])
     with pytest.raises(ConfigError, match="async_rl.max_buffered_rollouts: must hold the sampler's window of 16"):
-        load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=weight_fifo", "async_rl.max_buffered_rollouts=8",
-                           "loss_fn.use_importance_sampling_correction=true", "async_rl.rollout_failure.max_skipped_prompts=0",
+        load_config(None,
+                    ["async_rl.enabled=true", "async_rl.sampler.name=weight_fifo", "async_rl.max_buffered_rollouts=8",
+                           "loss_fn.use_importance_sampling_correction=true",
+                           "async_rl.rollout_failure.max_skipped_prompts=0",
                            "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"])
 
 
@@ -118,14 +123,19 @@ def test_drop_budgets_under_a_sampler_that_stamps_no_target_step_are_rejected_at
     from minirl.config import ConfigError, load_config
 
     base = ["async_rl.enabled=true", f"async_rl.sampler.name={name}", "loss_fn.use_importance_sampling_correction=true"]
-    with pytest.raises(ConfigError, match=rf"^async_rl.sampler.name: '{name}' stamps no target step, so the drop budget "
-                                          r"\(max_skipped_prompts=4, max_consecutive_dropped_prompts=4\) cannot be honoured"):
+    with pytest.raises(ConfigError,
+                       match=rf"^async_rl.sampler.name: '{name}' stamps no target step, so the drop budget "
+                                          r"\(max_skipped_prompts=4, max_consecutive_dropped_prompts=4\) cannot be "
+                                          r"honoured"):
         load_config(None, base)
-    with pytest.raises(ConfigError, match=r"^async_rl.sampler.name: .*max_skipped_prompts=0, max_consecutive_dropped_prompts=4\)"):
+    with pytest.raises(ConfigError,
+                       match=r"^async_rl.sampler.name: .*max_skipped_prompts=0, max_consecutive_dropped_prompts=4\)"):
         load_config(None, [*base, "async_rl.rollout_failure.max_skipped_prompts=0"])
-    zero = ["async_rl.rollout_failure.max_skipped_prompts=0", "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"]
+    zero = ["async_rl.rollout_failure.max_skipped_prompts=0",
+            "async_rl.rollout_failure.max_consecutive_dropped_prompts=0"]
     assert load_config(None, [*base, *zero]).async_rl.sampler.name == name
-    with pytest.raises(ConfigError, match="^async_rl.rollout_failure.on_dropped_prompt: replace needs a sampler that stamps"):
+    with pytest.raises(ConfigError,
+                       match="^async_rl.rollout_failure.on_dropped_prompt: replace needs a sampler that stamps"):
         load_config(None, [*base, *zero, "async_rl.rollout_failure.on_dropped_prompt=replace"])
 
 
@@ -180,7 +190,8 @@ def test_a_restored_pump_drops_past_targets_keeps_the_rest_and_redispatches_only
                              "grpo.num_prompts_per_step=2"])
     events = []
     manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100)
-    snap = {"next": (4, 1), "in_flight": [(3, 1, 3, False, 0), (4, 0, 4, False, 0), (0, 2, 2, True, 1)], "pool": [(0, 3)],
+    snap = {"next": (4, 1), "in_flight": [(3, 1, 3, False, 0), (4, 0, 4, False, 0), (0, 2, 2, True, 1)],
+            "pool": [(0, 3)],
             "spare_batches": 1, "ready": [rec(2, 1, 1), rec(3, 0, 2)]}
     snap = pickle.loads(pickle.dumps(snap))  # as the checkpoint file holds it
     pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 2, 1), 3, 3, None, snap)
@@ -270,8 +281,10 @@ def test_replacement_prompt_source_stream_diverts_the_next_training_batch_as_ups
     from minirl.rollout.manager import RolloutManager
 
     cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
-                             "grpo.num_prompts_per_step=2", "grpo.max_num_steps=2", "async_rl.rollout_failure.on_dropped_prompt=replace",
-                             "async_rl.rollout_failure.replacement_prompt_source=stream", "async_rl.stall_watchdog.stall_timeout_s=null"])
+                             "grpo.num_prompts_per_step=2", "grpo.max_num_steps=2",
+                             "async_rl.rollout_failure.on_dropped_prompt=replace",
+                             "async_rl.rollout_failure.replacement_prompt_source=stream",
+                             "async_rl.stall_watchdog.stall_timeout_s=null"])
     events = []
 
     async def go():
@@ -304,5 +317,6 @@ def test_replacement_prompt_source_stream_diverts_the_next_training_batch_as_ups
     assert refill["prompts"] == [[1, 0], [1, 1]]
     from minirl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="^async_rl.rollout_failure.replacement_prompt_source: must be spare_groups or stream"):
+    with pytest.raises(ConfigError,
+                       match="^async_rl.rollout_failure.replacement_prompt_source: must be spare_groups or stream"):
         load_config(None, ["async_rl.rollout_failure.replacement_prompt_source=dataset"])

@@ -113,7 +113,8 @@ def rollout(g: int, r: int, reward: float, lengths: list[int], masked_segments=(
 
 def config(validity="all", weighting="token_mean", exclude=True, groups=1, g=4):
     return load_config(None, [f"grpo.segment_validity={validity}", f"loss_fn.segment_weighting={weighting}",
-                              f"grpo.baseline_excludes_masked={str(exclude).lower()}", f"grpo.num_prompts_per_step={groups}",
+                              f"grpo.baseline_excludes_masked={str(exclude).lower()}",
+                              f"grpo.num_prompts_per_step={groups}",
                               f"grpo.num_generations_per_prompt={g}", f"policy.train_global_batch_size={groups * g}"])
 
 
@@ -141,7 +142,8 @@ def expected_rows(outcomes, validity, exclude, weighting):
     masks, advs, keys, tokens = [], [], [], []
     for o in outcomes:
         rs = [o.rollouts[k] for k in sorted(o.rollouts)]
-        valid = [ref_rollout_valid(r.mask_reason is not None, [t.mask_reason is None for t in r.traces], validity) for r in rs]
+        valid = [ref_rollout_valid(r.mask_reason is not None, [t.mask_reason is None for t in r.traces], validity)
+                 for r in rs]
         adv = ref_advantages([r.reward for r in rs], valid if exclude else [True] * len(rs))
         for r, v, a in zip(rs, valid, adv):
             for t in r.traces:
@@ -218,15 +220,18 @@ def test_loss_matches_the_reference_for_each_weighting(weighting, token_level):
     normalizer = batch.global_valid_tokens if token_level else batch.global_valid_samples
     got = 0.0
     for rows in np.array_split(np.arange(shape[0]), 3):
-        loss, _ = clipped_pg_loss(curr[rows], prev[rows], adv[rows], mask[rows], normalizer, reference_logprobs=ref[rows],
+        loss, _ = clipped_pg_loss(curr[rows], prev[rows], adv[rows], mask[rows], normalizer,
+                                  reference_logprobs=ref[rows],
                                   kl_penalty=0.05, token_level=token_level, weights=None if w is None else w[rows])
         got += float(loss)
-    want = ref_loss(curr.tolist(), prev.tolist(), batch.advantages.astype(np.float64).tolist(), batch.valid_mask().tolist(),
+    want = ref_loss(curr.tolist(), prev.tolist(), batch.advantages.astype(np.float64).tolist(),
+                    batch.valid_mask().tolist(),
                     want_w.tolist(), kl_penalty=0.05, ref=ref.tolist(), token_level=token_level)
     assert got == pytest.approx(want, rel=1e-6, abs=1e-9)  # float32 weights and advantages, float64 arithmetic
     if weighting != "token_mean":  # the switch moves the objective on this step
         unweighted = ref_loss(curr.tolist(), prev.tolist(), batch.advantages.astype(np.float64).tolist(),
-                              batch.valid_mask().tolist(), [1.0] * shape[0], kl_penalty=0.05, ref=ref.tolist(), token_level=token_level)
+                              batch.valid_mask().tolist(), [1.0] * shape[0], kl_penalty=0.05, ref=ref.tolist(),
+                              token_level=token_level)
         assert abs(want - unweighted) > 1e-3
 
 
@@ -261,7 +266,8 @@ def fixed_batch(loss_weight=None) -> TrainBatch:
     """4 rows x 30 tokens, 15 trained each (tests/unit/test_policy_worker.py's rows, uneven advantages)."""
     rng = np.random.default_rng(0)
     b = TrainBatch(input_ids=rng.integers(3, 400, size=(4, 30)), loss_mask=np.zeros((4, 30), np.float32),
-                   gen_logprobs=np.zeros((4, 30), np.float32), lengths=np.full(4, 30), sample_mask=np.ones(4, np.float32),
+                   gen_logprobs=np.zeros((4, 30), np.float32), lengths=np.full(4, 30),
+                   sample_mask=np.ones(4, np.float32),
                    advantages=ADV.copy(), loss_weight=loss_weight)
     b.loss_mask[:, 15:] = 1
     return b.count_valid()

@@ -58,12 +58,14 @@ def test_summary_advantages_match_a_float64_reference(leave_one_out, normalize):
     rng = random.Random(5)
     for _ in range(300):
         g = rng.randint(2, 6)
-        rewards = [[rng.choice([None, 0.0, 0.5, 1.0, rng.random()]) for _ in range(rng.randint(0, 3))] for _ in range(g)]
+        rewards = [[rng.choice([None, 0.0, 0.5, 1.0, rng.random()]) for _ in range(rng.randint(0, 3))]
+                   for _ in range(g)]
         valid = [rng.random() < 0.8 for _ in range(g)]
         got = summary_advantages(rewards, valid, leave_one_out, normalize)
         want = reference(rewards, valid, leave_one_out, normalize)
         assert [len(r) for r in got] == [len(r) for r in rewards]
-        np.testing.assert_allclose(np.concatenate([*got, [0.0]]), np.concatenate([*want, [0.0]]), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.concatenate([*got, [0.0]]), np.concatenate([*want, [0.0]]),
+                                   rtol=1e-12, atol=1e-12)
     # a worked case: the second summaries of rollouts 0 and 2 only (1 has none, 3 is masked)
     adv = summary_advantages([[1.0, 1.0], [0.0], [0.5, 0.0], [1.0, 1.0]], [1, 1, 1, 0])
     assert adv[0][1] == pytest.approx(1.0) and adv[2][1] == pytest.approx(-1.0) and adv[3] == [0.0, 0.0]
@@ -89,7 +91,9 @@ def test_segment_rewards_score_the_rooms_each_summary_hands_off_to():
 
 
 def render(messages: list[dict]) -> str:
-    said = lambda m: (m.get("content") or "") + "".join(json.dumps(tc["function"]) for tc in m.get("tool_calls") or [])  # noqa: E731
+    def said(m):
+        return (m.get("content") or "") + "".join(json.dumps(tc["function"]) for tc in m.get("tool_calls") or [])
+
     return "".join(said(m) if m["role"] == "assistant" else f"<{m['role']}>{m.get('content') or ''}" for m in messages)
 
 
@@ -110,13 +114,15 @@ class Summarizer:
         finish = "stop"
         if not tools:
             notes = re.findall(r"note\d", text)
-            message = {"role": "assistant", "content": f"<summary>{notes[-1] if self.keep and notes else 'none'}</summary>"}
+            message = {"role": "assistant",
+                       "content": f"<summary>{notes[-1] if self.keep and notes else 'none'}</summary>"}
             finish = self.finishes.pop(0) if self.finishes else "stop"
         else:
             door = next(label[4:] for label in PICTURE.findall(text)[-1].split("\n")[1:] if label.startswith("door"))
             code = int(door) if door != "?" else int((re.findall(r"note(\d)", text) or ["0"])[-1])
             fn = {"name": "open_door", "arguments": json.dumps({"code": code})}
-            message = {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": fn}]}
+            message = {"role": "assistant", "content": "",
+                       "tool_calls": [{"id": "c", "type": "function", "function": fn}]}
             finish = "tool_calls"
         gen = enc(render([message]))
         return ModelReply(message, finish, {"prompt_token_ids": enc(text), "generation_token_ids": gen,
@@ -146,7 +152,8 @@ def test_next_segment_credit_trains_the_summary_on_the_segment_after_it(credit):
     rollouts = [parse_rollout(res, Coords(0, 0, i, 0), vocab_size=256, max_len=10**6, overlong_filtering=False)
                 for i, res in enumerate(results)]
     segs = [r.evidence["segment_rewards"] for r in rollouts]
-    assert all(len(s) == 1 for s in segs) and segs[0] != segs[1]  # one summary each; the note decides the segment after it
+    # one summary each; the note decides the segment after it
+    assert all(len(s) == 1 for s in segs) and segs[0] != segs[1]
     del rollouts[3].evidence["segment_rewards"]  # as an external agent's: it keeps its rollout's advantage
     batch, stats = assemble(cfg, [GroupOutcome(0, "committed", dict(enumerate(rollouts)))], 0)
     rollout_adv = group_advantages([r.reward for r in rollouts])
