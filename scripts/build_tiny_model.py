@@ -104,8 +104,10 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SIZES = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4),
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4),
 }
 _PICTURE = re.compile(r"<image>(.*?)</image>", re.DOTALL)
 _LABEL = re.compile(r"([a-z]+)(\d)")
@@ -189,7 +191,8 @@ def prompt_text(messages) -> str:
 
 
 def is_summary_request(messages) -> bool:
-    return bool(messages) and messages[-1]["role"] == "user" and parts_text(messages[-1]["content"] or "") == SUMMARY_REQUEST
+    return (bool(messages) and messages[-1]["role"] == "user"
+            and parts_text(messages[-1]["content"] or "") == SUMMARY_REQUEST)
 
 
 class SummarizingTeacher:
@@ -225,7 +228,8 @@ class SummarizingTeacher:
         if hidden := _HIDDEN.fullmatch(door):
             notes = [d for tag, d in _NOTE.findall(text) if tag == hidden[1]]
             shown = {label[-1] for label in labels}
-            name, num = (f"note{hidden[1]}", notes[-1]) if notes else (door, self.rng.choice([d for d in "0123456789" if d not in shown]))
+            name, num = (f"note{hidden[1]}", notes[-1]) if notes else \
+                (door, self.rng.choice([d for d in "0123456789" if d not in shown]))
         elif self.rng.random() < self.p:
             name, num = door[:-1], door[-1]
         else:
@@ -244,7 +248,8 @@ class SummarizingTeacher:
         return self.count(messages, tools)
 
 
-def summarize_agent_config(rng: random.Random, rooms: int, thresholds: tuple[int, int] = MEMORY_PLAY["doors_memory"].thresholds) -> AgentConfig:
+def summarize_agent_config(rng: random.Random, rooms: int,
+                           thresholds: tuple[int, int] = MEMORY_PLAY["doors_memory"].thresholds) -> AgentConfig:
     """The summarizing policy with a random threshold (so summaries fall before any room), or
     (1 - SUMMARIZE_SHARE of the episodes) a recency setting, so the model also sees dropped pictures."""
     if rng.random() >= SUMMARIZE_SHARE:
@@ -329,12 +334,14 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return hf
 
 
-def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int = 8, extra: tuple = ()) -> tuple[list[int], list[int]]:
+def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int = 8,
+                 extra: tuple = ()) -> tuple[list[int], list[int]]:
     """A picture followed by `queries` think blocks naming a random label: loss on the digits only.
     `extra` adds label names (`note` for the summarizing build)."""
     names = rng.sample(OBJECTS + ("door",) + extra, 4)
     nums = [rng.randrange(10) for _ in names]
-    picture = " ".join(rng.choice(COLORS) for _ in range(pixels)) + "\n" + "\n".join(f"{n}{d}" for n, d in zip(names, nums))
+    picture = " ".join(rng.choice(COLORS) for _ in range(pixels)) + "\n" \
+        + "\n".join(f"{n}{d}" for n, d in zip(names, nums))
     text = f"<|im_start|>user\nRoom 1.<image>{picture}</image>{EOS_TOKEN}\n<|im_start|>assistant\n"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     targets = []
@@ -357,7 +364,8 @@ the `note` token for the last room (a note in the context is always read: drilli
 left the model writing `door?`, the no-note guess, in 63 of 100 last rooms)."""
 
 
-def note_drills(examples, tokenizer, copies: int, seed: int, kind: str = "summary") -> list[tuple[list[int], list[int]]]:
+def note_drills(examples, tokenizer, copies: int, seed: int,
+                kind: str = "summary") -> list[tuple[list[int], list[int]]]:
     """Copy drills for the note's digit: each teacher prompt of `kind` (a summary request, or with
     `hidden_door` the last room) that shows a note, `copies` times with the note's digit redrawn (so
     the digit cannot be memorised), answered DRILL_REPLIES[kind]: loss on the digit after `note` (in
@@ -399,7 +407,8 @@ def sft(model, tokenizer, examples, steps: int, batch: int, lr: float, seed: int
     model.train()
     for step in range(steps):
         start = rng.randrange(0, max(1, len(encoded) - batch))
-        seqs = encoded[start : start + batch - drills] + [lookup_drill(rng, tokenizer, extra=drill_extra) for _ in range(drills)]
+        seqs = encoded[start : start + batch - drills] \
+            + [lookup_drill(rng, tokenizer, extra=drill_extra) for _ in range(drills)]
         width = max(len(s) for s, _ in seqs)
         ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
         labels = torch.full((len(seqs), width), -100)
@@ -435,7 +444,8 @@ def quality(model, tokenizer, examples, n: int, seed: int) -> dict:
         want = parse_reply(reply.removesuffix(EOS_TOKEN))["tool_calls"][0]["function"]["arguments"]
         wellformed += bool(msg["tool_calls"])
         door += (msg["reasoning"] or "").startswith("door")
-        right += bool(msg["tool_calls"]) and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == json.loads(want)
+        right += (bool(msg["tool_calls"])
+                  and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == json.loads(want))
     return {"door_rate": door / n, "right_code_rate": right / n, "wellformed_rate": wellformed / n}
 
 
@@ -447,13 +457,15 @@ def summarizing_corpus(args, render):
         tokenizer = AutoTokenizer.from_pretrained(args.init)
     else:
         rough = lambda messages, tools: len(render(messages, tools)) // 3  # noqa: E731
-        first = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, rough, args.task)
+        first = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, rough,
+                                        args.task)
         tokenizer = train_tokenizer([p + r for p, r in first[:6000]], args.vocab_size)
 
     def count(messages, tools):
         return len(tokenizer(render(messages, tools), add_special_tokens=False)["input_ids"])
 
-    examples = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, count, args.task)
+    examples = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, count,
+                                       args.task)
     held_out = summarizing_transcripts(3 * args.eval_n, 1.0, 1.0, args.seed + 1, render, count, args.task)
     kinds = [example_kind(p, r) for p, r in examples]
     print(f"teacher: {len(examples)} model calls from {args.episodes} episodes "
@@ -477,7 +489,8 @@ def summary_quality(model, tokenizer, examples, n: int, seed: int) -> dict:
     `summary_fact_recall`: per needed note shown (not a distractor), whether the summary holds it
     verbatim, as the run's summary_recall metric counts."""
     torch.manual_seed(seed)
-    hits = {"summary_recall": [], "summary_fact_recall": [], "hidden_door_rate": [], "door_rate": [], "summary_wellformed": []}
+    hits = {"summary_recall": [], "summary_fact_recall": [], "hidden_door_rate": [], "door_rate": [],
+            "summary_wellformed": []}
     for prompt, reply in examples:
         kind = example_kind(prompt, reply)
         want = reply.removesuffix(EOS_TOKEN)
@@ -494,7 +507,8 @@ def summary_quality(model, tokenizer, examples, n: int, seed: int) -> dict:
             hits["summary_wellformed"].append(bool(summary_text(text)))
             hits[key].append(summary_text(text) == summary_text(want))
             got = summary_text(text) or ""
-            hits["summary_fact_recall"] += [f"note{t}{d}" in got for t, d in _NOTE.findall(want) if t not in DISTRACTOR_TAGS]
+            hits["summary_fact_recall"] += [f"note{t}{d}" in got
+                                            for t, d in _NOTE.findall(want) if t not in DISTRACTOR_TAGS]
         else:
             msg, ref = parse_reply(text), parse_reply(want)
             got = msg["tool_calls"] and json.loads(msg["tool_calls"][0]["function"]["arguments"])
@@ -527,7 +541,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--episodes", type=int, default=4000)
-    ap.add_argument("--p-correct", type=float, default=None, help="teacher reads the door (default 0.3; 0.9 with --summarize)")
+    ap.add_argument("--p-correct", type=float, default=None,
+                    help="teacher reads the door (default 0.3; 0.9 with --summarize)")
     ap.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary learned from the corpus")
     ap.add_argument("--pad-vocab-to", type=int, default=0, help="grow the embedding to this many rows (e.g. 32768)")
     ap.add_argument("--sft-steps", type=int, default=1200)
@@ -543,8 +558,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init", default=None,
                     help="--summarize: fine-tune this built model (its weights and tokenizer) instead of a fresh one")
     ap.add_argument("--eval-n", type=int, default=100, help="--summarize: held-out samples per kind for the scores")
-    ap.add_argument("--note-drills", type=int, default=0, help="--summarize: copy drills per teacher summary request showing a note")
-    ap.add_argument("--read-drills", type=int, default=0, help="--summarize: copy drills per teacher last-room prompt showing a note")
+    ap.add_argument("--note-drills", type=int, default=0,
+                    help="--summarize: copy drills per teacher summary request showing a note")
+    ap.add_argument("--read-drills", type=int, default=0,
+                    help="--summarize: copy drills per teacher last-room prompt showing a note")
     args = ap.parse_args(argv)
     if args.summarize != (args.task in MEMORY_PLAY):
         ap.error(f"--summarize goes with --task {' or '.join(MEMORY_PLAY)}")
@@ -584,7 +601,8 @@ def main(argv: list[str] | None = None) -> None:
     if extra:
         print(f"note drills: {len(extra)} (teacher prompts showing a note: summary requests x {args.note_drills}, "
               f"last rooms x {args.read_drills})", flush=True)
-    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction, drill_extra, extra)
+    sft(model, tokenizer, examples, args.sft_steps, args.batch, args.lr, args.seed, args.drill_fraction,
+        drill_extra, extra)
     if args.summarize:
         scores = summary_quality(model, tokenizer, held_out, args.eval_n, args.seed)
     else:
@@ -601,7 +619,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.save_pretrained(out)
     summarize_only = ("task", "summarize", "p_recall", "eval_n", "note_drills", "read_drills", "init")
     recorded = {k: v for k, v in vars(args).items() if args.summarize and (k != "init" or v) or k not in summarize_only}
-    info = {"args": recorded, "parameters": params, "vocab_size": vocab, **scores, "build_s": round(time.time() - t0, 1)}
+    info = {"args": recorded, "parameters": params, "vocab_size": vocab, **scores,
+            "build_s": round(time.time() - t0, 1)}
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved {out} in {time.time() - t0:.0f}s", flush=True)
 

@@ -47,31 +47,38 @@ def _check(ok: bool, what: str, failures: list, name: str) -> None:
 
 
 def check_serving(post, python: str, urls: dict, rows: Path, cfg, work: Path, env: dict, failures: list) -> None:
-    shapes = subprocess.run([python, "-m", "minirl.gym_servers.serve_v07", "--check-shapes", str(rows)], cwd=work, env=env,
+    shapes = subprocess.run([python, "-m", "minirl.gym_servers.serve_v07", "--check-shapes", str(rows)], cwd=work,
+                            env=env,
                             capture_output=True, text=True)
     _check(shapes.returncode == 0, shapes.stdout.strip() or shapes.stderr.strip()[-2000:], failures, "shapes")
     status, result = post(urls["simple_agent"] + "/run", json.loads(rows.read_text().splitlines()[0]))
     (work / "run_result_07.json").write_text(json.dumps(result, indent=1))
     calls = [it for it in (result.get("response") or {}).get("output", []) if it.get("generation_token_ids")]
-    _check(status == 200 and bool(calls), f"one /run through simple_agent -> HTTP {status}, reward {result.get('reward')}, "
-           f"mask_sample {result.get('mask_sample')}, {len(calls)} model call(s) with token ids (inline)", failures, "/run")
+    _check(status == 200 and bool(calls),
+           f"one /run through simple_agent -> HTTP {status}, reward {result.get('reward')}, "
+           f"mask_sample {result.get('mask_sample')}, {len(calls)} model call(s) with token ids (inline)", failures,
+           "/run")
     long_input = [{"role": "user", "content": "door " * (cfg.policy.generation.vllm_cfg.max_model_len * 2)}]
     status, reply = post(urls["policy_model"] + "/v1/responses", {"input": long_input})
     out = reply.get("output") or []
     lane_a = (status == 200 and reply.get("incomplete_details") == {"reason": "max_output_tokens"} and len(out) == 1
               and not any(p.get("text") for p in out[0].get("content", [])) and "generation_token_ids" not in out[0])
-    _check(lane_a, f"too-long prompt through vllm_model -> HTTP {status}, incomplete_details={reply.get('incomplete_details')}, "
+    _check(lane_a, f"too-long prompt through vllm_model -> HTTP {status}, "
+                   f"incomplete_details={reply.get('incomplete_details')}, "
            f"output={json.dumps(out)[:160]}", failures, "lane A")
 
 
 def check_training(urls: dict, attach: list, overrides: list, work: Path, env: dict, failures: list) -> None:
     run_dir = work / "run07"
-    lost = "faults.inject=[{" + ", ".join(f"{k}: {v}" for k, v in LOST.items()) + "}]"  # the manager logs the planned fault
+    # the manager logs the planned fault
+    lost = "faults.inject=[{" + ", ".join(f"{k}: {v}" for k, v in LOST.items()) + "}]"
     t0 = time.time()
-    train = subprocess.run([sys.executable, "-m", "minirl.train", f"run_dir={run_dir}", f"agent.external_url={urls['simple_agent']}",
+    train = subprocess.run([sys.executable, "-m", "minirl.train", f"run_dir={run_dir}",
+                            f"agent.external_url={urls['simple_agent']}",
                             *attach, *overrides, lost], cwd=Path(__file__).resolve().parent.parent, env=env,
                            capture_output=True, text=True, timeout=900)
-    say(f"train exit {train.returncode} in {time.time() - t0:.0f}s; stdout tail:\n" + "\n".join(train.stdout.splitlines()[-6:]))
+    say(f"train exit {train.returncode} in {time.time() - t0:.0f}s; stdout tail:\n"
+        + "\n".join(train.stdout.splitlines()[-6:]))
     if train.returncode != 0:
         say("stderr tail:\n" + "\n".join(train.stderr.splitlines()[-15:]))
         _check(False, "training run", failures, "train")
@@ -80,7 +87,8 @@ def check_training(urls: dict, attach: list, overrides: list, work: Path, env: d
     err = [s.get("logprob_abs_error") for s in steps]
     _check(len(steps) == 2 and all(s["rollouts_trained"] > 0 for s in steps),
            f"rollouts_trained per step {[s['rollouts_trained'] for s in steps]} (> 0)", failures, "rollouts_trained")
-    _check(all(e is not None and e < 1e-3 for e in err), f"logprob_abs_error per step {err} (< 1e-3)", failures, "logprob")
+    _check(all(e is not None and e < 1e-3
+               for e in err), f"logprob_abs_error per step {err} (< 1e-3)", failures, "logprob")
     matched, unrecorded = [s.get("calls_matched") for s in steps], [s.get("calls_unrecorded") for s in steps]
     _check(all(m and m > 0 for m in matched) and all(u == 0 for u in unrecorded),
            f"ledger: calls_matched per step {matched} (> 0), calls_unrecorded {unrecorded} (= 0)", failures, "ledger")
@@ -91,7 +99,8 @@ def check_training(urls: dict, attach: list, overrides: list, work: Path, env: d
           and masks[0].get("failure_kind") == "session_lost" and steps[1].get("masked_by_kind") == {"session_lost": 1}
           and steps[1]["rollouts_masked"] == 1 and steps[1]["rollouts_trained"] == steps[0]["rollouts_trained"] - 1)
     _check(ok, f"the verifier's mask_sample masked {want} only: mask events {masks}; step 1 masked_by_kind "
-           f"{steps[1].get('masked_by_kind')}, rollouts_masked {steps[1]['rollouts_masked']}, rollouts_trained per step "
+           f"{steps[1].get('masked_by_kind')}, rollouts_masked {steps[1]['rollouts_masked']}, rollouts_trained per "
+           "step "
            f"{[s['rollouts_trained'] for s in steps]} (its group's other rollout trains; it is out of the baseline: "
            "grpo.baseline_excludes_masked)", failures, "mask_sample")
 
@@ -117,7 +126,8 @@ def check_episode_failures(url: str, cfg, failures: list) -> None:
     outcomes = asyncio.run(go())
     rf, G = cfg.async_rl.rollout_failure, cfg.grpo.num_generations_per_prompt
     budget = rf.max_infra_attempts_per_prompt * rf.nemo_gym.max_row_attempts * G
-    kinds = sorted({(e["group"], e["class"], e["failure_kind"], e["terminal"]) for e in events if e["type"] == "failure"})
+    kinds = sorted({(e["group"], e["class"], e["failure_kind"], e["terminal"])
+                    for e in events if e["type"] == "failure"})
     ok = ([(o.status, o.row_sends) for o in outcomes] == [("skipped", G), ("dropped", budget)]
           and kinds == [(0, "data", "provider_quota_exhausted", True), (1, "infra", "provider_unavailable", False)])
     _check(ok, f"Gym's EpisodeFailure through the rollout manager: (status, /run sends) per group "
@@ -126,14 +136,16 @@ def check_episode_failures(url: str, cfg, failures: list) -> None:
            f"failure events (group, class, kind, terminal) {kinds}", failures, "EpisodeFailure")
 
 
-def run(post, start_gym, stop_gym, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path, env: dict) -> list[str]:
+def run(post, start_gym, stop_gym, python: str, cfg, router: str, attach: list, overrides: list, rows: Path, work: Path,
+        env: dict) -> list[str]:
     """The 0.7.0 half (`post`, `start_gym`, `stop_gym`: gym_check's); returns the failed checks' names. Stops its Gym
     process whatever happens."""
     failures: list[str] = []
     gym = None
     try:
         faults = {"seed": cfg.faults.seed, "inject": [LOST]}  # the Gym 0.7 doors server's fault plan
-        gym, urls = start_gym(python, cfg, router, work, env, "minirl.gym_servers.serve_v07", ("--faults", json.dumps(faults)),
+        gym, urls = start_gym(python, cfg, router, work, env, "minirl.gym_servers.serve_v07",
+                              ("--faults", json.dumps(faults)),
                               "gym07-servers.log")
         say(f"Gym servers up: {urls}")
         check_serving(post, python, urls, rows, cfg, work, env, failures)

@@ -85,14 +85,16 @@ def summary() -> None:
     for version, venv in (("0.4.0", ".venv-gym, Python 3.12"), ("0.7.0", ".venv-gym07, Python 3.13.0")):
         done = CHECKED[version]
         verdict = "not run" if not done else "all held" if all(ok for _, ok in done) else "FAILED"
-        say(f"checked for nemo-gym {version} ({venv}): {verdict}: " + "; ".join(f"{n} {'ok' if ok else 'FAIL'}" for n, ok in done))
+        say(f"checked for nemo-gym {version} ({venv}): {verdict}: "
+            + "; ".join(f"{n} {'ok' if ok else 'FAIL'}" for n, ok in done))
 
 
 def start_generation(work: Path, env: dict) -> tuple[subprocess.Popen, dict]:
     """Step 1 of docs/gym.md: `python -m minirl.gym_servers.generation` with the check's overrides; returns the
     process and what it printed (policy_base_url, policy_model_name, router, attach)."""
     path = work / "generation.log"
-    gen = subprocess.Popen([sys.executable, "-m", "minirl.gym_servers.generation", "--name", "gym-gen", *TRAIN_OVERRIDES], cwd=REPO,
+    gen = subprocess.Popen([sys.executable, "-m", "minirl.gym_servers.generation", "--name", "gym-gen",
+                            *TRAIN_OVERRIDES], cwd=REPO,
                            env=env, stdout=open(path, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 600
     while time.time() < deadline and gen.poll() is None:
@@ -153,7 +155,8 @@ def check_after_last_door(doors: str, failures: list) -> None:
     opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(CookieJar()))
 
     def call(path: str, body: dict) -> tuple[int, str]:
-        req = urllib.request.Request(doors + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(doors + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
         try:
             with opener.open(req, timeout=30) as r:
                 return r.status, r.read().decode()
@@ -172,9 +175,12 @@ def check_training(label: str, agent_url: str, extra: list, attach: list, work: 
     """2 training steps through `agent_url`; the run's metrics checked per step."""
     run_dir = work / f"run-{label}"
     t0 = time.time()
-    train = subprocess.run([sys.executable, "-m", "minirl.train", f"run_dir={run_dir}", f"agent.external_url={agent_url}",
-                            *attach, *TRAIN_OVERRIDES, *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    say(f"[{label}] train exit {train.returncode} in {time.time() - t0:.0f}s; stdout tail:\n" + "\n".join(train.stdout.splitlines()[-8:]))
+    train = subprocess.run([sys.executable, "-m", "minirl.train", f"run_dir={run_dir}",
+                            f"agent.external_url={agent_url}",
+                            *attach, *TRAIN_OVERRIDES, *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=900)
+    say(f"[{label}] train exit {train.returncode} in {time.time() - t0:.0f}s; stdout tail:\n"
+        + "\n".join(train.stdout.splitlines()[-8:]))
     if train.returncode != 0:
         say("stderr tail:\n" + "\n".join(train.stderr.splitlines()[-15:]))
         check(False, f"[{label}] training run", failures, f"{label} train", version)
@@ -188,16 +194,18 @@ def check_training(label: str, agent_url: str, extra: list, attach: list, work: 
           failures, f"{label} logprob_abs_error", version)
     matched, unrecorded = [s.get("calls_matched") for s in steps], [s.get("calls_unrecorded") for s in steps]
     check(all(m and m > 0 for m in matched) and all(u == 0 for u in unrecorded),
-          f"[{label}] ledger: calls_matched per step {matched} (> 0), calls_unrecorded {unrecorded} (= 0)", failures, f"{label} ledger", version)
+          f"[{label}] ledger: calls_matched per step {matched} (> 0), calls_unrecorded {unrecorded} (= 0)", failures,
+          f"{label} ledger", version)
     seeds = [tuple(s["prompt_seeds"]) for s in steps]
     check(len(set(seeds)) == len(seeds), f"[{label}] each step trained its own prompts: {seeds}; reward per step "
-          f"{[s['reward_mean'] for s in steps]}, tokens {[s['tokens_trained'] for s in steps]}", failures, f"{label} prompts", version)
+          f"{[s['reward_mean'] for s in steps]}, tokens {[s['tokens_trained'] for s in steps]}", failures,
+          f"{label} prompts", version)
     say(f"[{label}] endpoints.json: {(run_dir / 'endpoints.json').read_text().strip()}")
 
 
 def sent_rows(cfg, example: str) -> tuple[list[dict], list[dict]]:
-    """The rows minirl sends at step 0 for each environment (`minirl.data.run_body`, as the rollout manager sends them): doors,
-    and the example's own rows."""
+    """The rows minirl sends at step 0 for each environment (`minirl.data.run_body`, as the rollout manager sends
+    them): doors, and the example's own rows."""
     import copy
 
     from minirl.data import prompt_row, run_body
@@ -216,21 +224,25 @@ def check_gym04(args, cfg, gen: dict, work: Path, env: dict, failures: list) -> 
     try:
         gym, urls = start_gym(args.gym_python, cfg, gen["router"], work, env)
         say(f"Gym servers up: {urls}")
-        example = subprocess.run([args.gym_python, "-m", "minirl.gym_servers.serve", "--example-jsonl"], cwd=work, env=env,
+        example = subprocess.run([args.gym_python, "-m", "minirl.gym_servers.serve", "--example-jsonl"], cwd=work,
+                                 env=env,
                                  capture_output=True, text=True, check=True).stdout.strip()
-        rows, example_rows = work / "rows.jsonl", work / "example-rows.jsonl"  # doors rows; the example's, as minirl sends them
+        # doors rows; the example's, as minirl sends them
+        rows, example_rows = work / "rows.jsonl", work / "example-rows.jsonl"
         doors_sent, example_sent = sent_rows(cfg, example)
         rows.write_text("".join(json.dumps(row) + "\n" for row in doors_sent))
         example_rows.write_text("".join(json.dumps(row) + "\n" for row in example_sent))
         for label, path in (("doors", rows), ("example_tool_call_multireward", example_rows)):
-            checked = subprocess.run([args.gym_python, "-m", "minirl.gym_servers.serve", "--check-rows", str(path)], cwd=work, env=env,
+            checked = subprocess.run([args.gym_python, "-m", "minirl.gym_servers.serve", "--check-rows", str(path)],
+                                     cwd=work, env=env,
                                      capture_output=True, text=True)
             check(checked.returncode == 0, f"[{label}] " + (checked.stdout.strip() or checked.stderr.strip()[-2000:]),
                   failures, f"{label} rows")
         status, result = post(urls["simple_agent"] + "/run", json.loads(rows.read_text().splitlines()[0]))
         (work / "run_result.json").write_text(json.dumps(result, indent=1))
         calls = [it for it in (result.get("response") or {}).get("output", []) if it.get("generation_token_ids")]
-        check(status == 200 and bool(calls), f"one /run through simple_agent -> HTTP {status}, reward {result.get('reward')}, "
+        check(status == 200 and bool(calls),
+              f"one /run through simple_agent -> HTTP {status}, reward {result.get('reward')}, "
               f"{len(calls)} model call(s) with token ids", failures, "/run")
         long_input = [{"role": "user", "content": "door " * (cfg.policy.generation.vllm_cfg.max_model_len * 2)}]
         status, reply = post(urls["policy_model"] + "/v1/responses", {"input": long_input})
@@ -245,7 +257,8 @@ def check_gym04(args, cfg, gen: dict, work: Path, env: dict, failures: list) -> 
         check_training("example_tool_call_multireward", urls["example_simple_agent"], [f"data.train_jsonl={example}"],
                        attach, work, env, failures)
         tracebacks = (work / "gym-servers.log").read_text().count("Traceback (most recent call last)")
-        say(f"Gym servers' log: {tracebacks} traceback(s), {(work / 'gym-servers.log').stat().st_size} bytes (drained to a file)")
+        say(f"Gym servers' log: {tracebacks} traceback(s), {(work / 'gym-servers.log').stat().st_size} bytes (drained "
+            "to a file)")
         return rows
     finally:
         stop_gym(gym)
@@ -257,7 +270,8 @@ def main() -> int:
     ap.add_argument("--gym07-python", help="the nemo-gym 0.7.0 venv's python: also run scripts/gym07_check.py's half")
     args = ap.parse_args()
     args.gym_python = str(Path(args.gym_python).absolute())  # the Gym servers run from a scratch directory
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "RAY_AUTH_MODE": "disabled"}
     os.environ.update(RAY_AUTH_MODE="disabled")
     import gym07_check
     import gym_walk
@@ -270,16 +284,19 @@ def main() -> int:
     failures = []
     try:
         gen, ready = start_generation(work, env)
-        say(f"generation side up (python -m minirl.gym_servers.generation): policy_base_url {ready['policy_base_url']}, "
+        say("generation side up (python -m minirl.gym_servers.generation): policy_base_url "
+            f"{ready['policy_base_url']}, "
             f"policy_model_name {ready['policy_model_name']}, workers {ready['workers']}, attach {ready['attach']}")
         rows = check_gym04(args, cfg, ready, work, env, failures)
-        gym_walk.walk("0.4.0", args.gym_python, ready, work, check, check_training, ready["attach"], env, TRAIN_OVERRIDES, failures)
+        gym_walk.walk("0.4.0", args.gym_python, ready, work, check, check_training, ready["attach"], env,
+                      TRAIN_OVERRIDES, failures)
         if args.gym07_python:  # nemo-gym 0.7.0 on the same generation side (issue 32)
             gym07 = str(Path(args.gym07_python).absolute())
             failures += gym07_check.run(post, start_gym, stop_gym, gym07, cfg, ready["router"], ready["attach"],
                                         TRAIN_OVERRIDES, rows, work, env)
             check07 = functools.partial(check, version="0.7.0")
-            gym_walk.walk("0.7.0", gym07, ready, work, check07, check_training, ready["attach"], env, TRAIN_OVERRIDES, failures)
+            gym_walk.walk("0.7.0", gym07, ready, work, check07, check_training, ready["attach"], env, TRAIN_OVERRIDES,
+                          failures)
     except Exception as exc:  # report, then stop everything below
         check(False, f"{type(exc).__name__}: {exc}", failures, type(exc).__name__)
     finally:

@@ -42,8 +42,10 @@ SERVER_DIRS = ("responses_api_models/vllm_model", f"resources_servers/{ENV}", "r
                "environment_servers/single_agent_turn_legacy")
 """Every server directory the two configs start; ng_run looks for `<cwd>/<dir>/.venv`."""
 WALKS = {
-    "0.4.0": {"config": f"resources_servers/{ENV}/configs/{ENV}.yaml", "target": f"{ENV}_simple_agent", "agent_name": None},
-    "0.7.0": {"config": f"resources_servers/{ENV}/configs/{ENV}_single_agent_turn.yaml", "target": f"{ENV}_single_agent_turn",
+    "0.4.0": {"config": f"resources_servers/{ENV}/configs/{ENV}.yaml", "target": f"{ENV}_simple_agent",
+              "agent_name": None},
+    "0.7.0": {"config": f"resources_servers/{ENV}/configs/{ENV}_single_agent_turn.yaml",
+              "target": f"{ENV}_single_agent_turn",
               "agent_name": f"{ENV}_session_agent"},
 }
 ROW_STEP = 9
@@ -66,7 +68,8 @@ def example_jsonl(python: str) -> str:
 def ng_run_command(venv: Path, config: str, gen: dict, head_port: int, extra: tuple = ()) -> list[str]:
     """Step 2's command line, as docs/gym.md writes it."""
     return [str(venv / "bin" / "ng_run"), f"+config_paths=[{MODEL_CONFIG},{config}]",
-            f"+policy_base_url={gen['policy_base_url']}", "+policy_api_key=none", f"+policy_model_name={gen['policy_model_name']}",
+            f"+policy_base_url={gen['policy_base_url']}", "+policy_api_key=none",
+            f"+policy_model_name={gen['policy_model_name']}",
             "+skip_venv_if_present=true", "++head_server.host=127.0.0.1", f"++head_server.port={head_port}", *extra]
 
 
@@ -75,7 +78,8 @@ RAY_START_TIMEOUT = "The current node timed out during startup"
 then exits at once, and starting it again is what a user would do."""
 
 
-def start_ng_run(venv: Path, config: str, gen: dict, scratch: Path, extra: tuple = (), tries: int = 3) -> tuple[subprocess.Popen, dict]:
+def start_ng_run(venv: Path, config: str, gen: dict, scratch: Path, extra: tuple = (),
+                 tries: int = 3) -> tuple[subprocess.Popen, dict]:
     """ng_run in `scratch` (its own process group), output to a file; returns it and the URLs by server
     name once its log says all servers are ready. Started again (up to `tries` times) only when its Ray
     timed out starting."""
@@ -83,14 +87,17 @@ def start_ng_run(venv: Path, config: str, gen: dict, scratch: Path, extra: tuple
         (scratch / d).mkdir(parents=True, exist_ok=True)
         (scratch / d / ".venv").unlink(missing_ok=True)
         (scratch / d / ".venv").symlink_to(venv)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"RAY_ADDRESS": "local", "RAY_AUTH_MODE": "disabled"}
+    env = {k: v
+           for k, v in os.environ.items() if k != "PYTHONPATH"} | {"RAY_ADDRESS": "local", "RAY_AUTH_MODE": "disabled"}
     for attempt in range(1, tries + 1):
         head, log = free_port(), scratch / f"ng_run-{attempt}.log"
-        proc = subprocess.Popen(ng_run_command(venv, config, gen, head, extra), cwd=scratch, env=env, stdout=open(log, "w"),
+        proc = subprocess.Popen(ng_run_command(venv, config, gen, head, extra), cwd=scratch, env=env,
+                                stdout=open(log, "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 600
         while time.time() < deadline and proc.poll() is None:
-            if any(x.startswith("All ") and "servers ready!" in x for x in log.read_text(errors="replace").splitlines()):
+            if any(x.startswith("All ") and "servers ready!" in x
+                   for x in log.read_text(errors="replace").splitlines()):
                 with urllib.request.urlopen(f"http://127.0.0.1:{head}/server_instances", timeout=30) as r:
                     return proc, {x["process_name"]: x["url"] for x in json.loads(r.read())}
             time.sleep(1)
@@ -137,22 +144,26 @@ def one_environment_server_row(url: str, cfg, captures: Path, check, failures: l
     G = cfg.grpo.num_generations_per_prompt
     calls = [len(r.calls) for r in out.rollouts.values()]
     episodes = sorted(p.name.split(".capture")[0] for p in captures.glob(f"s{ROW_STEP}.g0.*.capture.jsonl"))
-    ok = out.status == "committed" and len(calls) == G and all(calls) and episodes == [f"s{ROW_STEP}.g0.r{r}" for r in range(G)]
+    ok = (out.status == "committed" and len(calls) == G and all(calls)
+          and episodes == [f"s{ROW_STEP}.g0.r{r}" for r in range(G)])
     check(ok, f"[{ENV}] one row through single_agent_turn_legacy: {out.status}, {len(calls)} rollouts, model calls "
           f"with token ids {calls}, rewards {[r.reward for r in out.rollouts.values()]}; Gym's episodes (capture keys) "
-          f"{episodes}; failure events {[e for e in events if e['type'] == 'failure'][:2]}", failures, "environment server row")
+          f"{episodes}; failure events {[e for e in events if e['type'] == 'failure'][:2]}", failures,
+          "environment server row")
 
 
 def check_episodes(run_dir: Path, captures: Path, check, failures: list) -> None:
     """Gym's capture after the 0.7 run: one episode (capture file) per rollout of each trained group,
     and as many captured model calls as the ledger matched."""
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    files = {p.name.split(".capture")[0]: len(p.read_text().splitlines()) for p in captures.glob("s[01].*.capture.jsonl")}
+    files = {p.name.split(".capture")[0]: len(p.read_text().splitlines())
+             for p in captures.glob("s[01].*.capture.jsonl")}
     want = {f"s{s}.g{g}.r{r}" for s in range(len(steps)) for g in range(2) for r in range(2)}
     matched = sum(s.get("calls_matched") or 0 for s in steps)
     ok = want <= set(files) and all(files[k] > 0 for k in want) and sum(files.values()) >= matched > 0
     check(ok, f"[{ENV}] one Gym episode per rollout: {len(files)} capture files {sorted(files)} for the run's "
-          f"{len(want)} rollouts, {sum(files.values())} captured model calls, {matched} matched in the ledger", failures, "episodes")
+          f"{len(want)} rollouts, {sum(files.values())} captured model calls, {matched} matched in the ledger",
+          failures, "episodes")
 
 
 def check_seeds(run_dir: Path, check, failures: list) -> None:
@@ -183,7 +194,8 @@ def walk(version: str, python: str, gen: dict, work: Path, check, check_training
     proc = None
     try:
         proc, urls = start_ng_run(venv, spec["config"], gen, scratch, extra)
-        check(spec["target"] in urls, f"[{ENV}] ng_run started {sorted(urls)} (Gym {version}, {spec['config']})", failures, "ng_run")
+        check(spec["target"] in urls, f"[{ENV}] ng_run started {sorted(urls)} (Gym {version}, {spec['config']})",
+              failures, "ng_run")
         data = example_jsonl(python)
         train = [f"data.train_jsonl={data}"] + ([f"agent.name={spec['agent_name']}"] if spec["agent_name"] else [])
         if spec["agent_name"]:

@@ -245,7 +245,8 @@ StorageLoc=slurm_acct_db
         deadline = time.monotonic() + 120
         while sh("sinfo -h -N -o '%N %t'", env=self.env).stdout.split().count("idle") < len(NODES):
             if time.monotonic() > deadline:
-                raise RuntimeError("the nodes did not become idle within 120 s:\n" + sh("sinfo -N", env=self.env).stdout)
+                raise RuntimeError(
+                    "the nodes did not become idle within 120 s:\n" + sh("sinfo -N", env=self.env).stdout)
             time.sleep(1)
 
     def start_node(self, node: str) -> None:
@@ -254,7 +255,8 @@ StorageLoc=slurm_acct_db
         d = self.state / "nodes" / node
         # a checkout under /tmp (a fresh clone there) must stay visible under the node's own /tmp
         under_tmp = REPO.is_relative_to("/tmp")
-        keep_repo = f"mkdir -p {d}/tmp/{REPO.relative_to('/tmp')} && mount --bind {REPO} {d}/tmp/{REPO.relative_to('/tmp')}" if under_tmp else ":"
+        keep_repo = (f"mkdir -p {d}/tmp/{REPO.relative_to('/tmp')} && "
+                     f"mount --bind {REPO} {d}/tmp/{REPO.relative_to('/tmp')}") if under_tmp else ":"
         init = f"""set -e
             hostname {node}
             mount --bind {d}/hosts /etc/hosts
@@ -353,7 +355,8 @@ def tail(path: Path, n: int = 25) -> str:
 
 
 def last_error(path: Path) -> str:
-    lines = [line for line in (path.read_text(errors="replace") if path.exists() else "").splitlines() if "error:" in line]
+    text = path.read_text(errors="replace") if path.exists() else ""
+    lines = [line for line in text.splitlines() if "error:" in line]
     return lines[-1] if lines else ""
 
 
@@ -374,7 +377,8 @@ def check_job(cl: Cluster) -> None:
     text = out.read_text(errors="replace") if out.exists() else ""
     check("job: sbatch --nodes=2 slurm/minirl.sbatch grpo.max_num_steps=3 ends COMPLETED", state == "COMPLETED",
           f"job {job} {state} after {took:.0f}s" + ("" if state == "COMPLETED" else "\n" + tail(out)), t)
-    check("job: the output shows 2 Ray nodes", "Ray cluster ready: 2 nodes" in text, tail(out, 5) if "2 nodes" not in text else "")
+    check("job: the output shows 2 Ray nodes", "Ray cluster ready: 2 nodes" in text,
+          tail(out, 5) if "2 nodes" not in text else "")
     steps = [line for line in text.splitlines() if line.lstrip().startswith("step ")]
     check("job: the output shows the 3 trained steps", len(steps) >= 3, f"{len(steps)} step lines")
     metrics = run_dir / "metrics.jsonl"
@@ -442,7 +446,8 @@ def check_never_ready(cl: Cluster) -> None:
     # nothing dies that the job could notice; only the deadline ends it.
     job, out, _ = submit(cl, "ready", ["grpo.max_num_steps=1"], MINIRL_READY_TIMEOUT_S=str(timeout_s),
                          MINIRL_STOP_TIMEOUT_S="15",
-                         MINIRL_SETUP=f"source {REPO}/.venv/bin/activate; if [[ $(hostname) == mrl-n2 ]]; then sleep 100000; fi")
+                         MINIRL_SETUP=f"source {REPO}/.venv/bin/activate; if [[ $(hostname) == mrl-n2 ]]; then sleep "
+                                      "100000; fi")
     state, took = wait_job(cl, job, timeout=300)
     err = last_error(out)
     check(f"never ready: the job fails at MINIRL_READY_TIMEOUT_S={timeout_s} with one error line",

@@ -61,7 +61,8 @@ EXPERIMENT = {"recency": 1, "summarize": 1, "summarize+faults, redispatch": 3, "
 COLUMNS = ["arm", "seed", "survived", "died_reason", "steps", "wall_s", "val_reward_start", "val_reward_final",
            "val_success_start", "val_success_final", "recall_first", "recall_last", "recall_curve", "summaries_mean",
            "summary_tokens_mean", "compaction_ratio", "rejected", "failed", "groups_dropped", "groups_redispatched",
-           "rollouts_generated", "rollouts_trained", "fraction_trained", "reward_first", "reward_last", "load_avg", "run_dir"]
+           "rollouts_generated", "rollouts_trained", "fraction_trained", "reward_first", "reward_last", "load_avg",
+           "run_dir"]
 EDGE = 3
 """Steps averaged at each end of a run for the first/last reward figures."""
 RECALL_EDGE = 10
@@ -102,10 +103,13 @@ def summarize_run(arm: str, seed: int, run_dir: Path, rc: int, stderr: str, wall
     trained = sum(r.get("rollouts_trained", 0) for r in rows)
     lines = [x for x in stderr.splitlines() if x.strip()]
     return {
-        "arm": arm, "seed": seed, "survived": rc == 0, "died_reason": "" if rc == 0 else (lines[-1][:200] if lines else f"exit {rc}"),
+        "arm": arm, "seed": seed, "survived": rc == 0,
+        "died_reason": "" if rc == 0 else (lines[-1][:200] if lines else f"exit {rc}"),
         "steps": len(rows), "wall_s": round(wall, 1),
-        "val_reward_start": vals[0]["val_reward_mean"] if vals else "", "val_reward_final": vals[-1]["val_reward_mean"] if len(vals) > 1 else "",
-        "val_success_start": vals[0]["val_success_rate"] if vals else "", "val_success_final": vals[-1]["val_success_rate"] if len(vals) > 1 else "",
+        "val_reward_start": vals[0]["val_reward_mean"] if vals else "",
+        "val_reward_final": vals[-1]["val_reward_mean"] if len(vals) > 1 else "",
+        "val_success_start": vals[0]["val_success_rate"] if vals else "",
+        "val_success_final": vals[-1]["val_success_rate"] if len(vals) > 1 else "",
         "recall_first": _mean(recall[:RECALL_EDGE]), "recall_last": _mean(recall[-RECALL_EDGE:]),
         "recall_curve": json.dumps([None if x is None else round(x, 3) for x in recall]),
         "summaries_mean": _mean([r.get("summaries") for r in rows]),
@@ -138,10 +142,12 @@ def run_cells(args) -> None:
                    sys.executable, "-m", "minirl.train", *cell_args(arm, seed, args, run_dir)]
             print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}", flush=True)
             t0, load0 = time.time(), os.getloadavg()[0]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                                  env={**os.environ, "RAY_AUTH_MODE": "disabled"})
             t0 = float(stamp.read_text()) if stamp.exists() else t0
             row = summarize_run(arm, seed, run_dir, proc.returncode, proc.stderr, time.time() - t0)
-            row["load_avg"] = round((load0 + os.getloadavg()[0]) / 2, 2)  # the shared machine's 1-min load, start and end
+            # the shared machine's 1-min load, start and end
+            row["load_avg"] = round((load0 + os.getloadavg()[0]) / 2, 2)
             print(f"    {row['wall_s']} s, rc {proc.returncode}, val success {row['val_success_start']} -> "
                   f"{row['val_success_final']}, recall {row['recall_first']} -> {row['recall_last']}", flush=True)
             rows = read_rows(path) + [row]  # rewritten whole: a row written by an older column set keeps its values
@@ -226,17 +232,23 @@ def offline_section(path: Path) -> list[str]:
              "configs/summarize.yaml, sampled at temperature 1 by Hugging Face `generate` in-process instead of "
              "the vLLM engine (no Ray/vLLM: the machine's lock was busy). Last room: the hidden door opened on its "
              "only try (chance about 1/7). Lines: offline.jsonl.", "",
-             "| model | policy | seeds | success | reward | last room | summary recall |", "|---|---|---|---|---|---|---|"]
+             "| model | policy | seeds | success | reward | last room | summary recall |",
+             "|---|---|---|---|---|---|---|"]
     for (label, policy), by in sorted(groups.items()):
-        cells = [fmt(*mean_ci([v[k] for v in by.values() if v[k] is not None])) for k in ("success", "reward", "last_room", "summary_recall")]
+        cells = [fmt(*mean_ci([v[k] for v in by.values() if v[k] is not None]))
+                 for k in ("success", "reward", "last_room", "summary_recall")]
         lines.append(f"| {label} | {policy} | {len(by)} | " + " | ".join(cells) + " |")
-    pairs = [(a, b) for a in groups for b in groups if a != b and a[0] != "untrained" or (a == ("untrained", "summarize") and b == ("untrained", "recency"))]
+    pairs = [(a, b) for a in groups
+             for b in groups if a != b and a[
+                 0] != "untrained" or (a == ("untrained", "summarize") and b == ("untrained", "recency"))]
     lines += ["", "Paired by seed (same held-out prompts and sampling seeds):", ""]
     for a, b in pairs:
         if b[0] == "untrained" or a[0] == b[0] or (a[1], b[1]) == ("summarize", "recency"):
             for k in ("last_room", "success"):
-                m, h, cnt = paired_ci({s_: v[k] for s_, v in groups[a].items()}, {s_: v[k] for s_, v in groups[b].items()})
-                lines.append(f"- {k.replace('_', ' ')}, {a[0]} {a[1]} − {b[0]} {b[1]}: {fmt(m, h)} over {cnt} seeds: {verdict(m, h)}")
+                m, h, cnt = paired_ci({s_: v[k] for s_, v in groups[a].items()},
+                                      {s_: v[k] for s_, v in groups[b].items()})
+                lines.append(f"- {k.replace('_', ' ')}, {a[0]} {a[1]} − {b[0]} {b[1]}: {fmt(m, h)} over {cnt} seeds: "
+                             f"{verdict(m, h)}")
     return lines
 
 
@@ -255,14 +267,17 @@ def report(args) -> str:
         "two arms are compared by their per-seed differences (paired t-interval; one that excludes 0 is a "
         "paired t-test at 5%). Held-out: `val_*` of minirl.validation (prompts never trained on, no faults), at "
         "start (the untrained warm start) and after the last step. Recall: `summary_recall`, the share of "
-        f"`DoorsEnv.memory_facts()` needed later that accepted summaries carry, mean of the first and last {RECALL_EDGE} steps.", "",
-        f"Warm start (models/tiny-summarize/build_info.json, the teacher's held-out prompts at temperature 1): {warm_start()}.", "",
+        "`DoorsEnv.memory_facts()` needed later that accepted summaries carry, mean of the first and last "
+        f"{RECALL_EDGE} steps.", "",
+        "Warm start (models/tiny-summarize/build_info.json, the teacher's held-out prompts at temperature 1): "
+        f"{warm_start()}.", "",
         "Wall time: each run's `wall_s` is its whole `python -m minirl.train` (Ray and vLLM start-up, both "
         "validations, every step) on this 2-core machine, shared with other runs (the lock serialises the Ray/vLLM "
         f"runs, not the other load): the 1-minute load average was {stat(rows, 'summarize', 'load_avg')} over the "
         "summarizing runs (2.0 is both cores busy).", "",
         "## Experiment 1: recency vs summarizing, untrained and after RL", "",
-        "| arm | steps | val success start | val success final | val reward start | val reward final | recall first | recall last | summaries / rollout | train reward first | train reward last | wall s |",
+        "| arm | steps | val success start | val success final | val reward start | val reward final | recall first | "
+        "recall last | summaries / rollout | train reward first | train reward last | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in ("recency", "summarize"):
@@ -272,12 +287,18 @@ def report(args) -> str:
     lines += [
         "", "The claim to test: RL raises summary recall and held-out success above both baselines "
         "(recency compaction, and summarizing before RL). Paired by seed:", "",
-        f"- summary recall, last − first steps of the summarizing run: {diff(rows, 'summarize', 'recall_last', 'summarize', 'recall_first')}",
-        f"- held-out success, summarizing after RL − summarizing untrained: {diff(rows, 'summarize', 'val_success_final', 'summarize', 'val_success_start')}",
-        f"- held-out success, summarizing after RL − recency after RL: {diff(rows, 'summarize', 'val_success_final', 'recency', 'val_success_final')}",
-        f"- held-out success, summarizing after RL − recency untrained: {diff(rows, 'summarize', 'val_success_final', 'recency', 'val_success_start')}",
-        f"- held-out reward, summarizing after RL − summarizing untrained: {diff(rows, 'summarize', 'val_reward_final', 'summarize', 'val_reward_start')}",
-        f"- held-out reward, summarizing after RL − recency after RL: {diff(rows, 'summarize', 'val_reward_final', 'recency', 'val_reward_final')}",
+        "- summary recall, last − first steps of the summarizing run: "
+        f"{diff(rows, 'summarize', 'recall_last', 'summarize', 'recall_first')}",
+        "- held-out success, summarizing after RL − summarizing untrained: "
+        f"{diff(rows, 'summarize', 'val_success_final', 'summarize', 'val_success_start')}",
+        "- held-out success, summarizing after RL − recency after RL: "
+        f"{diff(rows, 'summarize', 'val_success_final', 'recency', 'val_success_final')}",
+        "- held-out success, summarizing after RL − recency untrained: "
+        f"{diff(rows, 'summarize', 'val_success_final', 'recency', 'val_success_start')}",
+        "- held-out reward, summarizing after RL − summarizing untrained: "
+        f"{diff(rows, 'summarize', 'val_reward_final', 'summarize', 'val_reward_start')}",
+        "- held-out reward, summarizing after RL − recency after RL: "
+        f"{diff(rows, 'summarize', 'val_reward_final', 'recency', 'val_reward_final')}",
         "", f"Recall of each summarizing run, mean of each {CURVE_BLOCK} steps (seed: values; every step's is "
         "results.csv's `recall_curve`):", "",
     ]
@@ -288,7 +309,8 @@ def report(args) -> str:
         "(minirl.faults), `on_summary_failure: raise` (a `summary_failed` is an INFRA harness failure). Under "
         "redispatch (fix 3) the failed rows are re-sent; under the drop budget alone their groups are dropped "
         "against `max_consecutive_dropped_prompts`.", "",
-        "| arm | survived | steps | groups dropped | groups re-sent | summary attempts rejected | summaries failed | fraction trained | val success final | recall last |",
+        "| arm | survived | steps | groups dropped | groups re-sent | summary attempts rejected | summaries failed | "
+        "fraction trained | val success final | recall last |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in ("summarize", "summarize+faults, redispatch", "summarize+faults, drop budget"):
@@ -297,9 +319,13 @@ def report(args) -> str:
         lines.append(f"| {arm} | {surv} | " + " | ".join(stat(rows, arm, k) for k in (
             "steps", "groups_dropped", "groups_redispatched", "rejected", "failed", "fraction_trained",
             "val_success_final", "recall_last")) + " |")
+    trained = diff(rows, "summarize+faults, redispatch", "fraction_trained",
+                   "summarize+faults, drop budget", "fraction_trained")
+    success = diff(rows, "summarize+faults, redispatch", "val_success_final",
+                   "summarize+faults, drop budget", "val_success_final")
     lines += [
-        "", f"- fraction trained, redispatch − drop budget: {diff(rows, 'summarize+faults, redispatch', 'fraction_trained', 'summarize+faults, drop budget', 'fraction_trained')}",
-        f"- held-out success after RL, redispatch − drop budget: {diff(rows, 'summarize+faults, redispatch', 'val_success_final', 'summarize+faults, drop budget', 'val_success_final')}",
+        "", f"- fraction trained, redispatch − drop budget: {trained}",
+        f"- held-out success after RL, redispatch − drop budget: {success}",
     ]
     lines += offline_section(Path(args.out) / "offline.jsonl")
     died = [f"- {r['arm']} seed {r['seed']}: {r['died_reason']}" for r in rows if r["survived"] != "True"]
@@ -313,7 +339,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", default="/tmp/minirl-summarize-runs", help="where the cells' run directories go")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    ap.add_argument("--steps", type=int, default=200, help="steps per run (configs/summarize.yaml's; experiment 3 ran 20)")
+    ap.add_argument("--steps", type=int, default=200,
+                    help="steps per run (configs/summarize.yaml's; experiment 3 ran 20)")
     ap.add_argument("--val-prompts", type=int, default=16)
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)

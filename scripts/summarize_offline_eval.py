@@ -75,9 +75,11 @@ class LocalModel:
 def evaluate(model_dir: str, policy: str, prompts: int, seed: int) -> dict:
     overrides = [f"grpo.val_num_prompts={prompts}", f"grpo.seed={42 + seed}", f"env.data_seed={1234 + seed}"]
     if policy == "recency":
-        overrides += ["agent.context_history.policy.type=recency", "agent.context_history.policy.config.images.keep_last_groups=2"]
+        overrides += ["agent.context_history.policy.type=recency",
+                      "agent.context_history.policy.config.images.keep_last_groups=2"]
     cfg = load_config(str(REPO / "configs" / "summarize.yaml"), overrides)
-    client = LocalModel(model_dir, cfg.policy.model_name, cfg.policy.generation.max_new_tokens, cfg.policy.generation.temperature)
+    client = LocalModel(model_dir, cfg.policy.model_name, cfg.policy.generation.max_new_tokens,
+                        cfg.policy.generation.temperature)
     results = []
     for i, row in enumerate(held_out_rows(cfg)):
         row = {**row, "_minirl": {"step": 0, "group": i, "rollout": 0, "attempt": 0}}
