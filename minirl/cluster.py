@@ -140,8 +140,20 @@ class Cluster:
         try:
             if exc is not None:
                 self._run_failed(exc)
+            self._finish()
         finally:
             ray.shutdown()
+
+    def _finish(self) -> None:
+        """The controller's `finish`: the run's `run_end` event and end-of-run ledger (unfinished groups,
+        leftover call records, what each server served). Best effort: a controller that does not answer
+        in 30 s leaves no `run_end`, which the books then read as a run that did not close."""
+        if self.controller is None:
+            return
+        try:
+            ray.get(self.controller.finish.remote(), timeout=30)
+        except Exception as exc:
+            print(f"minirl: the run's end-of-run books were not written: {describe(exc)}", file=sys.stderr, flush=True)
 
     def _run_failed(self, exc: BaseException) -> None:
         """The run's `run_failed` event: through the controller (which writes it once, with the step),

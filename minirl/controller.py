@@ -218,6 +218,7 @@ class Controller:
         self.pool: list[dict] = []  # external agents: headerless records not matched yet
         self.step: int | None = None  # the step last collected (a later failure is that step's)
         self.failed = False  # the run's run_failed event is written
+        self.finished = False  # the run's run_end event is written
         self.mark: tuple | None = None  # minirl.timeline's clocks at the last publish (the cycle's start)
 
     async def snapshot(self) -> dict:
@@ -274,6 +275,26 @@ class Controller:
         sends, returned = self.manager.spent()  # the groups no step's metrics counted yet
         self.events.write({"type": "run_failed", "step": self.step, "error": error,
                            "rollout_attempts": sends, "rollouts_generated": returned})
+
+    async def finish(self) -> dict:
+        """The run ends (its last step trained, or it failed): close the books the steps left open. The
+        source stops; the groups it leaves unfinished are named and counted in one `run_end` event; the
+        call records no step's ledger took (the source's, and each server's leftovers) are retired into
+        ledger/run_end.jsonl, and each server's own list of the calls it served this run goes to
+        ledger/served.jsonl (`Ledger.close_run`). Returns the event; a second call does nothing."""
+        if self.finished:
+            return {}
+        self.finished = True
+        unfinished, held = await self.source.close()
+        accounts = [await w.finish_run.remote() for w in self.gen_workers]
+        left = held + [rec for a in accounts for rec in a.pop("left")]
+        self.ledger.close_run(left, accounts)
+        event = {"type": "run_end", "step": self.step, "unfinished": unfinished,
+                 "groups_unfinished": sum(map(len, unfinished.values())), "calls_retired_at_end": len(left),
+                 "calls_served": sum(a["served_count"] for a in accounts),
+                 "calls_evicted_from_log": sum(a["dropped"] for a in accounts)}
+        self.events.write(event)
+        return event
 
     async def collect(self, step: int, version: int) -> tuple[TrainBatch, dict]:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats. Any

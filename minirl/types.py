@@ -146,6 +146,12 @@ class StepSource(Protocol):
         """Resume from a checkpoint's `snapshot`."""
         ...
 
+    async def close(self) -> tuple[dict, list[dict]]:
+        """The run ends: stop generating. Returns the prompt groups left unfinished (`buffered`: finished,
+        taken by no step; `in_flight`: cancelled here), each as [step, group], and the call records
+        the source holds that no step's ledger took."""
+        ...
+
 
 @dataclass
 class TrainBatch:

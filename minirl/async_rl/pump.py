@@ -127,6 +127,16 @@ class RolloutPump:
             print(f"warning: {message}", flush=True)
             since = None
 
+    async def stop(self) -> list[list[int]]:
+        """The run ends: dispatch nothing more and cancel the places in flight (their reservations go
+        back); returns each cancelled place's [step, group], the prompt it held last."""
+        in_flight = sorted([job[0], job[1]] for task, job in self.tasks.items() if not task.done())
+        tasks = [t for t in (self.main, self.watchdog, getattr(self, "starved", None), *self.tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return in_flight
+
     def pause(self) -> None:
         """A weight sync begins: dispatch nothing until `set_version`."""
         self.permitted.clear()

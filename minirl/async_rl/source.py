@@ -70,6 +70,15 @@ class BufferSource:
         if self.pump is not None:
             self.pump.pause()
 
+    async def close(self) -> tuple[dict, list[dict]]:
+        """The run ends: stop the pump. The groups it leaves unfinished (in the buffer, taken by no step;
+        in flight, cancelled now) and the call records drained for them, or orphaned, that no ledger took."""
+        in_flight = [] if self.pump is None else await self.pump.stop()
+        buffered = [] if self.pump is None else sorted([r.step, r.group] for r in self.buffer.ready)
+        held = [c for records in self.calls.values() for c in records] + self.orphans
+        self.calls, self.orphans = {}, []
+        return {"buffered": buffered, "in_flight": in_flight}, held
+
     def _start(self, step: int, version: int) -> None:
         ar = self.cfg.async_rl
         self.manager.open()

@@ -15,6 +15,16 @@ The invariants, in the order they are checked:
   sync; in async, where the pump runs ahead, every counted drop, mask and eviction has its event;
 - ledger: no call of an attempt is trained twice, every ledger line has a known status, and every trained
   call ran under a version in its step's window [v - S, v];
+- served: every call a generation server served this run, by the server's own list
+  (ledger/served.jsonl, written at the run's end from each server's call log), is in a ledger line:
+  a step's (trained, masked, retired, ...) or ledger/run_end.jsonl's (retired when the run ended); a
+  run without its `run_end` event did not close its books;
+- dispatched (async): every prompt group the pump dispatched (a `dispatch` event; after a resume, those
+  and the restored buffer's) has exactly one fate over the run: trained (its calls in one step's ledger
+  as trained or masked), evicted, replaced (a `replace` event that found its place a stand-in),
+  unfinished (in the buffer or in flight at the end: the `run_end` event), or else dropped or skipped
+  (its `drop` event, its `failure` event with decision `skipped`); each step's ledger trains as many
+  groups as its metrics count, and (exit 0) the run's evictions, drops and skips number the metrics' totals;
 - resume: the steps in metrics.jsonl run 0..n-1, and a step appears twice only when a resume re-ran it
   (it is newer than the checkpoint the resume started from).
 """
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 BUDGET_ERRORS = (
@@ -48,7 +59,7 @@ def check_run(run_dir: Path, rc: int, last_line: str, cfg, resumed_from: int | N
     and resumed."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
-    for check in (_exit, _finite, _target, _fates, _events, _ledger, _resume):
+    for check in (_exit, _finite, _target, _fates, _events, _ledger, _served, _dispatched, _resume):
         problem = check(run_dir, rc, last_line, cfg, rows, events, resumed_from)
         if problem:
             return f"{check.__name__.strip('_')}: {problem}"
@@ -142,6 +153,102 @@ def _ledger(run_dir, rc, last_line, cfg, rows, events, resumed_from):
             versions = {line.get("version_start"), line.get("version_end")} - {None}
             if versions and not (version - s <= min(versions) and max(versions) <= version):
                 return f"step {r['step']} (version {version}, S={s}) trained call {key} of versions {sorted(versions)}"
+    return None
+
+
+def _ledger_lines(run_dir: Path, resumed_from: int | None) -> dict[int, list[dict]]:
+    """The ledger's step files this process wrote (a resume rewrote those from its step on), by step."""
+    out = {}
+    for path in (run_dir / "ledger").glob("step_*.jsonl"):
+        step = int(path.stem.split("_")[1])
+        if resumed_from is None or step >= resumed_from:
+            out[step] = read_jsonl(path)
+    return out
+
+
+def _call_key(line: dict) -> tuple:
+    return tuple(line.get(k) for k in ("step", "group", "rollout", "attempt", "call"))
+
+
+def _served(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """The servers' own account against the ledger: a served call no ledger line holds was lost between
+    the server and the books (a call log's bound evicted it, a source dropped it, a resume forgot it)."""
+    from minirl.wire import parse_call_key
+
+    if cfg.agent.external_url:
+        return None  # an external agent's calls carry no key: matched by content (Ledger.match_external)
+    if not any(e.get("type") == "run_end" for e in events):
+        return "no run_end event: the run did not close its books (unfinished groups, leftover calls)"
+    accounts = read_jsonl(run_dir / "ledger" / "served.jsonl")
+    if not accounts:
+        return "ledger/served.jsonl holds no generation server's account of what it served"
+    have = Counter(_call_key(line) for lines in _ledger_lines(run_dir, resumed_from).values() for line in lines)
+    have.update(_call_key(line) for line in read_jsonl(run_dir / "ledger" / "run_end.jsonl"))
+    for account in accounts:
+        if account["dropped"]:
+            return f"generation worker {account['rank']}'s call log evicted {account['dropped']} records no ledger took"
+        for key in account["served"]:
+            coords, call = parse_call_key(key)
+            k = (coords.step, coords.group, coords.rollout, coords.attempt, call)
+            if have[k] <= 0:
+                return f"call {key}, served by generation worker {account['rank']}, is in no ledger line (trained or retired)"
+            have[k] -= 1
+    return None
+
+
+def _dispatched(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """Async: each dispatched group's one fate, and the per-step counts against the run's (module docstring)."""
+    if not cfg.async_rl.enabled:
+        return None  # sync: `_fates` checks every step's target groups
+    if resumed_from is not None:  # the resumed process's books: its dispatches and its restored buffer
+        last = max(i for i, e in enumerate(events) if e.get("type") == "resumed")
+        events = events[last:]
+        rows = list({r["step"]: r for r in rows if r["step"] >= resumed_from}.values())  # a re-run step's last row
+    key = lambda e: (e.get("step"), e.get("group"))  # noqa: E731
+    dispatched = {key(e) for e in events if e.get("type") == "dispatch"}
+    for e in events:
+        if e.get("type") == "buffer_restored":
+            dispatched |= {tuple(k) for k in e.get("kept", [])}
+    end = next((e for e in events if e.get("type") == "run_end"), None)
+    if end is None:
+        return "no run_end event: the groups left unfinished are not named"
+    exits = {"unfinished": {tuple(k) for ks in end["unfinished"].values() for k in ks},
+             "evicted": {key(e) for e in events if e.get("type") == "evict"},
+             "replaced": {key(e) for e in events if e.get("type") == "replace" and e.get("decision") != "shrink"}}
+    trained_at: dict[tuple, list[int]] = {}
+    lines = _ledger_lines(run_dir, resumed_from)
+    for step, ledger in lines.items():
+        for k in {(x["step"], x["group"]) for x in ledger if x.get("ledger_status") in ("trained", "masked", "matched")}:
+            trained_at.setdefault(k, []).append(step)
+    exits["trained"] = set(trained_at)
+    lost = {key(e) for e in events if e.get("type") == "drop"
+            or (e.get("type") == "failure" and e.get("decision") == "skipped")}
+    fates = Counter()
+    for group in sorted(dispatched, key=str):
+        mine = [name for name, keys in exits.items() if group in keys]
+        if len(trained_at.get(group, [])) > 1:
+            return f"group {list(group)} is trained by steps {trained_at[group]}"
+        if len(mine) > 1:
+            return f"group {list(group)} has {len(mine)} fates: {', '.join(mine)}"
+        if not mine and group not in lost:
+            return f"group {list(group)} was dispatched and has no fate (trained, evicted, replaced, dropped, skipped, unfinished)"
+        fates[mine[0] if mine else "lost"] += 1
+    return _step_counts(rows, lines, rc, fates)
+
+
+def _step_counts(rows: list[dict], lines: dict[int, list[dict]], rc: int, fates: Counter) -> str | None:
+    """Each step's ledger trains the groups its metrics count; (exit 0) the run's evictions and lost
+    groups (dropped or skipped) number what the metrics sum to."""
+    for r in rows:
+        trained = {(x["step"], x["group"]) for x in lines.get(r["step"], [])
+                   if x.get("ledger_status") in ("trained", "masked", "matched")}
+        if len(trained) != r["groups_trained"]:
+            return f"step {r['step']}: its ledger trains {len(trained)} groups, its metrics count {r['groups_trained']}"
+    evicted = sum(r.get("stale_groups_evicted", 0) for r in rows)
+    lost = sum(r["dropped_prompt_groups"] + r.get("skipped_prompt_groups", 0) for r in rows)
+    if rc == 0 and (fates["evicted"], fates["lost"]) != (evicted, lost):
+        return (f"{fates['evicted']} groups evicted and {fates['lost']} dropped or skipped over the run, "
+                f"the metrics sum to {evicted} and {lost}")
     return None
 
 

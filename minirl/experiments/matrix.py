@@ -41,15 +41,18 @@ SUMMARIZE = ["policy.model_name=models/tiny-summarize", "env.task=doors_memory",
              "agent.max_steps=4", "agent.context_history.guards.max_total_tokens=256",
              "agent.context_history.policy.summarize.threshold_tokens=[210,250]"]
 """configs/summarize.yaml's task and model: the tiny-doors model writes no summaries to speak of."""
-HANG = ["cluster.num_generation_workers=2", "async_rl.generation_fleet_health.enabled=true",
-        "async_rl.generation_fleet_health.probe_interval_s=1", "async_rl.generation_fleet_health.probe_timeout_s=0.5",
-        "faults.inject=[{kind: worker_hang, step: 1, group: 0, rollout: 0, attempt: 0}]"]
-"""The worker-hang cell: one of two generation workers wedged at step 1, the fleet routing around it."""
+HEALTH = ["cluster.num_generation_workers=2", "async_rl.generation_fleet_health.enabled=true",
+          "async_rl.generation_fleet_health.probe_interval_s=1", "async_rl.generation_fleet_health.probe_timeout_s=0.5"]
+"""Every cell runs on both of its model's shared workers with fleet health on: the router's probes
+quarantine the worker its `worker_hang` wedges, and the run trains on, on the other."""
+HANG_STEP = 1
+"""The step whose prompt a cell's `worker_hang` waits at (a weight update behind it, the run still young)."""
 WORKERS = {"doors": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5", "cluster.num_cpus=4"],
-           "summarize": ["cluster.num_generation_workers=1", "cluster.cpus_per_generation_worker=0.5"]}
-"""The matrix's shared workers per model, half a CPU each: two of the tiny-doors model (a cell attaches to
-the first; the hang cell to both), one of tiny-summarize. The cluster advertises 4 CPUs (the first model's
-config starts it), so a cell's own actors still fit beside 1.5 CPUs of workers."""
+           "summarize": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5"]}
+"""The matrix's shared workers per model, half a CPU each: two of the tiny-doors model, two of tiny-summarize
+(a cell attaches to both of its model's). The cluster advertises 4 CPUs (the first model's config starts it),
+so a cell's own actors still fit beside 2 CPUs of workers. A hung worker serves again once the next cell
+attaches: attaching resets it (`GenerationWorker.reset`)."""
 KILL_EVERY = 4
 """Every 4th cell is SIGKILLed after its first checkpoint and resumed."""
 COLUMNS = ["cell", *[s.name for s in switches()], "kill", "rc", "steps", "groups_trained", "groups_dropped",
@@ -118,8 +121,6 @@ def risky_cells() -> list[dict]:
     out.append(_default_cell() | {"cell": "risky-summarize-async", "mode": "in_order", "staleness": 1,
                                   "compaction": "summarize", "on_summary_failure": "raise", "kill": False})
     out.append(_default_cell() | {"cell": "risky-in_order-kill", "mode": "in_order", "staleness": 1, "kill": True})
-    out.append(_default_cell() | {"cell": "risky-worker-hang", "mode": "in_order", "staleness": 1, "kill": False,
-                                  "hang": True})
     return out
 
 
@@ -151,11 +152,25 @@ def cell_args(cell: dict, run_dir: Path, steps: int, attach: list[str], seed: in
     ckpt = (["checkpoint.enabled=true", "checkpoint.save_period=1", "checkpoint.keep_last_k=2"] if cell["kill"]
             else ["checkpoint.enabled=false"])
     args = cell_overrides({k: v for k, v in cell.items() if k not in ("cell", "kill")})
-    return [*args, *(SUMMARIZE if summarize else []), *rates, f"faults.seed={seed}", f"grpo.seed={seed}",
+    return [*args, *(SUMMARIZE if summarize else []), *rates, f"faults.seed={seed}", hang(seed, rates), f"grpo.seed={seed}",
             f"grpo.max_num_steps={steps}", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
             "async_rl.rollout_failure.backoff_base_s=0.1",
             "async_rl.rollout_failure.max_backoff_s=0.5", *ckpt, "logger.tensorboard=false", "logger.progress=false",
-            f"run_dir={run_dir}", *attach, *(HANG if cell.get("hang") else [])]
+            f"run_dir={run_dir}", *attach, *HEALTH]
+
+
+def hang(seed: int, rates: list[str]) -> str:
+    """The cell's `worker_hang`: at call 0 of attempt 0 of one rollout of step HANG_STEP, the first in
+    a seeded order that no agent-side fault of the mix ends before its first model call."""
+    from minirl.faults import FaultPlan
+    from minirl.wire import Coords
+
+    plan = FaultPlan(load_config(None, [*rates, f"faults.seed={seed}"]).faults)
+    slots = [(g, r) for g in range(4) for r in range(4)]
+    for g, r in slots[seed % 16:] + slots[:seed % 16]:
+        if all(plan.call_of(k, Coords(HANG_STEP, g, r, 0)) is None for k in ("agent_exception", "transport", "guard_reject")):
+            break
+    return f"faults.inject=[{{kind: worker_hang, step: {HANG_STEP}, group: {g}, rollout: {r}, attempt: 0}}]"
 
 
 def cell_config(args: list[str]):

@@ -265,7 +265,7 @@ def main() -> None:
     def set_version(version: int) -> None:
         engine.version = version
 
-    ops = {"take_calls": server.take_calls, "reset": reset, "version": set_version,
+    ops = {"take_calls": server.take_calls, "finish_run": server.calls.finish, "reset": reset, "version": set_version,
            "stats": lambda: {"tokens": server.tokens_generated, "calls_dropped": server.calls.dropped}}
 
     def control(cid: int, op: str, args: tuple) -> None:  # on the server's loop, which owns its state

@@ -149,6 +149,11 @@ CALL_LOG_STEPS = 64
 (up to the buffer's `max_buffered_rollouts` groups' worth), the sync one a single step."""
 
 
+SERVED_KEYS = 200_000
+"""Call keys a run's `served` list holds (a few MB); past that only `served_count` grows, and the matrix's
+served-calls check compares counts (minirl/experiments/invariants.py)."""
+
+
 UNKEYED_CALLS = 20_000
 """Successful calls without a rollout header (an external agent's, e.g. Gym's `vllm_model`) held
 until the controller matches them by content; the oldest go first."""
@@ -169,8 +174,13 @@ class CallLog:
         self.steps: dict[int, list[dict]] = {}  # ordered least recently written first
         self.unkeyed: deque[dict] = deque(maxlen=UNKEYED_CALLS)  # calls without a header (external agents)
         self.dropped = 0
+        self.served: list[str] = []  # every keyed call this run recorded, in arrival order (the first SERVED_KEYS)
+        self.served_count = 0  # ... and how many in all: the server's own total, never the controller's
 
     def add(self, step: int, record: dict) -> None:
+        self.served_count += 1
+        if len(self.served) < SERVED_KEYS:
+            self.served.append(record.get("key"))
         records = self.steps.pop(step, None)
         if records is None:
             records = []
@@ -181,6 +191,13 @@ class CallLog:
 
     def take(self, step: int) -> list[dict]:
         return self.steps.pop(step, [])
+
+    def finish(self) -> dict:
+        """The run ends: every record no step took, and what this run served (its keys, its count, the
+        records the bound evicted), in one go on the server's loop, so no record falls between them."""
+        left = [rec for records in self.steps.values() for rec in records]
+        self.steps.clear()
+        return {"left": left, "served": list(self.served), "served_count": self.served_count, "dropped": self.dropped}
 
     def take_unkeyed(self) -> list[dict]:
         out = list(self.unkeyed)

@@ -106,6 +106,11 @@ class GenerationWorker:
         """The call log of `step`; None: the calls that came without a rollout header."""
         return self.front.call("take_calls", step)
 
+    def finish_run(self) -> dict:
+        """The run ends: the call records no step took and the keys of every call this run served
+        (`CallLog.finish`), for the controller's end-of-run ledger."""
+        return {"rank": self.rank, **self.front.call("finish_run")}
+
     def clock(self) -> dict:
         """The engine's run totals of stepping, loading weights, draining for an update and gathering
         bursts, in seconds (minirl.timeline); read on this actor, without the front end."""

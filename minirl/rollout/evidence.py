@@ -446,12 +446,30 @@ class Ledger:
                         f"but step {step} trains {window}"
                     )
                 counts[f"calls_{status}"] += 1
-                fields = ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",
-                          "version_start", "version_end", "generation_token_ids", "seed")
-                lines.append({**{k: rec.get(k) for k in fields},
-                              "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")})
+                lines.append(self._line(rec, status))
         self._write(step, lines)
         return counts
+
+    @staticmethod
+    def _line(rec: dict, status: str) -> dict:
+        return {**{k: rec.get(k) for k in ("step", "group", "rollout", "attempt", "call", "status", "finish_reason",
+                                          "version_start", "version_end", "generation_token_ids", "seed")},
+                "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")}
+
+    def close_run(self, left: list[dict], served: list[dict]) -> None:
+        """The run's end: the call records no step's ledger took (of groups still buffered or in flight,
+        late records of retired attempts) are retired into `run_end.jsonl`, each with its `reason`; each
+        generation server's own account of what it served this run (`CallLog.finish`: its rank, the keys,
+        the count, the records its bound evicted) is one line of `served.jsonl`. With the step files,
+        every call a server served is then in exactly one ledger line (minirl/experiments/invariants.py)."""
+        if self.dir is None:
+            return
+        with open(self.dir / "run_end.jsonl", "w") as f:
+            for rec in sorted(left, key=lambda rec: str(rec.get("key"))):
+                f.write(json.dumps({**self._line(rec, "retired"), "reason": "run_end: no step took its group"}) + "\n")
+        with open(self.dir / "served.jsonl", "w") as f:
+            for account in served:
+                f.write(json.dumps({k: account.get(k) for k in ("rank", "served_count", "dropped", "served")}) + "\n")
 
 
 def summary_stats(rollouts: list[Rollout]) -> dict:

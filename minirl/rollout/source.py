@@ -39,6 +39,9 @@ class SyncSource:
     def syncing(self) -> None:
         pass
 
+    async def close(self) -> tuple[dict, list[dict]]:
+        return {"buffered": [], "in_flight": []}, []  # nothing outlives a step
+
     async def take(self, step: int, version: int) -> StepTake:
         since = time.perf_counter()
         rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
