@@ -6,7 +6,8 @@ never reads the process that ran (a run's files are its only testimony, as for a
 
 The invariants, in the order they are checked:
 - exit: 0, or 1 with a budget's run-ending error (BUDGET_ERRORS) where every lost group (dropped or
-  skipped) had an injected fault: the faults, not something else, used the budget up;
+  skipped) had an injected fault (a request cut by the quarantine of a worker an injected `worker_hang`
+  wedged counts): the faults, not something else, used the budget up;
 - finite: every step's loss and grad_norm are finite;
 - target: every step reports `groups_target` = grpo.num_prompts_per_step and trains at least the floor;
 - fates: in a step that stamps its groups (sync, `in_order`), every target group has exactly one fate:
@@ -45,6 +46,10 @@ BUDGET_ERRORS = (
 """Run-ending errors a budget raises: a run may end with one of these when the cell's injected faults
 used the budget up. Anything else that ends a run is a bug the matrix found."""
 
+QUARANTINED = "was quarantined with this request in flight"
+"""The router's 503 for a request in flight on a worker it quarantines (minirl/generation/router.py): under
+an injected `worker_hang`, every request then on the hung worker fails so, its group's fault too."""
+
 LEDGER_STATUSES = {"trained", "masked", "retired", "matched", "stale", "logprob_mismatch"}
 
 
@@ -72,6 +77,9 @@ def _exit(run_dir, rc, last_line, cfg, rows, events, resumed_from):
     faulted = {(e.get("step"), e.get("group")) for e in events if e.get("type") == "fault"}
     lost = {(e.get("step"), e.get("group")) for e in events
             if e.get("type") == "drop" or (e.get("type") == "failure" and e.get("decision") == "skipped")}
+    if any(e.get("type") == "fault" and e.get("kind") == "worker_hang" for e in events):
+        faulted |= {(e.get("step"), e.get("group")) for e in events  # the hung worker's quarantine cut these
+                    if e.get("type") == "failure" and QUARANTINED in str(e.get("error"))}
     if rc == 1 and last_line.startswith(BUDGET_ERRORS) and faulted and lost <= faulted:
         return None
     unexplained = sorted(lost - faulted, key=str)
@@ -227,7 +235,7 @@ def _dispatched(run_dir, rc, last_line, cfg, rows, events, resumed_from):
     for group in sorted(dispatched, key=str):
         mine = [name for name, keys in exits.items() if group in keys]
         if len(trained_at.get(group, [])) > 1:
-            return f"group {list(group)} is trained by steps {trained_at[group]}"
+            return f"group {list(group)} is trained by steps {sorted(trained_at[group])}"
         if len(mine) > 1:
             return f"group {list(group)} has {len(mine)} fates: {', '.join(mine)}"
         if not mine and group not in lost:

@@ -7,9 +7,11 @@ its books balanced, or refused up front.
 The cells: a pairwise covering set of the switch table (minirl/experiments/switches.py; every pair of
 values of every two switches in at least one cell, `allpairspy` generating it, the table's refusals
 filtered out), plus the cells the table names as risky. Each cell is a few steps of the tiny model, a
-real `python -m minirl.train` attached to the matrix's shared generation workers, with a seeded fault
-mix of about 5% (agent exception, transport, guard reject, model error; a summary fault where summarize
-is on); in a share of cells the driver is SIGKILLed after a checkpoint and the run resumed. Each run's
+real `python -m minirl.train` attached to both of its model's shared generation workers with fleet
+health on, with a seeded fault mix of about 5% (agent exception, transport, guard reject, model error; a
+summary fault where summarize is on) and one worker hang (`hang`: one worker wedged at a seeded rollout
+of step 1, quarantined by the router; the next cell's attach resets it); in a share of cells the driver
+is SIGKILLed after a checkpoint and the run resumed. Each run's
 files are checked by minirl/experiments/invariants.py. Every refusal of the table is run too and must
 end with exit 2 naming its key.
 
@@ -46,7 +48,8 @@ HEALTH = ["cluster.num_generation_workers=2", "async_rl.generation_fleet_health.
 """Every cell runs on both of its model's shared workers with fleet health on: the router's probes
 quarantine the worker its `worker_hang` wedges, and the run trains on, on the other."""
 HANG_STEP = 1
-"""The step whose prompt a cell's `worker_hang` waits at (a weight update behind it, the run still young)."""
+"""The prompt step whose rollout a cell's `worker_hang` waits at (a weight update behind it, the run still
+young); 2 under `replace:stream`, whose first refill diverts prompt step 1 into the spare pool."""
 WORKERS = {"doors": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5", "cluster.num_cpus=4"],
            "summarize": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5"]}
 """The matrix's shared workers per model, half a CPU each: two of the tiny-doors model, two of tiny-summarize
@@ -56,7 +59,7 @@ attaches: attaching resets it (`GenerationWorker.reset`)."""
 KILL_EVERY = 4
 """Every 4th cell is SIGKILLed after its first checkpoint and resumed."""
 COLUMNS = ["cell", *[s.name for s in switches()], "kill", "rc", "steps", "groups_trained", "groups_dropped",
-           "groups_skipped", "groups_evicted", "rollouts_masked", "redispatched", "faults_fired", "resumed_from",
+           "groups_skipped", "groups_evicted", "rollouts_masked", "redispatched", "faults_fired", "hangs", "quarantined", "groups_unfinished", "resumed_from",
            "verdict", "wall_s"]
 
 
@@ -152,15 +155,16 @@ def cell_args(cell: dict, run_dir: Path, steps: int, attach: list[str], seed: in
     ckpt = (["checkpoint.enabled=true", "checkpoint.save_period=1", "checkpoint.keep_last_k=2"] if cell["kill"]
             else ["checkpoint.enabled=false"])
     args = cell_overrides({k: v for k, v in cell.items() if k not in ("cell", "kill")})
-    return [*args, *(SUMMARIZE if summarize else []), *rates, f"faults.seed={seed}", hang(seed, rates), f"grpo.seed={seed}",
+    return [*args, *(SUMMARIZE if summarize else []), *rates, f"faults.seed={seed}",
+            hang(seed, rates, HANG_STEP + (cell["on_dropped"] == "replace:stream")), f"grpo.seed={seed}",
             f"grpo.max_num_steps={steps}", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
             "async_rl.rollout_failure.backoff_base_s=0.1",
             "async_rl.rollout_failure.max_backoff_s=0.5", *ckpt, "logger.tensorboard=false", "logger.progress=false",
             f"run_dir={run_dir}", *attach, *HEALTH]
 
 
-def hang(seed: int, rates: list[str]) -> str:
-    """The cell's `worker_hang`: at call 0 of attempt 0 of one rollout of step HANG_STEP, the first in
+def hang(seed: int, rates: list[str], step: int) -> str:
+    """The cell's `worker_hang`: at call 0 of attempt 0 of one rollout of prompt step `step`, the first in
     a seeded order that no agent-side fault of the mix ends before its first model call."""
     from minirl.faults import FaultPlan
     from minirl.wire import Coords
@@ -168,9 +172,9 @@ def hang(seed: int, rates: list[str]) -> str:
     plan = FaultPlan(load_config(None, [*rates, f"faults.seed={seed}"]).faults)
     slots = [(g, r) for g in range(4) for r in range(4)]
     for g, r in slots[seed % 16:] + slots[:seed % 16]:
-        if all(plan.call_of(k, Coords(HANG_STEP, g, r, 0)) is None for k in ("agent_exception", "transport", "guard_reject")):
+        if all(plan.call_of(k, Coords(step, g, r, 0)) is None for k in ("agent_exception", "transport", "guard_reject")):
             break
-    return f"faults.inject=[{{kind: worker_hang, step: {HANG_STEP}, group: {g}, rollout: {r}, attempt: 0}}]"
+    return f"faults.inject=[{{kind: worker_hang, step: {step}, group: {g}, rollout: {r}, attempt: 0}}]"
 
 
 def cell_config(args: list[str]):
@@ -225,6 +229,7 @@ def run_cell(cell: dict, out: Path, steps: int, attach: dict[str, list[str]], se
 
 def _totals(run_dir: Path) -> dict:
     rows = list({r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}.values())
+    events = read_jsonl(run_dir / "events.jsonl")
 
     def total(key: str) -> int:
         return sum(r.get(key, 0) for r in rows)
@@ -232,7 +237,10 @@ def _totals(run_dir: Path) -> dict:
     return {"steps": len(rows), "groups_trained": total("groups_trained"), "groups_dropped": total("dropped_prompt_groups"),
             "groups_skipped": total("skipped_prompt_groups"), "groups_evicted": total("stale_groups_evicted"),
             "rollouts_masked": total("rollouts_masked"), "redispatched": total("redispatched_groups"),
-            "faults_fired": sum(e.get("type") == "fault" for e in read_jsonl(run_dir / "events.jsonl"))}
+            "faults_fired": sum(e.get("type") == "fault" for e in events),
+            "hangs": sum(e.get("type") == "fault" and e.get("kind") == "worker_hang" for e in events),
+            "quarantined": sum(e.get("type") == "worker_quarantined" for e in events),
+            "groups_unfinished": sum(e.get("groups_unfinished", 0) for e in events if e.get("type") == "run_end")}
 
 
 def check_refusals() -> list[dict]:

@@ -41,17 +41,20 @@ def write_report(out: Path, rows: list[dict], refusals: list[dict], coverage: tu
         "## Cells",
         "",
         "Fault mix: `agent_exception`, `transport`, `guard_reject`, `model_error` at 1.25% of rollout attempts each "
-        "(and `summary_empty` where summarize is on); `kill`: the driver SIGKILLed after its first checkpoint and "
-        "resumed with `checkpoint.resume=auto`. Verdict: `ok`, or the first broken invariant "
+        "(and `summary_empty` where summarize is on), and one `worker_hang` per cell: one of the two generation "
+        "workers the cell runs on wedged at a seeded rollout of step 1, with fleet health on (`hangs`: the hang "
+        "planned, `quarantined`: the router's quarantines, the hung worker's and any transient one's). `kill`: the "
+        "driver SIGKILLed after its first checkpoint and resumed with `checkpoint.resume=auto`. `unfinished`: the "
+        "groups the `run_end` event names still buffered or in flight. Verdict: `ok`, or the first broken invariant "
         "(minirl/experiments/invariants.py).",
         "",
         "| cell | " + " | ".join(names) + " | kill | exit | steps | trained | dropped | skipped | evicted | masked | "
-        "redispatched | faults | verdict | s |",
-        "|" + "---|" * (len(names) + 13),
+        "redispatched | faults | hangs | quarantined | unfinished | verdict | s |",
+        "|" + "---|" * (len(names) + 16),
     ]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "")) for k in ["cell", *names, "kill", "rc", "steps", "groups_trained",
                      "groups_dropped", "groups_skipped", "groups_evicted", "rollouts_masked", "redispatched",
-                     "faults_fired", "verdict", "wall_s"]) + " |")
+                     "faults_fired", "hangs", "quarantined", "groups_unfinished", "verdict", "wall_s"]) + " |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return len(broken)
