@@ -286,7 +286,13 @@ class Controller:
             return {}
         self.finished = True
         unfinished, held = await self.source.close()
-        accounts = [await w.finish_run.remote() for w in self.gen_workers]
+        accounts = []
+        for rank, worker in enumerate(self.gen_workers):
+            try:
+                accounts.append(await worker.finish_run.remote())
+            except Exception as exc:  # a worker that died (and was restarted) lost its log: its line says so
+                accounts.append({"rank": rank, "left": [], "served_count": 0, "dropped": 0, "served": [],
+                                 "error": f"{type(exc).__name__}: {exc}"[:500]})
         left = held + [rec for a in accounts for rec in a.pop("left")]
         self.ledger.close_run(left, accounts)
         event = {"type": "run_end", "step": self.step, "unfinished": unfinished,

@@ -193,6 +193,8 @@ def _served(run_dir, rc, last_line, cfg, rows, events, resumed_from):
     have = Counter(_call_key(line) for lines in _ledger_lines(run_dir, resumed_from).values() for line in lines)
     have.update(_call_key(line) for line in read_jsonl(run_dir / "ledger" / "run_end.jsonl"))
     for account in accounts:
+        if account.get("error"):
+            return f"generation worker {account['rank']} gave no account of what it served: {account['error'][:200]}"
         if account["dropped"]:
             return f"generation worker {account['rank']}'s call log evicted {account['dropped']} records no ledger took"
         for key in account["served"]:

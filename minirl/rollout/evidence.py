@@ -469,7 +469,8 @@ class Ledger:
                 f.write(json.dumps({**self._line(rec, "retired"), "reason": "run_end: no step took its group"}) + "\n")
         with open(self.dir / "served.jsonl", "w") as f:
             for account in served:
-                f.write(json.dumps({k: account.get(k) for k in ("rank", "served_count", "dropped", "served")}) + "\n")
+                f.write(json.dumps({k: account[k] for k in ("rank", "served_count", "dropped", "served", "error")
+                                    if k in account}) + "\n")
 
 
 def summary_stats(rollouts: list[Rollout]) -> dict:
