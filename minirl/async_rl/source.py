@@ -9,6 +9,7 @@ checkpoint's buffer carries the call records of exactly the groups it holds.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import pickle
 import time
@@ -49,6 +50,7 @@ class BufferSource:
         self.consumed: set[tuple[int, int]] = set()
         self.restored: dict | None = None  # a resumed checkpoint's buffer, until the pump starts
         self.handed_over = time.perf_counter()  # when the previous step's groups were taken
+        self.moving: set[asyncio.Future] = set()  # call-record moves under way (`resolved`)
 
     def snapshot(self) -> bytes | None:
         """The buffer with the call records of its groups, pickled (taken between two awaits)."""
@@ -74,6 +76,7 @@ class BufferSource:
         """The run ends: stop the pump. The groups it leaves unfinished (in the buffer, taken by no step;
         in flight, cancelled now) and the call records drained for them, or orphaned, that no ledger took."""
         in_flight = [] if self.pump is None else await self.pump.stop()
+        await asyncio.gather(*self.moving, return_exceptions=True)  # records a cancelled place was filing
         buffered = [] if self.pump is None else sorted([r.step, r.group] for r in self.buffer.ready)
         held = [c for records in self.calls.values() for c in records] + self.orphans
         self.calls, self.orphans = {}, []
@@ -129,7 +132,15 @@ class BufferSource:
 
     async def resolved(self, step: int, group: int) -> None:
         """A group resolved: move its step's call records from the servers into `calls` (those of
-        groups already taken or evicted, late records of retired attempts, into `orphans`)."""
+        groups already taken or evicted, late records of retired attempts, into `orphans`). The move is
+        shielded: a place cancelled mid-move (the run's end, `close`) would otherwise drop the records a
+        server already handed over; `close` waits for the moves under way."""
+        move = asyncio.ensure_future(self._move(step))
+        self.moving.add(move)
+        move.add_done_callback(self.moving.discard)
+        await asyncio.shield(move)
+
+    async def _move(self, step: int) -> None:
         for c in await self.drain(step):
             key = (c["step"], c["group"])
             (self.orphans if key in self.consumed else self.calls.setdefault(key, [])).append(c)

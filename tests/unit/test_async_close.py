@@ -1,0 +1,43 @@
+"""The async source's end of run (`BufferSource.close`): the call records a place was moving off the
+servers when the run ended reach the end-of-run ledger, not the void. Found by the switch matrix's
+`served` book (cell pw19: a windowed run's place cancelled at the end had taken its records off one
+generation worker and was waiting on the other, and worker 0's records of s24.g1 were in no ledger line)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from minirl.async_rl.source import BufferSource
+from minirl.config import load_config
+from minirl.generation.server import CallLog
+
+
+def test_a_place_cancelled_mid_move_keeps_the_records_a_server_handed_over():
+    cfg = load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=windowed",
+                             "loss_fn.use_importance_sampling_correction=true",
+                             "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+                             "async_rl.rollout_failure.max_skipped_prompts=0"])
+    log = CallLog()  # the generation server's own call log
+    keys = [f"s24.g1.r{r}.a0.c0" for r in range(4)]
+    for r, key in enumerate(keys):
+        log.add(24, {"key": key, "step": 24, "group": 1, "rollout": r, "attempt": 0, "call": 0})
+    answered = asyncio.Event()
+
+    async def drain(step: int) -> list[dict]:
+        records = log.take(step)  # the server hands them over at once...
+        await answered.wait()  # ...and its answer is still on the way when the run ends
+        return records
+
+    async def go():
+        source = BufferSource(cfg, None, drain)
+        place = asyncio.ensure_future(source.resolved(24, 1))
+        await asyncio.sleep(0.01)
+        place.cancel()  # the pump's stop at the run's end
+        closing = asyncio.ensure_future(source.close())
+        await asyncio.sleep(0.01)
+        answered.set()
+        return await closing
+
+    unfinished, held = asyncio.run(go())
+    assert sorted(rec["key"] for rec in held) == keys and log.finish()["left"] == []
+    assert unfinished == {"buffered": [], "in_flight": []}
