@@ -201,7 +201,8 @@ def _served(run_dir, rc, last_line, cfg, rows, events, resumed_from):
             coords, call = parse_call_key(key)
             k = (coords.step, coords.group, coords.rollout, coords.attempt, call)
             if have[k] <= 0:
-                return f"call {key}, served by generation worker {account['rank']}, is in no ledger line (trained or retired)"
+                return (f"call {key}, served by generation worker {account['rank']}, is in no ledger line "
+                        "(trained or retired)")
             have[k] -= 1
     return None
 
@@ -228,7 +229,8 @@ def _dispatched(run_dir, rc, last_line, cfg, rows, events, resumed_from):
     trained_at: dict[tuple, list[int]] = {}
     lines = _ledger_lines(run_dir, resumed_from)
     for step, ledger in lines.items():
-        for k in {(x["step"], x["group"]) for x in ledger if x.get("ledger_status") in ("trained", "masked", "matched")}:
+        for k in {(x["step"], x["group"]) for x in ledger
+                  if x.get("ledger_status") in ("trained", "masked", "matched")}:
             trained_at.setdefault(k, []).append(step)
     exits["trained"] = set(trained_at)
     lost = {key(e) for e in events if e.get("type") == "drop"
@@ -241,7 +243,8 @@ def _dispatched(run_dir, rc, last_line, cfg, rows, events, resumed_from):
         if len(mine) > 1:
             return f"group {list(group)} has {len(mine)} fates: {', '.join(mine)}"
         if not mine and group not in lost:
-            return f"group {list(group)} was dispatched and has no fate (trained, evicted, replaced, dropped, skipped, unfinished)"
+            return (f"group {list(group)} was dispatched and has no fate "
+                    "(trained, evicted, replaced, dropped, skipped, unfinished)")
         fates[mine[0] if mine else "lost"] += 1
     return _step_counts(rows, lines, rc, fates)
 

@@ -2,7 +2,8 @@
 its books balanced, or refused up front.
 
     python -m minirl.experiments.matrix                      # the whole matrix -> docs/experiments/matrix/
-    python -m minirl.experiments.matrix --subset risky       # the risky cells only (`--subset suite`: the four `make test` runs)
+    python -m minirl.experiments.matrix --subset risky       # the risky cells only
+    python -m minirl.experiments.matrix --subset suite       # the four `make test` runs
 
 The cells: a pairwise covering set of the switch table (minirl/experiments/switches.py; every pair of
 values of every two switches in at least one cell, `allpairspy` generating it, the table's refusals
@@ -50,7 +51,8 @@ quarantine the worker its `worker_hang` wedges, and the run trains on, on the ot
 HANG_STEP = 1
 """The prompt step whose rollout a cell's `worker_hang` waits at (a weight update behind it, the run still
 young); 2 under `replace:stream`, whose first refill diverts prompt step 1 into the spare pool."""
-WORKERS = {"doors": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5", "cluster.num_cpus=4"],
+WORKERS = {"doors": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5",
+                     "cluster.num_cpus=4"],
            "summarize": ["cluster.num_generation_workers=2", "cluster.cpus_per_generation_worker=0.5"]}
 """The matrix's shared workers per model, half a CPU each: two of the tiny-doors model, two of tiny-summarize
 (a cell attaches to both of its model's). The cluster advertises 4 CPUs (the first model's config starts it),
@@ -59,8 +61,8 @@ attaches: attaching resets it (`GenerationWorker.reset`)."""
 KILL_EVERY = 4
 """Every 4th cell is SIGKILLed after its first checkpoint and resumed."""
 COLUMNS = ["cell", *[s.name for s in switches()], "kill", "rc", "steps", "groups_trained", "groups_dropped",
-           "groups_skipped", "groups_evicted", "rollouts_masked", "redispatched", "faults_fired", "hangs", "quarantined", "groups_unfinished", "resumed_from",
-           "verdict", "wall_s"]
+           "groups_skipped", "groups_evicted", "rollouts_masked", "redispatched", "faults_fired", "hangs",
+           "quarantined", "groups_unfinished", "resumed_from", "verdict", "wall_s"]
 
 
 def _row_dict(row, names) -> dict:
@@ -172,7 +174,8 @@ def hang(seed: int, rates: list[str], step: int) -> str:
     plan = FaultPlan(load_config(None, [*rates, f"faults.seed={seed}"]).faults)
     slots = [(g, r) for g in range(4) for r in range(4)]
     for g, r in slots[seed % 16:] + slots[:seed % 16]:
-        if all(plan.call_of(k, Coords(step, g, r, 0)) is None for k in ("agent_exception", "transport", "guard_reject")):
+        if all(plan.call_of(k, Coords(step, g, r, 0)) is None
+               for k in ("agent_exception", "transport", "guard_reject")):
             break
     return f"faults.inject=[{{kind: worker_hang, step: {step}, group: {g}, rollout: {r}, attempt: 0}}]"
 
@@ -234,7 +237,8 @@ def _totals(run_dir: Path) -> dict:
     def total(key: str) -> int:
         return sum(r.get(key, 0) for r in rows)
 
-    return {"steps": len(rows), "groups_trained": total("groups_trained"), "groups_dropped": total("dropped_prompt_groups"),
+    return {"steps": len(rows), "groups_trained": total("groups_trained"),
+            "groups_dropped": total("dropped_prompt_groups"),
             "groups_skipped": total("skipped_prompt_groups"), "groups_evicted": total("stale_groups_evicted"),
             "rollouts_masked": total("rollouts_masked"), "redispatched": total("redispatched_groups"),
             "faults_fired": sum(e.get("type") == "fault" for e in events),

@@ -25,7 +25,8 @@ def write_report(out: Path, rows: list[dict], refusals: list[dict], coverage: tu
         "",
         f"Pairwise coverage of the pairwise cells: **{covered} of {allowed}** allowed pairs of switch values"
         + (" (every pair)." if not missing else f"; missing: {', '.join(map(str, missing))}."),
-        "The switches and their values (minirl/experiments/switches.py; a `Literal` field's values come from the config):",
+        "The switches and their values (minirl/experiments/switches.py; a `Literal` field's values come from the "
+        "config):",
         "",
         "| switch | values | what |",
         "|---|---|---|",
@@ -35,7 +36,8 @@ def write_report(out: Path, rows: list[dict], refusals: list[dict], coverage: tu
         "",
         "| overrides | key | why | exit | refused as listed |",
         "|---|---|---|---|---|",
-        *(f"| `{r['overrides']}` | `{r['key']}` | {r['reason']} | {r['rc']} | {'yes' if r['ok'] else 'NO: ' + r['last_line'][:120]} |"
+        *(f"| `{r['overrides']}` | `{r['key']}` | {r['reason']} | {r['rc']} | "
+          f"{'yes' if r['ok'] else 'NO: ' + r['last_line'][:120]} |"
           for r in refusals),
         "",
         "## Cells",
@@ -53,7 +55,8 @@ def write_report(out: Path, rows: list[dict], refusals: list[dict], coverage: tu
         "|" + "---|" * (len(names) + 16),
     ]
     for r in rows:
-        lines.append("| " + " | ".join(str(r.get(k, "")) for k in ["cell", *names, "kill", "rc", "steps", "groups_trained",
+        lines.append("| " + " | ".join(str(r.get(k, "")) for k in [
+                     "cell", *names, "kill", "rc", "steps", "groups_trained",
                      "groups_dropped", "groups_skipped", "groups_evicted", "rollouts_masked", "redispatched",
                      "faults_fired", "hangs", "quarantined", "groups_unfinished", "verdict", "wall_s"]) + " |")
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -217,7 +217,8 @@ def test_async_events_named_by_prompt_step_still_balance(tmp_path):
     cfg, rows, events, ledger, end = _async_run()
     _write(tmp_path, rows, events, ledger, end=end)
     assert check_run(tmp_path, 0, "", cfg) is None
-    _write(tmp_path / "lost", rows, [e for e in events if e["type"] != "mask"], ledger, end=end)  # a counted mask without its event
+    # a counted mask without its event
+    _write(tmp_path / "lost", rows, [e for e in events if e["type"] != "mask"], ledger, end=end)
     assert check_run(tmp_path / "lost", 0, "", cfg) == "events: 0 mask events, the metrics count 1"
 
 
@@ -227,7 +228,8 @@ def test_async_events_named_by_prompt_step_still_balance(tmp_path):
     ("two_fates", "dispatched: group [1, 3] has 2 fates: unfinished, evicted"),
     ("trained_by_two_steps", "dispatched: group [0, 0] is trained by steps [0, 1]"),
     ("step_count", "dispatched: step 0: its ledger trains 3 groups, its metrics count 4"),
-    ("evictions_unsummed", "dispatched: 1 groups evicted and 0 dropped or skipped over the run, the metrics sum to 0 and 0"),
+    ("evictions_unsummed",
+     "dispatched: 1 groups evicted and 0 dropped or skipped over the run, the metrics sum to 0 and 0"),
 ])
 def test_every_dispatched_group_has_one_fate_under_an_unstamped_sampler(tmp_path, case, expected):
     """windowed (no target steps): every group the pump dispatched is trained once, evicted, dropped or skipped,
