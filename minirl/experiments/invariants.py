@@ -1,33 +1,10 @@
 """The switch matrix's books: what every run must balance, read only from the run's own files
-(metrics.jsonl, events.jsonl, ledger/, checkpoints/) and its exit.
+(metrics.jsonl, events.jsonl, ledger/, checkpoints/) and its exit. `check_run` checks them in order:
+exit, finite, target, fates, events, ledger, served, dispatched, resume, each checker's docstring
+saying its rule (docs/experiments.md, "The books", says them all in one place).
 
 Invariant: `check_run` names the first broken invariant of a run in one line, or returns None; it
 never reads the process that ran (a run's files are its only testimony, as for a user).
-
-The invariants, in the order they are checked:
-- exit: 0, or 1 with a budget's run-ending error (BUDGET_ERRORS) where every lost group (dropped or
-  skipped) had an injected fault (a request cut by the quarantine of a worker an injected `worker_hang`
-  wedged counts): the faults, not something else, used the budget up;
-- finite: every step's loss and grad_norm are finite;
-- target: every step reports `groups_target` = grpo.num_prompts_per_step and trains at least the floor;
-- fates: in a step that stamps its groups (sync, `in_order`), every target group has exactly one fate:
-  trained + dropped + skipped = target; under the other samplers a step trains at most its target;
-- events: the run's drop and mask events number what its metrics count (the died step's drops too) in
-  sync; in async, where the pump runs ahead, every counted drop, mask and eviction has its event;
-- ledger: no call of an attempt is trained twice, every ledger line has a known status, and every trained
-  call ran under a version in its step's window [v - S, v];
-- served: every call a generation server served this run, by the server's own list
-  (ledger/served.jsonl, written at the run's end from each server's call log), is in a ledger line:
-  a step's (trained, masked, retired, ...) or ledger/run_end.jsonl's (retired when the run ended); a
-  run without its `run_end` event did not close its books;
-- dispatched (async): every prompt group the pump dispatched (a `dispatch` event; after a resume, those
-  and the restored buffer's) has exactly one fate over the run: trained (its calls in one step's ledger
-  as trained or masked), evicted, replaced (a `replace` event that found its place a stand-in),
-  unfinished (in the buffer or in flight at the end: the `run_end` event), or else dropped or skipped
-  (its `drop` event, its `failure` event with decision `skipped`); each step's ledger trains as many
-  groups as its metrics count, and (exit 0) the run's evictions, drops and skips number the metrics' totals;
-- resume: the steps in metrics.jsonl run 0..n-1, and a step appears twice only when a resume re-ran it
-  (it is newer than the checkpoint the resume started from).
 """
 
 from __future__ import annotations
@@ -72,6 +49,9 @@ def check_run(run_dir: Path, rc: int, last_line: str, cfg, resumed_from: int | N
 
 
 def _exit(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """0, or 1 with a budget's run-ending error (BUDGET_ERRORS) where every lost group (dropped or
+    skipped) had an injected fault (a request cut by the quarantine of a worker an injected
+    `worker_hang` wedged counts): the faults, not something else, used the budget up."""
     if rc == 0:
         return None
     faulted = {(e.get("step"), e.get("group")) for e in events if e.get("type") == "fault"}
@@ -88,6 +68,7 @@ def _exit(run_dir, rc, last_line, cfg, rows, events, resumed_from):
 
 
 def _finite(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """Every step's loss and grad_norm are finite."""
     for r in rows:
         for key in ("loss", "grad_norm"):
             if not isinstance(r.get(key), (int, float)) or not math.isfinite(r[key]):
@@ -96,6 +77,7 @@ def _finite(run_dir, rc, last_line, cfg, rows, events, resumed_from):
 
 
 def _target(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """Every step reports `groups_target` = grpo.num_prompts_per_step and trains at least the floor."""
     from minirl.config import step_floor
 
     n, floor = cfg.grpo.num_prompts_per_step, step_floor(cfg)
@@ -112,6 +94,8 @@ def _stamps(cfg) -> bool:
 
 
 def _fates(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """In a step that stamps its groups (sync, `in_order`), every target group has exactly one fate:
+    trained + dropped + skipped = target; under the other samplers a step trains at most its target."""
     for r in rows:
         fates = r["groups_trained"] + r["dropped_prompt_groups"] + r.get("skipped_prompt_groups", 0)
         if _stamps(cfg) and fates != r["groups_target"]:
@@ -144,6 +128,8 @@ def _events(run_dir, rc, last_line, cfg, rows, events, resumed_from):
 
 
 def _ledger(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """No call of an attempt is trained twice, every ledger line has a known status, and every trained
+    call ran under a version in its step's window [v - S, v]."""
     s = cfg.async_rl.sampler.max_staleness_versions if cfg.async_rl.enabled else 0
     trained: set = set()
     for r in {r["step"]: r for r in rows}.values():  # a re-run step's ledger replaced the first run's
@@ -179,8 +165,12 @@ def _call_key(line: dict) -> tuple:
 
 
 def _served(run_dir, rc, last_line, cfg, rows, events, resumed_from):
-    """The servers' own account against the ledger: a served call no ledger line holds was lost between
-    the server and the books (a call log's bound evicted it, a source dropped it, a resume forgot it)."""
+    """The servers' own account against the ledger: every call a generation server served this run, by
+    its own list (ledger/served.jsonl, written at the run's end from each server's call log), is in a
+    ledger line: a step's (trained, masked, retired, ...) or ledger/run_end.jsonl's (retired when the
+    run ended); a run without its `run_end` event did not close its books. A served call no ledger
+    line holds was lost between the server and the books (a call log's bound evicted it, a source
+    dropped it, a resume forgot it)."""
     from minirl.wire import parse_call_key
 
     if cfg.agent.external_url:
@@ -208,7 +198,11 @@ def _served(run_dir, rc, last_line, cfg, rows, events, resumed_from):
 
 
 def _dispatched(run_dir, rc, last_line, cfg, rows, events, resumed_from):
-    """Async: each dispatched group's one fate, and the per-step counts against the run's (module docstring)."""
+    """Async: every prompt group the pump dispatched (a `dispatch` event; after a resume, those and the
+    restored buffer's) has exactly one fate over the run: trained (its calls in one step's ledger as
+    trained or masked), evicted, replaced (a `replace` event that found its place a stand-in),
+    unfinished (in the buffer or in flight at the end: the `run_end` event), or else dropped or
+    skipped (its `drop` event, its `failure` event with decision `skipped`); then `_step_counts`."""
     if not cfg.async_rl.enabled:
         return None  # sync: `_fates` checks every step's target groups
     if resumed_from is not None:  # the resumed process's books: its dispatches and its restored buffer
@@ -266,6 +260,8 @@ def _step_counts(rows: list[dict], lines: dict[int, list[dict]], rc: int, fates:
 
 
 def _resume(run_dir, rc, last_line, cfg, rows, events, resumed_from):
+    """The steps in metrics.jsonl run 0..n-1, and a step appears twice only when a resume re-ran it (it
+    is newer than the checkpoint the resume started from)."""
     steps = [r["step"] for r in rows]
     if sorted(set(steps)) != list(range(len(set(steps)))):
         return f"the steps in metrics.jsonl are {steps}, not 0..n-1"

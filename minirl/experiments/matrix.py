@@ -5,19 +5,8 @@ its books balanced, or refused up front.
     python -m minirl.experiments.matrix --subset risky       # the risky cells only
     python -m minirl.experiments.matrix --subset suite       # the four `make test` runs
 
-The cells: a pairwise covering set of the switch table (minirl/experiments/switches.py; every pair of
-values of every two switches in at least one cell, `allpairspy` generating it, the table's refusals
-filtered out), plus the cells the table names as risky. Each cell is a few steps of the tiny model, a
-real `python -m minirl.train` attached to both of its model's shared generation workers with fleet
-health on, with a seeded fault mix of about 5% (agent exception, transport, guard reject, model error; a
-summary fault where summarize is on) and one worker hang (`hang`: one worker wedged at a seeded rollout
-of step 1, quarantined by the router; the next cell's attach resets it); in a share of cells the driver
-is SIGKILLed after a checkpoint and the run resumed. Each run's
-files are checked by minirl/experiments/invariants.py. Every refusal of the table is run too and must
-end with exit 2 naming its key.
-
-Invariant: a cell runs at most once per output directory (results.csv, a row flushed as each cell ends,
-is the resume point), and every row's verdict comes from the run's own files.
+Cells and books: docs/experiments.md, "The switch matrix". Invariant: a cell runs at most once per output
+directory (results.csv is the resume point), and every row's verdict comes from the run's own files.
 """
 
 from __future__ import annotations
@@ -152,6 +141,9 @@ def coverage(cells: list[dict]) -> tuple[int, int, list[tuple]]:
 
 
 def cell_args(cell: dict, run_dir: Path, steps: int, attach: list[str], seed: int) -> list[str]:
+    """A cell's `minirl.train` overrides: a few steps of the tiny model attached to both of its model's
+    shared generation workers with fleet health on, a seeded fault mix of about 5% (FAULTS; a summary
+    fault where summarize is on) and one worker hang (`hang`), checkpoints where the driver is killed."""
     summarize = cell["compaction"] == "summarize"
     rates = [f"faults.rate.{k}={FAULT_RATE}" for k in (*FAULTS, *(("summary_empty",) if summarize else ()))]
     ckpt = (["checkpoint.enabled=true", "checkpoint.save_period=1", "checkpoint.keep_last_k=2"] if cell["kill"]
