@@ -65,6 +65,18 @@ tested: GRPO suppresses `note` in ordinary rooms, where writing it opens a wrong
 `note` shares that token.
 (The learning rate already decays: OneCycleLR, cosine to ~0, so a last batch loss near 1 is that
 length-sorted window's mix, not a constant rate's noise.)
+With `--task doors_notes --summarize` (issue 54; configs/summarize_notes.yaml) the same teacher plays
+the harder memory task (MEMORY_PLAY: its room counts, threshold range and note names): a summary keeps
+each note its prompt shows (the newest of each tag, `noteA<d> noteB<d> noteC<d>` in the order shown)
+with probability p_recall each, and a hidden door `doorA?` is answered from `noteA<d>`; with one
+untagged note (doors_memory) that is exactly the old rule, so doors_memory's transcripts are unchanged.
+`summary_fact_recall` scores what the run's `summary_recall` counts (each needed note, not the
+distractor, held verbatim). `--init DIR` fine-tunes a built model (weights, and its tokenizer files
+copied verbatim) instead of a fresh one; the corpus is then played once, with that tokenizer's counts.
+Measured (2026-12-04, `--init models/tiny-summarize`, 100 held-out prompts a kind at temperature 1):
+1000 episodes, 300 steps of batch 16 at lr 3e-4, p_recall 0.5: fact recall 0.01, hidden door 0.07,
+door rate 0.87, well-formed 0.96; its summaries are malformed copies (`keep\nnote callstC0`,
+`keep\nnoteC9`): 300 steps do not teach the tagged copy.
 Without these flags the build is unchanged (models/tiny-doors stays byte-identical).
 
 Everything runs offline on CPU; the output loads with `from_pretrained(out_dir)`.

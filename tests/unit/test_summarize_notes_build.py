@@ -1,0 +1,59 @@
+"""The doors_notes warm start (issue 54): scripts/build_tiny_model.py's summarizing teacher on
+`--task doors_notes`, through the real agent loop and summarizing policy with
+configs/summarize_notes.yaml's agent settings and the committed summarizer's tokenizer counts.
+No Ray, no vLLM, no training: a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+
+from transformers import AutoTokenizer
+
+from minirl.agents.agent import run_episode
+from minirl.agents.env import TOOLS, DoorsEnv
+from minirl.config import REPO_ROOT, load_config
+
+
+def build_module():
+    """scripts/build_tiny_model.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO_ROOT / "scripts" / "build_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_notes_teacher_keeps_each_note_sometimes_and_reads_the_kept_ones():
+    """p_correct = 1, p_recall = 0.5: with the config's threshold every episode summarizes after the
+    three notes (and, its summary being long, again before the last room); each needed note survives
+    a summary about half the time, an episode whose summaries kept every needed note opens every door
+    on its first try, and every episode's two hidden doors are teacher examples of their kind."""
+    b = build_module()
+    hf = AutoTokenizer.from_pretrained(REPO_ROOT / "models" / "tiny-summarize")
+
+    def render(messages, tools):
+        return hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    rng = random.Random(4)
+    teacher = b.SummarizingTeacher(rng, 1.0, 0.5, render, lambda m, t: len(hf(render(m, t))["input_ids"]))
+    cfg = load_config("configs/summarize_notes.yaml", ["policy.model_name=models/tiny-summarize"])  # its agent settings
+    needed = recalled = summaries = 0
+    for i in range(60):
+        env = DoorsEnv(seed=rng.randrange(2**31), num_rooms=7, task="doors_notes")
+        row = {"responses_create_params": {"input": env.initial_input(), "tools": TOOLS},
+               "task": {"env": "doors_notes", "seed": env.seed, "num_rooms": 7},
+               "_minirl": {"step": 0, "group": i, "rollout": 0, "attempt": 0}}
+        res = asyncio.run(run_episode(row, cfg.agent, teacher))
+        ev = res["evidence"]
+        assert ev["summaries"] in (1, 2) and ev["summary_facts_needed"] >= 2 and len(ev["segment_rewards"]) == ev["summaries"]
+        needed, recalled = needed + ev["summary_facts_needed"], recalled + ev["summary_facts_recalled"]
+        summaries += ev["summaries"]
+        assert res["reward"] >= 5 / 7  # the ordinary rooms open on their first try (p_correct = 1)
+        if ev["summary_facts_recalled"] == ev["summary_facts_needed"]:
+            assert res["reward"] == 1.0 and all(r == 1.0 for r in ev["segment_rewards"])
+    assert 0.3 < recalled / needed < 0.6, recalled / needed
+    kinds = [b.example_kind(p, r) for p, r in teacher.examples]
+    assert kinds.count("summary") == summaries and kinds.count("hidden_door") == 120
+
