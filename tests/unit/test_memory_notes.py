@@ -233,7 +233,7 @@ def test_the_config_loads_and_its_guard_is_between_the_arms():
     cfg = load_config(CONFIG)
     ch = cfg.agent.context_history
     assert cfg.env.task == "doors_notes" and cfg.env.num_rooms == ROOMS and cfg.agent.max_steps == ROOMS
-    assert cfg.policy.model_name.endswith("models/tiny-summarize") and ch.policy.type == "summarize"
+    assert cfg.policy.model_name.endswith("models/tiny-summarize-notes") and ch.policy.type == "summarize"
     lo, hi = ch.policy.summarize.threshold_tokens
     assert 265 < lo <= hi < 321 <= ch.guards.max_total_tokens  # fires once, before the 5th call (yaml's figures)
     assert 345 < ch.guards.max_total_tokens < 360  # recency keeping 2 pictures fits, keeping 3 does not
