@@ -130,8 +130,8 @@ def _credited(cfg: MinirlConfig, g: ScoredGroup) -> tuple[list[tuple[Rollout, Tr
     summaries = [[t for t in r.traces if t.kind == SUMMARY_KIND] for r in g.rollouts]
     scored = [s if len(s) == len(r.evidence.get("segment_rewards", [])) else None
               for r, s in zip(g.rollouts, summaries)]
-    rewards = [[None if t.mask_reason else v for t, v in zip(s, r.evidence["segment_rewards"])] if s is not None else []
-               for r, s in zip(g.rollouts, scored)]
+    rewards = [[None if t.mask_reason else v for t, v in zip(s, r.evidence.get("segment_rewards", []))]
+               if s is not None else [] for r, s in zip(g.rollouts, scored)]
     gp = cfg.grpo
     adv = summary_advantages(rewards, [r.sample_mask for r in g.rollouts], gp.use_leave_one_out_baseline,
                              gp.normalize_rewards)

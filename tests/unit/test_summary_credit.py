@@ -155,16 +155,20 @@ def test_next_segment_credit_trains_the_summary_on_the_segment_after_it(credit):
     # one summary each; the note decides the segment after it
     assert all(len(s) == 1 for s in segs) and segs[0] != segs[1]
     del rollouts[3].evidence["segment_rewards"]  # as an external agent's: it keeps its rollout's advantage
+    unsummarized = memory_cfg("agent.context_history.policy.type=recency")
+    rollouts.append(parse_rollout(play(unsummarized, Summarizer(False), 4), Coords(0, 0, 4, 0), vocab_size=256,
+                                  max_len=10**6, overlong_filtering=False))
+    assert "segment_rewards" not in rollouts[4].evidence  # no summary: nothing to score, nor a fallback
     batch, stats = assemble(cfg, [GroupOutcome(0, "committed", dict(enumerate(rollouts)))], 0)
     rollout_adv = group_advantages([r.reward for r in rollouts])
     kinds = [t.kind for r in rollouts for t in r.traces]
-    own = summary_advantages([segs[0], segs[1], segs[2], []], [1, 1, 1, 1])
+    own = summary_advantages([segs[0], segs[1], segs[2], [], []], [1] * 5)
     want = []
     for i, r in enumerate(rollouts):
         for t in r.traces:
             summary = credit == "next_segment" and t.kind == SUMMARY_KIND and i < 3
             want.append(own[i][0] if summary else rollout_adv[i])
-    assert kinds.count(SUMMARY_KIND) == 4 and kinds.count("turns") > 4
+    assert kinds.count(SUMMARY_KIND) == 4 and kinds.count("turns") > 5
     np.testing.assert_allclose(batch.advantages[: len(want)], want, rtol=1e-6)
     assert stats["summary_credit_fallbacks"] == (1 if credit == "next_segment" else 0)
     if credit == "next_segment":  # the keepers' summaries are credited, the dropper's blamed
