@@ -326,15 +326,19 @@ class Ledger:
           did not produce, so neither they nor the rollout's reward are trusted;
         - a call the engine ran under weights outside [oldest, version] (`calls_stale`, mask
           `stale_calls`): e.g. an earlier step's call returned again.
-        Returns the counts and the records left unmatched (another step's, or a failed attempt's)."""
+        Returns the counts and the records left unmatched (another step's, or a failed attempt's). The
+        lines go in coordinate order, and records alike in content are taken in one order (by seed),
+        so a rerun of a seeded run writes the same ledger whatever the arrival order."""
         oldest = version if oldest is None else oldest
         index: dict[tuple, list[dict]] = {}
         for rec in pool:
             content = (tuple(rec.get("prompt_token_ids") or ()), tuple(rec.get("generation_token_ids") or ()))
             index.setdefault(content, []).append(rec)
+        for recs in index.values():  # records alike in content are taken in one order, whatever their arrival
+            recs.sort(key=lambda rec: (rec.get("seed") or 0, str(rec.get("version_start"))), reverse=True)
         counts: Counter = Counter()
         lines = []
-        for r in rollouts:
+        for r in sorted(rollouts, key=lambda r: (r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt)):
             for i, c in enumerate(r.calls):
                 found = index.get((tuple(c.prompt), tuple(c.gen)))
                 if not found:

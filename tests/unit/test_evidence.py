@@ -1,5 +1,6 @@
 """Per-call evidence -> traces, and the DATA checks on /run results."""
 
+import json
 import math
 import re
 
@@ -234,6 +235,32 @@ def test_an_external_agents_calls_are_matched_by_their_tokens():
     counts, _ = Ledger(None).match_external(3, [unkeyed([1, 2], [6], v=1)], [rb], version=3, oldest=2)
     assert counts["calls_stale"] == 1 and counts["calls_matched"] == 0 and rb.mask_reason == "stale_calls"
     assert "call 0 ran under weights [1], but step 3 trains versions 2..3" in rb.evidence["errors"][-1]
+
+
+def test_an_external_agents_ledger_does_not_depend_on_arrival_order(tmp_path):
+    """A rerun of the same seeded run must write the same ledger (tests/integration/test_generation_r3.py
+    reruns one): the rollouts come back in completion order and the servers' records in arrival order,
+    and two rollouts of a group may generate alike tokens under different seeds."""
+    def rec(p, g, seed):
+        return {"prompt_token_ids": p, "generation_token_ids": g, "status": 200, "seed": seed,
+                "version_start": 0, "version_end": 0, "generation_log_probs": [-0.5] * len(g)}
+
+    written = []
+    for order in (1, -1):
+        rollouts = []
+        for n in range(3):
+            r = parse(result([item([1, 2], [3]), item([1, 2, 3, 4], [5 + n])]))
+            r.coords = Coords(0, 0, n, 0)
+            rollouts.append(r)
+        pool = [rec([1, 2], [3], seed) for seed in (11, 12, 13)]  # the first calls are alike
+        pool += [rec([1, 2, 3, 4], [5 + n], 20 + n) for n in range(3)]
+        ledger = Ledger(tmp_path / str(order))
+        counts, left = ledger.match_external(0, pool[::order], rollouts[::order], version=0)
+        assert counts["calls_matched"] == 6 and left == []
+        written.append((tmp_path / str(order) / "step_0.jsonl").read_text())
+    assert written[0] == written[1]
+    lines = [json.loads(x) for x in written[0].splitlines()]
+    assert [(x["rollout"], x["call"]) for x in lines] == [(n, c) for n in range(3) for c in range(2)]
 
 
 # ------------------------------------------------------------------- issue 29: one total parser
