@@ -67,3 +67,13 @@ def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
 def last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def build_module():
+    """scripts/build_tiny_model.py as a module (scripts/ is no package), for the tests of its teachers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO_ROOT / "scripts" / "build_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -13,6 +13,7 @@ from minirl.agents.agent import chat_tools
 from minirl.agents.items import items_to_messages
 from minirl.config import REPO_ROOT, AgentConfig, load_config
 from minirl.generation.chat_format import parse_reply
+from helpers import build_module
 
 SAMPLE = ('<|im_start|>user\nRoom 1.<image>lamp 3 , door 9 ; gold red</image><|im_end|>\n<|im_start|>assistant\n'
           '<think>door 9</think><tool_call>{"name": "open_door", "arguments": {"code": 9}}</tool_call><|im_end|> '
@@ -76,16 +77,6 @@ def test_template_renders_a_reply_back_to_its_own_text():
 
 # ------------------------------------------------------------------ the summarizing warm start (issue 30)
 SUMMARIZE_DIR = REPO_ROOT / "models" / "tiny-summarize"
-
-
-def build_module():
-    """scripts/build_tiny_model.py as a module (scripts/ is no package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO_ROOT / "scripts" / "build_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_summarizing_teacher_drops_the_fact_sometimes_and_answers_from_its_summary():

@@ -7,7 +7,6 @@ the committed models/tiny-summarize-notes. No Ray, no vLLM, no training: a few s
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import random
 
@@ -16,16 +15,9 @@ from transformers import AutoTokenizer
 from minirl.agents.agent import run_episode
 from minirl.agents.env import TOOLS, DoorsEnv
 from minirl.config import REPO_ROOT, load_config
+from helpers import build_module
 
 NOTES_DIR = REPO_ROOT / "models" / "tiny-summarize-notes"
-
-
-def build_module():
-    """scripts/build_tiny_model.py as a module (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO_ROOT / "scripts" / "build_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_the_notes_teacher_keeps_each_note_sometimes_and_reads_the_kept_ones():
