@@ -128,10 +128,10 @@ def _credited(cfg: MinirlConfig, g: ScoredGroup) -> tuple[list[tuple[Rollout, Tr
     if cfg.grpo.summary_credit == "rollout":
         return rows, 0
     summaries = [[t for t in r.traces if t.kind == SUMMARY_KIND] for r in g.rollouts]
-    scored = [s if len(s) == len(r.evidence.get("segment_rewards", [])) else None
-              for r, s in zip(g.rollouts, summaries)]
-    rewards = [[None if t.mask_reason else v for t, v in zip(s, r.evidence.get("segment_rewards", []))]
-               if s is not None else [] for r, s in zip(g.rollouts, scored)]
+    segments = [r.evidence.get("segment_rewards", []) for r in g.rollouts]
+    scored = [s if len(s) == len(seg) else None for s, seg in zip(summaries, segments)]
+    rewards = [[None if t.mask_reason else v for t, v in zip(s, seg)] if s is not None else []
+               for s, seg in zip(scored, segments)]
     gp = cfg.grpo
     adv = summary_advantages(rewards, [r.sample_mask for r in g.rollouts], gp.use_leave_one_out_baseline,
                              gp.normalize_rewards)

@@ -77,3 +77,21 @@ def build_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def play_episodes(cfg, model, groups: int) -> list[dict]:
+    """Prompt groups 0..groups-1 of step 0 through the real agent loop (`run_episode`) against a
+    scripted `model`, one rollout each, with one seed: the results `/run` would return."""
+    from minirl.agents.agent import run_episode
+    from minirl.data import prompt_row
+    from minirl.wire import with_extra_body
+
+    async def run():
+        out = []
+        for group in range(groups):
+            row = {**prompt_row(cfg, 0, group), "_rowidx": 0,
+                   "_minirl": {"step": 0, "group": group, "rollout": 0, "attempt": 0}}
+            row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=7)
+            out.append(await run_episode(row, cfg.agent, model))
+        return out
+    return asyncio.run(run())

@@ -225,10 +225,7 @@ def verify(task: dict, output_items: list[dict]) -> float:
 
     Replays the agent's `open_door` calls against the task's rooms; the live env is not consulted.
     """
-    score = 0.0
-    for _, room_score in room_scores(task, output_items):
-        score += room_score
-    return score / task["num_rooms"]
+    return sum(score for _, score in room_scores(task, output_items)) / task["num_rooms"]
 
 
 def room_scores(task: dict, output_items: list[dict]) -> list[tuple[int, float]]:

@@ -11,7 +11,6 @@ below it, at the level computed for it. No Ray, no vLLM: a few seconds.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import math
@@ -21,12 +20,12 @@ from collections import Counter
 
 import pytest
 
-from minirl.agents.agent import ModelReply, run_episode
+from minirl.agents.agent import ModelReply
 from minirl.agents.env import DoorsEnv, make_rooms, note_layout, verify
 from minirl.agents.server import BadRow, parse_row
 from minirl.config import ConfigError, MinirlConfig, load_config
 from minirl.data import prompt_row
-from minirl.wire import with_extra_body
+from helpers import play_episodes
 
 ROOMS = 7
 SEEDS = 200
@@ -106,15 +105,7 @@ summary at most 675 while no door is retried; a retried hidden door grows it to 
 
 
 def play(cfg: MinirlConfig, reader: Reader, seeds: int = SEEDS) -> list[dict]:
-    async def run():
-        out = []
-        for group in range(seeds):
-            row = {**prompt_row(cfg, 0, group), "_rowidx": 0,
-                   "_minirl": {"step": 0, "group": group, "rollout": 0, "attempt": 0}}
-            row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=7)
-            out.append(await run_episode(row, cfg.agent, reader))
-        return out
-    return asyncio.run(run())
+    return play_episodes(cfg, reader, seeds)
 
 
 def needed_room_wins(results: list[dict]) -> tuple[int, int]:

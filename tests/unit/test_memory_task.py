@@ -8,7 +8,6 @@ compaction and at the ceiling with an oracle summary that keeps the note. No Ray
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import random
@@ -16,14 +15,14 @@ import re
 
 import pytest
 
-from minirl.agents.agent import ModelReply, run_episode
+from minirl.agents.agent import ModelReply
 from minirl.agents.compaction import POLICIES, RewritePolicy
 from minirl.agents.env import NOTE_ROOM, DoorsEnv, make_rooms, verify
 from minirl.agents.items import items_to_messages
 from minirl.agents.server import BadRow, parse_row
 from minirl.config import ConfigError, MinirlConfig, load_config
 from minirl.data import prompt_row
-from minirl.wire import with_extra_body
+from helpers import play_episodes
 
 ROOMS = 5  # keep_last_groups K drops the note's picture before the last call when ROOMS >= K + 2
 SEEDS = 200
@@ -110,17 +109,7 @@ def memory_cfg(policy: str = "recency", keep_last_groups: int | None = None, roo
 def last_room_rate(cfg: MinirlConfig, seeds: int = SEEDS) -> tuple[int, list[dict], Reader]:
     """Successes on the last room (its first and only try) over `seeds` prompts, through run_episode."""
     reader = Reader(0)
-
-    async def play():
-        out = []
-        for group in range(seeds):
-            row = {**prompt_row(cfg, 0, group), "_rowidx": 0,
-                   "_minirl": {"step": 0, "group": group, "rollout": 0, "attempt": 0}}
-            row["responses_create_params"] = with_extra_body(row["responses_create_params"], seed=7)
-            out.append(await run_episode(row, cfg.agent, reader))
-        return out
-
-    results = asyncio.run(play())
+    results = play_episodes(cfg, reader, seeds)
     wins = 0
     for res in results:
         calls = [it for it in res["response"]["output"] if it["type"] == "function_call"]
