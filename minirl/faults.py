@@ -35,6 +35,7 @@ VERIFY = "the verifier, after the episode (agents/server.py)"
 SITES: dict[str, str] = {
     "context_overflow": ENGINE,
     "model_error": ENGINE,
+    "call_log_lost": ENGINE,
     "guard_reject": AGENT,
     "agent_exception": AGENT,
     "timeout": AGENT_HTTP,
@@ -51,7 +52,9 @@ SITES: dict[str, str] = {
     "summary_overflow": SUMMARIZE,
 }
 """Every fault kind and the site that fires it (the order is the kinds' order in messages and
-events). The summary kinds fire in the summarizing policy (agents/compaction/summarize.py) at the
+events). `call_log_lost` fires at the generation server after the call is answered: its record never
+reaches the server's call log (as a restarted server loses its log), so the controller's ledger finds
+that attempt's record short by one call. The summary kinds fire in the summarizing policy (agents/compaction/summarize.py) at the
 rollout's compaction number `call` (from 0): `summary_empty` and `summary_tool_call` on every
 attempt of that compaction (the real reply, recorded by the server, is read as an empty block / as
 carrying a tool call: rejected, so the attempts run out), `summary_overflow` on its first, untrimmed

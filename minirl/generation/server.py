@@ -174,6 +174,7 @@ class CallLog:
         self.steps: dict[int, list[dict]] = {}  # ordered least recently written first
         self.unkeyed: deque[dict] = deque(maxlen=UNKEYED_CALLS)  # calls without a header (external agents)
         self.dropped = 0
+        self.lost = 0  # records a `call_log_lost` fault kept out of the log (minirl.faults)
         self.served: list[str] = []  # every keyed call this run recorded, in arrival order (the first SERVED_KEYS)
         self.served_count = 0  # ... and how many in all: the server's own total, never the controller's
 
@@ -221,7 +222,8 @@ class ModelServer:
     minirl's extensions: `required_prefix_token_ids` keeps earlier turns' exact tokens
     (`splice_prefix`); a request with the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is recorded in
     the `CallLog` the controller's ledger drains, and keys the engine-side fault sites
-    (`context_overflow`, `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`);
+    (`context_overflow`, `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`,
+    and `call_log_lost`, which answers the call but keeps its record out of the log);
     a header that does not parse is a 400. A headerless call samples with `call_seed`; minirl's
     agents' `seed + call` (with the header, or `X-Minirl-Seed: per-call`) is used as sent.
     `/health` is 503 when the engine is dead, when a step has run past `engine.STUCK_STEP_S`, or when
@@ -401,7 +403,9 @@ class ModelServer:
             record.update(status=CLIENT_LEFT, error="client disconnected")
             raise
         finally:
-            if coords is not None:
+            if coords is not None and fault_site(self.plan, coords, call=call)("call_log_lost"):
+                self.calls.lost += 1  # answered, but its record is lost: the ledger finds the attempt short
+            elif coords is not None:
                 record.update(coords.as_dict(), call=call, t_end=time.time())
                 self.calls.add(coords.step, record)
             elif record.get("status") == 200:  # an external agent's call: matched later by its tokens
