@@ -54,12 +54,12 @@ SITES: dict[str, str] = {
 """Every fault kind and the site that fires it (the order is the kinds' order in messages and
 events). `call_log_lost` fires at the generation server after the call is answered: its record never
 reaches the server's call log (as a restarted server loses its log), so the controller's ledger finds
-that attempt's record short by one call. The summary kinds fire in the summarizing policy (agents/compaction/summarize.py) at the
-rollout's compaction number `call` (from 0): `summary_empty` and `summary_tool_call` on every
-attempt of that compaction (the real reply, recorded by the server, is read as an empty block / as
-carrying a tool call: rejected, so the attempts run out), `summary_overflow` on its first, untrimmed
-request (read as the server's context-length refusal, so the middle of the history is trimmed and
-the request retried)."""
+that attempt's record short by one call. The summary kinds fire in the summarizing policy
+(agents/compaction/summarize.py) at the rollout's compaction number `call` (from 0): `summary_empty`
+and `summary_tool_call` on every attempt of that compaction (the real reply, recorded by the server,
+is read as an empty block / as carrying a tool call: rejected, so the attempts run out),
+`summary_overflow` on its first, untrimmed request (read as the server's context-length refusal, so
+the middle of the history is trimmed and the request retried)."""
 FAULT_KINDS = tuple(SITES)
 AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items()
                          if site in (AGENT, AGENT_HTTP, SUMMARIZE, VERIFY))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
+from minirl.agents.env import DoorsEnv, room_scores
 from minirl.config import MinirlConfig
 from minirl.data import _seed, dataset_rows, describe, difficulty, task_row, task_seed
 from minirl.rollout.evidence import parse_scored, reward_bound
@@ -113,6 +114,7 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
             async with asyncio.timeout(ng.rollout_timeout_s):
                 result = await post_run(session, url, row)
             scored = parse_scored(result, reward_bound(cfg.grpo.normalize_rewards))  # the training path's checks
+            scored["fact_rooms"] = fact_rooms(row, result)
             if scored["mask"] is None or send >= ng.max_row_attempts:
                 return scored
             continue  # the verifier's mask_sample: no measurement yet, send the row again
@@ -121,11 +123,29 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
         except RolloutFailure as e:
             ended = POLICY_ENDS.get(getattr(e, "error_type", None))
             if ended is not None:  # the policy's own episode ended: scored 0 (POLICY_ENDS)
-                return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": ended}}
+                return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": ended},
+                        "fact_rooms": fact_rooms(row, {})}
             exc = e
         if classify(exc) != INFRA or send >= ng.max_row_attempts:
             raise ValidationFailed(f"held-out row {row['_rowidx']}{describe(row)} "
                                    f"failed after {send} send(s): {type(exc).__name__}: {exc}") from exc
+
+
+def fact_rooms(row: dict, result: dict) -> tuple[int, int] | None:
+    """(rooms opened on their first try, rooms) over the rooms of a doors row that need a fact shown
+    earlier (`DoorsEnv.memory_facts`: doors_memory's last room, doors_notes' two noted rooms), replayed
+    from the result's `open_door` calls as `verify` scores them; None for a task without such rooms."""
+    if difficulty(row) is None:
+        return None
+    task = row["task"]
+    needed = {f["needed_in_room"] for f in DoorsEnv(task["seed"], task["num_rooms"], task.get("env", "doors"))
+              .memory_facts()}
+    if not needed:
+        return None
+    output = (result.get("response") or {}).get("output") if isinstance(result.get("response"), dict) else None
+    items = [it for it in output if isinstance(it, dict)] if isinstance(output, list) else []
+    opened = sum(score == 1.0 for room, (_, score) in enumerate(room_scores(task, items)) if room in needed)
+    return opened, len(needed)
 
 
 def summarize(rows: list[dict], results: list[dict]) -> dict:
@@ -153,6 +173,10 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
         "val_num_rollouts": len(results),
         "val_num_masked": masked,
     }
+    facts = [(0 if end in POLICY_ENDS.values() else res["fact_rooms"][0], res["fact_rooms"][1])
+             for res, end in zip(results, ends) if res.get("fact_rooms")]  # a policy-ended episode opened none
+    if facts:
+        out["val_fact_success_rate"] = sum(a for a, _ in facts) / sum(n for _, n in facts)
     if len(by_rooms) > 1:
         for k, rs in sorted(by_rooms.items()):
             out[f"val_reward_mean_rooms_{k}"] = sum(rs) / len(rs)

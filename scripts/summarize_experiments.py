@@ -1,28 +1,33 @@
-"""Issue 30's experiments 1 and 3 on summarizing compaction, and their report
-(docs/experiments/summarize/report.md; Q-train's segments.md in the same folder is experiment 2).
+"""Issue 30's experiments 1 and 3 and issue 54's sweep on summarizing compaction, and their report
+(docs/experiments/summarize/report.md; segments.md in the same folder is experiment 2).
 
-    python scripts/summarize_experiments.py                  # run the missing cells, then write the report
+    python scripts/summarize_experiments.py --tasks doors_memory doors_notes --seeds 10 11 12  # run what is missing
     python scripts/summarize_experiments.py --report-only    # rewrite the report from results.csv
 
-Every cell is one real `python -m minirl.train --config configs/summarize.yaml` subprocess (the
-doors_memory task, models/tiny-summarize), run under the machine's shared lock
-(/tmp/minirl-slow.lock), so it waits for other Ray/vLLM runs instead of competing with them.
-A seed s sets `grpo.seed=42+s`, `env.data_seed=1234+s` and `faults.seed=s`: within a seed every
-arm meets the same prompts, the same held-out set and the same fault draws, so arms are compared by
-their per-seed differences (minirl.experiments.stats.paired_ci).
+A cell is (task, arm, seed): one real `python -m minirl.train --config <the task's config>` subprocess
+(`TASKS`: doors_memory -> configs/summarize.yaml, doors_notes -> configs/summarize_notes.yaml), run under the
+machine's shared lock (/tmp/minirl-slow.lock), so it waits for other Ray/vLLM runs instead of competing with
+them. A seed s sets `grpo.seed=42+s`, `env.data_seed=1234+s` and `faults.seed=s`: within a seed every arm
+meets the same prompts, the same held-out set and the same fault draws, so arms are compared by their
+per-seed differences (minirl.experiments.stats.paired_ci).
 
-Experiment 1 (same context limit: the guard's `max_total_tokens` is the same in every arm):
-- `recency`: recency compaction keeping the last KEEP pictures (the most that fit the limit);
-- `summarize`: the summarizing policy of configs/summarize.yaml.
-Each run validates at start (the untrained model) and after its last step, so one run per arm gives
-"untrained" and "after RL"; a summarizing run's `summary_recall` per step is the recall curve.
+Arms (`ARMS`; the default `--arms` are issue 54's): `recency` (recency compaction keeping the last KEEP
+pictures, the most that fit the same guard limit), `summarize` (the config's summarizing policy) and
+`summarize, next_segment` (`grpo.summary_credit=next_segment`). Each run validates at start (the untrained
+model) and after its last step, so one run per arm gives "untrained" and "after RL"; a summarizing run's
+`summary_recall` per step is the recall curve. Experiment 3's arms add each summary fault at 5% under row
+redispatch or the drop budget alone; the `lost log` arms lose one call's record at rate LOST_LOG_RATE
+(`call_log_lost`) under `grpo.segment_validity=all` / `any`.
 
-Experiment 3 (summary faults at 5%): the summarize arm with each summary fault kind at rate 5%
-(`faults.rate.summary_empty`, `summary_tool_call`, `summary_overflow`), under row redispatch (fix 3,
-the shipped default) and under the drop budget alone (redispatch off).
+Resume: a sweep may be stopped (Ctrl-C, or a signal to its process group) and run again in parts. A cell
+with a row in results.csv is skipped; one whose run ended with all its steps logged gets its row from its
+files without running; one stopped mid-run with a checkpoint that verifies (one every `--save-every` steps)
+continues from that checkpoint (`checkpoint.resume=auto`, its wall time summed over the parts); anything
+else starts again from step 0 (`run_dir_exists=overwrite`). A run that fails on its own while the sweep
+runs (e.g. the drop budget) is recorded as it ends, with its `run_failed` reason.
 
-Invariant: a cell runs at most once per output folder (results.csv is the resume point: a row is
-written as its cell ends), and the report reads only results.csv and the runs' own files.
+Invariant: a cell's row is written once per output folder, as its run ends, and the report reads only
+results.csv and the runs' own files.
 """
 
 from __future__ import annotations
@@ -42,40 +47,84 @@ sys.path.insert(0, str(REPO))
 
 from minirl.experiments.stats import mean_ci, paired_ci  # noqa: E402
 
-CONFIG = "configs/summarize.yaml"
+TASKS = {"doors_memory": "configs/summarize.yaml", "doors_notes": "configs/summarize_notes.yaml"}
+"""Each memory task and its config (issue 54): the one-note task and the harder two-notes-and-a-distractor one."""
 KEEP = 2
 """Recency's kept pictures: with the guard's limit of configs/summarize.yaml, keeping 3 would overflow it
 in a 4-room episode (no picture dropped), and keeping 2 drops the note's picture before the last room."""
 FAULT_RATE = 0.05
 SUMMARY_FAULTS = ("summary_empty", "summary_tool_call", "summary_overflow")
+LOST_LOG_RATE = 0.01
+"""`faults.rate.call_log_lost` of the segment-validity arms: a few of a run's rollouts (32 a step) lose one
+call's record from the generation server's call log (minirl.faults)."""
 ARMS = {
     "recency": ["agent.context_history.policy.type=recency",
                 f"agent.context_history.policy.config.images.keep_last_groups={KEEP}"],
     "summarize": [],
+    "summarize, next_segment": ["grpo.summary_credit=next_segment"],
     "summarize+faults, redispatch": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
     + ["context_compaction.redispatch_dropped_groups=true"],
     "summarize+faults, drop budget": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
     + ["context_compaction.redispatch_dropped_groups=false"],
+    "lost log, all": [f"faults.rate.call_log_lost={LOST_LOG_RATE}", "grpo.segment_validity=all"],
+    "lost log, any": [f"faults.rate.call_log_lost={LOST_LOG_RATE}", "grpo.segment_validity=any"],
 }
-EXPERIMENT = {"recency": 1, "summarize": 1, "summarize+faults, redispatch": 3, "summarize+faults, drop budget": 3}
-COLUMNS = ["arm", "seed", "survived", "died_reason", "steps", "wall_s", "val_reward_start", "val_reward_final",
-           "val_success_start", "val_success_final", "recall_first", "recall_last", "recall_curve", "summaries_mean",
-           "summary_tokens_mean", "compaction_ratio", "rejected", "failed", "groups_dropped", "groups_redispatched",
-           "rollouts_generated", "rollouts_trained", "fraction_trained", "reward_first", "reward_last", "load_avg",
-           "run_dir"]
+"""Each arm's overrides on its task's config. Issue 54's three arms come from two runs a seed: recency
+after RL (`recency`'s final validation), summarizing untrained and after RL (`summarize`'s first and
+final); `summarize, next_segment` is the summary-credit switch as a fourth arm."""
+EXPERIMENT_ARMS = ["recency", "summarize", "summarize, next_segment"]
+"""The default `--arms`: issue 54's experiment (the fault arms are run by naming them)."""
+COLUMNS = ["task", "arm", "seed", "survived", "died_reason", "steps", "parts", "wall_s", "val_reward_start",
+           "val_reward_final", "val_success_start", "val_success_final", "val_fact_start", "val_fact_final",
+           "recall_first", "recall_last", "recall_curve", "summaries_mean", "summary_tokens_mean",
+           "compaction_ratio", "rejected", "failed", "groups_dropped", "groups_redispatched", "rollouts_generated",
+           "rollouts_trained", "rollouts_masked", "segments_masked", "calls_unrecorded", "fraction_trained",
+           "reward_first", "reward_last", "load_avg", "run_dir"]
 EDGE = 3
 """Steps averaged at each end of a run for the first/last reward figures."""
-RECALL_EDGE = 10
-"""Steps averaged at each end of a run for the first/last recall (the acceptance's "recall rises": one
-step's recall is a few dozen summaries, so 3 steps were too noisy to read a trend from)."""
+RECALL_EDGE = 20
+"""Steps averaged at each end of a run for the first/last recall (issue 54: the first and last 20 steps;
+one step's recall is a few dozen summaries, so 3 steps were too noisy to read a trend from)."""
 
 
-def cell_args(arm: str, seed: int, args, run_dir: Path) -> list[str]:
-    return ["--config", CONFIG, *ARMS[arm], f"grpo.seed={42 + seed}", f"env.data_seed={1234 + seed}",
+def cell_args(task: str, arm: str, seed: int, args, run_dir: Path, resume: bool) -> list[str]:
+    """The `minirl.train` arguments of one cell; `resume` continues its run directory from its newest checkpoint."""
+    return ["--config", TASKS[task], *ARMS[arm], f"grpo.seed={42 + seed}", f"env.data_seed={1234 + seed}",
             f"faults.seed={seed}", f"grpo.max_num_steps={args.steps}", "grpo.val_at_start=true",
             f"grpo.val_period={args.steps}", f"grpo.val_num_prompts={args.val_prompts}",
-            f"checkpoint.save_period={args.steps}", "checkpoint.keep_last_k=1",  # the trained policy, for offline_eval
+            # a checkpoint every --save-every steps (the resume point) and at the end (the trained policy)
+            f"checkpoint.save_period={min(args.save_every, args.steps)}", "checkpoint.keep_last_k=1",
+            f"checkpoint.resume={'auto' if resume else 'none'}",
+            *([] if resume else ["run_dir_exists=overwrite"]),  # a start that left no checkpoint begins again
             "logger.tensorboard=false", "logger.progress=false", f"run_dir={run_dir}"]
+
+
+def run_dir_of(runs: Path, task: str, arm: str, seed: int) -> Path:
+    return runs / task / f"{arm.replace(' ', '').replace(',', '_').replace('+', '_')}-s{seed}"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def ended(run_dir: Path) -> bool:
+    """Whether the run closed its books (its `run_end` event: it trained its last step, or it failed or was
+    stopped and said so)."""
+    return any(e.get("type") == "run_end" for e in read_jsonl(run_dir / "events.jsonl"))
+
+
+def cell_state(run_dir: Path, steps: int) -> str:
+    """Where a cell without a results.csv row stands, from its run directory alone: `done` (it ended having
+    logged all `steps` steps), `resume` (else, a checkpoint that verifies: the sweep was stopped mid-run, and
+    the run continues from it with `checkpoint.resume=auto`), or `fresh` (nothing, or a start that left no
+    verified checkpoint: run again from step 0, the folder overwritten). A run that died on its own has its
+    row written as it ends; one that died after the sweep itself was stopped runs again (the same seeds, the
+    same death)."""
+    from minirl.trainer.checkpoint import latest_verified
+
+    if ended(run_dir) and len(read_jsonl(run_dir / "metrics.jsonl")) >= steps:
+        return "done"
+    return "resume" if run_dir.is_dir() and latest_verified(run_dir)[0] is not None else "fresh"
 
 
 CURVE_BLOCK = 20
@@ -92,69 +141,97 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize_run(arm: str, seed: int, run_dir: Path, rc: int, stderr: str, wall: float) -> dict:
-    """One cell's row, from the run's metrics.jsonl and validation.jsonl."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x] \
-        if (run_dir / "metrics.jsonl").exists() else []
-    vals = [json.loads(x) for x in (run_dir / "validation.jsonl").read_text().splitlines() if x] \
-        if (run_dir / "validation.jsonl").exists() else []
+def summarize_run(task: str, arm: str, seed: int, run_dir: Path, wall: float, parts: int, rc: int | None = None,
+                  stderr: str = "") -> dict:
+    """One cell's row, from the run's metrics.jsonl, validation.jsonl and events.jsonl (its `run_failed`
+    event says why it died; a process that died before writing one, by its exit code and stderr)."""
+    rows, vals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "validation.jsonl")
+    failed = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "run_failed"]
+    lines = [x for x in stderr.splitlines() if x.strip()]
+    died = str(failed[-1].get("error", ""))[:200] if failed else "" if not rc else (
+        lines[-1][:200] if lines else f"exit {rc}")
     recall = [r.get("summary_recall") for r in rows]
     generated = sum(r.get("rollouts_generated", 0) for r in rows)
     trained = sum(r.get("rollouts_trained", 0) for r in rows)
-    lines = [x for x in stderr.splitlines() if x.strip()]
+    total = lambda key: sum(r.get(key, 0) or 0 for r in rows)  # noqa: E731
     return {
-        "arm": arm, "seed": seed, "survived": rc == 0,
-        "died_reason": "" if rc == 0 else (lines[-1][:200] if lines else f"exit {rc}"),
-        "steps": len(rows), "wall_s": round(wall, 1),
+        "task": task, "arm": arm, "seed": seed, "survived": not died, "died_reason": died,
+        "steps": len(rows), "parts": parts, "wall_s": round(wall, 1),
         "val_reward_start": vals[0]["val_reward_mean"] if vals else "",
         "val_reward_final": vals[-1]["val_reward_mean"] if len(vals) > 1 else "",
         "val_success_start": vals[0]["val_success_rate"] if vals else "",
         "val_success_final": vals[-1]["val_success_rate"] if len(vals) > 1 else "",
+        "val_fact_start": vals[0].get("val_fact_success_rate", "") if vals else "",
+        "val_fact_final": vals[-1].get("val_fact_success_rate", "") if len(vals) > 1 else "",
         "recall_first": _mean(recall[:RECALL_EDGE]), "recall_last": _mean(recall[-RECALL_EDGE:]),
         "recall_curve": json.dumps([None if x is None else round(x, 3) for x in recall]),
         "summaries_mean": _mean([r.get("summaries") for r in rows]),
         "summary_tokens_mean": _mean([r.get("summary_tokens_mean") for r in rows]),
         "compaction_ratio": _mean([r.get("compaction_ratio") for r in rows]),
-        "rejected": sum(r.get("summary_attempts_rejected", 0) or 0 for r in rows),
-        "failed": sum(r.get("summaries_failed", 0) or 0 for r in rows),
-        "groups_dropped": sum(r.get("dropped_prompt_groups", 0) for r in rows),
-        "groups_redispatched": sum(r.get("redispatched_groups", 0) for r in rows),
-        "rollouts_generated": generated, "rollouts_trained": trained,
+        "rejected": total("summary_attempts_rejected"), "failed": total("summaries_failed"),
+        "groups_dropped": total("dropped_prompt_groups"), "groups_redispatched": total("redispatched_groups"),
+        "rollouts_generated": generated, "rollouts_trained": trained, "rollouts_masked": total("rollouts_masked"),
+        "segments_masked": total("segments_masked"), "calls_unrecorded": total("calls_unrecorded"),
         "fraction_trained": round(trained / generated, 4) if generated else 0.0,
         "reward_first": _mean([r.get("reward_mean") for r in rows[:EDGE]]),
         "reward_last": _mean([r.get("reward_mean") for r in rows[-EDGE:]]), "run_dir": str(run_dir),
     }
 
 
+def pending(done: set, seeds, tasks, arms) -> list[tuple[str, str, int]]:
+    """The cells (task, arm, seed) not in `done` (results.csv's), seed outermost: a sweep cut short stays paired."""
+    return [(t, a, s) for s in seeds for t in tasks for a in arms if (t, a, s) not in done]
+
+
+def cell_key(row: dict) -> tuple[str, str, int]:
+    """A results.csv row's cell; a row from before tasks were named is doors_memory's."""
+    return row.get("task") or "doors_memory", row["arm"], int(row["seed"])
+
+
+def train_part(run_dir: Path, argv: list[str]) -> tuple[int, str, float]:
+    """One `minirl.train` process under the machine's shared lock: (exit code, stderr, seconds since the lock
+    was granted, so the wait for another run's lock is not wall time)."""
+    stamp = run_dir.parent / f".{run_dir.name}.locked"
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    cmd = ["flock", "/tmp/minirl-slow.lock", "sh", "-c", 'date +%s.%N > "$0" && exec "$@"', str(stamp),
+           sys.executable, "-m", "minirl.train", *argv]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    t0 = float(stamp.read_text()) if stamp.exists() else t0
+    return proc.returncode, proc.stderr, time.time() - t0
+
+
 def run_cells(args) -> None:
+    """Every pending cell: one whose run finished but has no row yet is read, not run; one stopped mid-run
+    continues from its checkpoint; the rest start at step 0. A cell's wall time sums its parts
+    (`.NAME.wall` beside its run directory)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.csv"
-    done = {(r["arm"], int(r["seed"])) for r in read_rows(path)}
-    for seed in args.seeds:  # seed outermost: a sweep cut short stays paired
-        for arm in args.arms:
-            if (arm, seed) in done:
+    for task, arm, seed in pending({cell_key(r) for r in read_rows(path)}, args.seeds, args.tasks, args.arms):
+        run_dir = run_dir_of(Path(args.runs), task, arm, seed)
+        ledger = run_dir.parent / f".{run_dir.name}.wall"
+        state = cell_state(run_dir, args.steps)
+        spent = json.loads(ledger.read_text()) if ledger.exists() and state != "fresh" else {"wall_s": 0.0, "parts": 0}
+        rc, stderr, load0 = None, "", os.getloadavg()[0]
+        if state != "done":
+            print(f"[{time.strftime('%H:%M:%S')}] {task} {arm} seed {seed} ({state})", flush=True)
+            rc, stderr, wall = train_part(run_dir, cell_args(task, arm, seed, args, run_dir, state == "resume"))
+            spent = {"wall_s": spent["wall_s"] + wall, "parts": spent["parts"] + 1}
+            ledger.write_text(json.dumps(spent))
+            if not ended(run_dir):  # killed before it could close its books: resumed or rerun next time
+                print(f"    exit {rc} before the run closed (left for the next invocation): {stderr[-300:]}")
                 continue
-            run_dir = Path(args.runs) / f"{arm.replace(' ', '').replace(',', '_').replace('+', '_')}-s{seed}"
-            stamp = Path(args.runs) / f".{run_dir.name}.locked"  # when the lock was granted: wall_s excludes the wait
-            stamp.parent.mkdir(parents=True, exist_ok=True)
-            cmd = ["flock", "/tmp/minirl-slow.lock", "sh", "-c", 'date +%s.%N > "$0" && exec "$@"', str(stamp),
-                   sys.executable, "-m", "minirl.train", *cell_args(arm, seed, args, run_dir)]
-            print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}", flush=True)
-            t0, load0 = time.time(), os.getloadavg()[0]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                                  env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-            t0 = float(stamp.read_text()) if stamp.exists() else t0
-            row = summarize_run(arm, seed, run_dir, proc.returncode, proc.stderr, time.time() - t0)
-            # the shared machine's 1-min load, start and end
-            row["load_avg"] = round((load0 + os.getloadavg()[0]) / 2, 2)
-            print(f"    {row['wall_s']} s, rc {proc.returncode}, val success {row['val_success_start']} -> "
-                  f"{row['val_success_final']}, recall {row['recall_first']} -> {row['recall_last']}", flush=True)
-            rows = read_rows(path) + [row]  # rewritten whole: a row written by an older column set keeps its values
-            with path.open("w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
-                w.writeheader()
-                w.writerows([{k: r.get(k, "") for k in COLUMNS} for r in rows])
+        row = summarize_run(task, arm, seed, run_dir, spent["wall_s"], spent["parts"], rc, stderr)
+        row["load_avg"] = round((load0 + os.getloadavg()[0]) / 2, 2)  # the shared machine's 1-min load, start and end
+        print(f"    {row['wall_s']} s, val success {row['val_success_start']} -> {row['val_success_final']}, "
+              f"recall {row['recall_first']} -> {row['recall_last']}", flush=True)
+        rows = read_rows(path) + [row]  # rewritten whole: a row written by an older column set keeps its values
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+            w.writeheader()
+            w.writerows([{k: r.get(k, "") for k in COLUMNS} | {"task": cell_key(r)[0]} for r in rows])
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -187,17 +264,82 @@ def verdict(m: float, h: float) -> str:
     return "not resolvable (the interval holds 0)"
 
 
-def by_seed(rows, arm, key) -> dict:
-    return {int(r["seed"]): num(r[key]) for r in rows if r["arm"] == arm}
+def per_seed(rows, task, arm, key) -> dict:
+    """{seed: value} of one arm on one task; `recall_first` / `recall_last` / `recall_rise` are read from the
+    run's per-step `recall_curve` (the mean of its first / last RECALL_EDGE steps; nan without one)."""
+    out = {}
+    for r in rows:
+        if cell_key(r)[:2] != (task, arm):
+            continue
+        if key.startswith("recall_"):
+            curve = [x for x in json.loads(r.get("recall_curve") or "[]") if x is not None]
+            first, last = _mean(curve[:RECALL_EDGE]), _mean(curve[-RECALL_EDGE:])
+            out[int(r["seed"])] = {"recall_first": first, "recall_last": last, "recall_rise": last - first}[key]
+        else:
+            out[int(r["seed"])] = num(r.get(key))
+    return out
 
 
-def stat(rows, arm, key) -> str:
-    return fmt(*mean_ci([v for v in by_seed(rows, arm, key).values() if v == v]))
+def stat(rows, task, arm, key) -> str:
+    return fmt(*mean_ci([v for v in per_seed(rows, task, arm, key).values() if v == v]))
 
 
-def diff(rows, arm_a, key_a, arm_b, key_b) -> str:
-    m, h, n = paired_ci(by_seed(rows, arm_a, key_a), by_seed(rows, arm_b, key_b))
+def paired(rows, task, a: tuple[str, str], b: tuple[str, str]) -> tuple[float, float, int]:
+    """(mean, half-width of the 95% t-interval, seeds) of (arm, key) `a` minus `b`, paired by seed."""
+    return paired_ci(per_seed(rows, task, *a), per_seed(rows, task, *b))
+
+
+def diff(rows, task, a: tuple[str, str], b: tuple[str, str]) -> str:
+    m, h, n = paired(rows, task, a, b)
     return f"{fmt(m, h)} over {n} seeds: {verdict(m, h)}"
+
+
+RISE = 0.3
+"""Issue 54's claim: recall rises by at least this much (last 20 steps against the first 20)."""
+
+
+def rises(rows, task, arm) -> tuple[int, int]:
+    """(seeds whose recall rose by >= RISE, seeds run) of one arm on one task."""
+    rise = per_seed(rows, task, arm, "recall_rise")
+    return sum(v >= RISE for v in rise.values() if v == v), len(rise)
+
+
+PER_SEED = (("val_fact_start", "fact start"), ("val_fact_final", "fact final"), ("val_success_start", "success start"),
+            ("val_success_final", "success final"), ("recall_first", "recall first"), ("recall_last", "recall last"),
+            ("compaction_ratio", "compaction ratio"), ("summary_tokens_mean", "summary tokens"), ("wall_s", "wall s"))
+"""The per-seed table's columns: held-out success on the rooms that need a fact (`val_fact_success_rate`) and
+overall, at start (untrained) and after the last step; recall; compaction ratio; summary tokens; wall time."""
+
+
+def task_section(rows, task) -> list[str]:
+    """Issue 54's experiment on one task: every seed's row, the means, the paired differences and the curves."""
+    arms = [a for a in EXPERIMENT_ARMS if per_seed(rows, task, a, "wall_s")]
+    lines = [f"## {task} ({TASKS[task]})", "", "| arm | seed | " + " | ".join(t for _, t in PER_SEED) + " |",
+             "|---|---|" + "---|" * len(PER_SEED)]
+    for arm in arms:
+        vals = {k: per_seed(rows, task, arm, k) for k, _ in PER_SEED}
+        for seed in sorted(vals["wall_s"]):
+            lines.append(f"| {arm} | {seed} | " + " | ".join(fmt(vals[k][seed], float("nan")) for k, _ in PER_SEED)
+                         + " |")
+        lines.append(f"| {arm} | mean ± 95% | " + " | ".join(stat(rows, task, arm, k) for k, _ in PER_SEED) + " |")
+    lines += ["", "Paired by seed (mean ± 95% t-interval of the per-seed differences):", ""]
+    for arm in [a for a in arms if a != "recency"]:
+        k, n = rises(rows, task, arm)
+        lines += [
+            f"- {arm}: recall rose by >= {RISE} on {k} of {n} seeds; last − first "
+            f"{RECALL_EDGE} steps: {diff(rows, task, (arm, 'recall_last'), (arm, 'recall_first'))}",
+            f"- fact-room success, {arm} after RL − summarizing untrained: "
+            f"{diff(rows, task, (arm, 'val_fact_final'), (arm, 'val_fact_start'))}",
+            f"- fact-room success, {arm} after RL − recency after RL: "
+            f"{diff(rows, task, (arm, 'val_fact_final'), ('recency', 'val_fact_final'))}",
+            f"- success, {arm} after RL − recency after RL: "
+            f"{diff(rows, task, (arm, 'val_success_final'), ('recency', 'val_success_final'))}",
+        ]
+    lines += ["", f"Recall, mean of each {CURVE_BLOCK} steps (every step's is results.csv's `recall_curve`):", ""]
+    curves = [r for r in sorted(rows, key=cell_key) if cell_key(r)[0] == task and cell_key(r)[1] in arms
+              and cell_key(r)[1] != "recency"]
+    lines += [f"- {cell_key(r)[1]}, seed {r['seed']}: {blocks(json.loads(r['recall_curve'] or '[]'))}" for r in curves]
+    return lines + [""]
 
 
 def warm_start() -> str:
@@ -252,83 +394,83 @@ def offline_section(path: Path) -> list[str]:
     return lines
 
 
+def faults_section(rows) -> list[str]:
+    """Experiment 3 (summary faults at FAULT_RATE) on doors_memory, when its arms ran."""
+    arms = ("summarize", "summarize+faults, redispatch", "summarize+faults, drop budget")
+    if not per_seed(rows, "doors_memory", arms[1], "wall_s"):
+        return []
+    keys = ("steps", "groups_dropped", "groups_redispatched", "rejected", "failed", "fraction_trained",
+            "val_success_final", "recall_last")
+    lines = ["", f"## Experiment 3: summary faults at {FAULT_RATE:.0%}", "",
+             f"Each summary fault kind ({', '.join(SUMMARY_FAULTS)}) at rate {FAULT_RATE} per compaction "
+             "(minirl.faults), `on_summary_failure: raise` (a `summary_failed` is an INFRA harness failure). Under "
+             "redispatch (fix 3) the failed rows are re-sent; under the drop budget alone their groups are dropped "
+             "against `max_consecutive_dropped_prompts`.", "",
+             "| arm | survived | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for arm in arms:
+        mine = [r for r in rows if cell_key(r)[:2] == ("doors_memory", arm)]
+        surv = f"{sum(r['survived'] == 'True' for r in mine)}/{len(mine)}"
+        lines.append(f"| {arm} | {surv} | " + " | ".join(stat(rows, "doors_memory", arm, k) for k in keys) + " |")
+    red, drop = "summarize+faults, redispatch", "summarize+faults, drop budget"
+    return lines + ["", "- fraction trained, redispatch − drop budget: "
+                    f"{diff(rows, 'doors_memory', (red, 'fraction_trained'), (drop, 'fraction_trained'))}"]
+
+
+def lost_log_section(rows) -> list[str]:
+    """`grpo.segment_validity` all against any under `call_log_lost` faults, per task that ran them."""
+    keys = ("steps", "calls_unrecorded", "rollouts_generated", "rollouts_trained", "rollouts_masked",
+            "segments_masked", "groups_dropped", "reward_first", "reward_last", "recall_first", "recall_last",
+            "val_fact_final", "wall_s")
+    lines = []
+    for task in TASKS:
+        if not per_seed(rows, task, "lost log, all", "wall_s"):
+            continue
+        lines += ["", f"## Segment validity under lost call logs ({task})", "",
+                  f"`faults.rate.call_log_lost={LOST_LOG_RATE}`: the generation server answers a rollout attempt's "
+                  "first call but loses its record, so the ledger masks the segment holding it (`all`: the rollout "
+                  "too). Per seed:", "", "| arm | seed | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+        for arm in ("lost log, all", "lost log, any"):
+            vals = {k: per_seed(rows, task, arm, k) for k in keys}
+            lines += [f"| {arm} | {seed} | " + " | ".join(fmt(vals[k][seed], float("nan")) for k in keys) + " |"
+                      for seed in sorted(vals["steps"])]
+            lines.append(f"| {arm} | mean ± 95% | " + " | ".join(stat(rows, task, arm, k) for k in keys) + " |")
+        lines += ["", "Paired by seed, any − all:", ""] + [
+            f"- {k}: {diff(rows, task, ('lost log, any', k), ('lost log, all', k))}"
+            for k in ("rollouts_trained", "rollouts_masked", "reward_last", "recall_last", "val_fact_final")]
+    return lines
+
+
 def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
     seeds = sorted({int(r["seed"]) for r in rows})
-    steps = sorted({r["steps"] for r in rows})
+    steps = sorted({int(r["steps"]) for r in rows if r.get("steps")})
     lines = [
-        "# Summarizing compaction: what it buys (issue 30, experiments 1 and 3)", "",
+        "# Summarizing compaction: what training the summary buys (issues 30 and 54)", "",
         f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python scripts/summarize_experiments.py "
         f"--report-only` from results.csv ({len(rows)} runs, seeds {seeds}, steps per run {steps}); "
-        f"{args.val_prompts} held-out prompts per validation. Experiment 2 (segment weighting and validity) is "
+        f"{args.val_prompts} held-out prompts per validation. Segment weighting and validity: "
         "[segments.md](segments.md).", "",
-        "Setup: `configs/summarize.yaml` (doors_memory with 4 rooms, models/tiny-summarize, the guard's "
-        "`max_total_tokens` the same in every arm). Numbers are the mean ± the 95% t-interval over seeds; "
-        "two arms are compared by their per-seed differences (paired t-interval; one that excludes 0 is a "
-        "paired t-test at 5%). Held-out: `val_*` of minirl.validation (prompts never trained on, no faults), at "
-        "start (the untrained warm start) and after the last step. Recall: `summary_recall`, the share of "
-        "`DoorsEnv.memory_facts()` needed later that accepted summaries carry, mean of the first and last "
-        f"{RECALL_EDGE} steps.", "",
-        "Warm start (models/tiny-summarize/build_info.json, the teacher's held-out prompts at temperature 1): "
-        f"{warm_start()}.", "",
-        "Wall time: each run's `wall_s` is its whole `python -m minirl.train` (Ray and vLLM start-up, both "
-        "validations, every step) on this 2-core machine, shared with other runs (the lock serialises the Ray/vLLM "
-        f"runs, not the other load): the 1-minute load average was {stat(rows, 'summarize', 'load_avg')} over the "
-        "summarizing runs (2.0 is both cores busy).", "",
-        "## Experiment 1: recency vs summarizing, untrained and after RL", "",
-        "| arm | steps | val success start | val success final | val reward start | val reward final | recall first | "
-        "recall last | summaries / rollout | train reward first | train reward last | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Setup: each task's config (" + ", ".join(f"{t}: `{c}`" for t, c in TASKS.items()) + "), the guard's "
+        "`max_total_tokens` the same in every arm. A seed s sets `grpo.seed=42+s`, `env.data_seed=1234+s` and "
+        "`faults.seed=s`, so within a seed every arm meets the same prompts, held-out set and fault draws. "
+        "Numbers are the mean ± the 95% t-interval over seeds; two arms are compared by their per-seed "
+        "differences (paired t-interval; one that excludes 0 is a paired t-test at 5%). Held-out: `val_*` of "
+        "minirl.validation at start (the untrained warm start) and after the last step; `fact`: "
+        "`val_fact_success_rate`, the rooms that need a fact shown earlier opened on their first try. Recall: "
+        "`summary_recall`, the share of `DoorsEnv.memory_facts()` needed later that accepted summaries carry, "
+        f"mean of the first and last {RECALL_EDGE} steps. Arms: recency after RL (`recency`, final), summarizing "
+        "untrained (`summarize`, start), summarizing after RL (`summarize`, final), and the same with "
+        "`grpo.summary_credit=next_segment`.", "",
+        f"Warm start of doors_memory (models/tiny-summarize/build_info.json): {warm_start()}.", "",
+        "Wall time: each run's `wall_s` is its whole `python -m minirl.train` (start-up, both validations, every "
+        "step; the sum of its parts when a stopped sweep resumed it) on this 2-core machine, shared with other "
+        "runs (the lock serialises the Ray/vLLM runs, not the other load); `load_avg` in results.csv.", "",
     ]
-    for arm in ("recency", "summarize"):
-        lines.append(f"| {arm} | " + " | ".join(stat(rows, arm, k) for k in (
-            "steps", "val_success_start", "val_success_final", "val_reward_start", "val_reward_final", "recall_first",
-            "recall_last", "summaries_mean", "reward_first", "reward_last", "wall_s")) + " |")
-    lines += [
-        "", "The claim to test: RL raises summary recall and held-out success above both baselines "
-        "(recency compaction, and summarizing before RL). Paired by seed:", "",
-        "- summary recall, last − first steps of the summarizing run: "
-        f"{diff(rows, 'summarize', 'recall_last', 'summarize', 'recall_first')}",
-        "- held-out success, summarizing after RL − summarizing untrained: "
-        f"{diff(rows, 'summarize', 'val_success_final', 'summarize', 'val_success_start')}",
-        "- held-out success, summarizing after RL − recency after RL: "
-        f"{diff(rows, 'summarize', 'val_success_final', 'recency', 'val_success_final')}",
-        "- held-out success, summarizing after RL − recency untrained: "
-        f"{diff(rows, 'summarize', 'val_success_final', 'recency', 'val_success_start')}",
-        "- held-out reward, summarizing after RL − summarizing untrained: "
-        f"{diff(rows, 'summarize', 'val_reward_final', 'summarize', 'val_reward_start')}",
-        "- held-out reward, summarizing after RL − recency after RL: "
-        f"{diff(rows, 'summarize', 'val_reward_final', 'recency', 'val_reward_final')}",
-        "", f"Recall of each summarizing run, mean of each {CURVE_BLOCK} steps (seed: values; every step's is "
-        "results.csv's `recall_curve`):", "",
-    ]
-    lines += [f"- seed {r['seed']}: {blocks(json.loads(r['recall_curve']))}" for r in rows if r["arm"] == "summarize"]
-    lines += [
-        "", f"## Experiment 3: summary faults at {FAULT_RATE:.0%}", "",
-        f"Each summary fault kind ({', '.join(SUMMARY_FAULTS)}) at rate {FAULT_RATE} per compaction "
-        "(minirl.faults), `on_summary_failure: raise` (a `summary_failed` is an INFRA harness failure). Under "
-        "redispatch (fix 3) the failed rows are re-sent; under the drop budget alone their groups are dropped "
-        "against `max_consecutive_dropped_prompts`.", "",
-        "| arm | survived | steps | groups dropped | groups re-sent | summary attempts rejected | summaries failed | "
-        "fraction trained | val success final | recall last |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for arm in ("summarize", "summarize+faults, redispatch", "summarize+faults, drop budget"):
-        mine = [r for r in rows if r["arm"] == arm]
-        surv = f"{sum(r['survived'] == 'True' for r in mine)}/{len(mine)}"
-        lines.append(f"| {arm} | {surv} | " + " | ".join(stat(rows, arm, k) for k in (
-            "steps", "groups_dropped", "groups_redispatched", "rejected", "failed", "fraction_trained",
-            "val_success_final", "recall_last")) + " |")
-    trained = diff(rows, "summarize+faults, redispatch", "fraction_trained",
-                   "summarize+faults, drop budget", "fraction_trained")
-    success = diff(rows, "summarize+faults, redispatch", "val_success_final",
-                   "summarize+faults, drop budget", "val_success_final")
-    lines += [
-        "", f"- fraction trained, redispatch − drop budget: {trained}",
-        f"- held-out success after RL, redispatch − drop budget: {success}",
-    ]
-    lines += offline_section(Path(args.out) / "offline.jsonl")
-    died = [f"- {r['arm']} seed {r['seed']}: {r['died_reason']}" for r in rows if r["survived"] != "True"]
+    for task in TASKS:
+        if any(per_seed(rows, task, a, "wall_s") for a in EXPERIMENT_ARMS):
+            lines += task_section(rows, task)
+    lines += faults_section(rows) + lost_log_section(rows) + offline_section(Path(args.out) / "offline.jsonl")
+    died = [f"- {' '.join(map(str, cell_key(r)))}: {r['died_reason']}" for r in rows if r["survived"] != "True"]
     lines += ["", "Runs that ended early:" if died else "Every run completed.", "", *died]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -337,10 +479,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "docs/experiments/summarize"))
     ap.add_argument("--runs", default="/tmp/minirl-summarize-runs", help="where the cells' run directories go")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="develop on 0-4; issue 54's experiment runs 10-19 once")
+    ap.add_argument("--tasks", nargs="+", default=["doors_memory"], choices=list(TASKS))
+    ap.add_argument("--arms", nargs="+", default=EXPERIMENT_ARMS, choices=list(ARMS))
     ap.add_argument("--steps", type=int, default=200,
                     help="steps per run (configs/summarize.yaml's; experiment 3 ran 20)")
+    ap.add_argument("--save-every", type=int, default=20,
+                    help="steps between checkpoints: where a run stopped mid-way resumes")
     ap.add_argument("--val-prompts", type=int, default=16)
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)

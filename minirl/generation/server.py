@@ -403,7 +403,8 @@ class ModelServer:
             record.update(status=CLIENT_LEFT, error="client disconnected")
             raise
         finally:
-            if coords is not None and fault_site(self.plan, coords, call=call)("call_log_lost"):
+            fires = fault_site(self.plan, coords, call=call)
+            if fires("call_log_lost"):
                 self.calls.lost += 1  # answered, but its record is lost: the ledger finds the attempt short
             elif coords is not None:
                 record.update(coords.as_dict(), call=call, t_end=time.time())

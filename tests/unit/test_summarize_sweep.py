@@ -1,0 +1,177 @@
+"""Issue 54's sweep tooling without a training run: scripts/summarize_experiments.py's resume and skip
+(which cells still run, read from results.csv and each run directory's own files), its report's paired
+statistics per seed, and validation's `val_fact_success_rate` (held-out success on the rooms that need a fact)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from minirl.agents.env import DoorsEnv, make_rooms
+from minirl.config import load_config
+from minirl.data import task_row
+from minirl.experiments.stats import paired_ci
+from minirl.trainer.checkpoint import save
+from minirl.validation import fact_rooms, summarize
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("summarize_experiments", REPO / "scripts/summarize_experiments.py")
+sweep = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sweep)
+
+
+# ------------------------------------------------------------------------------------- fact rooms
+def opened(task: dict, wrong_at: set[int]) -> list[dict]:
+    """`open_door` calls for every room in turn, one wrong try first at each room of `wrong_at`."""
+    out = []
+    for i, room in enumerate(make_rooms(task["seed"], task["num_rooms"])):
+        codes = [room.code + 1, room.code] if i in wrong_at else [room.code]
+        out += [{"type": "function_call", "name": "open_door", "arguments": json.dumps({"code": c})} for c in codes]
+    return out
+
+
+@pytest.mark.parametrize("task,needed", [("doors_memory", 1), ("doors_notes", 2)])
+def test_fact_rooms_counts_first_tries_on_the_rooms_that_need_a_fact(task, needed):
+    cfg = load_config(overrides=[f"env.task={task}", f"env.num_rooms={4 if task == 'doors_memory' else 7}"])
+    row = task_row(cfg, 3)
+    rooms = sorted(f["needed_in_room"] for f in DoorsEnv(3, row["task"]["num_rooms"], task).memory_facts())
+    assert len(rooms) == needed
+    result = lambda wrong: {"response": {"output": opened(row["task"], wrong)}}  # noqa: E731
+    assert fact_rooms(row, result(set())) == (needed, needed)
+    assert fact_rooms(row, result({0})) == (needed, needed)  # a room needing no fact does not count
+    assert fact_rooms(row, result({rooms[-1]})) == (needed - 1, needed)  # a second try is not success
+    assert fact_rooms(row, {}) == (0, needed) and fact_rooms(row, {"response": {"output": "junk"}}) == (0, needed)
+    plain = task_row(load_config(), 3)  # the `doors` task has no such room
+    assert fact_rooms(plain, result(set())) is None
+
+
+def test_val_fact_success_rate_pools_the_rooms_and_scores_policy_ends_zero():
+    cfg = load_config(overrides=["env.task=doors_notes", "env.num_rooms=7"])
+    rows = [task_row(cfg, s) for s in (1, 2, 3)]
+    res = [{"reward": 1.0, "response": {"status": "completed"}, "evidence": {}, "mask": None, "fact_rooms": (2, 2)},
+           {"reward": 0.5, "response": {"status": "completed"}, "evidence": {}, "mask": None, "fact_rooms": (1, 2)},
+           {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": "guard_reject"},
+            "mask": None, "fact_rooms": (2, 2)}]
+    assert summarize(rows, res)["val_fact_success_rate"] == pytest.approx(3 / 6)
+    assert "val_fact_success_rate" not in summarize(rows, [{**r, "fact_rooms": None} for r in res])
+
+
+# ---------------------------------------------------------------------------------- resume and skip
+def write_jsonl(path: Path, lines: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def checkpoint(run_dir: Path, step: int, verified: bool = True) -> None:
+    def policy(d: str) -> None:
+        (Path(d) / "policy").mkdir()
+        (Path(d) / "policy" / "weights.bin").write_bytes(b"w" * 10)
+
+    ck = save(run_dir, step, {"next_step": step}, policy, str(run_dir), keep_last_k=1)
+    if not verified:  # the process died while the weights were rewritten
+        (ck / "policy" / "weights.bin").write_bytes(b"w" * 3)
+
+
+def test_cell_state_reads_the_run_directory(tmp_path):
+    runs = tmp_path / "runs"
+    d = {name: sweep.run_dir_of(runs, "doors_notes", "summarize", s) for s, name in enumerate(
+        ["none", "done", "died", "mid", "unverified"])}
+    write_jsonl(d["done"] / "events.jsonl", [{"type": "resumed"}, {"type": "run_end", "step": 40}])
+    write_jsonl(d["done"] / "metrics.jsonl", [{"step": s} for s in range(40)])
+    write_jsonl(d["died"] / "events.jsonl", [{"type": "run_failed", "error": "RuntimeError: lost 3 of 8"},
+                                             {"type": "run_end", "step": 5}])
+    write_jsonl(d["mid"] / "events.jsonl", [{"type": "run_failed", "error": "Terminated: SIGTERM"},
+                                            {"type": "run_end", "step": 27}])  # stopped with the sweep
+    checkpoint(d["mid"], 20)
+    write_jsonl(d["unverified"] / "metrics.jsonl", [{"step": 0}])
+    checkpoint(d["unverified"], 20, verified=False)  # the process died while writing it
+    assert {k: sweep.cell_state(v, 40) for k, v in d.items()} == {
+        "none": "fresh", "done": "done", "died": "fresh", "mid": "resume", "unverified": "fresh"}
+    args = type("A", (), {"steps": 40, "save_every": 20, "val_prompts": 16})
+    resume = sweep.cell_args("doors_notes", "summarize", 3, args, d["mid"], True)
+    fresh = sweep.cell_args("doors_notes", "summarize", 3, args, d["none"], False)
+    assert "checkpoint.resume=auto" in resume and "run_dir_exists=overwrite" not in resume
+    assert "checkpoint.resume=none" in fresh and "run_dir_exists=overwrite" in fresh
+    assert fresh[:2] == ["--config", "configs/summarize_notes.yaml"] and "checkpoint.save_period=20" in fresh
+    row = sweep.summarize_run("doors_notes", "summarize", 2, d["died"], 12.0, 1)
+    assert row["survived"] is False and row["died_reason"].startswith("RuntimeError: lost 3")
+
+
+def test_pending_skips_recorded_cells_seed_outermost_and_old_rows_are_doors_memory():
+    done = {sweep.cell_key({"arm": "summarize", "seed": "1"}),  # a row from before tasks were named
+            sweep.cell_key({"task": "doors_notes", "arm": "recency", "seed": "0"})}
+    left = sweep.pending(done, [0, 1], ["doors_memory", "doors_notes"], ["recency", "summarize"])
+    assert left == [("doors_memory", "recency", 0), ("doors_memory", "summarize", 0), ("doors_notes", "summarize", 0),
+                    ("doors_memory", "recency", 1), ("doors_notes", "recency", 1), ("doors_notes", "summarize", 1)]
+
+
+def test_a_finished_run_without_a_row_is_read_not_rerun(tmp_path, monkeypatch):
+    """The sweep stopped after a run closed but before its row was written: the next invocation writes
+    the row from the run's files and starts no process; a run stopped mid-way resumes from its checkpoint."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    done = sweep.run_dir_of(runs, "doors_memory", "summarize", 0)
+    write_jsonl(done / "events.jsonl", [{"type": "run_end", "step": 2}])
+    write_jsonl(done / "metrics.jsonl", [{"step": 0, "summary_recall": 0.1, "rollouts_generated": 32,
+                                         "rollouts_trained": 30, "rollouts_masked": 2, "segments_masked": 3},
+                                        {"step": 1, "summary_recall": 0.3, "rollouts_generated": 32,
+                                         "rollouts_trained": 32}])
+    write_jsonl(done / "validation.jsonl", [{"val_success_rate": 0.25, "val_reward_mean": 0.6,
+                                            "val_fact_success_rate": 0.1},
+                                           {"val_success_rate": 0.5, "val_reward_mean": 0.7,
+                                            "val_fact_success_rate": 0.4}])
+    (done.parent / f".{done.name}.wall").write_text(json.dumps({"wall_s": 100.0, "parts": 2}))
+    mid = sweep.run_dir_of(runs, "doors_memory", "recency", 0)
+    checkpoint(mid, 1)
+    calls = []
+    monkeypatch.setattr(sweep, "train_part", lambda run_dir, argv: calls.append(argv) or (137, "killed", 5.0))
+    args = type("A", (), {"out": str(out), "runs": str(runs), "seeds": [0], "tasks": ["doors_memory"],
+                          "arms": ["recency", "summarize"], "steps": 2, "save_every": 1, "val_prompts": 16})
+    sweep.run_cells(args)
+    assert len(calls) == 1 and "checkpoint.resume=auto" in calls[0]  # only the stopped one, from its checkpoint
+    rows = sweep.read_rows(out / "results.csv")
+    assert [(r["task"], r["arm"], r["seed"]) for r in rows] == [("doors_memory", "summarize", "0")]
+    r = rows[0]
+    assert (r["wall_s"], r["parts"], r["rollouts_masked"], r["segments_masked"]) == ("100.0", "2", "2", "3")
+    assert (float(r["val_fact_start"]), float(r["val_fact_final"])) == (0.1, 0.4)
+    assert json.loads((mid.parent / f".{mid.name}.wall").read_text()) == {"wall_s": 5.0, "parts": 1}
+    sweep.run_cells(args)  # again: the recorded cell is skipped, the stopped one tried again
+    assert len(calls) == 2 and len(sweep.read_rows(out / "results.csv")) == 1
+
+
+# ------------------------------------------------------------------------------------ paired report
+def test_the_report_pairs_arms_by_seed():
+    rows = []
+    for seed, (base, rl, rec) in enumerate([(0.1, 0.6, 0.2), (0.2, 0.6, 0.1), (0.0, 0.5, 0.2), (0.1, 0.2, 0.3)]):
+        curve = [0.1] * 20 + [0.5 if seed < 3 else 0.15] * 20
+        rows.append({"task": "doors_memory", "arm": "summarize", "seed": str(seed), "val_fact_start": str(base),
+                     "val_fact_final": str(rl), "recall_curve": json.dumps(curve)})
+        rows.append({"task": "doors_memory", "arm": "recency", "seed": str(seed), "val_fact_final": str(rec),
+                     "recall_curve": "[]"})
+    rows.append({"task": "doors_memory", "arm": "summarize", "seed": "9", "val_fact_start": "0",
+                 "val_fact_final": "1", "recall_curve": "[]"})  # no recency run on seed 9: not a pair
+    m, h, n = paired_ci({0: 0.6, 1: 0.6, 2: 0.5, 3: 0.2}, {0: 0.2, 1: 0.1, 2: 0.2, 3: 0.3})
+    got = sweep.paired(rows, "doors_memory", ("summarize", "val_fact_final"), ("recency", "val_fact_final"))
+    assert got == pytest.approx((m, h, n)) and n == 4 and m == pytest.approx(0.275)
+    per = sweep.per_seed(rows, "doors_memory", "summarize", "recall_rise")
+    assert per[0] == pytest.approx(0.4) and per[3] == pytest.approx(0.05) and math.isnan(per[9])
+    assert sweep.rises(rows, "doors_memory", "summarize") == (3, 5)  # a rise of >= 0.3 on 3 of the 5 seeds run
+
+
+def test_a_run_that_dies_on_its_own_is_recorded_as_it_ends(tmp_path, monkeypatch):
+    def dies(run_dir, argv):
+        write_jsonl(run_dir / "events.jsonl", [{"type": "run_failed", "error": "RuntimeError: training step 0 lost 3"},
+                                               {"type": "run_end", "step": 0}])
+        return 1, "RuntimeError: training step 0 lost 3", 7.0
+
+    monkeypatch.setattr(sweep, "train_part", dies)
+    args = type("A", (), {"out": str(tmp_path / "out"), "runs": str(tmp_path / "runs"), "seeds": [4],
+                          "tasks": ["doors_notes"], "arms": ["summarize+faults, drop budget"], "steps": 20,
+                          "save_every": 20, "val_prompts": 16})
+    sweep.run_cells(args)
+    (row,) = sweep.read_rows(tmp_path / "out" / "results.csv")
+    assert (row["task"], row["survived"], row["steps"], row["wall_s"]) == ("doors_notes", "False", "0", "7.0")
+    assert row["died_reason"] == "RuntimeError: training step 0 lost 3"
