@@ -334,7 +334,14 @@ def task_section(rows, task) -> list[str]:
             f"{diff(rows, task, (arm, 'val_fact_final'), ('recency', 'val_fact_final'))}",
             f"- success, {arm} after RL − recency after RL: "
             f"{diff(rows, task, (arm, 'val_success_final'), ('recency', 'val_success_final'))}",
+            f"- wall time (s), {arm} − recency: {diff(rows, task, (arm, 'wall_s'), ('recency', 'wall_s'))}",
         ]
+    if "summarize, next_segment" in arms:  # the credit switch against the default, on what both measure
+        lines += [f"- {label}, next_segment − rollout credit: "
+                  f"{diff(rows, task, ('summarize, next_segment', key), ('summarize', key))}" for key, label in (
+                      ("recall_last", "recall, last steps"), ("val_fact_final", "fact-room success after RL"),
+                      ("compaction_ratio", "compaction ratio"), ("summary_tokens_mean", "summary tokens"),
+                      ("wall_s", "wall time (s)"))]
     lines += ["", f"Recall, mean of each {CURVE_BLOCK} steps (every step's is results.csv's `recall_curve`):", ""]
     curves = [r for r in sorted(rows, key=cell_key) if cell_key(r)[0] == task and cell_key(r)[1] in arms
               and cell_key(r)[1] != "recency"]
