@@ -87,13 +87,21 @@ RECALL_EDGE = 20
 one step's recall is a few dozen summaries, so 3 steps were too noisy to read a trend from)."""
 
 
+def steps_of(task: str, args) -> int:
+    """`--steps`, or the task's config's own `grpo.max_num_steps`."""
+    from minirl.config import load_config
+
+    return args.steps or load_config(str(REPO / TASKS[task])).grpo.max_num_steps
+
+
 def cell_args(task: str, arm: str, seed: int, args, run_dir: Path, resume: bool) -> list[str]:
     """The `minirl.train` arguments of one cell; `resume` continues its run directory from its newest checkpoint."""
+    steps = steps_of(task, args)
     return ["--config", TASKS[task], *ARMS[arm], f"grpo.seed={42 + seed}", f"env.data_seed={1234 + seed}",
-            f"faults.seed={seed}", f"grpo.max_num_steps={args.steps}", "grpo.val_at_start=true",
-            f"grpo.val_period={args.steps}", f"grpo.val_num_prompts={args.val_prompts}",
+            f"faults.seed={seed}", f"grpo.max_num_steps={steps}", "grpo.val_at_start=true",
+            f"grpo.val_period={steps}", f"grpo.val_num_prompts={args.val_prompts}",
             # a checkpoint every --save-every steps (the resume point) and at the end (the trained policy)
-            f"checkpoint.save_period={min(args.save_every, args.steps)}", "checkpoint.keep_last_k=1",
+            f"checkpoint.save_period={min(args.save_every, steps)}", "checkpoint.keep_last_k=1",
             f"checkpoint.resume={'auto' if resume else 'none'}",
             *([] if resume else ["run_dir_exists=overwrite"]),  # a start that left no checkpoint begins again
             "logger.tensorboard=false", "logger.progress=false", f"run_dir={run_dir}"]
@@ -212,7 +220,7 @@ def run_cells(args) -> None:
     for task, arm, seed in pending({cell_key(r) for r in read_rows(path)}, args.seeds, args.tasks, args.arms):
         run_dir = run_dir_of(Path(args.runs), task, arm, seed)
         ledger = run_dir.parent / f".{run_dir.name}.wall"
-        state = cell_state(run_dir, args.steps)
+        state = cell_state(run_dir, steps_of(task, args))
         spent = json.loads(ledger.read_text()) if ledger.exists() and state != "fresh" else {"wall_s": 0.0, "parts": 0}
         rc, stderr, load0 = None, "", os.getloadavg()[0]
         if state != "done":
@@ -490,8 +498,8 @@ def main(argv=None) -> None:
                     help="develop on 0-4; issue 54's experiment runs 10-19 once")
     ap.add_argument("--tasks", nargs="+", default=["doors_memory"], choices=list(TASKS))
     ap.add_argument("--arms", nargs="+", default=EXPERIMENT_ARMS, choices=list(ARMS))
-    ap.add_argument("--steps", type=int, default=200,
-                    help="steps per run (configs/summarize.yaml's; experiment 3 ran 20)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run (default: each task's config's grpo.max_num_steps; experiment 3 ran 20)")
     ap.add_argument("--save-every", type=int, default=20,
                     help="steps between checkpoints: where a run stopped mid-way resumes")
     ap.add_argument("--val-prompts", type=int, default=16)

@@ -97,6 +97,10 @@ def test_cell_state_reads_the_run_directory(tmp_path):
     assert "checkpoint.resume=auto" in resume and "run_dir_exists=overwrite" not in resume
     assert "checkpoint.resume=none" in fresh and "run_dir_exists=overwrite" in fresh
     assert fresh[:2] == ["--config", "configs/summarize_notes.yaml"] and "checkpoint.save_period=20" in fresh
+    args.steps = None  # each task's config's own length
+    for task, config in sweep.TASKS.items():
+        own = load_config(str(REPO / config)).grpo.max_num_steps
+        assert f"grpo.max_num_steps={own}" in sweep.cell_args(task, "summarize", 3, args, d["none"], False)
     row = sweep.summarize_run("doors_notes", "summarize", 2, d["died"], 12.0, 1)
     assert row["survived"] is False and row["died_reason"].startswith("RuntimeError: lost 3")
 
