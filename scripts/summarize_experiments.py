@@ -434,7 +434,7 @@ def faults_section(rows) -> list[str]:
 def lost_log_section(rows) -> list[str]:
     """`grpo.segment_validity` all against any under `call_log_lost` faults, per task that ran them."""
     keys = ("steps", "calls_unrecorded", "rollouts_generated", "rollouts_trained", "rollouts_masked",
-            "segments_masked", "groups_dropped", "reward_first", "reward_last", "recall_first", "recall_last",
+            "segments_masked", "groups_dropped", "reward_first", "reward_last", "recall_last", "val_fact_start",
             "val_fact_final", "wall_s")
     lines = []
     for task in TASKS:
