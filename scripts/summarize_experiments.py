@@ -457,6 +457,8 @@ def lost_log_section(rows) -> list[str]:
 
 def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
+    if getattr(args, "report_seeds", None):  # e.g. the unseen seeds 10-19 alone, not the development seeds
+        rows = [r for r in rows if int(r["seed"]) in set(args.report_seeds)]
     seeds = sorted({int(r["seed"]) for r in rows})
     steps = sorted({int(r["steps"]) for r in rows if r.get("steps")})
     lines = [
@@ -504,6 +506,8 @@ def main(argv=None) -> None:
                     help="steps between checkpoints: where a run stopped mid-way resumes")
     ap.add_argument("--val-prompts", type=int, default=16)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--report-seeds", type=int, nargs="+", default=None,
+                    help="the seeds the report reads (default: every seed in results.csv)")
     args = ap.parse_args(argv)
     if not args.report_only:
         run_cells(args)

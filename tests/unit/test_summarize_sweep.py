@@ -179,3 +179,16 @@ def test_a_run_that_dies_on_its_own_is_recorded_as_it_ends(tmp_path, monkeypatch
     (row,) = sweep.read_rows(tmp_path / "out" / "results.csv")
     assert (row["task"], row["survived"], row["steps"], row["wall_s"]) == ("doors_notes", "False", "0", "7.0")
     assert row["died_reason"] == "RuntimeError: training step 0 lost 3"
+
+
+def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
+    rows = [{"task": "doors_memory", "arm": "summarize", "seed": str(s), "steps": "3", "wall_s": "1",
+             "val_fact_start": "0", "val_fact_final": "1", "recall_curve": "[0.1, 0.5]", "survived": "True"}
+            for s in (0, 11)]
+    with (tmp_path / "results.csv").open("w", newline="") as f:
+        w = sweep.csv.DictWriter(f, fieldnames=sweep.COLUMNS, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    args = type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": [11]})
+    text = sweep.report(args)
+    assert "| summarize | 11 |" in text and "| summarize | 0 |" not in text and "seeds [11]" in text
