@@ -33,20 +33,23 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL_MODEL = REPO / ".cache" / "models" / "small-doors-32k"
 
 
-def common(model: str, steps: int, prompts: int, gens: int, lr: float) -> list[str]:
+def common(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int = 2) -> list[str]:
+    """minirl's side: the config file, then its overrides; `threads`: the engine's and the trainer's
+    torch threads (TRL's process gets as many)."""
     return [
         "--config", str(REPO / "configs" / "plain.yaml"), f"policy.model_name={model}", "agent.max_steps=1",
         "env.num_rooms=1", f"grpo.num_prompts_per_step={prompts}", f"grpo.num_generations_per_prompt={gens}",
         f"grpo.max_num_steps={steps}", f"policy.optimizer.lr={lr}", "policy.generation.max_new_tokens=48",
         f"policy.train_micro_batch_size={prompts * gens}",  # one forward/backward per step, as TRL's batch here
         "checkpoint.enabled=false", "logger.tensorboard=false", "loss_fn.reference_policy_kl_penalty=0",
+        f"policy.generation.vllm_cfg.omp_threads={threads}", f"policy.train_threads={threads}",
     ]
 
 
-def run_minirl(model: str, steps: int, prompts: int, gens: int, lr: float) -> dict:
+def run_minirl(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "minirl.train", *common(model, steps, prompts, gens, lr),
+        proc = subprocess.run([sys.executable, "-m", "minirl.train", *common(model, steps, prompts, gens, lr, threads),
                                f"run_dir={tmp}"],
                               cwd=REPO, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
         wall = time.perf_counter() - t0
@@ -72,7 +75,7 @@ def run_trl(model: str, steps: int, prompts: int, gens: int, lr: float, threads:
     from minirl.generation.chat_format import parse_reply
 
     torch.set_num_threads(threads)
-    cfg = load_config(None, common(model, steps, prompts, gens, lr)[2:])
+    cfg = load_config(None, common(model, steps, prompts, gens, lr, threads)[2:])
     tok = AutoTokenizer.from_pretrained(cfg.policy.model_name)
     records = []
     for step in range(steps):  # the prompts minirl sees, in minirl's order
@@ -132,11 +135,11 @@ def ensure_small_model() -> str:
     return str(SMALL_MODEL)
 
 
-def compare(name: str, model: str, steps: int, prompts: int, gens: int, lr: float) -> dict:
+def compare(name: str, model: str, steps: int, prompts: int, gens: int, lr: float, threads: int) -> dict:
     print(f"[{name}] minirl ...", flush=True)
-    mine = run_minirl(model, steps, prompts, gens, lr)
+    mine = run_minirl(model, steps, prompts, gens, lr, threads)
     print(f"[{name}] TRL GRPOTrainer ...", flush=True)
-    trl = run_trl(model, steps, prompts, gens, lr, threads=2)
+    trl = run_trl(model, steps, prompts, gens, lr, threads)
     tail = max(1, steps // 3)
     out = {
         "name": name, "steps": steps, "minirl_step_s": statistics.median(mine["step_times"][1:]),
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model only, 8 steps")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads on each side: minirl's engine and trainer, TRL's process (default 2)")
     ap.add_argument("--models", default=None,
                     help="comma-separated: tiny, small (default: tiny with --quick, else both)")
     args = ap.parse_args(argv)
@@ -169,16 +174,17 @@ def main(argv=None) -> int:
 
     results = []
     if "tiny" in models:
-        results.append(compare("tiny 0.46M", load_config().policy.model_name, steps, 8, 4, args.lr))
+        results.append(compare("tiny 0.46M", load_config().policy.model_name, steps, 8, 4, args.lr, args.threads))
     if "small" in models:
-        results.append(compare("small 12M / 32k vocab", ensure_small_model(), max(6, steps // 2), 8, 4, args.lr))
+        results.append(compare("small 12M / 32k vocab", ensure_small_model(), max(6, steps // 2), 8, 4, args.lr,
+                               args.threads))
     print()
     print("| benchmark | minirl s/step | TRL s/step | minirl / TRL | target "
           "| reward minirl (first -> last third) | reward TRL |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| P2 vs TRL, {r['name']}, 8 prompts x 4, {r['steps']} steps | {r['minirl_step_s']:.2f} "
-              f"| {r['trl_step_s']:.2f} | "
+        print(f"| P2 vs TRL, {r['name']}, 8 prompts x 4, {r['steps']} steps, {args.threads} threads "
+              f"| {r['minirl_step_s']:.2f} | {r['trl_step_s']:.2f} | "
               f"{r['ratio']:.2f} | <= 0.7 | {r['minirl_reward_first']:.2f} -> {r['minirl_reward']:.2f} | "
               f"{r['trl_reward_first']:.2f} -> {r['trl_reward']:.2f} |")
     return 0
