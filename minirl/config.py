@@ -172,8 +172,15 @@ class VllmConfig:
     long (or `gather_max_s` has passed) before its first step, so a burst (a step's first turns)
     starts as one batch. Stepping at once, the engine's threads take the cores the agent and the front
     end need to deliver the rest of the burst, which then joins over several slow steps and finishes
-    over as many (bench/README.md). A lone request waits this long. 0: step at once,
+    over as many (bench/README.md). A lone request waits only `gather_first_s`. 0: step at once,
     as vLLM does; a GPU engine always does (its steps leave the CPU to the front end)."""
+    gather_first_s: float = bounded(0.01, ge=0)
+    """The first window of that gather: an idle engine that one request reaches waits this long for a
+    second before its first step; none comes (a lone call, e.g. a turn after a tool's reply): it steps;
+    one comes (a burst): it gathers the rest with `gather_gap_s`. Inside a burst of 128 the second
+    request followed the first within 0.8-9 ms with the 2-core build machine at load ~20, ~1 ms quiet
+    (bench/README.md). At most `gather_gap_s`; set it to `gather_gap_s` for the old rule, where every
+    lone call waited the whole gap."""
     gather_max_s: float = bounded(0.25, ge=0)
     """The longest an idle engine gathers a burst before its first step (see `gather_gap_s`)."""
 

@@ -95,3 +95,21 @@ def play_episodes(cfg, model, groups: int) -> list[dict]:
             out.append(await run_episode(row, cfg.agent, model))
         return out
     return asyncio.run(run())
+
+
+def first_step_size(engine, spacings_s) -> int:
+    """Requests in the engine at its first step, when requests reach the idle engine with `spacings_s`
+    between them (one request more than spacings: `[]` is a lone request)."""
+    import time
+
+    from vllm import SamplingParams
+
+    assert engine.sampler_compiled.wait(300)  # the engine's first request waits for it: a burst would gather itself
+    t0 = time.monotonic()
+    futures = []
+    for i, pause in enumerate([*spacings_s, 0.0]):
+        futures.append(engine.generate([1, 388, 201, 300 + i], SamplingParams(max_tokens=8, ignore_eos=True, seed=i)))
+        time.sleep(pause)
+    for f in futures:
+        f.result(timeout=60)
+    return next(size for start, _, size in list(engine.step_log) if start >= t0)

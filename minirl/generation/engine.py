@@ -148,11 +148,11 @@ class VllmEngine:
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, on_dead=None, step_timeout_s: float = 0.0,
-                 gather_gap_s: float = 0.0, gather_max_s: float = 0.0):
+                 gather_gap_s: float = 0.0, gather_max_s: float = 0.0, gather_first_s: float | None = None):
         """`on_dead(exc)` runs once a step has failed, or has not returned within `step_timeout_s`
         (0: no limit; only with `on_dead`), and every request in flight has been failed with it; the
-        generation worker ends its process there. `gather_gap_s` and `gather_max_s`: how an idle CPU
-        engine gathers a burst before its first step (`set_gather`)."""
+        generation worker ends its process there. `gather_gap_s`, `gather_max_s` and `gather_first_s`:
+        how an idle CPU engine gathers a burst before its first step (`set_gather`)."""
         self.max_model_len = max_model_len
         self.model = model
         self.expected = checkpoint_shapes(model)  # what an update must fit (check_weights)
@@ -161,6 +161,8 @@ class VllmEngine:
         self.weights_s = 0.0  # wall time it spent loading new weights (minirl.timeline)
         self.drain_s = 0.0  # wall time weight updates waited for the requests in flight (drain)
         self.gather_s = 0.0  # wall time an idle engine held its first requests while gathering a burst (`_gather`)
+        self.gathers_lone = 0  # gathers of a lone request: none came in the first window (`gather_first_s`)
+        self.gathers_burst = 0  # gathers that took a burst: a second request came in time, or was there at once
         self.steps = 0  # engine steps taken
         self.step_log: deque[tuple[float, float, int]] = deque(maxlen=STEP_LOG)
         """The latest steps' (time.monotonic() at its start, seconds, requests in the engine): where a
@@ -173,7 +175,7 @@ class VllmEngine:
         self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
         self._deferred: list[tuple] = []  # requests that arrived while it waits
         self.on_dead = on_dead
-        self.gather_gap_s = self.gather_max_s = 0.0  # set_gather, once built
+        self.gather_gap_s = self.gather_max_s = self.gather_first_s = 0.0  # set_gather, once built
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
         self._crash = False  # set by the `engine_crash` fault: the next step fails
@@ -187,7 +189,7 @@ class VllmEngine:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
-        self.set_gather(gather_gap_s, gather_max_s)
+        self.set_gather(gather_gap_s, gather_max_s, gather_first_s)
         if on_dead is not None and step_timeout_s > 0:
             threading.Thread(target=self._watch, args=(step_timeout_s,), name="vllm-engine-watchdog",
                              daemon=True).start()
@@ -253,13 +255,14 @@ class VllmEngine:
         self._inbox.put(("drain" if drain else "run", apply, fut))
         return fut
 
-    def set_gather(self, gap_s: float, max_s: float) -> None:
+    def set_gather(self, gap_s: float, max_s: float, first_s: float | None = None) -> None:
         """How an idle engine gathers a burst before its first step (`_gather`; VllmConfig's
-        `gather_gap_s` and `gather_max_s`). A GPU engine's steps leave the CPU to the front end, so it
-        steps at once whatever is asked, as vLLM does."""
+        `gather_gap_s`, `gather_max_s` and `gather_first_s`; None: the first window is the gap). A GPU
+        engine's steps leave the CPU to the front end, so it steps at once whatever is asked, as vLLM does."""
         import torch
 
         self.gather_gap_s, self.gather_max_s = (0.0 if torch.cuda.is_available() else gap_s), max_s
+        self.gather_first_s = self.gather_gap_s if first_s is None else min(first_s, self.gather_gap_s)
 
     def weights_finite(self) -> Future:
         """True when every weight the engine serves from is finite (a check for tests and operators)."""
@@ -382,16 +385,25 @@ class VllmEngine:
         """The first requests of a burst reached an idle engine: take the rest of it before the first
         step, until none has come for `gather_gap_s` or `gather_max_s` has passed since now. On a CPU
         engine a step takes the cores that deliver the burst's other requests: stepping at once, they
-        joined over several slow steps and finished over as many more."""
+        joined over several slow steps and finished over as many more. A lone request (a later turn
+        after a tool call) waits only `gather_first_s` for a second one: a burst's second request
+        follows its first within that, and a lone call that waited the whole gap paid it on every turn."""
         if self.gather_gap_s <= 0:
             return
         t0 = time.monotonic()
         deadline = t0 + self.gather_max_s
-        while (wait := min(self.gather_gap_s, deadline - time.monotonic())) > 0:
+        lone = len(self._pending) == 1
+        window = self.gather_first_s if lone else self.gather_gap_s
+        while (wait := min(window, deadline - time.monotonic())) > 0:
             try:
                 self._accept(*self._inbox.get(timeout=wait))
             except queue.Empty:
                 break
+            lone, window = False, self.gather_gap_s
+        if lone:
+            self.gathers_lone += 1
+        else:
+            self.gathers_burst += 1
         self.gather_s += time.monotonic() - t0
 
     def _loop(self, *build) -> None:

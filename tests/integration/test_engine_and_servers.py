@@ -10,6 +10,7 @@ import sys
 
 import aiohttp
 import numpy as np
+from helpers import first_step_size
 
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
@@ -168,23 +169,6 @@ def test_a_burst_of_long_seeded_prompts_does_not_crash_the_engine(engine):
     assert engine.dead is None and all(len(r.token_ids) >= 1 for r in results)
 
 
-def _first_step_size(engine, spacing_s: float, n: int = 4) -> int:
-    """Requests in the engine at its first step, when `n` reach the idle engine `spacing_s` apart."""
-    import time
-
-    from vllm import SamplingParams
-
-    assert engine.sampler_compiled.wait(300)  # the engine's first request waits for it: a burst would gather itself
-    t0 = time.monotonic()
-    futures = []
-    for i in range(n):
-        futures.append(engine.generate([1, 388, 201, 300 + i], SamplingParams(max_tokens=8, ignore_eos=True, seed=i)))
-        time.sleep(spacing_s)
-    for f in futures:
-        f.result(timeout=60)
-    return next(size for start, _, size in list(engine.step_log) if start >= t0)
-
-
 def test_an_idle_engine_gathers_a_burst_before_its_first_step(engine):
     """`vllm_cfg.gather_gap_s`: requests reaching an idle engine 50 ms apart all join its first step
     while the gap is longer than their spacing; with no gathering (the in-process engine's default,
@@ -192,16 +176,16 @@ def test_an_idle_engine_gathers_a_burst_before_its_first_step(engine):
     import time
 
     assert engine.gather_gap_s == 0.0
-    assert _first_step_size(engine, 0.05) < 4  # each request's 8 tokens outlast the spacing, so none waits for the next
+    assert first_step_size(engine, [0.05] * 3) < 4  # each request's 8 tokens outlast the spacing: none waits
     try:
-        engine.gather_gap_s, engine.gather_max_s = 0.3, 2.0
-        assert _first_step_size(engine, 0.05) == 4
-        engine.gather_gap_s, engine.gather_max_s = 60.0, 0.3  # a lone request: the cap, not the gap, ends its wait
+        engine.gather_gap_s, engine.gather_max_s, engine.gather_first_s = 0.3, 2.0, 0.3  # the first window: the gap
+        assert first_step_size(engine, [0.05] * 3) == 4
+        engine.gather_gap_s, engine.gather_max_s, engine.gather_first_s = 60.0, 0.3, 60.0  # the cap ends a lone wait
         t0 = time.monotonic()
-        assert _first_step_size(engine, 0.0, n=1) == 1
+        assert first_step_size(engine, []) == 1
         assert time.monotonic() - t0 < 30
     finally:
-        engine.gather_gap_s, engine.gather_max_s = 0.0, 0.0
+        engine.gather_gap_s, engine.gather_max_s, engine.gather_first_s = 0.0, 0.0, 0.0
 
 
 def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine, base_cfg, tokenizer):

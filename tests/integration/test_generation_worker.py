@@ -151,13 +151,13 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         ray.get(worker.reset.remote(load_config(None, WATCHDOG)))
         assert chat(url, "s9.g0.r0.a0.c0", timeout=30)[0] == 200
         assert ray.get(worker.stats.remote())["steps"] > steps and ray.get(worker.pid.remote()) == engine_pid
-        # ... and its own gather (vllm_cfg.gather_gap_s): what the engine serves the new run with
+        # ... and its own gather (vllm_cfg.gather_*): what the engine serves the new run with
         def gather(actor):
-            return actor.engine.gather_gap_s, actor.engine.gather_max_s
+            return actor.engine.gather_gap_s, actor.engine.gather_max_s, actor.engine.gather_first_s
 
-        assert ray.get(worker.__ray_call__.remote(gather)) == (0.02, 0.25)
+        assert ray.get(worker.__ray_call__.remote(gather)) == (0.02, 0.25, 0.01)
         ray.get(worker.reset.remote(load_config(None, [*WATCHDOG, "policy.generation.vllm_cfg.gather_gap_s=0"])))
-        assert ray.get(worker.__ray_call__.remote(gather)) == (0.0, 0.25)
+        assert ray.get(worker.__ray_call__.remote(gather)) == (0.0, 0.25, 0.0)  # the first window is at most the gap
         ray.get(worker.reset.remote(load_config(None, WATCHDOG)))
 
         # engine_hang: a step that never returns. The front end still answers, but /health turns 503 once the step
