@@ -269,8 +269,9 @@ class Cluster:
     def sync_weights(self, version: int) -> dict:
         """Every generation worker serves `version`; then the controller dispatches under it. Async:
         the rollout pump dispatches nothing while the weights move (upstream's pause during a sync).
-        Returns the controller's generation lane of the cycle this sync ends (minirl.timeline)."""
-        if self.controller is not None:
+        Returns the controller's generation lane of the cycle this sync ends (minirl.timeline). Sync, no
+        group is in flight between steps, so there is no pump to pause and no round trip to wait for."""
+        if self.controller is not None and self.cfg.async_rl.enabled:
             ray.get(self.controller.syncing.remote())
         publish(self.policy[0], self.gen, self.store, version)
         return {} if self.controller is None else ray.get(self.controller.published.remote(version))

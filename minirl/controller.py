@@ -255,16 +255,24 @@ class Controller:
 
         return await validate(self.cfg, self.manager.agent_urls, version)
 
-    async def _engine_s(self) -> tuple[float, float]:
-        """The engines' run totals of stepping and of gathering bursts before a step, summed over the workers."""
-        readings = [await w.clock.remote() for w in self.gen_workers]
+    def _ask_clocks(self) -> list:
+        """Each generation worker's clock (`GenerationWorker.clock`), asked of all at once: the readings
+        are taken now, whenever they are awaited."""
+        return [w.clock.remote() for w in self.gen_workers]
+
+    @staticmethod
+    async def _engine_s(asked: list) -> tuple[float, float]:
+        """The engines' run totals of stepping and of gathering bursts before a step, summed over the
+        workers, from `_ask_clocks`."""
+        readings = [await ref for ref in asked]
         return sum(c["busy_s"] for c in readings), sum(c["gather_s"] for c in readings)
 
     async def _clocks(self) -> tuple[float, ...]:
-        return clocks([await w.clock.remote() for w in self.gen_workers], self.manager.occupancy.read())
+        return clocks([await ref for ref in self._ask_clocks()], self.manager.occupancy.read())
 
     async def _drain(self, step: int | None) -> list[dict]:
-        return [c for w in self.gen_workers for c in await w.take_calls.remote(step)]
+        asked = [w.take_calls.remote(step) for w in self.gen_workers]  # all at once, handed over in worker order
+        return [c for ref in asked for c in await ref]
 
     def run_failed(self, error: str) -> None:
         """The run ends with `error` (`ExceptionClass: message`): its one `run_failed` event, with the
@@ -320,12 +328,12 @@ class Controller:
             raise
 
     async def _collect(self, step: int, version: int) -> tuple[TrainBatch, dict]:
-        busy0, gather0 = await self._engine_s()
+        busy0, gather0 = await self._engine_s(self._ask_clocks())
         self.mark = self.mark or await self._clocks()  # the first cycle starts here
         waited = time.perf_counter()
         take = await self.fleet.watched(step, self.source.take(step, version))
         gen_s, waited = time.perf_counter() - take.since, time.perf_counter() - waited
-        busy1, gather1 = await self._engine_s()
+        after = self._ask_clocks()  # read as the take ends, awaited once the batch is packed
         check_step(self.cfg, step, take.outcomes)
         kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
         ledger, generated = await self._check_ledger(step, version, take, kept)
@@ -342,6 +350,7 @@ class Controller:
                 if t.mask_reason:  # own `mask` line (a `mask` line is one rollout: stats.rooms_mix counts them)
                     self.events.write({"type": "segment_mask", **r.coords.as_dict(), "trace": k, "kind": t.kind,
                                        "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
+        busy1, gather1 = await self._engine_s(after)
         stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
         stats["timing/train/exposed_generation"] = waited
         spent = [*take.outcomes, *take.evicted]

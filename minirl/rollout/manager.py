@@ -212,10 +212,25 @@ class RolloutManager:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.last_progress = time.monotonic()
 
-    async def run_step(self, step: int, rows: list[dict]) -> list[GroupOutcome]:
-        """All groups concurrently; the first run-ending error cancels the rest and propagates."""
+    async def run_step(self, step: int, rows: list[dict],
+                       on_tail: Callable[[], None] | None = None) -> list[GroupOutcome]:
+        """All groups concurrently; the first run-ending error cancels the rest and propagates.
+        `on_tail` runs once, as the step's last group is left running alone (every other group
+        resolved without error; never in a step of one group): the sync source takes the step's call
+        records so far meanwhile, so the take after the step carries only the last group's."""
         self.open()
         tasks = [asyncio.create_task(self.run_group(step, g, row)) for g, row in enumerate(rows)]
+        if on_tail is not None and len(tasks) > 1:
+            resolved = Counter()
+
+            def tally(task: asyncio.Task) -> None:
+                if not task.cancelled() and task.exception() is None:
+                    resolved["groups"] += 1
+                    if resolved["groups"] == len(tasks) - 1:
+                        on_tail()
+
+            for t in tasks:
+                t.add_done_callback(tally)
         watchdog = asyncio.create_task(self.watchdog(step))
         try:
             done_or_stall = asyncio.gather(*tasks)
