@@ -262,6 +262,11 @@ def fmt(m: float, h: float) -> str:
     return f"{m:.3f}" if h != h else f"{m:.3f} ± {h:.3f}"
 
 
+def cell(x: float) -> str:
+    """One seed's value in a table: a count as an integer, else three decimals."""
+    return "n/a" if x != x else str(int(x)) if x == int(x) and abs(x) >= 1 else f"{x:.3f}"
+
+
 def verdict(m: float, h: float) -> str:
     if m != m or h != h:
         return "not resolvable (fewer than 2 seeds)"
@@ -327,7 +332,7 @@ def task_section(rows, task) -> list[str]:
     for arm in arms:
         vals = {k: per_seed(rows, task, arm, k) for k, _ in PER_SEED}
         for seed in sorted(vals["wall_s"]):
-            lines.append(f"| {arm} | {seed} | " + " | ".join(fmt(vals[k][seed], float("nan")) for k, _ in PER_SEED)
+            lines.append(f"| {arm} | {seed} | " + " | ".join(cell(vals[k][seed]) for k, _ in PER_SEED)
                          + " |")
         lines.append(f"| {arm} | mean ± 95% | " + " | ".join(stat(rows, task, arm, k) for k, _ in PER_SEED) + " |")
     lines += ["", "Paired by seed (mean ± 95% t-interval of the per-seed differences):", ""]
@@ -446,7 +451,7 @@ def lost_log_section(rows) -> list[str]:
                   "too). Per seed:", "", "| arm | seed | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
         for arm in ("lost log, all", "lost log, any"):
             vals = {k: per_seed(rows, task, arm, k) for k in keys}
-            lines += [f"| {arm} | {seed} | " + " | ".join(fmt(vals[k][seed], float("nan")) for k in keys) + " |"
+            lines += [f"| {arm} | {seed} | " + " | ".join(cell(vals[k][seed]) for k in keys) + " |"
                       for seed in sorted(vals["steps"])]
             lines.append(f"| {arm} | mean ± 95% | " + " | ".join(stat(rows, task, arm, k) for k in keys) + " |")
         lines += ["", "Paired by seed, any − all:", ""] + [
