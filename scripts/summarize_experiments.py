@@ -210,6 +210,18 @@ def train_part(run_dir: Path, argv: list[str]) -> tuple[int, str, float]:
     return proc.returncode, proc.stderr, time.time() - t0
 
 
+def settled(run_dir: Path, ledger: Path) -> dict:
+    """A cell's wall time and parts so far (`ledger`, `.NAME.wall`). A part left open (the sweep was stopped
+    while it ran) counts from its lock grant (`.NAME.locked`) to the run's last write to its directory."""
+    spent = json.loads(ledger.read_text()) if ledger.exists() else {"wall_s": 0.0, "parts": 0}
+    stamp = run_dir.parent / f".{run_dir.name}.locked"
+    if spent.pop("open", False) and stamp.exists():
+        writes = [p.stat().st_mtime for p in (run_dir / n for n in ("metrics.jsonl", "events.jsonl")) if p.exists()]
+        spent = {"wall_s": spent["wall_s"] + max([0.0, *(t - float(stamp.read_text()) for t in writes)]),
+                 "parts": spent["parts"] + 1}
+    return spent
+
+
 def run_cells(args) -> None:
     """Every pending cell: one whose run finished but has no row yet is read, not run; one stopped mid-run
     continues from its checkpoint; the rest start at step 0. A cell's wall time sums its parts
@@ -221,10 +233,12 @@ def run_cells(args) -> None:
         run_dir = run_dir_of(Path(args.runs), task, arm, seed)
         ledger = run_dir.parent / f".{run_dir.name}.wall"
         state = cell_state(run_dir, steps_of(task, args))
-        spent = json.loads(ledger.read_text()) if ledger.exists() and state != "fresh" else {"wall_s": 0.0, "parts": 0}
+        spent = settled(run_dir, ledger) if state != "fresh" else {"wall_s": 0.0, "parts": 0}
         rc, stderr, load0 = None, "", os.getloadavg()[0]
         if state != "done":
             print(f"[{time.strftime('%H:%M:%S')}] {task} {arm} seed {seed} ({state})", flush=True)
+            ledger.parent.mkdir(parents=True, exist_ok=True)
+            ledger.write_text(json.dumps({**spent, "open": True}))  # a part the sweep may not live to close
             rc, stderr, wall = train_part(run_dir, cell_args(task, arm, seed, args, run_dir, state == "resume"))
             spent = {"wall_s": spent["wall_s"] + wall, "parts": spent["parts"] + 1}
             ledger.write_text(json.dumps(spent))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,15 @@ def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
     args = type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": [11]})
     text = sweep.report(args)
     assert "| summarize | 11 |" in text and "| summarize | 0 |" not in text and "seeds [11]" in text
+
+
+def test_a_part_the_sweep_did_not_live_to_close_counts_to_the_runs_last_write(tmp_path):
+    run_dir = sweep.run_dir_of(tmp_path, "doors_memory", "summarize", 0)
+    write_jsonl(run_dir / "metrics.jsonl", [{"step": 0}])
+    os.utime(run_dir / "metrics.jsonl", (1000.0, 1000.0))
+    (run_dir.parent / f".{run_dir.name}.locked").write_text("940.5\n")  # the part's lock was granted then
+    ledger = run_dir.parent / f".{run_dir.name}.wall"
+    ledger.write_text(json.dumps({"wall_s": 30.0, "parts": 1, "open": True}))
+    assert sweep.settled(run_dir, ledger) == {"wall_s": 89.5, "parts": 2}
+    ledger.write_text(json.dumps({"wall_s": 30.0, "parts": 1}))  # closed: as written
+    assert sweep.settled(run_dir, ledger) == {"wall_s": 30.0, "parts": 1}
