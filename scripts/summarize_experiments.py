@@ -154,7 +154,9 @@ def summarize_run(task: str, arm: str, seed: int, run_dir: Path, wall: float, pa
     """One cell's row, from the run's metrics.jsonl, validation.jsonl and events.jsonl (its `run_failed`
     event says why it died; a process that died before writing one, by its exit code and stderr)."""
     rows, vals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "validation.jsonl")
-    failed = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "run_failed"]
+    events = read_jsonl(run_dir / "events.jsonl")
+    last = max((i for i, e in enumerate(events) if e.get("type") == "resumed"), default=-1)
+    failed = [e for e in events[last + 1:] if e.get("type") == "run_failed"]  # the last part's: earlier ones resumed
     lines = [x for x in stderr.splitlines() if x.strip()]
     died = str(failed[-1].get("error", ""))[:200] if failed else "" if not rc else (
         lines[-1][:200] if lines else f"exit {rc}")

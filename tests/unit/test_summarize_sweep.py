@@ -104,6 +104,11 @@ def test_cell_state_reads_the_run_directory(tmp_path):
         assert f"grpo.max_num_steps={own}" in sweep.cell_args(task, "summarize", 3, args, d["none"], False)
     row = sweep.summarize_run("doors_notes", "summarize", 2, d["died"], 12.0, 1)
     assert row["survived"] is False and row["died_reason"].startswith("RuntimeError: lost 3")
+    write_jsonl(d["mid"] / "events.jsonl", [{"type": "run_failed", "error": "Terminated: SIGTERM"},
+                                            {"type": "run_end", "step": 27}, {"type": "resumed", "from_step": 20},
+                                            {"type": "run_end", "step": 40}])  # the stopped part, then its resume
+    row = sweep.summarize_run("doors_notes", "summarize", 3, d["mid"], 12.0, 2)
+    assert row["survived"] is True and row["died_reason"] == ""
 
 
 def test_pending_skips_recorded_cells_seed_outermost_and_old_rows_are_doors_memory():
