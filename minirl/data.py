@@ -20,7 +20,7 @@ from array import array
 from pathlib import Path
 
 from minirl.runtime import jsonio
-from minirl.agents.env import TASKS, TOOLS, DoorsEnv
+from minirl.agents.env import TASKS, TOOLS, DoorsEnv, room_scores
 from minirl.agents.server import BadRow, check_row, unknown_agent
 from minirl.config import ConfigError, MinirlConfig
 from minirl.gym.failures import MASK_SAMPLE, NG_FAILURE_PREFIX, RESULT_FACTS, without_result_facts
@@ -89,6 +89,23 @@ def describe(row: dict) -> str:
     """A held-out row for an error message: ` (seed S, N rooms)` for a doors row, else ``."""
     rooms = difficulty(row)
     return f" (seed {row['task'].get('seed')}, {rooms} rooms)" if rooms is not None else ""
+
+
+def fact_rooms(row: dict, result: dict) -> tuple[int, int] | None:
+    """(rooms opened on their first try, rooms) over the rooms of a doors row that need a fact shown
+    earlier (`DoorsEnv.memory_facts`: doors_memory's last room, doors_notes' two noted rooms), replayed
+    from the result's `open_door` calls as `verify` scores them; None for a task without such rooms."""
+    if difficulty(row) is None:
+        return None
+    task = row["task"]
+    needed = {f["needed_in_room"] for f in DoorsEnv(task["seed"], task["num_rooms"], task.get("env", "doors"))
+              .memory_facts()}
+    if not needed:
+        return None
+    output = (result.get("response") or {}).get("output") if isinstance(result.get("response"), dict) else None
+    items = [it for it in output if isinstance(it, dict)] if isinstance(output, list) else []
+    opened = sum(score == 1.0 for room, (_, score) in enumerate(room_scores(task, items)) if room in needed)
+    return opened, len(needed)
 
 
 def task_row(cfg: MinirlConfig, seed: int) -> dict:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import aiohttp
 
-from minirl.agents.env import DoorsEnv, room_scores
 from minirl.config import MinirlConfig
-from minirl.data import _seed, dataset_rows, describe, difficulty, task_row, task_seed
+from minirl.data import _seed, dataset_rows, describe, difficulty, fact_rooms, task_row, task_seed
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
 from minirl.wire import (INFRA, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX, RolloutFailure, RolloutTimeout, classify,
@@ -129,23 +128,6 @@ async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row
         if classify(exc) != INFRA or send >= ng.max_row_attempts:
             raise ValidationFailed(f"held-out row {row['_rowidx']}{describe(row)} "
                                    f"failed after {send} send(s): {type(exc).__name__}: {exc}") from exc
-
-
-def fact_rooms(row: dict, result: dict) -> tuple[int, int] | None:
-    """(rooms opened on their first try, rooms) over the rooms of a doors row that need a fact shown
-    earlier (`DoorsEnv.memory_facts`: doors_memory's last room, doors_notes' two noted rooms), replayed
-    from the result's `open_door` calls as `verify` scores them; None for a task without such rooms."""
-    if difficulty(row) is None:
-        return None
-    task = row["task"]
-    needed = {f["needed_in_room"] for f in DoorsEnv(task["seed"], task["num_rooms"], task.get("env", "doors"))
-              .memory_facts()}
-    if not needed:
-        return None
-    output = (result.get("response") or {}).get("output") if isinstance(result.get("response"), dict) else None
-    items = [it for it in output if isinstance(it, dict)] if isinstance(output, list) else []
-    opened = sum(score == 1.0 for room, (_, score) in enumerate(room_scores(task, items)) if room in needed)
-    return opened, len(needed)
 
 
 def summarize(rows: list[dict], results: list[dict]) -> dict:

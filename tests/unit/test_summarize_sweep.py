@@ -14,10 +14,10 @@ import pytest
 
 from minirl.agents.env import DoorsEnv, make_rooms
 from minirl.config import load_config
-from minirl.data import task_row
+from minirl.data import fact_rooms, task_row
 from minirl.experiments.stats import paired_ci
 from minirl.trainer.checkpoint import save
-from minirl.validation import fact_rooms, summarize
+from minirl.validation import summarize
 
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("summarize_experiments", REPO / "scripts/summarize_experiments.py")
