@@ -3,6 +3,7 @@
     pip install -e '.[bench]'          # trl + datasets (once)
     python bench/vs_trl.py --quick     # tiny model only
     python bench/vs_trl.py             # tiny model, then the ~12M / 32k-vocab variant
+    python bench/vs_trl.py --quick --async-staleness 1   # minirl trains async (TRL's side unchanged)
 
 A single-turn task both can run: the doors task with one room and one model call; the reward
 is 1 when the call opens the door (minirl's verifier, called by TRL's reward function). Same
@@ -10,7 +11,9 @@ model directory, same prompts in the same order, group size, completion length (
 rate, loss (token-level, no KL, clip 0.2, std-normalised group advantages) and number of steps.
 TRL generates with Hugging Face `generate` (`use_vllm=False`, as on CPU); minirl with its vLLM
 workers behind HTTP. Reported: median step time after the first (warm-up) step, their ratio
-(minirl / TRL; target <= 0.7), and the mean reward of the last steps of each.
+(minirl / TRL; target <= 0.7), and the mean reward of the last steps of each. P2's figure is minirl's
+default, sync; `--async-staleness S` runs minirl's side async (its generation overlapping the update, at
+most S versions stale), a second figure beside it, not the claim.
 
 The 12M variant is built on first use into `.cache/models/small-doors-32k` by
 `scripts/build_tiny_model.py --size small --pad-vocab-to 32768 --sft-steps 0`: untrained, because
@@ -33,31 +36,36 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL_MODEL = REPO / ".cache" / "models" / "small-doors-32k"
 
 
-def common(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int = 2) -> list[str]:
+def common(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int = 2,
+           staleness: int = 0) -> list[str]:
     """minirl's side: the config file, then its overrides; `threads`: the engine's and the trainer's
-    torch threads (TRL's process gets as many)."""
+    torch threads (TRL's process gets as many); `staleness` > 0: minirl trains async at that staleness
+    (as bench/async_speedup.py: importance weights truncated by `tis` at 2.0), 0: sync (the default)."""
+    overlap = ["async_rl.enabled=true", f"async_rl.sampler.max_staleness_versions={staleness}",
+               "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis",
+               "loss_fn.truncated_importance_sampling_ratio=2.0"] if staleness > 0 else []
     return [
         "--config", str(REPO / "configs" / "plain.yaml"), f"policy.model_name={model}", "agent.max_steps=1",
         "env.num_rooms=1", f"grpo.num_prompts_per_step={prompts}", f"grpo.num_generations_per_prompt={gens}",
         f"grpo.max_num_steps={steps}", f"policy.optimizer.lr={lr}", "policy.generation.max_new_tokens=48",
         f"policy.train_micro_batch_size={prompts * gens}",  # one forward/backward per step, as TRL's batch here
         "checkpoint.enabled=false", "logger.tensorboard=false", "loss_fn.reference_policy_kl_penalty=0",
-        f"policy.generation.vllm_cfg.omp_threads={threads}", f"policy.train_threads={threads}",
+        f"policy.generation.vllm_cfg.omp_threads={threads}", f"policy.train_threads={threads}", *overlap,
     ]
 
 
-def run_minirl(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int) -> dict:
+def run_minirl(model: str, steps: int, prompts: int, gens: int, lr: float, threads: int, staleness: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "minirl.train", *common(model, steps, prompts, gens, lr, threads),
-                               f"run_dir={tmp}"],
+        args = common(model, steps, prompts, gens, lr, threads, staleness)
+        proc = subprocess.run([sys.executable, "-m", "minirl.train", *args, f"run_dir={tmp}"],
                               cwd=REPO, capture_output=True, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"minirl run failed: {proc.stderr[-2000:]}")
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return {"step_times": [r["step_time_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows], "wall_s": wall,
-            "phases": {k: statistics.median(r[k] for r in rows[1:])
+            "phases": {k: statistics.median(r.get(k) or 0.0 for r in rows[1:])
                        for k in ("rollout_time_s", "engine_busy_s", "train_time_s", "sync_time_s")}}
 
 
@@ -135,9 +143,10 @@ def ensure_small_model() -> str:
     return str(SMALL_MODEL)
 
 
-def compare(name: str, model: str, steps: int, prompts: int, gens: int, lr: float, threads: int) -> dict:
+def compare(name: str, model: str, steps: int, prompts: int, gens: int, lr: float, threads: int,
+            staleness: int = 0) -> dict:
     print(f"[{name}] minirl ...", flush=True)
-    mine = run_minirl(model, steps, prompts, gens, lr, threads)
+    mine = run_minirl(model, steps, prompts, gens, lr, threads, staleness)
     print(f"[{name}] TRL GRPOTrainer ...", flush=True)
     trl = run_trl(model, steps, prompts, gens, lr, threads)
     tail = max(1, steps // 3)
@@ -165,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads on each side: minirl's engine and trainer, TRL's process (default 2)")
+    ap.add_argument("--async-staleness", type=int, default=0, metavar="S",
+                    help="minirl trains async (async_rl) at staleness S (default 0: sync, the P2 figure); "
+                         "TRL's side is the same either way")
     ap.add_argument("--models", default=None,
                     help="comma-separated: tiny, small (default: tiny with --quick, else both)")
     args = ap.parse_args(argv)
@@ -172,12 +184,14 @@ def main(argv=None) -> int:
     models = args.models.split(",") if args.models else (["tiny"] if args.quick else ["tiny", "small"])
     from minirl.config import load_config
 
-    results = []
+    results, s = [], args.async_staleness
+    mode = f", minirl async S={s}" if s else ""
     if "tiny" in models:
-        results.append(compare("tiny 0.46M", load_config().policy.model_name, steps, 8, 4, args.lr, args.threads))
+        results.append(compare(f"tiny 0.46M{mode}", load_config().policy.model_name, steps, 8, 4, args.lr,
+                               args.threads, s))
     if "small" in models:
-        results.append(compare("small 12M / 32k vocab", ensure_small_model(), max(6, steps // 2), 8, 4, args.lr,
-                               args.threads))
+        results.append(compare(f"small 12M / 32k vocab{mode}", ensure_small_model(), max(6, steps // 2), 8, 4,
+                               args.lr, args.threads, s))
     print()
     print("| benchmark | minirl s/step | TRL s/step | minirl / TRL | target "
           "| reward minirl (first -> last third) | reward TRL |")

@@ -15,6 +15,15 @@ def _vs_trl(monkeypatch):
     return importlib.import_module("vs_trl")
 
 
+def _compare_recording(seen: list):
+    """`compare` without the runs: records (name, threads, staleness) and returns a result row."""
+    def compare(name, model, steps, prompts, gens, lr, threads, staleness=0):
+        seen.append((name, threads, staleness))
+        return {"name": name, "steps": steps, "minirl_step_s": 1.0, "trl_step_s": 1.0, "ratio": 1.0,
+                "minirl_reward_first": 0.0, "minirl_reward": 0.0, "trl_reward_first": 0.0, "trl_reward": 0.0}
+    return compare
+
+
 def test_threads_reach_minirls_engine_and_trainer(monkeypatch):
     from minirl.config import load_config
 
@@ -32,9 +41,27 @@ def test_threads_reach_minirls_engine_and_trainer(monkeypatch):
 def test_threads_is_a_command_line_option(monkeypatch):
     vt = _vs_trl(monkeypatch)
     seen = []
-    monkeypatch.setattr(vt, "compare", lambda name, model, steps, prompts, gens, lr, threads: seen.append(threads)
-                        or {"name": name, "steps": steps, "minirl_step_s": 1.0, "trl_step_s": 1.0, "ratio": 1.0,
-                            "minirl_reward_first": 0.0, "minirl_reward": 0.0, "trl_reward_first": 0.0,
-                            "trl_reward": 0.0})
-    assert vt.main(["--quick", "--threads", "1"]) == 0 and seen == [1]
-    assert vt.main(["--quick"]) == 0 and seen == [1, 2]
+    monkeypatch.setattr(vt, "compare", _compare_recording(seen))
+    assert vt.main(["--quick", "--threads", "1"]) == 0 and [t for _, t, _ in seen] == [1]
+    assert vt.main(["--quick"]) == 0 and [t for _, t, _ in seen] == [1, 2]
+
+
+def test_async_staleness_makes_minirls_side_async_and_only_when_asked(monkeypatch):
+    """`--async-staleness S` turns minirl's side async at staleness S with the K bench's truncated
+    importance weights; without it (P2's figure) the config is sync as before."""
+    from minirl.config import load_config
+
+    vt = _vs_trl(monkeypatch)
+    model = str(REPO / "models" / "tiny-doors")
+    sync = vt.common(model, 2, 4, 2, 5e-4, 1)
+    cfg = load_config(sync[1], sync[2:])
+    assert not cfg.async_rl.enabled and not cfg.loss_fn.use_importance_sampling_correction
+    overlapped = vt.common(model, 2, 4, 2, 5e-4, 1, staleness=1)
+    cfg = load_config(overlapped[1], overlapped[2:])
+    assert cfg.async_rl.enabled and cfg.async_rl.sampler.max_staleness_versions == 1
+    assert cfg.loss_fn.truncated_importance_sampling_type == "tis"
+    assert cfg.loss_fn.truncated_importance_sampling_ratio == 2.0
+    seen = []
+    monkeypatch.setattr(vt, "compare", _compare_recording(seen))
+    assert vt.main(["--quick", "--async-staleness", "1"]) == 0
+    assert seen == [("tiny 0.46M, minirl async S=1", 2, 1)]
