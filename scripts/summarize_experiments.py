@@ -430,26 +430,51 @@ def offline_section(path: Path) -> list[str]:
     return lines
 
 
-def faults_section(rows) -> list[str]:
-    """Experiment 3 (summary faults at FAULT_RATE) on doors_memory, when its arms ran."""
-    arms = ("summarize", "summarize+faults, redispatch", "summarize+faults, drop budget")
-    if not per_seed(rows, "doors_memory", arms[1], "wall_s"):
+FAULTS_SHORT = "exp3-20steps.csv"
+"""Experiment 3's earlier 20-step runs of the fault arms (issue 30), kept beside results.csv in its columns once
+runs of the config's full length replaced them there; the report tables them under the full-length table."""
+FAULT_KEYS = ("steps", "groups_dropped", "groups_redispatched", "rejected", "failed", "fraction_trained",
+              "val_success_start", "val_success_final", "recall_last", "wall_s")
+"""Experiment 3's columns: how far each run got, what the faults cost it, what it learned, and its wall time."""
+
+
+def faults_table(rows, arms) -> list[str]:
+    """One row per arm of experiment 3: the surviving runs out of those run, then FAULT_KEYS over seeds."""
+    lines = ["| arm | survived | " + " | ".join(FAULT_KEYS) + " |", "|---|---|" + "---|" * len(FAULT_KEYS)]
+    for arm in arms:
+        mine = [r for r in rows if cell_key(r)[:2] == ("doors_memory", arm)]
+        surv = f"{sum(r['survived'] == 'True' for r in mine)}/{len(mine)}"
+        lines.append(f"| {arm} | {surv} | " + " | ".join(stat(rows, "doors_memory", arm, k) for k in FAULT_KEYS)
+                     + " |")
+    return lines
+
+
+def faults_section(rows, out: Path | None = None) -> list[str]:
+    """Experiment 3 (summary faults at FAULT_RATE) on doors_memory, when its arms ran; the earlier 20-step runs
+    (FAULTS_SHORT in `out`) beneath, when kept."""
+    red, drop = "summarize+faults, redispatch", "summarize+faults, drop budget"
+    if not per_seed(rows, "doors_memory", red, "wall_s"):
         return []
-    keys = ("steps", "groups_dropped", "groups_redispatched", "rejected", "failed", "fraction_trained",
-            "val_success_final", "recall_last")
+    seeds = {int(r["seed"]) for r in rows if cell_key(r)[:2] == ("doors_memory", red)}
+    steps = ", ".join(sorted({r["steps"] for r in rows if cell_key(r)[:2] == ("doors_memory", red)}, key=num))
+    rows = [r for r in rows if cell_key(r)[1] != "summarize" or int(r["seed"]) in seeds]  # no-fault rows to pair
     lines = ["", f"## Experiment 3: summary faults at {FAULT_RATE:.0%}", "",
              f"Each summary fault kind ({', '.join(SUMMARY_FAULTS)}) at rate {FAULT_RATE} per compaction "
              "(minirl.faults), `on_summary_failure: raise` (a `summary_failed` is an INFRA harness failure). Under "
              "redispatch (fix 3) the failed rows are re-sent; under the drop budget alone their groups are dropped "
-             "against `max_consecutive_dropped_prompts`.", "",
-             "| arm | survived | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
-    for arm in arms:
-        mine = [r for r in rows if cell_key(r)[:2] == ("doors_memory", arm)]
-        surv = f"{sum(r['survived'] == 'True' for r in mine)}/{len(mine)}"
-        lines.append(f"| {arm} | {surv} | " + " | ".join(stat(rows, "doors_memory", arm, k) for k in keys) + " |")
-    red, drop = "summarize+faults, redispatch", "summarize+faults, drop budget"
-    return lines + ["", "- fraction trained, redispatch − drop budget: "
-                    f"{diff(rows, 'doors_memory', (red, 'fraction_trained'), (drop, 'fraction_trained'))}"]
+             f"against `max_consecutive_dropped_prompts`. Redispatch runs of {steps} steps, seeds {sorted(seeds)} "
+             "(`summarize`: the same seeds without faults).", "", *faults_table(rows, ("summarize", red, drop)), ""]
+    lines += [f"- {label}: {diff(rows, 'doors_memory', a, b)}" for label, a, b in (
+        ("fraction trained, redispatch − drop budget", (red, "fraction_trained"), (drop, "fraction_trained")),
+        ("held-out success after RL, redispatch − no faults", (red, "val_success_final"),
+         ("summarize", "val_success_final")),
+        ("recall, last steps, redispatch − no faults", (red, "recall_last"), ("summarize", "recall_last")))]
+    short = read_rows(out / FAULTS_SHORT) if out else []
+    if short:
+        lines += ["", f"The earlier runs of the fault arms at 20 steps (seeds "
+                  f"{sorted({int(r['seed']) for r in short})}), replaced above by the full-length ones, are kept in "
+                  f"[{FAULTS_SHORT}]({FAULTS_SHORT}):", "", *faults_table(short, (red, drop))]
+    return lines
 
 
 def lost_log_section(rows) -> list[str]:
@@ -507,7 +532,8 @@ def report(args) -> str:
     for task in TASKS:
         if any(per_seed(rows, task, a, "wall_s") for a in EXPERIMENT_ARMS):
             lines += task_section(rows, task)
-    lines += faults_section(rows) + lost_log_section(rows) + offline_section(Path(args.out) / "offline.jsonl")
+    out = Path(args.out)
+    lines += faults_section(rows, out) + lost_log_section(rows) + offline_section(out / "offline.jsonl")
     died = [f"- {' '.join(map(str, cell_key(r)))}: {r['died_reason']}" for r in rows if r["survived"] != "True"]
     lines += ["", "Runs that ended early:" if died else "Every run completed.", "", *died]
     return "\n".join(lines).rstrip() + "\n"

@@ -210,3 +210,32 @@ def test_a_part_the_sweep_did_not_live_to_close_counts_to_the_runs_last_write(tm
     assert sweep.settled(run_dir, ledger) == {"wall_s": 89.5, "parts": 2}
     ledger.write_text(json.dumps({"wall_s": 30.0, "parts": 1}))  # closed: as written
     assert sweep.settled(run_dir, ledger) == {"wall_s": 30.0, "parts": 1}
+
+
+def test_experiment_3_pairs_its_seeds_and_tables_the_kept_20_step_runs_beneath(tmp_path):
+    def row(arm, seed, steps, survived=True, success=0.5):
+        return {"task": "doors_memory", "arm": arm, "seed": str(seed), "steps": str(steps), "wall_s": "1",
+                "survived": str(survived), "fraction_trained": "1.0" if survived else "0.0",
+                "val_success_final": str(success) if survived else "", "recall_curve": "[0.1, 0.5]"}
+
+    def write(path, rows):
+        with path.open("w", newline="") as f:
+            w = sweep.csv.DictWriter(f, fieldnames=sweep.COLUMNS, restval="")
+            w.writeheader()
+            w.writerows(rows)
+
+    red, drop = "summarize+faults, redispatch", "summarize+faults, drop budget"
+    write(tmp_path / "results.csv", [row("summarize", s, 200, success=0.25 * s) for s in range(4)]
+          + [row(red, s, 200) for s in (0, 1)] + [row(drop, s, 3, survived=False) for s in (0, 1)])
+    text = sweep.report(type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": None}))
+    assert "Redispatch runs of 200 steps, seeds [0, 1]" in text
+    assert "| summarize | 2/2 | 200.000 ± 0.000 |" in text  # seeds 2 and 3 ran no fault arm: not in the table
+    assert "| summarize+faults, drop budget | 0/2 | 3.000 ± 0.000 |" in text
+    m, h, _ = paired_ci({0: 0.5, 1: 0.5}, {0: 0.0, 1: 0.25})
+    assert f"held-out success after RL, redispatch − no faults: {m:.3f} ± {h:.3f} over 2 seeds" in text
+    assert sweep.FAULTS_SHORT not in text  # nothing kept yet
+    write(tmp_path / sweep.FAULTS_SHORT, [row(red, s, 20) for s in (0, 1, 2)] + [row(drop, 2, 5, survived=False)])
+    text = sweep.report(type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": None}))
+    kept = text.split(f"[{sweep.FAULTS_SHORT}]({sweep.FAULTS_SHORT})")[1]
+    assert "seeds [0, 1, 2]" in text and "| summarize+faults, redispatch | 3/3 | 20.000 ± 0.000 |" in kept
+    assert "| summarize+faults, drop budget | 0/1 | 5.000 |" in kept and "| summarize |" not in kept
