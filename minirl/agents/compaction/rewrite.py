@@ -4,11 +4,13 @@ dropped) and `identity` (never rewrites: the compaction agent's loop and guard w
 
 Invariant: `compact` never reorders, adds or alters anything but the dropped parts and items, and
 compacting an already compacted history with the same settings changes nothing (it is idempotent).
+It never mutates its input: an item it rewrites is a new dict, and every other item is the input's
+own (shared, not copied: the history holds each call's token evidence, and copying it all before
+every call cost the agent more than the rest of its turn).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 from minirl.agents.compaction.base import CompactionResult
@@ -71,7 +73,7 @@ def compact(items: list[dict], cfg: ContextHistoryConfig, initial_len: int) -> R
     - reasoning: drop reasoning items except the last `keep_last_blocks` (and the first, if
       `keep_first_block`).
     """
-    items = copy.deepcopy(items)
+    items = list(items)  # rewritten items are replaced, never changed in place: the input stays as it was
     result = Rewrite(items)
 
     images = cfg.policy.config.images
@@ -86,7 +88,7 @@ def compact(items: list[dict], cfg: ContextHistoryConfig, initial_len: int) -> R
                     result.images_dropped += 1
                     part = {"type": "input_text", "text": images.omission_marker}
                 new_parts.append(part)
-            items[i][key] = new_parts
+            items[i] = {**items[i], key: new_parts}
 
     reasoning = cfg.policy.config.reasoning
     if reasoning.enabled:
