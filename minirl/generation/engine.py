@@ -219,6 +219,15 @@ class VllmEngine:
         read of the model's config, safe on any thread."""
         self.llm.llm_engine.renderer.validate_token_ids(token_ids, parameter=parameter)
 
+    def vocab_bound(self) -> int | None:
+        """The largest token id `validate_token_ids` lets through (vLLM's: the larger of the tokenizer's
+        and the model's vocabulary), or None when vLLM checks nothing (no tokenizer): a front end checks
+        ids against it without a round trip to this process."""
+        renderer = self.llm.llm_engine.renderer
+        if renderer.tokenizer is None:
+            return None
+        return max(renderer.tokenizer.max_token_id, renderer.model_config.get_vocab_size() - 1)
+
     def update_weights(self, named: list, version: int, drain: bool = False) -> Future:
         """New weights between two engine steps. Requests in flight continue under them (their
         result records both versions), unless `drain`: then the update waits until every request in

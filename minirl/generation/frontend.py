@@ -83,13 +83,14 @@ class FrontEnd:
     request, off the engine's GIL). What crosses (pickled tuples): to the engine, token ids with
     vLLM's own msgpack encoding of the SamplingParams (what vLLM sends to its EngineCore; 3x cheaper
     to decode than a pickle; pickled when an int in them is too large for msgpack, so that vLLM's own
-    validation in the engine's process answers it, naming the field), aborts,
-    `required_prefix_token_ids` to check against the vocabulary (vLLM's check, in the engine's
-    process, which holds the model config), health probes and the `engine_hang` / `engine_crash`
-    faults; back, each request's `GenResult` or its exception, and each probe's answer (None, or why
-    the engine is unhealthy). The engine's process also calls into the front end (`call`): take the
-    call log, reset for a new run, stats, the new weight version. `worker_kill` kills the front end's
-    process at its site in `ModelServer`; the worker SIGKILLs its own process when the front end exits."""
+    validation in the engine's process answers it, naming the field), aborts, health probes and the
+    `engine_hang` / `engine_crash` faults; back, each request's `GenResult` or its exception, and each
+    probe's answer (None, or why the engine is unhealthy). `required_prefix_token_ids` is checked
+    against the vocabulary in the front end (`check_vocab`, on the bound this process sends at start):
+    a round trip here on every turn held the front end's event loop ~1 ms while it waited. The
+    engine's process also calls into the front end (`call`): take the call log, reset for a new run,
+    stats, the new weight version. `worker_kill` kills the front end's process at its site in
+    `ModelServer`; the worker SIGKILLs its own process when the front end exits."""
 
     def __init__(self, engine, cfg, rank: int, host: str, port: int):
         from minirl.runtime.http_thread import resolve_host
@@ -105,7 +106,8 @@ class FrontEnd:
 
         self._params = msgspec.msgpack.Decoder(SamplingParams)
         spec = {"cfg": cfg, "rank": rank, "host": host, "port": port, "channel": (to_engine, to_front),
-                "max_model_len": engine.max_model_len, "version": engine.version}
+                "max_model_len": engine.max_model_len, "version": engine.version,
+                "vocab_bound": engine.vocab_bound()}
         self.proc = child.spawn("minirl.generation.frontend", spec)
         try:
             self.url = self._await_ready()
@@ -170,12 +172,6 @@ class FrontEnd:
                 engine.hang()
             elif kind == "crash":
                 engine.crash()
-            elif kind == "validate":
-                try:
-                    engine.validate_token_ids(*rest)
-                    self.chan.send("done", key, None, None)
-                except Exception as exc:
-                    self.chan.send("done", key, None, _portable(exc))
             elif kind == "reply":
                 fut = self._calls.get(key)
                 value, exc = rest
@@ -184,13 +180,28 @@ class FrontEnd:
 
 
 # -- the front end's side (its own process) ---------------------------------------------------------
+def check_vocab(token_ids: list[int], bound: int | None, parameter: str) -> None:
+    """vLLM's vocabulary check (`BaseRenderer.validate_token_ids`, vllm/renderers/base.py), its
+    error and wording, against `bound` (`VllmEngine.vocab_bound`; None: vLLM checks nothing)."""
+    if not token_ids or bound is None:
+        return
+    from vllm.exceptions import VLLMValidationError
+
+    low, high = min(token_ids), max(token_ids)
+    if low < 0:
+        raise VLLMValidationError(f"Token id {low} is out of vocabulary", parameter=parameter)
+    if high > bound:
+        raise VLLMValidationError(f"Token id {high} is out of vocabulary", parameter=parameter)
+
+
 class EngineClient:
     """The engine as `ModelServer` sees it, across the channel: `VllmEngine`'s interface
     (generate -> Future, abort, check_health -> Future, hang, crash, validate_token_ids, max_model_len,
-    version)."""
+    version). `validate_token_ids` runs here, against the engine's `vocab_bound`."""
 
-    def __init__(self, chan: Channel, max_model_len: int, version: int):
+    def __init__(self, chan: Channel, max_model_len: int, version: int, vocab_bound: int | None):
         self.chan, self.max_model_len, self.version = chan, max_model_len, version
+        self.vocab_bound = vocab_bound
         self._pending: dict[str, Future] = {}
         self._encode = msgspec.msgpack.Encoder().encode
 
@@ -223,7 +234,7 @@ class EngineClient:
         self.chan.send("crash", "")
 
     def validate_token_ids(self, token_ids: list[int], parameter: str) -> None:
-        self._ask("validate", uuid.uuid4().hex, list(token_ids), parameter).result(CALL_TIMEOUT_S)
+        check_vocab(token_ids, self.vocab_bound, parameter)
 
     def resolve(self, rid: str, value, exc: BaseException | None) -> None:
         fut = self._pending.pop(rid, None)
@@ -243,7 +254,7 @@ def main() -> None:
         from minirl.generation.server import ModelServer
         from minirl.runtime.http_thread import HttpThread
 
-        engine = EngineClient(chan, spec["max_model_len"], spec["version"])
+        engine = EngineClient(chan, spec["max_model_len"], spec["version"], spec["vocab_bound"])
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
         server = ModelServer(engine, tokenizer, cfg.policy.model_name, FaultPlan(cfg.faults))
         server.reasoning_parser = cfg.policy.generation.reasoning_parser

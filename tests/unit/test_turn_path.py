@@ -1,0 +1,94 @@
+"""The work between two turns of a rollout (P4's between-turn gaps): the agent's compaction shares what it
+does not rewrite, and the front end checks a token prefix against the vocabulary as vLLM does, without
+asking the engine's process."""
+
+import types
+
+import pytest
+
+from minirl.agents.compaction import compact
+from minirl.agents.env import image_part
+from minirl.config import ContextHistoryConfig
+
+
+def _history() -> list[dict]:
+    """An initial context, then three calls, each with its token evidence, a reasoning item and a picture."""
+    items = [{"type": "message", "role": "user", "content": "Open the doors."}]
+    for k in range(3):
+        items += [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": f"think{k}"}]},
+            {"type": "function_call", "call_id": f"c{k}", "name": "open_door", "arguments": '{"code": 1}',
+             "prompt_token_ids": list(range(100 * k, 100 * k + 50)), "generation_token_ids": [7, 8, 2],
+             "generation_log_probs": [-0.5, -0.25, -0.125]},
+            {"type": "function_call_output", "call_id": f"c{k}",
+             "output": [{"type": "input_text", "text": "Wrong code."}, image_part(f"img{k}")]},
+        ]
+    return items
+
+
+def test_compaction_shares_the_items_it_keeps_and_copies_the_ones_it_rewrites():
+    """`compact` used to deep-copy the whole history (every call's token ids and logprobs) before each model
+    call; now an item it keeps is the input's own, an item it rewrites is a new dict, and the input is unchanged."""
+    cfg = ContextHistoryConfig()
+    cfg.policy.config.images.keep_last_groups = 1
+    cfg.policy.config.reasoning.keep_last_blocks = 1
+    items = _history()
+    before = _history()
+    out = compact(items, cfg, initial_len=1)
+    assert items == before, "compaction must not mutate its input"
+    assert (out.images_dropped, out.reasoning_dropped) == (2, 2)
+    rewritten = [it for it in out.items if it["type"] == "function_call_output"][:2]
+    assert all(it not in items for it in rewritten) and all(it is not orig for it, orig in zip(rewritten, items))
+    kept = [it for it in out.items if it["type"] != "function_call_output"] + [out.items[-1]]
+    assert all(any(it is orig for orig in items) for it in kept)
+    calls = [it for it in out.items if it["type"] == "function_call"]
+    assert calls[0]["prompt_token_ids"] is items[2]["prompt_token_ids"]
+
+
+def _vllm_check(bound_tokenizer: int, vocab_size: int):
+    """vLLM's own `BaseRenderer.validate_token_ids`, on a renderer that holds only what it reads."""
+    from vllm.renderers.base import BaseRenderer
+
+    renderer = types.SimpleNamespace(tokenizer=types.SimpleNamespace(max_token_id=bound_tokenizer),
+                                     model_config=types.SimpleNamespace(get_vocab_size=lambda: vocab_size))
+    return lambda ids, parameter: BaseRenderer.validate_token_ids(renderer, ids, parameter=parameter)
+
+
+def _outcome(check, ids):
+    try:
+        check(ids, "required_prefix_token_ids")
+        return None
+    except Exception as exc:
+        return type(exc).__name__, str(exc), getattr(exc, "parameter", None)
+
+
+@pytest.mark.parametrize("tokenizer_max,vocab_size", [(511, 512), (511, 600), (700, 512)])
+def test_front_end_vocabulary_check_is_vllms(tokenizer_max, vocab_size):
+    """The front end checks `required_prefix_token_ids` on the engine's bound (`VllmEngine.vocab_bound`'s
+    formula) with vLLM's outcome, error class, message and parameter, for ids around both ends."""
+    from minirl.generation.frontend import check_vocab
+
+    bound = max(tokenizer_max, vocab_size - 1)
+    vllm = _vllm_check(tokenizer_max, vocab_size)
+    cases = [[], [0], [5, bound], [5, bound + 1], [bound + 1, -1], [-3, 2], [2**70], [3, 10**6, 4]]
+    for ids in cases:
+        assert _outcome(lambda i, p: check_vocab(i, bound, p), ids) == _outcome(vllm, ids), ids
+    assert _outcome(lambda i, p: check_vocab(i, None, p), [-1, 10**9]) is None  # no tokenizer: vLLM checks nothing
+
+
+def test_engine_client_checks_the_prefix_without_the_engines_process():
+    """Before, each turn's prefix check was a blocking round trip to the engine's process (~1 ms of the front
+    end's event loop a turn); now it answers with no engine at the channel's other end."""
+    from minirl.generation import frontend
+
+    tag = f"minirl-test-turn-path-{id(object())}"
+    chan = frontend.Channel(f"ipc://@{tag}-e", f"ipc://@{tag}-f", bind=False)
+    try:
+        client = frontend.EngineClient(chan, max_model_len=128, version=0, vocab_bound=511)
+        client.validate_token_ids([1, 2, 511], "required_prefix_token_ids")
+        with pytest.raises(Exception, match="Token id 512 is out of vocabulary") as err:
+            client.validate_token_ids([1, 512], "required_prefix_token_ids")
+        assert err.value.parameter == "required_prefix_token_ids"
+        assert not client._pending
+    finally:
+        chan.ctx.destroy(linger=0)
