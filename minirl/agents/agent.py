@@ -69,7 +69,9 @@ async def run_episode(
             raise InjectedAgentFault(f"injected agent_exception after call {call} of {ep.coords.key}")
         if await _ended(ep, reply, items, tool_latency_s):
             break
-        await asyncio.sleep(0)
+        # no yield here: the next call goes out at once. When one engine step answers many episodes, an
+        # extra yield held each episode's next call until every other answered episode had parsed its
+        # reply, while the engine sat idle.
     return finish_episode(row, ep)
 
 

@@ -1,14 +1,19 @@
 """The work between two turns of a rollout (P4's between-turn gaps): the agent's compaction shares what it
-does not rewrite, and the front end checks a token prefix against the vocabulary as vLLM does, without
-asking the engine's process."""
+does not rewrite, an answered episode sends its next call without yielding first, and the front end checks
+a token prefix against the vocabulary as vLLM does, without asking the engine's process."""
 
+import asyncio
+import json
 import types
 
 import pytest
 
+from minirl.agents.agent import ModelReply, run_episode
 from minirl.agents.compaction import compact
 from minirl.agents.env import image_part
-from minirl.config import ContextHistoryConfig
+from minirl.config import ContextHistoryConfig, load_config
+from minirl.data import prompt_row
+from minirl.wire import Coords
 
 
 def _history() -> list[dict]:
@@ -92,3 +97,53 @@ def test_engine_client_checks_the_prefix_without_the_engines_process():
         assert not client._pending
     finally:
         chan.ctx.destroy(linger=0)
+
+
+class OneStep:
+    """A model whose first calls all wait for one engine step (`step`) and get a door tool call each; every
+    later call ends its episode. `log` holds each call's ("call", key) and ("reply", key) in order."""
+
+    EVIDENCE = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [0.0]}
+
+    def __init__(self):
+        self.log: list[tuple[str, str]] = []
+        self.step = asyncio.Event()
+        self.waiting = 0
+
+    async def chat(self, messages, tools, params, key, required_prefix):
+        self.log.append(("call", key))
+        if not key.endswith(".c0"):
+            self.log.append(("reply", key))
+            return ModelReply({"role": "assistant", "content": "done"}, "stop", self.EVIDENCE)
+        self.waiting += 1
+        await self.step.wait()
+        self.log.append(("reply", key))
+        fn = {"name": "open_door", "arguments": json.dumps({"code": 0})}
+        message = {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": fn}]}
+        return ModelReply(message, "tool_calls", self.EVIDENCE)
+
+    async def count_tokens(self, messages, tools):
+        return 1
+
+
+def test_an_answered_episode_sends_its_next_call_before_the_next_episode_reads_its_answer():
+    """When one engine step answers several episodes at once, each sends its next call as soon as it has
+    parsed its answer and stepped its environment. Before, a yield at the end of each turn made the first
+    episode's next call wait until every answered episode had parsed its answer, with the engine idle."""
+    cfg = load_config(overrides=[])
+    model, n = OneStep(), 3
+    rows = [{**prompt_row(cfg, 0, 0), "_minirl": {"step": 0, "group": 0, "rollout": r, "attempt": 0}}
+            for r in range(n)]
+
+    async def go():
+        episodes = [asyncio.ensure_future(run_episode(row, cfg.agent, model)) for row in rows]
+        while model.waiting < n:
+            await asyncio.sleep(0)
+        model.step.set()  # the engine step that answers all three
+        return await asyncio.gather(*episodes)
+
+    results = asyncio.run(go())
+    assert [r["evidence"]["calls"] for r in results] == [2] * n
+    keys = [Coords.from_row(row).key for row in rows]
+    for this, after in zip(keys, keys[1:]):
+        assert model.log.index(("call", f"{this}.c1")) < model.log.index(("reply", f"{after}.c0")), model.log
