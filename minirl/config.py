@@ -183,6 +183,14 @@ class VllmConfig:
     lone call waited the whole gap."""
     gather_max_s: float = bounded(0.25, ge=0)
     """The longest an idle engine gathers a burst before its first step (see `gather_gap_s`)."""
+    gather_rule: Literal["learned", "fixed"] = "learned"
+    """How long a gather waits for a clump's next request. `learned`: a gather of fewer than 8
+    requests (calls coming back from their tools together) waits 3x the 90th percentile of the gaps
+    between recent gathers' requests, at least 5 ms, at most `gather_gap_s`; a larger one (a step's
+    burst of first turns) waits `gather_gap_s`. Inside a clump the next call followed within ~1 ms on a
+    quiet machine, so the fixed gap held each clump ~20 ms past its last call; at load the learned gap
+    grows back to `gather_gap_s`. `fixed`: every gather past its first request waits `gather_gap_s`
+    (the rule before 2026-12-05). Constants and why: minirl/generation/engine.py (GATHER_CLUMP)."""
 
 
 @dataclass

@@ -39,6 +39,28 @@ STEP_LOG = 4096
 STUCK_STEP_S = 5.0
 """A step running longer than this fails `check_health` (so fleet health quarantines the worker);
 `step_timeout_s`, much longer, then ends the engine."""
+GATHER_CLUMP = 8
+"""Under the `learned` gather rule (VllmConfig.gather_rule), a gather that has taken fewer requests
+than this waits the learned gap for the next one (calls coming back from their tools together);
+from this many on it waits `gather_gap_s`, as the fixed rule does: a step's burst of first turns
+(P1's 128, a training step's groups), whose delivery pauses for 2-20 ms at times (the agent's and
+front end's threads sharing the cores) and which a step started mid-burst would slow further."""
+GAP_SAMPLES, GAP_MIN_SAMPLES = 256, 32
+"""The learned gap reads the latest `GAP_SAMPLES` gaps between a gather's requests; with fewer than
+`GAP_MIN_SAMPLES` it is `gather_gap_s`."""
+GAP_QUANTILE, GAP_MARGIN, GAP_FLOOR_S = 0.9, 3.0, 0.005
+"""The learned gap: `GAP_MARGIN` times the `GAP_QUANTILE` quantile of those gaps, at least
+`GAP_FLOOR_S`, at most `gather_gap_s`. Inside a burst at an idle engine the next request followed
+within ~1 ms on a quiet 2-core machine and 0.8-9 ms at load ~20-35 (bench/README.md), so a quiet
+machine waits ~5 ms past a clump's last request and a loaded one up to the whole gap, as before."""
+
+
+def learned_gap(gaps, cap_s: float) -> float:
+    """The gap a `learned` gather waits for the next request of a clump, from the gaps between the
+    requests of recent gathers (seconds): see GAP_QUANTILE; `cap_s` (`gather_gap_s`) until enough are known."""
+    if len(gaps) < GAP_MIN_SAMPLES:
+        return cap_s
+    return min(cap_s, max(GAP_FLOOR_S, GAP_MARGIN * float(np.quantile(np.fromiter(gaps, float), GAP_QUANTILE))))
 
 
 def _compile_sampler(llm) -> None:
@@ -148,11 +170,12 @@ class VllmEngine:
     def __init__(self, model: str, *, max_model_len: int, seed: int, dtype: str = "float32",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, on_dead=None, step_timeout_s: float = 0.0,
-                 gather_gap_s: float = 0.0, gather_max_s: float = 0.0, gather_first_s: float | None = None):
+                 gather_gap_s: float = 0.0, gather_max_s: float = 0.0, gather_first_s: float | None = None,
+                 gather_rule: str = "fixed"):
         """`on_dead(exc)` runs once a step has failed, or has not returned within `step_timeout_s`
         (0: no limit; only with `on_dead`), and every request in flight has been failed with it; the
-        generation worker ends its process there. `gather_gap_s`, `gather_max_s` and `gather_first_s`:
-        how an idle CPU engine gathers a burst before its first step (`set_gather`)."""
+        generation worker ends its process there. `gather_gap_s`, `gather_max_s`, `gather_first_s` and
+        `gather_rule`: how an idle CPU engine gathers a burst before its first step (`set_gather`)."""
         self.max_model_len = max_model_len
         self.model = model
         self.expected = checkpoint_shapes(model)  # what an update must fit (check_weights)
@@ -163,6 +186,10 @@ class VllmEngine:
         self.gather_s = 0.0  # wall time an idle engine held its first requests while gathering a burst (`_gather`)
         self.gathers_lone = 0  # gathers of a lone request: none came in the first window (`gather_first_s`)
         self.gathers_burst = 0  # gathers that took a burst: a second request came in time, or was there at once
+        self.gather_learned_s = 0.0  # the gap the latest `learned` gather waited inside a clump (`learned_gap`)
+        self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)  # gaps between gathered requests, for `learned_gap`
+        self._last_sub = 0.0  # time.monotonic() at which the latest request accepted was submitted (`generate`)
+        self._after: float | None = None  # the submission of a finished gather's last request, until the next
         self.steps = 0  # engine steps taken
         self.step_log: deque[tuple[float, float, int]] = deque(maxlen=STEP_LOG)
         """The latest steps' (time.monotonic() at its start, seconds, requests in the engine): where a
@@ -176,6 +203,7 @@ class VllmEngine:
         self._deferred: list[tuple] = []  # requests that arrived while it waits
         self.on_dead = on_dead
         self.gather_gap_s = self.gather_max_s = self.gather_first_s = 0.0  # set_gather, once built
+        self.gather_rule = "fixed"
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
         self._crash = False  # set by the `engine_crash` fault: the next step fails
@@ -189,7 +217,7 @@ class VllmEngine:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
-        self.set_gather(gather_gap_s, gather_max_s, gather_first_s)
+        self.set_gather(gather_gap_s, gather_max_s, gather_first_s, gather_rule)
         if on_dead is not None and step_timeout_s > 0:
             threading.Thread(target=self._watch, args=(step_timeout_s,), name="vllm-engine-watchdog",
                              daemon=True).start()
@@ -201,7 +229,7 @@ class VllmEngine:
         if self.dead is not None:
             fut.set_exception(RuntimeError(f"vLLM engine is dead: {self.dead!r}"))
             return fut
-        self._inbox.put(("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params), fut))
+        self._inbox.put(("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params, time.monotonic()), fut))
         return fut
 
     def abort(self, request_id: str) -> None:
@@ -264,14 +292,20 @@ class VllmEngine:
         self._inbox.put(("drain" if drain else "run", apply, fut))
         return fut
 
-    def set_gather(self, gap_s: float, max_s: float, first_s: float | None = None) -> None:
+    def set_gather(self, gap_s: float, max_s: float, first_s: float | None = None, rule: str = "fixed") -> None:
         """How an idle engine gathers a burst before its first step (`_gather`; VllmConfig's
-        `gather_gap_s`, `gather_max_s` and `gather_first_s`; None: the first window is the gap). A GPU
-        engine's steps leave the CPU to the front end, so it steps at once whatever is asked, as vLLM does."""
+        `gather_gap_s`, `gather_max_s`, `gather_first_s` and `gather_rule`; None: the first window is
+        the gap). A GPU engine's steps leave the CPU to the front end, so it steps at once whatever is
+        asked, as vLLM does. A new gather learns anew: the gaps learned so far are dropped."""
         import torch
 
+        if rule not in ("fixed", "learned"):
+            raise ValueError(f"gather rule must be 'fixed' or 'learned', got {rule!r}")
         self.gather_gap_s, self.gather_max_s = (0.0 if torch.cuda.is_available() else gap_s), max_s
         self.gather_first_s = self.gather_gap_s if first_s is None else min(first_s, self.gather_gap_s)
+        self.gather_rule = rule
+        self._gaps.clear()
+        self._after = None
 
     def weights_finite(self) -> Future:
         """True when every weight the engine serves from is finite (a check for tests and operators)."""
@@ -377,9 +411,14 @@ class VllmEngine:
                 self.llm.llm_engine.abort_request([payload])
                 entry[0].set_exception(CancelledError(f"request {payload} aborted: its caller left"))
             return
-        rid, prompt, params = payload
+        rid, prompt, params, submitted = payload
         if not fut.set_running_or_notify_cancel():  # the caller left before the engine saw it
             return
+        if self._after is not None:  # the first request after a gather: how long after its last one it came
+            if submitted - self._after < self.gather_gap_s:  # one the fixed rule would have gathered
+                self._gaps.append(submitted - self._after)
+            self._after = None
+        self._last_sub = submitted
         try:
             self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         except BaseException as exc:  # vLLM refused the request (e.g. VLLMValidationError)
@@ -396,24 +435,39 @@ class VllmEngine:
         engine a step takes the cores that deliver the burst's other requests: stepping at once, they
         joined over several slow steps and finished over as many more. A lone request (a later turn
         after a tool call) waits only `gather_first_s` for a second one: a burst's second request
-        follows its first within that, and a lone call that waited the whole gap paid it on every turn."""
+        follows its first within that, and a lone call that waited the whole gap paid it on every turn.
+        Under the `learned` rule a gather of fewer than GATHER_CLUMP requests (calls back from their
+        tools together) waits only the gap learned from recent gathers' own spacing (`learned_gap`):
+        the fixed gap held every clump 20 ms past its last request, which followed the one before
+        within ~1 ms on a quiet machine."""
         if self.gather_gap_s <= 0:
             return
         t0 = time.monotonic()
         deadline = t0 + self.gather_max_s
-        lone = len(self._pending) == 1
-        window = self.gather_first_s if lone else self.gather_gap_s
-        while (wait := min(window, deadline - time.monotonic())) > 0:
+        clump = learned_gap(self._gaps, self.gather_gap_s) if self.gather_rule == "learned" else self.gather_gap_s
+        self.gather_learned_s = clump
+        taken = len(self._pending)
+        while (wait := min(self._window(taken, clump), deadline - time.monotonic())) > 0:
+            before = self._last_sub
             try:
                 self._accept(*self._inbox.get(timeout=wait))
             except queue.Empty:
                 break
-            lone, window = False, self.gather_gap_s
-        if lone:
+            taken += 1
+            if taken > 2 and self._last_sub != before:  # the gaps after a burst's second request (not the first's)
+                self._gaps.append(self._last_sub - before)
+        if taken == 1:
             self.gathers_lone += 1
         else:
             self.gathers_burst += 1
+            self._after = self._last_sub
         self.gather_s += time.monotonic() - t0
+
+    def _window(self, taken: int, clump_s: float) -> float:
+        """How long a gather that has taken `taken` requests waits for the next (`_gather`)."""
+        if taken == 1:
+            return self.gather_first_s
+        return clump_s if taken < GATHER_CLUMP else self.gather_gap_s
 
     def _loop(self, *build) -> None:
         """The engine's thread: build the engine, then forever take requests and step it."""

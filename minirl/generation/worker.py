@@ -36,6 +36,7 @@ def make_engine(cfg: MinirlConfig, rank: int, on_dead=None):
         gather_gap_s=gen.vllm_cfg.gather_gap_s,
         gather_max_s=gen.vllm_cfg.gather_max_s,
         gather_first_s=gen.vllm_cfg.gather_first_s,
+        gather_rule=gen.vllm_cfg.gather_rule,
     )
 
 
@@ -90,7 +91,8 @@ class GenerationWorker:
             os.kill(os.getpid(), signal.SIGKILL)
         self.drain = not cfg.async_rl.in_flight_weight_updates
         vllm_cfg = cfg.policy.generation.vllm_cfg
-        self.engine.set_gather(vllm_cfg.gather_gap_s, vllm_cfg.gather_max_s, vllm_cfg.gather_first_s)
+        self.engine.set_gather(vllm_cfg.gather_gap_s, vllm_cfg.gather_max_s, vllm_cfg.gather_first_s,
+                               vllm_cfg.gather_rule)
         self.engine.unhang()  # an `engine_hang` of the previous run ends with it
         self.front.call("reset", FaultPlan(cfg.faults), cfg.policy.generation.reasoning_parser)
         return self.front.url
@@ -125,7 +127,7 @@ class GenerationWorker:
         return {"busy_s": engine.busy_s, "steps": engine.steps, "tokens": front["tokens"], "version": engine.version,
                 "calls_dropped": front["calls_dropped"], "first_add_t": engine.first_add_t,
                 "last_add_t": engine.last_add_t, "gather_s": engine.gather_s, "gathers_lone": engine.gathers_lone,
-                "gathers_burst": engine.gathers_burst}
+                "gathers_burst": engine.gathers_burst, "gather_learned_s": engine.gather_learned_s}
 
     def steps_since(self, t: float) -> list[tuple[float, float, int]]:
         """The engine's steps that began at or after `t` (time.monotonic(), this machine's clock):
