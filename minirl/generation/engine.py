@@ -39,12 +39,6 @@ STEP_LOG = 4096
 STUCK_STEP_S = 5.0
 """A step running longer than this fails `check_health` (so fleet health quarantines the worker);
 `step_timeout_s`, much longer, then ends the engine."""
-GATHER_CLUMP = 8
-"""Under the `learned` gather rule (VllmConfig.gather_rule), a gather that has taken fewer requests
-than this waits the learned gap for the next one (calls coming back from their tools together);
-from this many on it waits `gather_gap_s`, as the fixed rule does: a step's burst of first turns
-(P1's 128, a training step's groups), whose delivery pauses for 2-20 ms at times (the agent's and
-front end's threads sharing the cores) and which a step started mid-burst would slow further."""
 GAP_SAMPLES, GAP_MIN_SAMPLES = 256, 32
 """The learned gap reads the latest `GAP_SAMPLES` gaps between a gather's requests; with fewer than
 `GAP_MIN_SAMPLES` it is `gather_gap_s`."""
@@ -171,11 +165,12 @@ class VllmEngine:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  enforce_eager: bool = True, on_dead=None, step_timeout_s: float = 0.0,
                  gather_gap_s: float = 0.0, gather_max_s: float = 0.0, gather_first_s: float | None = None,
-                 gather_rule: str = "fixed"):
+                 gather_rule: str = "fixed", gather_burst_n: int = 8):
         """`on_dead(exc)` runs once a step has failed, or has not returned within `step_timeout_s`
         (0: no limit; only with `on_dead`), and every request in flight has been failed with it; the
-        generation worker ends its process there. `gather_gap_s`, `gather_max_s`, `gather_first_s` and
-        `gather_rule`: how an idle CPU engine gathers a burst before its first step (`set_gather`)."""
+        generation worker ends its process there. `gather_gap_s`, `gather_max_s`, `gather_first_s`,
+        `gather_rule` and `gather_burst_n`: how an idle CPU engine gathers a burst before its first
+        step (`set_gather`)."""
         self.max_model_len = max_model_len
         self.model = model
         self.expected = checkpoint_shapes(model)  # what an update must fit (check_weights)
@@ -203,7 +198,7 @@ class VllmEngine:
         self._deferred: list[tuple] = []  # requests that arrived while it waits
         self.on_dead = on_dead
         self.gather_gap_s = self.gather_max_s = self.gather_first_s = 0.0  # set_gather, once built
-        self.gather_rule = "fixed"
+        self.gather_rule, self.gather_burst_n = "fixed", 8
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
         self._crash = False  # set by the `engine_crash` fault: the next step fails
@@ -217,7 +212,7 @@ class VllmEngine:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
-        self.set_gather(gather_gap_s, gather_max_s, gather_first_s, gather_rule)
+        self.set_gather(gather_gap_s, gather_max_s, gather_first_s, gather_rule, gather_burst_n)
         if on_dead is not None and step_timeout_s > 0:
             threading.Thread(target=self._watch, args=(step_timeout_s,), name="vllm-engine-watchdog",
                              daemon=True).start()
@@ -292,9 +287,10 @@ class VllmEngine:
         self._inbox.put(("drain" if drain else "run", apply, fut))
         return fut
 
-    def set_gather(self, gap_s: float, max_s: float, first_s: float | None = None, rule: str = "fixed") -> None:
-        """How an idle engine gathers a burst before its first step (`_gather`; VllmConfig's
-        `gather_gap_s`, `gather_max_s`, `gather_first_s` and `gather_rule`; None: the first window is
+    def set_gather(self, gap_s: float, max_s: float, first_s: float | None = None, rule: str = "fixed",
+                   burst_n: int = 8) -> None:
+        """How an idle engine gathers a burst before its first step (`_gather`; VllmConfig's `gather_gap_s`,
+        `gather_max_s`, `gather_first_s`, `gather_rule` and `gather_burst_n`; None: the first window is
         the gap). A GPU engine's steps leave the CPU to the front end, so it steps at once whatever is
         asked, as vLLM does. A new gather learns anew: the gaps learned so far are dropped."""
         import torch
@@ -303,7 +299,7 @@ class VllmEngine:
             raise ValueError(f"gather rule must be 'fixed' or 'learned', got {rule!r}")
         self.gather_gap_s, self.gather_max_s = (0.0 if torch.cuda.is_available() else gap_s), max_s
         self.gather_first_s = self.gather_gap_s if first_s is None else min(first_s, self.gather_gap_s)
-        self.gather_rule = rule
+        self.gather_rule, self.gather_burst_n = rule, burst_n
         self._gaps.clear()
         self._after = None
 
@@ -436,7 +432,7 @@ class VllmEngine:
         joined over several slow steps and finished over as many more. A lone request (a later turn
         after a tool call) waits only `gather_first_s` for a second one: a burst's second request
         follows its first within that, and a lone call that waited the whole gap paid it on every turn.
-        Under the `learned` rule a gather of fewer than GATHER_CLUMP requests (calls back from their
+        Under the `learned` rule a gather of fewer than `gather_burst_n` requests (calls back from their
         tools together) waits only the gap learned from recent gathers' own spacing (`learned_gap`):
         the fixed gap held every clump 20 ms past its last request, which followed the one before
         within ~1 ms on a quiet machine."""
@@ -467,7 +463,7 @@ class VllmEngine:
         """How long a gather that has taken `taken` requests waits for the next (`_gather`)."""
         if taken == 1:
             return self.gather_first_s
-        return clump_s if taken < GATHER_CLUMP else self.gather_gap_s
+        return clump_s if taken < self.gather_burst_n else self.gather_gap_s
 
     def _loop(self, *build) -> None:
         """The engine's thread: build the engine, then forever take requests and step it."""

@@ -37,6 +37,7 @@ def make_engine(cfg: MinirlConfig, rank: int, on_dead=None):
         gather_max_s=gen.vllm_cfg.gather_max_s,
         gather_first_s=gen.vllm_cfg.gather_first_s,
         gather_rule=gen.vllm_cfg.gather_rule,
+        gather_burst_n=gen.vllm_cfg.gather_burst_n,
     )
 
 
@@ -92,7 +93,7 @@ class GenerationWorker:
         self.drain = not cfg.async_rl.in_flight_weight_updates
         vllm_cfg = cfg.policy.generation.vllm_cfg
         self.engine.set_gather(vllm_cfg.gather_gap_s, vllm_cfg.gather_max_s, vllm_cfg.gather_first_s,
-                               vllm_cfg.gather_rule)
+                               vllm_cfg.gather_rule, vllm_cfg.gather_burst_n)
         self.engine.unhang()  # an `engine_hang` of the previous run ends with it
         self.front.call("reset", FaultPlan(cfg.faults), cfg.policy.generation.reasoning_parser)
         return self.front.url

@@ -32,10 +32,9 @@ def test_a_learned_gather_holds_a_clump_briefly_and_a_burst_whole(engine):
         assert size == 4, "a clump was not gathered into the first step"
         assert held < gap / 4, f"a clump 1 ms apart was held {held:.3f} s at an idle engine (the gap is {gap} s)"
         assert engine.gathers_burst == bursts + 1 and 0 < engine.gather_learned_s < gap / 4
-        from minirl.generation.engine import GATHER_CLUMP
-
-        spacings = [0.001] * (GATHER_CLUMP - 1) + [0.12, 0.12]  # a burst pausing longer than the learned gap
-        assert first_step_size(engine, spacings) == GATHER_CLUMP + 2, "a burst was not gathered whole"
+        burst_n = engine.gather_burst_n
+        spacings = [0.001] * (burst_n - 1) + [0.12, 0.12]  # a burst pausing longer than the learned gap
+        assert first_step_size(engine, spacings) == burst_n + 2, "a burst was not gathered whole"
         engine.gather_rule = "fixed"
         size, held = _held(engine, [0.001] * 3)
         assert size == 4 and held >= gap, "the fixed rule no longer holds a clump the whole gap"
