@@ -183,14 +183,14 @@ class VllmConfig:
     lone call waited the whole gap."""
     gather_max_s: float = bounded(0.25, ge=0)
     """The longest an idle engine gathers a burst before its first step (see `gather_gap_s`)."""
-    gather_rule: Literal["learned", "fixed"] = "learned"
+    gather_rule: Literal["learned", "fixed"] = "fixed"
     """How long a gather waits for the next request of a clump. `learned`: until it holds
     `gather_burst_n` requests, 3x the 90th percentile of the gaps between recent gathers' requests, at
     least 5 ms, at most `gather_gap_s` (minirl.generation.engine.learned_gap); then `gather_gap_s`.
     Inside a clump of calls back from their tools the next followed within ~1 ms on a quiet machine,
     and the fixed gap held each clump ~20 ms past its last call; at load the learned gap grows back to
-    `gather_gap_s`. `fixed`: every gather past its first request waits `gather_gap_s` (the rule before
-    2026-12-05)."""
+    `gather_gap_s`. `fixed` (the default: `learned` has not yet measured better, bench/README.md):
+    every gather past its first request waits `gather_gap_s`."""
     gather_burst_n: int = bounded(8, ge=2)
     """Under `learned`: a gather holding this many requests is a burst (a step's first turns, P1's
     128) and waits `gather_gap_s` for the next, as the fixed rule does: a burst's delivery pauses for
