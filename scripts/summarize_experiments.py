@@ -453,27 +453,31 @@ def faults_section(rows, out: Path | None = None) -> list[str]:
     """Experiment 3 (summary faults at FAULT_RATE) on doors_memory, when its arms ran; the earlier 20-step runs
     (FAULTS_SHORT in `out`) beneath, when kept."""
     red, drop = "summarize+faults, redispatch", "summarize+faults, drop budget"
-    if not per_seed(rows, "doors_memory", red, "wall_s"):
+    short = read_rows(out / FAULTS_SHORT) if out else []
+    faulted = [r for r in rows if cell_key(r)[0] == "doors_memory" and cell_key(r)[1] in (red, drop)]
+    if not faulted and not short:
         return []
-    seeds = {int(r["seed"]) for r in rows if cell_key(r)[:2] == ("doors_memory", red)}
-    steps = ", ".join(sorted({r["steps"] for r in rows if cell_key(r)[:2] == ("doors_memory", red)}, key=num))
+    seeds = {int(r["seed"]) for r in faulted}
+    steps = ", ".join(sorted({r["steps"] for r in faulted if cell_key(r)[1] == red}, key=num))
     rows = [r for r in rows if cell_key(r)[1] != "summarize" or int(r["seed"]) in seeds]  # no-fault rows to pair
     lines = ["", f"## Experiment 3: summary faults at {FAULT_RATE:.0%}", "",
              f"Each summary fault kind ({', '.join(SUMMARY_FAULTS)}) at rate {FAULT_RATE} per compaction "
              "(minirl.faults), `on_summary_failure: raise` (a `summary_failed` is an INFRA harness failure). Under "
              "redispatch (fix 3) the failed rows are re-sent; under the drop budget alone their groups are dropped "
-             f"against `max_consecutive_dropped_prompts`. Redispatch runs of {steps} steps, seeds {sorted(seeds)} "
-             "(`summarize`: the same seeds without faults).", "", *faults_table(rows, ("summarize", red, drop)), ""]
+             "against `max_consecutive_dropped_prompts`. "
+             + (f"Redispatch runs of {steps} steps" if steps else "No redispatch run at this length yet")
+             + f"; seeds {sorted(seeds)} (`summarize`: the same seeds without faults).", "",
+             *faults_table(rows, ("summarize", red, drop)), ""]
     lines += [f"- {label}: {diff(rows, 'doors_memory', a, b)}" for label, a, b in (
         ("fraction trained, redispatch − drop budget", (red, "fraction_trained"), (drop, "fraction_trained")),
         ("held-out success after RL, redispatch − no faults", (red, "val_success_final"),
          ("summarize", "val_success_final")),
         ("recall, last steps, redispatch − no faults", (red, "recall_last"), ("summarize", "recall_last")))]
-    short = read_rows(out / FAULTS_SHORT) if out else []
     if short:
-        lines += ["", f"The earlier runs of the fault arms at 20 steps (seeds "
-                  f"{sorted({int(r['seed']) for r in short})}), replaced above by the full-length ones, are kept in "
-                  f"[{FAULTS_SHORT}]({FAULTS_SHORT}):", "", *faults_table(short, (red, drop))]
+        kept = sorted({int(r["seed"]) for r in short})
+        lines += ["", f"The earlier runs of the fault arms at 20 steps (seeds {kept}), replaced above by runs of the "
+                  f"config's length, are kept in [{FAULTS_SHORT}]({FAULTS_SHORT}):", "",
+                  *faults_table(short, (red, drop))]
     return lines
 
 

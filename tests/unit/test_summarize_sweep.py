@@ -228,7 +228,7 @@ def test_experiment_3_pairs_its_seeds_and_tables_the_kept_20_step_runs_beneath(t
     write(tmp_path / "results.csv", [row("summarize", s, 200, success=0.25 * s) for s in range(4)]
           + [row(red, s, 200) for s in (0, 1)] + [row(drop, s, 3, survived=False) for s in (0, 1)])
     text = sweep.report(type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": None}))
-    assert "Redispatch runs of 200 steps, seeds [0, 1]" in text
+    assert "Redispatch runs of 200 steps; seeds [0, 1]" in text
     assert "| summarize | 2/2 | 200.000 ± 0.000 |" in text  # seeds 2 and 3 ran no fault arm: not in the table
     assert "| summarize+faults, drop budget | 0/2 | 3.000 ± 0.000 |" in text
     m, h, _ = paired_ci({0: 0.5, 1: 0.5}, {0: 0.0, 1: 0.25})
@@ -239,3 +239,6 @@ def test_experiment_3_pairs_its_seeds_and_tables_the_kept_20_step_runs_beneath(t
     kept = text.split(f"[{sweep.FAULTS_SHORT}]({sweep.FAULTS_SHORT})")[1]
     assert "seeds [0, 1, 2]" in text and "| summarize+faults, redispatch | 3/3 | 20.000 ± 0.000 |" in kept
     assert "| summarize+faults, drop budget | 0/1 | 5.000 |" in kept and "| summarize |" not in kept
+    write(tmp_path / "results.csv", [row(drop, 0, 3, survived=False)])  # no redispatch run at full length yet
+    text = sweep.report(type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": None}))
+    assert "No redispatch run at this length yet; seeds [0]" in text and f"[{sweep.FAULTS_SHORT}]" in text
