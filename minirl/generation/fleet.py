@@ -11,6 +11,7 @@ transition before its end is left for the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Awaitable, Callable, TypeVar
 
 from minirl.wire import GenerationFleetUnhealthy
@@ -31,12 +32,15 @@ class FleetWatch:
         if self.router is None:
             return await body
         self.stats = dict.fromkeys(FLEET_COUNTS.values(), 0)
-        task, watch = asyncio.ensure_future(body), asyncio.ensure_future(self._watch(step))
+        stop = asyncio.Event()
+        task, watch = asyncio.ensure_future(body), asyncio.ensure_future(self._watch(step, stop))
         try:
             await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (task, watch):
-                t.cancel()
+            # the watcher is stopped between polls, never cancelled inside one: the router hands its
+            # transitions over once (`poll_health` clears them), so a poll cut off would lose them
+            stop.set()
+            task.cancel()
             await asyncio.gather(task, watch, return_exceptions=True)
         if task.cancelled():  # the watcher ended the step
             watch.result()
@@ -46,10 +50,11 @@ class FleetWatch:
             raise exc from task.exception()
         return task.result()
 
-    async def _watch(self, step: int) -> None:
-        while True:
+    async def _watch(self, step: int, stop: asyncio.Event) -> None:
+        while not stop.is_set():
             await self._poll(step)
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)
 
     async def _poll(self, step: int) -> None:
         report = await self.router.poll_health.remote()
