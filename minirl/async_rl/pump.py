@@ -290,7 +290,7 @@ class RolloutPump:
 
     def _substitute(self, job: list, outcome) -> bool:
         """The place's prompt was lost: under `replace`, aim the place at a spare prompt (promoting
-        the furthest later step's finished group into this step when there is one, and re-aiming
+        the furthest later step's lowest finished group into this step when there is one, and re-aiming
         the place at that step); False: the place keeps its lost record and the step shrinks. No
         await between the choice and the re-stamp, so the train pump cannot interleave."""
         rf = self.cfg.async_rl.rollout_failure
@@ -305,7 +305,8 @@ class RolloutPump:
             return False
         spare = self.pool.pop(0)
         later = [r for r in self.buffer.ready if r.outcome.status == "committed" and r.target_step > target]
-        lender = next((r for r in later if r.target_step == max(x.target_step for x in later)), None)
+        # the furthest step's lowest group, not the first to commit: the choice must not hang on timing
+        lender = min(later, key=lambda r: (-r.target_step, r.group), default=None)
         if lender is not None:
             event.update(decision="promoted", lender_step=lender.target_step, lender_group=[lender.step, lender.group])
             target, lender.target_step, lender.promoted = lender.target_step, target, True

@@ -267,4 +267,4 @@ def test_a_promotion_lets_the_short_step_train_before_its_spare_returns(stack, b
     assert sorted((r.step, r.group, r.promoted) for r in chosen) == [(0, 0, False), (2, 0, True)]
     assert spare_in_flight == [[0, 2, 2, True, 1]]  # spare batch 0's first prompt, now aimed at step 2
     (ev,) = [e for e in events if e["type"] == "replace"]
-    assert (ev["decision"], ev["lender_step"]) == ("promoted", 2)
+    assert (ev["decision"], ev["lender_step"], ev["lender_group"]) == ("promoted", 2, [2, 0])

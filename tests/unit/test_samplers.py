@@ -240,7 +240,7 @@ def test_a_snapshot_never_lists_a_finished_group_as_in_flight_too():
 def test_a_lost_place_takes_a_spare_within_its_own_budget_and_borrows_from_the_furthest_step():
     """`replace` as upstream's pump decides it, on constructed records: the pool refills a whole
     batch at a time below its low-water mark; a lost place (drop or skip) takes a spare and, when a
-    later step holds a finished group, promotes one from the furthest such step and re-aims itself
+    later step holds a finished group, promotes the lowest from the furthest such step and re-aims itself
     there; `max_replacement_attempts` counts per place, and an empty pool shrinks."""
     from minirl.async_rl.pump import RolloutPump
     from minirl.config import load_config
@@ -257,10 +257,11 @@ def test_a_lost_place_takes_a_spare_within_its_own_budget_and_borrows_from_the_f
     assert pump.pool == [(0, 2), (0, 3), (1, 2), (1, 3)]  # two batches to get above the mark of 3
     assert [e["batch"] for e in events if e["type"] == "spare_pool"] == [0, 1]
     step1, step2a, step2b = rec(1, 0, 0), rec(2, 0, 0), rec(2, 1, 0)
-    pump.buffer.ready = [step1, step2a, step2b, rec(2, 9, 0, "dropped")]
+    pump.buffer.ready = [step1, step2b, step2a, rec(2, 9, 0, "dropped")]  # group 1 committed first
     place = [0, 1, 0, False, 0]
     assert pump._substitute(place, GroupOutcome(1, "dropped", step=0))
-    assert place == [0, 2, 2, True, 1] and (step2a.target_step, step2a.promoted) == (0, True)  # furthest step lends
+    # the furthest step lends its lowest group, whatever order its groups committed in
+    assert place == [0, 2, 2, True, 1] and (step2a.target_step, step2a.promoted) == (0, True)
     assert not pump._substitute(place, GroupOutcome(2, "dropped", step=0))  # its one attempt is used: shrink
     other = [1, 1, 1, False, 0]
     assert pump._substitute(other, GroupOutcome(1, "skipped", step=1))  # a skip is replaced as a drop is
