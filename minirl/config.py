@@ -597,13 +597,17 @@ class SummarizeConfig:
     """Accept a summary only when its reply ended by itself (`finish_reason == "stop"`), as nano-rlm
     (#178) / prime-rl do: a reply cut by the generation cap (`length`) is rejected as `not_stop` and
     resampled, even when it holds a closed block. False (minirl's default): the block decides."""
-    on_summary_failure: Literal["raise", "end_episode", "recency_fallback"] = "raise"
+    on_summary_failure: Literal["raise", "end_episode", "end_episode_scored", "recency_fallback"] = "raise"
     """Attempts exhausted: `raise` (the upstream-like choice, as prime-rl/verifiers: a typed
     SummaryFailed, HTTP 500, which the rollout manager retries as an INFRA harness failure: row
     redispatch under fix 3, `context_compaction.redispatch_dropped_groups`, the drop budget
     otherwise; never a reward of 0); `end_episode` (stop,
-    verify, return the rollout masked as summary_failed); `recency_fallback` (apply the recency rewrite
-    of policy.config instead and go on)."""
+    verify, return the rollout masked as summary_failed); `end_episode_scored` (stop, verify, return
+    the rollout valid, scored on the rooms it reached, with the newest rejected reply trained as the
+    summary call: a policy failure that costs reward, where the others leave a malformed summary
+    unpunished; under `grpo.summary_credit=next_segment` its segment scores 0; end reason
+    `summary_failed_scored`); `recency_fallback` (apply the recency rewrite of policy.config
+    instead and go on)."""
 
     def check(self) -> None:
         t = self.threshold_tokens

@@ -24,8 +24,8 @@ from minirl.config import MinirlConfig
 from minirl.data import _seed, dataset_rows, describe, difficulty, fact_rooms, task_row, task_seed
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
-from minirl.wire import (INFRA, ROLLOUT_ID, ROLLOUT_INDEX, TASK_INDEX, RolloutFailure, RolloutTimeout, classify,
-                         with_extra_body)
+from minirl.wire import (INFRA, ROLLOUT_ID, ROLLOUT_INDEX, SUMMARY_FAILED_SCORED, TASK_INDEX, RolloutFailure,
+                         RolloutTimeout, classify, with_extra_body)
 
 
 POLICY_ENDS = {"ContextGuardRejected": "guard_reject", "SummaryFailed": "summary_failed"}
@@ -41,6 +41,10 @@ failure policy and compares policies on their learning alone. A summarizing epis
 attempts all failed scores 0 the same way (`SummaryFailed`, or the episode ended as
 `summary_failed`; `val_summary_failed_rate`): the policy wrote no usable summary, and the row's
 fixed sampling seed would draw the very same attempts again, so a re-send cannot pass."""
+
+SCORED_ZERO = {*POLICY_ENDS.values(), SUMMARY_FAILED_SCORED}
+"""The end reasons a held-out episode scores 0 with: those of `POLICY_ENDS`, and `end_episode_scored`'s
+(a summary failure scores 0 in a validation under every `on_summary_failure`)."""
 
 
 class ValidationFailed(RuntimeError):
@@ -140,7 +144,7 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
                                "last send (nemo_gym.max_row_attempts): the verifier measured none")
     rows, results = zip(*[(row, res) for row, res in zip(rows, results) if res.get("mask") is None])
     ends = [(res.get("evidence") or {}).get("end_reason") for res in results]
-    rewards = [0.0 if end in POLICY_ENDS.values() else float(res["reward"]) for res, end in zip(results, ends)]
+    rewards = [0.0 if end in SCORED_ZERO else float(res["reward"]) for res, end in zip(results, ends)]
     by_rooms: dict[int, list[float]] = defaultdict(list)
     for row, reward in zip(rows, rewards):
         if difficulty(row) is not None:
@@ -151,11 +155,11 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
         "val_truncated_rate": sum((res.get("response") or {}).get("status") == "incomplete" for res in results)
         / len(results),
         "val_guard_ended_rate": ends.count("guard_reject") / len(results),
-        "val_summary_failed_rate": ends.count("summary_failed") / len(results),
+        "val_summary_failed_rate": sum(end in ("summary_failed", SUMMARY_FAILED_SCORED) for end in ends) / len(results),
         "val_num_rollouts": len(results),
         "val_num_masked": masked,
     }
-    facts = [(0 if end in POLICY_ENDS.values() else res["fact_rooms"][0], res["fact_rooms"][1])
+    facts = [(0 if end in SCORED_ZERO else res["fact_rooms"][0], res["fact_rooms"][1])
              for res, end in zip(results, ends) if res.get("fact_rooms")]  # a policy-ended episode opened none
     if facts:
         out["val_fact_success_rate"] = sum(a for a, _ in facts) / sum(n for _, n in facts)

@@ -175,6 +175,12 @@ class SummaryFailed(RolloutInfraFailure):
     harness failure (HTTP 500 across the hop, INFRA), never a reward of 0."""
 
 
+SUMMARY_FAILED_SCORED = "summary_failed_scored"
+"""The end reason (evidence `end_reason`) of an episode whose summary attempts ran out under
+`on_summary_failure=end_episode_scored`: a policy failure, so the rollout trains, never masked; a
+held-out one scores 0, as `summary_failed` does."""
+
+
 class ModelCallFailed(RuntimeError):
     """A model call answered with an error other than the context-length 400 (which the agent absorbs:
     docs/failure-policy.md, lane A). As in Gym's `simple_agent`, the agent does not absorb it: `/run`

@@ -20,7 +20,7 @@ from minirl.agents.episode import Episode, Evidence, ModelClient, ModelReply, pr
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import AgentConfig, ContextHistoryConfig
 from minirl.faults import FaultPlan, fault_site
-from minirl.wire import ContextGuardRejected, Coords, extra_body
+from minirl.wire import SUMMARY_FAILED_SCORED, ContextGuardRejected, Coords, extra_body
 
 __all__ = ["Episode", "Evidence", "InjectedAgentFault", "ModelClient", "ModelReply", "chat_tools", "run_episode"]
 
@@ -94,9 +94,9 @@ def finish_episode(row: dict, ep: Episode) -> dict:
     """Verify the output and return the row with Gym's response, the reward and the evidence (with
     each accepted summary's next-segment score, when there is one)."""
     reward = verify(row["task"], ep.output)
-    if ep.ev.count("summaries"):
+    if ep.ev.count("summaries") or ep.ev.count("summaries_failed"):
         ep.ev.segment_rewards = segment_rewards(row["task"], ep.output)
-    ended = ("length", "context_length", "guard_reject", "max_compactions", "summary_failed")
+    ended = ("length", "context_length", "guard_reject", "max_compactions", "summary_failed", SUMMARY_FAILED_SCORED)
     status = "incomplete" if ep.ev.end_reason in ended else "completed"
     response = {
         "id": new_id("resp"),

@@ -32,7 +32,7 @@ from minirl.data import prompt_row
 from minirl.faults import FaultPlan
 from minirl.rollout.evidence import Ledger, parse_rollout, split_traces, summary_stats
 from minirl.types import Call, GroupOutcome
-from minirl.wire import Coords, is_summary_call, parse_call_key, with_extra_body
+from minirl.wire import SUMMARY_FAILED_SCORED, Coords, is_summary_call, parse_call_key, with_extra_body
 
 VOCAB = 256
 PICTURE = re.compile(r"<image>(.*?)</image>", re.S)
@@ -192,6 +192,41 @@ def test_rejected_attempts_are_resampled_and_never_trained():
     assert rollout_of(cfg, result).mask_reason == "summary_failed"
 
 
+def test_end_episode_scored_trains_the_newest_rejected_reply_and_keeps_the_rollout():
+    """on_summary_failure=end_episode_scored: a policy that writes no block is a bad rollout, not a lost
+    one. The episode ends scored on the rooms it reached (valid, never masked); the newest rejected
+    reply trains as the failed compaction's summary trace (the older two stay out, as the ledger
+    retires them); its segment scores 0, so under next_segment it takes a negative advantage against
+    a sibling whose summary handed off. A tool-call reply (here a fault) trains nothing."""
+    cfg = summarize_cfg(f"{SUMMARY}.on_summary_failure=end_episode_scored", "grpo.summary_credit=next_segment")
+    bad = ["no block", "still none", "none at all"]
+    result = play(cfg, Scripted(summaries=list(bad)))
+    ev, output = result["evidence"], result["response"]["output"]
+    assert [s["reason"] for s in ev["summary"]] == ["missing_block"] * 3 + ["end_episode_scored"]
+    assert ev["end_reason"] == SUMMARY_FAILED_SCORED and ev["summaries_failed"] == 1 and ev["summaries"] == 0
+    assert result["response"]["status"] == "incomplete" and 0 < result["reward"] < 1  # the rooms before it count
+    (marked,) = [it for it in output if it.get("trace_kind") == SUMMARY_KIND]
+    assert marked["generation_token_ids"] == enc(bad[-1]) and marked["compaction"]["outcome"] == "failed"
+    assert marked["compaction"]["model_calls"] == 3 and ev["segment_rewards"] == [0.0]
+    failed = rollout_of(cfg, result)
+    assert failed.mask_reason is None and failed.sample_mask == 1
+    assert [t.kind for t in failed.traces] == ["turns", SUMMARY_KIND]
+    assert sum(sum(t.loss_mask) for t in failed.traces) == generated(result)  # every token in the output trains
+
+    handed_off = rollout_of(cfg, play(cfg, Scripted()), Coords(0, 0, 1, 0))
+    assert handed_off.evidence["segment_rewards"] == [1.0]
+    batch, _ = assemble(cfg, [GroupOutcome(0, "committed", {0: failed, 1: handed_off})], 0)
+    kinds = [t.kind for r in (failed, handed_off) for t in r.traces]
+    summary_adv = [float(a) for a, k in zip(batch.advantages, kinds) if k == SUMMARY_KIND]
+    assert summary_adv[0] < 0 < summary_adv[1]
+
+    faulted = play(cfg, Scripted(), faults=[{"kind": "summary_tool_call", "step": 0, "group": 0, "rollout": 0,
+                                             "call": 0}])
+    assert faulted["evidence"]["end_reason"] == SUMMARY_FAILED_SCORED
+    assert not [it for it in faulted["response"]["output"] if it.get("trace_kind")]
+    assert rollout_of(cfg, faulted).mask_reason is None
+
+
 def test_an_overflowing_summary_request_trims_the_middle_and_retries():
     cfg = summarize_cfg()
     probe = Scripted()
@@ -328,6 +363,38 @@ def test_failure_lanes_through_the_real_stack(stack, base_cfg, tokenizer):
     batch, stats = assemble(cfg, [GroupOutcome(0, "committed", dict(enumerate(rollouts)))], tokenizer.pad_token_id or 0)
     assert stats["summary_attempts_rejected"] == 12 and stats["summaries_failed"] == 4 and stats["summaries"] == 0
     assert math.isnan(stats["summary_recall"]) and stats["rollouts_masked"] == 0
+    assert batch.global_valid_tokens == sum(len(c.gen) for r in rollouts for c in r.calls)
+
+
+def test_end_episode_scored_through_the_real_stack_trains_one_failed_summary_each(stack, base_cfg, tokenizer):
+    """The default tiny model writes no block: under end_episode_scored each rollout ends valid, and
+    the ledger finds the newest rejected request of rollouts 0 and 2 in their traces (trained) and
+    retires the other ten; rollout 1's tool calls and rollout 3's emptied replies (faults) train none."""
+    faults = [{"kind": "summary_tool_call", "step": 0, "group": 0, "rollout": 1, "call": 0},
+              {"kind": "summary_empty", "step": 0, "group": 0, "rollout": 3, "call": 0}]
+    cfg = stack_cfg(base_cfg, (f"{SUMMARY}.on_summary_failure", "end_episode_scored"), faults=faults)
+
+    async def go():
+        async with stack(cfg) as s:
+            results = await asyncio.gather(*(post(s.agent_url, row_of(cfg, rollout=r, seed=3)) for r in range(4)))
+            return results, s.model.take_calls(0)
+
+    results, calls = asyncio.run(go())
+    assert all(status == 200 for status, _ in results), results
+    rollouts = [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer),
+                              max_len=cfg.policy.max_total_sequence_length,
+                              overlong_filtering=True) for r, (_, body) in enumerate(results)]
+    assert all(r.evidence["end_reason"] == SUMMARY_FAILED_SCORED and r.mask_reason is None for r in rollouts)
+    assert [sum(t.kind == SUMMARY_KIND for t in r.traces) for r in rollouts] == [1, 0, 1, 0]
+    trained = [c for r in rollouts for c in r.calls if c.kind == SUMMARY_KIND]
+    newest = {r: max((c for c in calls if c["rollout"] == r and is_summary_call(c["call"])), key=lambda c: c["call"])
+              for r in (0, 2)}  # each rollout's third request, s0a2
+    assert [c.gen for c in trained] == [newest[0]["generation_token_ids"], newest[2]["generation_token_ids"]]
+    counts = Ledger(None).close_step(0, calls, rollouts, version=0)
+    assert counts["calls_retired"] == 10 and counts["calls_unrecorded"] == 0
+    assert counts["calls_trained"] == len(calls) - 10
+    batch, stats = assemble(cfg, [GroupOutcome(0, "committed", dict(enumerate(rollouts)))], tokenizer.pad_token_id or 0)
+    assert stats["summaries_failed"] == 4 and stats["rollouts_masked"] == 0
     assert batch.global_valid_tokens == sum(len(c.gen) for r in rollouts for c in r.calls)
 
 

@@ -131,17 +131,19 @@ def test_a_held_out_episode_without_a_usable_summary_scores_zero_and_the_validat
     closed block): under `on_summary_failure=raise` each such row answered 500 SummaryFailed, a
     retryable INFRA failure in training, but a held-out row's fixed seed draws the same attempts on
     every send, so the validation ended the run (ValidationFailed). It scores 0, as a guard's end does,
-    the same under `raise` and `end_episode`, and is counted."""
+    the same under `raise`, `end_episode` and `end_episode_scored` (a training rollout's partial
+    credit is not a held-out score), and is counted."""
     base = ["env.num_rooms_choices=[1,3]", "grpo.val_num_prompts=6", "agent.context_history.policy.type=summarize",
             "agent.context_history.policy.summarize.threshold_tokens=[150,150]",
             "agent.context_history.policy.summarize.max_summary_tokens=1"]
     key = "agent.context_history.policy.summarize.on_summary_failure"
-    raised, ended = (validate_with(stack, [*base, f"{key}={v}"]) for v in ("raise", "end_episode"))
-    assert raised["val_num_rollouts"] == ended["val_num_rollouts"] == 6
-    assert 0 < raised["val_summary_failed_rate"] == ended["val_summary_failed_rate"] < 1, \
-        "the 1-room rows need no summary"
+    raised, ended, scored = (validate_with(stack, [*base, f"{key}={v}"])
+                             for v in ("raise", "end_episode", "end_episode_scored"))
+    assert raised["val_num_rollouts"] == ended["val_num_rollouts"] == scored["val_num_rollouts"] == 6
+    assert 0 < raised["val_summary_failed_rate"] == ended["val_summary_failed_rate"] == \
+        scored["val_summary_failed_rate"] < 1, "the 1-room rows need no summary"
     for key in ("val_reward_mean", "val_success_rate", "val_reward_mean_rooms_1", "val_reward_mean_rooms_3"):
-        assert raised[key] == pytest.approx(ended[key]), key
+        assert raised[key] == pytest.approx(ended[key]) == pytest.approx(scored[key]), key
     assert raised["val_reward_mean_rooms_3"] < raised["val_reward_mean_rooms_1"]
 
 

@@ -3,11 +3,12 @@ reserved output would pass a threshold, the model writes a summary of its histor
 continues from the system prompt, the task, the summary and the current observation
 (`summary_format.continuation`). `SummarizePolicy` spells out the trigger, rejection and failure rules.
 
-Invariant: only an accepted summary reaches the output: its reply items, the token evidence on the
-last one marked `trace_kind: compaction_summary` with the compaction record (outcome, tokens_before,
-tokens_after, model_calls), so it becomes one trace of its own and is trained once; a rejected or
-refused request is in no output item (the ledger retires the server's record of it); every request
-leaves one flat record in `evidence.summary`.
+Invariant: only an accepted summary reaches the output (under `on_summary_failure=end_episode_scored`,
+also a failed compaction's newest rejected reply, its record's outcome `failed`): its reply items, the
+token evidence on the last one marked `trace_kind: compaction_summary` with the compaction record
+(outcome, tokens_before, tokens_after, model_calls), so it becomes one trace of its own and is trained
+once; any other rejected or refused request is in no output item (the ledger retires the server's
+record of it); every request leaves one flat record in `evidence.summary`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from minirl.agents.env import DoorsEnv, room_scores
 from minirl.agents.episode import Episode, ModelClient, ModelReply
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
 from minirl.config import ContextHistoryConfig, SummarizeConfig
-from minirl.wire import SummaryFailed
+from minirl.wire import SUMMARY_FAILED_SCORED, SummaryFailed
 
 SUMMARY_KIND = "compaction_summary"
 """The trace kind of a summary call (upstream's segment branch's name)."""
@@ -91,14 +92,17 @@ def recall(env: DoorsEnv | None, summary: str) -> tuple[int, int]:
 
 
 def segment_rewards(task: dict, output: list[dict]) -> list[float | None]:
-    """Per accepted summary in `output` (an item marked SUMMARY_KIND), in order: the mean
-    `room_scores` score of the rooms first tried after it and before the next summary (the segment
-    it hands off to; a room's later tries count in that room's score); None when that segment tries
-    no room."""
+    """Per summary in `output` (an item marked SUMMARY_KIND), in order: the mean `room_scores`
+    score of the rooms first tried after it and before the next summary (the segment it hands off
+    to; a room's later tries count in that room's score); None when that segment tries no room; 0.0
+    for a failed one (`end_episode_scored`: it handed off nothing, and the episode ended)."""
     marks = [i for i, item in enumerate(output) if item.get("trace_kind") == SUMMARY_KIND] + [len(output)]
     scores = room_scores(task, output)
     out: list[float | None] = []
     for start, end in zip(marks, marks[1:]):
+        if (output[start].get("compaction") or {}).get("outcome") == "failed":
+            out.append(0.0)
+            continue
         mine = [s for first, s in scores if start < first < end]
         out.append(sum(mine) / len(mine) if mine else None)
     return out
@@ -113,6 +117,9 @@ class Requests:
     sent: int = 0
     trims: int = 0
     rejected: list[str] = field(default_factory=list)
+    last: ModelReply | None = None
+    """The newest rejected reply the policy wrote as it came (no tool call, no injected fault): the
+    one `end_episode_scored` trains."""
 
 
 class SummarizePolicy:
@@ -130,7 +137,10 @@ class SummarizePolicy:
       tokens) is sent again with the middle of the history trimmed (`trim_middle`); that costs no
       attempt, and a history that cannot shrink fails.
     - Attempts exhausted: `on_summary_failure` (`raise`: SummaryFailed, an INFRA failure of the
-      attempt; `end_episode`: the rollout ends masked; `recency_fallback`: the recency rewrite).
+      attempt; `end_episode`: the rollout ends masked; `end_episode_scored`: it ends valid, scored on
+      the rooms it reached, and its newest rejected reply trains as the summary, with the compaction
+      record's outcome `failed` (`Requests.last`; none when every reply was a tool call or faulted);
+      `recency_fallback`: the recency rewrite).
     - `max_compactions` summaries done: the next trigger ends the rollout as truncated.
     - Faults (faults.py): `summary_empty` / `summary_tool_call` at compaction k read every reply of it
       as empty / as carrying a tool call; `summary_overflow` reads its first request as refused.
@@ -181,6 +191,8 @@ class SummarizePolicy:
             if reason is None:
                 return reply, summary_text(reply.message.get("content") or "")
             run.rejected.append(reason)
+            if not (empty or tool_call or reply.message.get("tool_calls")):
+                run.last = reply
         return None
 
     async def _send(self, ep: Episode, client: ModelClient, run: Requests) -> ModelReply:
@@ -229,6 +241,14 @@ class SummarizePolicy:
         if self.s.on_summary_failure == "end_episode":
             return CompactionResult(ep.history, outcome="failed", tokens_before=before, model_calls=run.sent,
                                     counters=counters, end_reason="summary_failed")
+        if self.s.on_summary_failure == "end_episode_scored":
+            if run.last is not None:  # the failure trains: its tokens take the rollout's (or segment's) advantage
+                out = reply_to_items(run.last.message, run.last.evidence)
+                out[-1].update(trace_kind=SUMMARY_KIND, compaction={"outcome": "failed", "tokens_before": before,
+                                                                    "model_calls": run.sent})
+                ep.output += out
+            return CompactionResult(ep.history, outcome="failed", tokens_before=before, model_calls=run.sent,
+                                    counters=counters, end_reason=SUMMARY_FAILED_SCORED)
         rewrite = await self.fallback.compact(ep, client)
         return CompactionResult(rewrite.items, changed=rewrite.changed, outcome="failed", tokens_before=before,
                                 model_calls=run.sent, counters={**rewrite.counters, **counters})
