@@ -62,6 +62,9 @@ ARMS = {
                 f"agent.context_history.policy.config.images.keep_last_groups={KEEP}"],
     "summarize": [],
     "summarize, next_segment": ["grpo.summary_credit=next_segment"],
+    "summarize, next_segment, scored failure": [
+        "grpo.summary_credit=next_segment",
+        "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"],
     "summarize+faults, redispatch": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
     + ["context_compaction.redispatch_dropped_groups=true"],
     "summarize+faults, drop budget": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
@@ -71,7 +74,8 @@ ARMS = {
 }
 """Each arm's overrides on its task's config. Issue 54's three arms come from two runs a seed: recency
 after RL (`recency`'s final validation), summarizing untrained and after RL (`summarize`'s first and
-final); `summarize, next_segment` is the summary-credit switch as a fourth arm."""
+final); `summarize, next_segment` is the summary-credit switch as a fourth arm, and `..., scored failure`
+that with `on_summary_failure=end_episode_scored` (a development arm)."""
 EXPERIMENT_ARMS = ["recency", "summarize", "summarize, next_segment"]
 """The default `--arms`: issue 54's experiment (the fault arms are run by naming them)."""
 COLUMNS = ["task", "arm", "seed", "survived", "died_reason", "steps", "parts", "wall_s", "val_reward_start",
