@@ -65,6 +65,9 @@ ARMS = {
     "summarize, next_segment, scored failure": [
         "grpo.summary_credit=next_segment",
         "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"],
+    "summarize, next_segment, scored failure, G8": [
+        "grpo.summary_credit=next_segment", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8",
+        "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"],
     "summarize+faults, redispatch": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
     + ["context_compaction.redispatch_dropped_groups=true"],
     "summarize+faults, drop budget": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
@@ -75,7 +78,8 @@ ARMS = {
 """Each arm's overrides on its task's config. Issue 54's three arms come from two runs a seed: recency
 after RL (`recency`'s final validation), summarizing untrained and after RL (`summarize`'s first and
 final); `summarize, next_segment` is the summary-credit switch as a fourth arm, and `..., scored failure`
-that with `on_summary_failure=end_episode_scored` (a development arm)."""
+that with `on_summary_failure=end_episode_scored`, and `..., G8` that with groups of 8 (4 prompts a step, the
+same 32 rollouts): development arms."""
 EXPERIMENT_ARMS = ["recency", "summarize", "summarize, next_segment"]
 """The default `--arms`: issue 54's experiment (the fault arms are run by naming them)."""
 COLUMNS = ["task", "arm", "seed", "survived", "died_reason", "steps", "parts", "wall_s", "val_reward_start",
