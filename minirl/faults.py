@@ -45,6 +45,7 @@ SITES: dict[str, str] = {
     "worker_hang": WORKER,
     "engine_hang": ENGINE,
     "engine_crash": ENGINE,
+    "engine_loop_crash": ENGINE,
     "agent_kill": AGENT_HTTP,
     "session_lost": VERIFY,
     "summary_empty": SUMMARIZE,

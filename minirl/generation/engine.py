@@ -7,6 +7,8 @@ Invariant: vLLM's engine is built on the engine thread, and every call that chan
 interleaves with a decoding step; each result records the weight version at its submission and
 at its completion. Every accepted request leaves `pending` exactly once: finished, aborted, or
 failed with the engine. A weight update lands whole or leaves the engine as it was (`update_weights`).
+Whatever fails on the engine thread, in a step or around one, kills the engine loudly (`_die`): it is
+marked dead and every request in it, waiting for it or sent after fails; the thread never ends alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,7 +193,7 @@ class VllmEngine:
         burst's time goes, for benches (bench/engine_overhead.py splits it into filling, full, draining)."""
         self.first_add_t = 0.0  # time.monotonic() of the latest request accepted into an idle engine,
         self.last_add_t = 0.0  # and of the latest request accepted: a burst's arrival spread, for benches
-        self.dead: BaseException | None = None  # set when a step fails: the engine serves no more
+        self.dead: BaseException | None = None  # set when a step or the loop fails: the engine serves no more
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, tuple[Future, int]] = {}
         self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
@@ -201,7 +203,7 @@ class VllmEngine:
         self.gather_rule, self.gather_burst_n = "fixed", 8
         self._unwedged = threading.Event()  # cleared by the `engine_hang` fault
         self._unwedged.set()
-        self._crash = False  # set by the `engine_crash` fault: the next step fails
+        self._crash: str | None = None  # set by the `engine_crash` / `engine_loop_crash` fault: "step" or "loop"
         self._step_t0: float | None = None  # when the step in progress began
         self.sampler_compiled = threading.Event()  # set by the engine thread before its first step
         self._built = threading.Event()  # set by the engine thread once vLLM's engine is built, or failed to
@@ -221,10 +223,10 @@ class VllmEngine:
     def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
         """Submit a request; `request_id` (default: a fresh one) is what `abort` takes."""
         fut: Future = Future()
-        if self.dead is not None:
-            fut.set_exception(RuntimeError(f"vLLM engine is dead: {self.dead!r}"))
-            return fut
-        self._inbox.put(("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params, time.monotonic()), fut))
+        if self.dead is None:
+            self._inbox.put(("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params, time.monotonic()), fut))
+        if self.dead is not None:  # dead before the put, or since: the engine thread may take nothing more
+            self._refuse(fut)
         return fut
 
     def abort(self, request_id: str) -> None:
@@ -329,10 +331,14 @@ class VllmEngine:
     def unhang(self) -> None:
         self._unwedged.set()
 
-    def crash(self) -> None:
-        """The `engine_crash` fault: the next step fails, as on a CUDA error or an out-of-memory, and
-        the engine is dead from then on."""
-        self._crash = True
+    def crash(self, where: str = "step") -> None:
+        """The `engine_crash` fault (`where="step"`): the next step fails, as on a CUDA error or an
+        out-of-memory. The `engine_loop_crash` fault (`where="loop"`): the engine thread raises outside
+        any step, as a bug of this module's would, when it next resolves a finished request (`_finish`).
+        Either way the engine is dead from then on."""
+        if where not in ("step", "loop"):
+            raise ValueError(f"an engine crash is in the 'step' or the 'loop', got {where!r}")
+        self._crash = where
 
     def run(self, fn) -> Future:
         """Run `fn(llm)` on the engine thread, between steps."""
@@ -369,14 +375,36 @@ class VllmEngine:
         )
 
     def _fail(self, exc: BaseException) -> None:
-        """The engine serves no more: `check_health` says why, every request in it and after fails."""
+        """The engine serves no more: `check_health` says why; every request in it fails, and every
+        job waiting for it too: in the inbox, a held update and the requests deferred behind it
+        (`generate` refuses those sent after)."""
         self.dead = exc
-        for fut, _ in list(self._pending.values()):
-            fut.set_exception(RuntimeError(f"vLLM engine step failed: {exc!r}"))
+        waiting = [fut for fut, _ in self._pending.values()] + [fut for _, _, fut in self._deferred]
         self._pending.clear()
+        self._deferred = []
+        if self._held is not None:
+            waiting.append(self._held[1])
+            self._held = None
+        while True:
+            try:
+                waiting.append(self._inbox.get_nowait()[2])
+            except queue.Empty:
+                break
+        for fut in waiting:
+            self._refuse(fut)
+
+    def _refuse(self, fut: Future | None) -> None:
+        """Fail `fut` (None: an abort's) with why the engine is dead, unless it is done already (its
+        caller left, or it was failed first)."""
+        if fut is None:
+            return
+        try:
+            fut.set_exception(RuntimeError(f"vLLM engine is dead: {self.dead!r}"))
+        except InvalidStateError:
+            pass
 
     def _die(self, exc: BaseException) -> None:
-        """A step failed: `_fail`, then `on_dead` (the generation worker ends its process)."""
+        """A step or the loop failed: `_fail`, then `on_dead` (the generation worker ends its process)."""
         self._fail(exc)
         if self.on_dead is not None:
             self.on_dead(exc)
@@ -408,6 +436,9 @@ class VllmEngine:
                 entry[0].set_exception(CancelledError(f"request {payload} aborted: its caller left"))
             return
         rid, prompt, params, submitted = payload
+        if self.dead is not None:  # a reload failed (`update_weights`): nothing serves from its weights
+            self._refuse(fut)
+            return
         if not fut.set_running_or_notify_cancel():  # the caller left before the engine saw it
             return
         if self._after is not None:  # the first request after a gather: how long after its last one it came
@@ -466,19 +497,27 @@ class VllmEngine:
         return clump_s if taken < self.gather_burst_n else self.gather_gap_s
 
     def _loop(self, *build) -> None:
-        """The engine's thread: build the engine, then forever take requests and step it."""
+        """The engine's thread: build the engine, then forever take requests and step it. A failure
+        anywhere in the loop (taking requests, gathering, resolving them, applying a held update) kills
+        the engine as a failed step does (`_step`): an engine thread that ended alone left `/health`
+        healthy and every request waiting for good."""
         if not self._start(*build):
             return
         engine = self.llm.llm_engine
-        while True:
-            if self._held is not None and not self._pending:  # drained: apply the update, then the waiting requests
-                self._apply_held()
-            idle = not self._pending
-            self._take_inbox(block=idle)
-            if idle and self._pending:
-                self._gather()
-            if self._pending:
-                self._finish(self._step(engine))
+        try:
+            while True:
+                if self._held is not None and not self._pending:  # drained: apply the update, then the waiting ones
+                    self._apply_held()
+                idle = not self._pending
+                self._take_inbox(block=idle)
+                if idle and self._pending:
+                    self._gather()
+                if self._pending:
+                    self._finish(self._step(engine))
+        except BaseException as exc:
+            if self.dead is None:  # else the step (or the watchdog) has killed the engine already
+                self._die(RuntimeError(f"vLLM engine loop failed outside a step: {exc!r}"))
+            raise
 
     def _start(self, *build) -> bool:
         """Build the engine and compile its sampler. False: the build failed (the constructor raises it)."""
@@ -520,7 +559,7 @@ class VllmEngine:
         """One engine step, timed (the watchdog reads `_step_t0`); a failure fails everything, loudly."""
         self._step_t0 = t0 = time.monotonic()
         try:
-            if self._crash:
+            if self._crash == "step":
                 raise RuntimeError("injected engine_crash")
             self._unwedged.wait()
             outputs = engine.step()
@@ -538,6 +577,8 @@ class VllmEngine:
         """Resolve the futures of the requests this step finished."""
         for out in outputs:
             if out.finished:
+                if self._crash == "loop":
+                    raise RuntimeError("injected engine_loop_crash")
                 fut, version = self._pending.pop(out.request_id)
                 fut.set_result(self._result(out, version))
 

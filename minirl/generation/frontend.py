@@ -84,8 +84,8 @@ class FrontEnd:
     vLLM's own msgpack encoding of the SamplingParams (what vLLM sends to its EngineCore; 3x cheaper
     to decode than a pickle; pickled when an int in them is too large for msgpack, so that vLLM's own
     validation in the engine's process answers it, naming the field), aborts, health probes and the
-    `engine_hang` / `engine_crash` faults; back, each request's `GenResult` or its exception, and each
-    probe's answer (None, or why the engine is unhealthy). `required_prefix_token_ids` is checked
+    `engine_hang` / `engine_crash` / `engine_loop_crash` faults; back, each request's `GenResult` or its
+    exception, and each probe's answer (None, or why the engine is unhealthy). `required_prefix_token_ids` is checked
     against the vocabulary in the front end (`check_vocab`, on the bound this process sends at start):
     a round trip here on every turn held the front end's event loop ~1 ms while it waited. The
     engine's process also calls into the front end (`call`): take the call log, reset for a new run,
@@ -171,7 +171,7 @@ class FrontEnd:
             elif kind == "hang":
                 engine.hang()
             elif kind == "crash":
-                engine.crash()
+                engine.crash(key)
             elif kind == "reply":
                 fut = self._calls.get(key)
                 value, exc = rest
@@ -230,8 +230,8 @@ class EngineClient:
     def hang(self) -> None:
         self.chan.send("hang", "")
 
-    def crash(self) -> None:
-        self.chan.send("crash", "")
+    def crash(self, where: str = "step") -> None:
+        self.chan.send("crash", where)
 
     def validate_token_ids(self, token_ids: list[int], parameter: str) -> None:
         check_vocab(token_ids, self.vocab_bound, parameter)

@@ -223,7 +223,7 @@ class ModelServer:
     (`splice_prefix`); a request with the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is recorded in
     the `CallLog` the controller's ledger drains, and keys the engine-side fault sites
     (`context_overflow`, `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`,
-    and `call_log_lost`, which answers the call but keeps its record out of the log);
+    `engine_loop_crash`, and `call_log_lost`, which answers the call but keeps its record out of the log);
     a header that does not parse is a 400. A headerless call samples with `call_seed`; minirl's
     agents' `seed + call` (with the header, or `X-Minirl-Seed: per-call`) is used as sent.
     `/health` is 503 when the engine is dead, when a step has run past `engine.STUCK_STEP_S`, or when
@@ -470,6 +470,8 @@ class ModelServer:
             self.engine.hang()
         if fires("engine_crash"):  # the engine's next step fails: it is dead (a generation worker ends with it)
             self.engine.crash()
+        if fires("engine_loop_crash"):  # the engine thread fails outside a step: dead too, never silently
+            self.engine.crash("loop")
         if fires("context_overflow"):
             # the engine refuses the call as too long: the same error a real overflow gets
             limit = self.engine.max_model_len
