@@ -41,12 +41,17 @@ def base_cfg() -> MinirlConfig:
 
 @pytest.fixture(scope="session")
 def engine(base_cfg):
-    """One vLLM engine for the whole session (start-up is ~15 s on this machine)."""
+    """One vLLM engine for the whole session (start-up is ~15 s on this machine), handed out once its
+    thread has compiled the sampler (3-15 s more, before its first step): otherwise whichever test
+    came first paid that inside its own group deadlines, and with `rollout_timeout_s=6` every group of
+    test_failure_policy's lane-B case timed out when it was first on its pytest worker."""
     from minirl.generation.engine import VllmEngine, configure_cpu_env
 
     configure_cpu_env(1, 2)
-    return VllmEngine(base_cfg.policy.model_name, max_model_len=base_cfg.policy.generation.vllm_cfg.max_model_len,
-                      seed=0)
+    engine = VllmEngine(base_cfg.policy.model_name, max_model_len=base_cfg.policy.generation.vllm_cfg.max_model_len,
+                        seed=0)
+    assert engine.sampler_compiled.wait(300) and engine.dead is None, f"the session's engine: {engine.dead!r}"
+    return engine
 
 
 @pytest.fixture(scope="session")
