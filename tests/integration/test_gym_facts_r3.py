@@ -185,14 +185,15 @@ def test_a_terminal_row_decides_its_group_over_an_infra_sibling(base_cfg, infra)
             return web.json_response({"episode_id": {"id": "e"}, "task_id": {"id": "t"},
                                       "failure": {"failure_reason": "no answer key", "terminal": True,
                                                   "failure_kind": "verifier_error", "stage": "admission"}})
-        if infra == "timeout":
-            await asyncio.sleep(3)
+        if infra == "timeout":  # past the deadline by a margin a loaded machine keeps (the deadline first)
+            await asyncio.sleep(4)
         return web.json_response({"error": "upstream unavailable"}, status=503)
 
     cfg = _cfg(base_cfg)
     rf = cfg.async_rl.rollout_failure
     rf.max_infra_attempts_per_prompt, rf.nemo_gym.max_row_attempts, rf.max_consecutive_dropped_prompts = 5, 2, 0
-    rf.nemo_gym.rollout_timeout_s = 0.5 if infra == "timeout" else 120.0
+    # row 1's terminal answer must come back before the deadline: loopback, but on a loaded machine not within 0.5 s
+    rf.nemo_gym.rollout_timeout_s = 1.5 if infra == "timeout" else 120.0
     events: list = []
     [out] = _run(cfg, handler, 1, events)
     assert out.status == "skipped" and out.group_attempts == 1 and sends[1] == 1, (out.status, sends)
