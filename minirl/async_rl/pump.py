@@ -306,7 +306,8 @@ class RolloutPump:
         spare = self.pool.pop(0)
         later = [r for r in self.buffer.ready if r.outcome.status == "committed" and r.target_step > target]
         # the furthest step's lowest group, not the first to commit: the choice must not hang on timing
-        lender = min(later, key=lambda r: (-r.target_step, r.group), default=None)
+        # (two spares of different batches can hold the same group index: then the older prompt step)
+        lender = min(later, key=lambda r: (-r.target_step, r.group, r.step), default=None)
         if lender is not None:
             event.update(decision="promoted", lender_step=lender.target_step, lender_group=[lender.step, lender.group])
             target, lender.target_step, lender.promoted = lender.target_step, target, True

@@ -1,0 +1,34 @@
+"""`replace`'s promotion picks its lender by coordinates, never by the order in which groups
+committed (which is the machine's scheduling): a choice that hung on commit order failed CI once."""
+
+from __future__ import annotations
+
+import itertools
+
+from minirl.async_rl.buffer import GroupBuffer, GroupRecord
+from minirl.async_rl.samplers import make_sampler
+from minirl.rollout.manager import GroupOutcome
+
+
+def test_the_lender_is_the_same_whatever_order_the_later_groups_committed_in():
+    """Step 1 holds its own group 0; step 2 holds two spares re-aimed at it (its own groups were
+    promoted earlier) that share group index 2 (spare batches 0 and 1, two prompts a step): every
+    commit order promotes spare (0, 2), the furthest step's lowest group and, of the two, the older
+    prompt step."""
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.config import load_config
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2", "async_rl.rollout_failure.on_dropped_prompt=replace"])
+    lenders = set()
+    for order in itertools.permutations([(1, 0), (0, 2), (1, 2)]):
+        pump = RolloutPump(cfg, RolloutManager(cfg, ["http://127.0.0.1:9"], lambda e: None, 100), GroupBuffer(8),
+                           make_sampler("in_order", 2, 2), 0, 0, None)
+        pump.stamped, pump.pool = True, [(2, 2)]
+        records = {(s, g): GroupRecord(s, g, 0, GroupOutcome(g, "committed", step=s), target_step=1 if g < 2 else 2)
+                   for s, g in order}
+        pump.buffer.ready = [records[k] for k in order]
+        assert pump._substitute([0, 1, 0, False, 0], GroupOutcome(1, "dropped", step=0))
+        lenders.add(next(k for k, r in records.items() if r.promoted))
+    assert lenders == {(0, 2)}
