@@ -220,19 +220,22 @@ def test_a_client_that_disconnects_mid_generation_is_aborted_in_the_engine(stack
                 async with http.post(s.model_url + CHAT, json=long_reply, headers={ROLLOUT_HEADER: key},
                                      timeout=aiohttp.ClientTimeout(total=full_s / 5)) as r:
                     await r.read()
-            t_left = time.perf_counter()
+            t_left, steps_left = time.perf_counter(), engine.steps
             while engine.in_flight and time.perf_counter() - t_left < full_s:
                 await asyncio.sleep(0.01)
-            emptied_s, left_steps = time.perf_counter() - t_left, engine.steps - steps0
+            emptied_s, left_steps, after_steps = time.perf_counter() - t_left, engine.steps - steps0, \
+                engine.steps - steps_left
             good = await post(http, s.model_url + CHAT, GOOD_CHAT)
-            return full_s, full_steps, emptied_s, left_steps, s.model.take_calls(0), good
+            return full_s, full_steps, emptied_s, left_steps, after_steps, s.model.take_calls(0), good
 
-    full_s, full_steps, emptied_s, left_steps, calls, (good_status, _) = asyncio.run(go())
+    full_s, full_steps, emptied_s, left_steps, after_steps, calls, (good_status, _) = asyncio.run(go())
     assert full_steps >= cap
     assert emptied_s < full_s / 2, \
         f"engine still busy {emptied_s:.2f}s after the client left (whole reply: {full_s:.2f}s)"
-    assert left_steps < cap / 2, \
-        f"the engine took {left_steps} steps for a client that left (whole reply: {full_steps})"
+    # counted from when the client left, not from its request: how many steps the engine got through in
+    # the fifth of a reply the client waited is the machine's load of the moment (262 of 400 under a stress)
+    assert after_steps < cap / 2 and left_steps < cap, \
+        f"the engine took {after_steps} steps ({left_steps} in all) for a client that left (whole reply: {full_steps})"
     assert [c["status"] for c in calls] == [499] and calls[0]["error"] == "client disconnected"
     assert good_status == 200
 
