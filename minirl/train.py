@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from minirl import data, shutdown
+from minirl import shutdown
 from minirl.config import REPO_ROOT, ConfigError, MinirlConfig, load_config, probe_ray_address, to_yaml
 from minirl.trainer import checkpoint
 
@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        # imported once the config loads: its agent-server row checks bring aiohttp and Ray's exceptions,
+        # 2-5 s on a loaded 2-core machine, which a bad key's one-line exit should not wait for
+        from minirl import data
+
         data.prepare(cfg)  # the dataset rows, checked before anything starts
         # the checkpoint's model, step shape and staleness window, before anything is written
         checkpoint.check_resume(cfg)
