@@ -317,6 +317,19 @@ async def post(url, body):
         return r.status, await r.json(content_type=None)
 
 
+def run_four(stack, cfg) -> tuple[list, list[dict]]:
+    """Rollouts 0-3 of group 0 through the real agent and model server: each `/run`'s (status, body),
+    all 200, and step 0's call records."""
+    async def go():
+        async with stack(cfg) as s:
+            results = await asyncio.gather(*(post(s.agent_url, row_of(cfg, rollout=r, seed=3)) for r in range(4)))
+            return results, s.model.take_calls(0)
+
+    results, calls = asyncio.run(go())
+    assert all(status == 200 for status, _ in results), results
+    return results, calls
+
+
 SUMMARY = "agent.context_history.policy.summarize"
 
 
@@ -331,13 +344,7 @@ def test_failure_lanes_through_the_real_stack(stack, base_cfg, tokenizer):
               {"kind": "summary_empty", "step": 0, "group": 0, "rollout": 3, "call": 0}]
     cfg = stack_cfg(base_cfg, (f"{SUMMARY}.on_summary_failure", "recency_fallback"), faults=faults)
 
-    async def go():
-        async with stack(cfg) as s:
-            results = await asyncio.gather(*(post(s.agent_url, row_of(cfg, rollout=r, seed=3)) for r in range(4)))
-            return results, s.model.take_calls(0)
-
-    results, calls = asyncio.run(go())
-    assert all(status == 200 for status, _ in results), results
+    results, calls = run_four(stack, cfg)
     reasons = {r: [(x["decision"], x["reason"]) for x in body["evidence"]["summary"]]
                for r, (_, body) in enumerate(results)}
     assert reasons[0] == [("rejected", "missing_block")] * 3 + [("failed", "recency_fallback")]
@@ -374,13 +381,7 @@ def test_end_episode_scored_through_the_real_stack_trains_one_failed_summary_eac
               {"kind": "summary_empty", "step": 0, "group": 0, "rollout": 3, "call": 0}]
     cfg = stack_cfg(base_cfg, (f"{SUMMARY}.on_summary_failure", "end_episode_scored"), faults=faults)
 
-    async def go():
-        async with stack(cfg) as s:
-            results = await asyncio.gather(*(post(s.agent_url, row_of(cfg, rollout=r, seed=3)) for r in range(4)))
-            return results, s.model.take_calls(0)
-
-    results, calls = asyncio.run(go())
-    assert all(status == 200 for status, _ in results), results
+    results, calls = run_four(stack, cfg)
     rollouts = [parse_rollout(body, Coords(0, 0, r, 0), vocab_size=len(tokenizer),
                               max_len=cfg.policy.max_total_sequence_length,
                               overlong_filtering=True) for r, (_, body) in enumerate(results)]
