@@ -57,17 +57,17 @@ SUMMARY_FAULTS = ("summary_empty", "summary_tool_call", "summary_overflow")
 LOST_LOG_RATE = 0.01
 """`faults.rate.call_log_lost` of the segment-validity arms: a few of a run's rollouts (32 a step) lose one
 call's record from the generation server's call log (minirl.faults)."""
+SCORED = ["grpo.summary_credit=next_segment",
+          "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"]
+"""The development arms' next-segment credit and scored summary failures (summarize/dev-memory.md)."""
 ARMS = {
     "recency": ["agent.context_history.policy.type=recency",
                 f"agent.context_history.policy.config.images.keep_last_groups={KEEP}"],
     "summarize": [],
     "summarize, next_segment": ["grpo.summary_credit=next_segment"],
-    "summarize, next_segment, scored failure": [
-        "grpo.summary_credit=next_segment",
-        "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"],
-    "summarize, next_segment, scored failure, G8": [
-        "grpo.summary_credit=next_segment", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8",
-        "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"],
+    "summarize, next_segment, scored failure": SCORED,
+    "summarize, next_segment, scored failure, G8": [*SCORED, "grpo.num_prompts_per_step=4",
+                                                    "grpo.num_generations_per_prompt=8"],
     "summarize+faults, redispatch": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
     + ["context_compaction.redispatch_dropped_groups=true"],
     "summarize+faults, drop budget": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]

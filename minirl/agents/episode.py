@@ -65,8 +65,9 @@ class Evidence:
     end_reason: str = "max_steps"
     errors: list[str] = field(default_factory=list)
     segment_rewards: list[float | None] = field(default_factory=list)
-    """Summarizing compaction: per accepted summary, its next segment's score (summarize.segment_rewards;
-    `grpo.summary_credit=next_segment` trains the summary on it). Sent only when non-empty."""
+    """Summarizing compaction: per summary in the output (accepted, or failed under `end_episode_scored`),
+    its next segment's score (summarize.segment_rewards; `grpo.summary_credit=next_segment` trains the
+    summary on it). Sent only when non-empty."""
 
     def add(self, counters: dict[str, int]) -> None:
         for name, n in counters.items():

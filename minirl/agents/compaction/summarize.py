@@ -238,17 +238,15 @@ class SummarizePolicy:
         counters = {"summaries_failed": 1, "summary_attempts_rejected": len(run.rejected)}
         ep.ev.summary.append({"compaction": run.k, "request": None, "decision": "failed",
                               "reason": self.s.on_summary_failure, "tokens": 0, "injected": False})
-        if self.s.on_summary_failure == "end_episode":
-            return CompactionResult(ep.history, outcome="failed", tokens_before=before, model_calls=run.sent,
-                                    counters=counters, end_reason="summary_failed")
-        if self.s.on_summary_failure == "end_episode_scored":
-            if run.last is not None:  # the failure trains: its tokens take the rollout's (or segment's) advantage
+        if self.s.on_summary_failure in ("end_episode", "end_episode_scored"):
+            scored = self.s.on_summary_failure == "end_episode_scored"
+            if scored and run.last is not None:  # the failure trains, with its rollout's (or segment's) advantage
                 out = reply_to_items(run.last.message, run.last.evidence)
                 out[-1].update(trace_kind=SUMMARY_KIND, compaction={"outcome": "failed", "tokens_before": before,
                                                                     "model_calls": run.sent})
                 ep.output += out
             return CompactionResult(ep.history, outcome="failed", tokens_before=before, model_calls=run.sent,
-                                    counters=counters, end_reason=SUMMARY_FAILED_SCORED)
+                                    counters=counters, end_reason=SUMMARY_FAILED_SCORED if scored else "summary_failed")
         rewrite = await self.fallback.compact(ep, client)
         return CompactionResult(rewrite.items, changed=rewrite.changed, outcome="failed", tokens_before=before,
                                 model_calls=run.sent, counters={**rewrite.counters, **counters})
