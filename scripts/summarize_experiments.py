@@ -12,12 +12,14 @@ meets the same prompts, the same held-out set and the same fault draws, so arms 
 per-seed differences (minirl.experiments.stats.paired_ci).
 
 Arms (`ARMS`; the default `--arms` are issue 54's): `recency` (recency compaction keeping the last KEEP
-pictures, the most that fit the same guard limit), `summarize` (the config's summarizing policy) and
-`summarize, next_segment` (`grpo.summary_credit=next_segment`). Each run validates at start (the untrained
-model) and after its last step, so one run per arm gives "untrained" and "after RL"; a summarizing run's
-`summary_recall` per step is the recall curve. Experiment 3's arms add each summary fault at 5% under row
-redispatch or the drop budget alone; the `lost log` arms lose one call's record at rate LOST_LOG_RATE
-(`call_log_lost`) under `grpo.segment_validity=all` / `any`.
+pictures, the most that fit the same guard limit) and `summarize, next_segment, scored failure, KL` (RECIPE, the
+summary training the task configs carry). Each run validates at start (the untrained model) and after its last
+step, so one run per arm gives "untrained" and "after RL"; a summarizing run's `summary_recall` per step is the
+recall curve. `summarize` is rollout credit (ROLLOUT_CREDIT) and the other `summarize, ...` arms the
+development steps from it to RECIPE. Experiment 3's arms add each summary fault at 5% under row redispatch or
+the drop budget alone (on ROLLOUT_CREDIT, whose `raise` makes a failed summary a harness failure); the `lost
+log` arms lose one call's record at rate LOST_LOG_RATE (`call_log_lost`) under `grpo.segment_validity=all` /
+`any`.
 
 Resume: a sweep may be stopped (Ctrl-C, or a signal to its process group) and run again in parts. A cell
 with a row in results.csv is skipped; one whose run ended with all its steps logged gets its row from its
@@ -57,30 +59,41 @@ SUMMARY_FAULTS = ("summary_empty", "summary_tool_call", "summary_overflow")
 LOST_LOG_RATE = 0.01
 """`faults.rate.call_log_lost` of the segment-validity arms: a few of a run's rollouts (32 a step) lose one
 call's record from the generation server's call log (minirl.faults)."""
-SCORED = ["grpo.summary_credit=next_segment",
-          "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"]
-"""The development arms' next-segment credit and scored summary failures (summarize/dev-memory.md)."""
+ROLLOUT_CREDIT = ["grpo.summary_credit=rollout", "agent.context_history.policy.summarize.on_summary_failure=raise",
+                  "loss_fn.reference_policy_kl_penalty=0.0"]
+"""The summary training every summarizing arm but RECIPE starts from: the summary call trains with its rollout's
+advantage, an exhausted summary is a retryable harness failure, no KL (minirl's defaults, and the task
+configs' before RECIPE went into them, so every row of these arms means what it meant when it ran)."""
+KL = 0.1
+"""RECIPE's k3 KL to the warm start (`loss_fn.reference_policy_kl_penalty`; configs/default.yaml has none)."""
+RECIPE = ["grpo.summary_credit=next_segment",
+          "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored",
+          f"loss_fn.reference_policy_kl_penalty={KL}"]
+"""The summary training the task configs carry (summarize/dev-memory.md): next-segment credit, an exhausted
+summary scored and trained as a failure, and a KL that keeps the summary near the warm start's while the
+next segment's reward sorts it out. Spelled out, so the arm's rows keep their meaning if a config changes."""
 ARMS = {
     "recency": ["agent.context_history.policy.type=recency",
                 f"agent.context_history.policy.config.images.keep_last_groups={KEEP}"],
-    "summarize": [],
-    "summarize, next_segment": ["grpo.summary_credit=next_segment"],
-    "summarize, next_segment, scored failure": SCORED,
-    "summarize, next_segment, scored failure, G8": [*SCORED, "grpo.num_prompts_per_step=4",
+    "summarize": ROLLOUT_CREDIT,
+    "summarize, next_segment": [*ROLLOUT_CREDIT, "grpo.summary_credit=next_segment"],
+    "summarize, next_segment, scored failure": RECIPE[:2] + ROLLOUT_CREDIT[2:],
+    "summarize, next_segment, scored failure, G8": [*RECIPE[:2], *ROLLOUT_CREDIT[2:], "grpo.num_prompts_per_step=4",
                                                     "grpo.num_generations_per_prompt=8"],
-    "summarize+faults, redispatch": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
-    + ["context_compaction.redispatch_dropped_groups=true"],
-    "summarize+faults, drop budget": [f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS]
-    + ["context_compaction.redispatch_dropped_groups=false"],
-    "lost log, all": [f"faults.rate.call_log_lost={LOST_LOG_RATE}", "grpo.segment_validity=all"],
-    "lost log, any": [f"faults.rate.call_log_lost={LOST_LOG_RATE}", "grpo.segment_validity=any"],
+    "summarize, next_segment, scored failure, KL": RECIPE,
+    "summarize+faults, redispatch": [*ROLLOUT_CREDIT, *(f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS),
+                                     "context_compaction.redispatch_dropped_groups=true"],
+    "summarize+faults, drop budget": [*ROLLOUT_CREDIT, *(f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS),
+                                      "context_compaction.redispatch_dropped_groups=false"],
+    "lost log, all": [*ROLLOUT_CREDIT, f"faults.rate.call_log_lost={LOST_LOG_RATE}", "grpo.segment_validity=all"],
+    "lost log, any": [*ROLLOUT_CREDIT, f"faults.rate.call_log_lost={LOST_LOG_RATE}", "grpo.segment_validity=any"],
 }
 """Each arm's overrides on its task's config. Issue 54's three arms come from two runs a seed: recency
-after RL (`recency`'s final validation), summarizing untrained and after RL (`summarize`'s first and
-final); `summarize, next_segment` is the summary-credit switch as a fourth arm, and `..., scored failure`
-that with `on_summary_failure=end_episode_scored`, and `..., G8` that with groups of 8 (4 prompts a step, the
-same 32 rollouts): development arms."""
-EXPERIMENT_ARMS = ["recency", "summarize", "summarize, next_segment"]
+after RL (`recency`'s final validation; its training is the config's, RECIPE's KL included), summarizing
+untrained and after RL (`summarize, next_segment, scored failure, KL`'s first and final). `summarize` is
+the rollout-credit training (ROLLOUT_CREDIT) and the others the development arms that led to RECIPE: next-segment
+credit, with scored failures, in groups of 8 (4 prompts a step, the same 32 rollouts)."""
+EXPERIMENT_ARMS = ["recency", "summarize, next_segment, scored failure, KL"]
 """The default `--arms`: issue 54's experiment (the fault arms are run by naming them)."""
 COLUMNS = ["task", "arm", "seed", "survived", "died_reason", "steps", "parts", "wall_s", "val_reward_start",
            "val_reward_final", "val_success_start", "val_success_final", "val_fact_start", "val_fact_final",
@@ -373,9 +386,10 @@ def task_section(rows, task) -> list[str]:
             f"{diff(rows, task, (arm, 'val_success_final'), ('recency', 'val_success_final'))}",
             f"- wall time (s), {arm} − recency: {diff(rows, task, (arm, 'wall_s'), ('recency', 'wall_s'))}",
         ]
-    if "summarize, next_segment" in arms:  # the credit switch against the default, on what both measure
-        lines += [f"- {label}, next_segment − rollout credit: "
-                  f"{diff(rows, task, ('summarize, next_segment', key), ('summarize', key))}" for key, label in (
+    if per_seed(rows, task, "summarize", "wall_s"):  # rollout credit on the same seeds (`--arms summarize`)
+        lines += [f"- {label}, {arm} − rollout credit (`summarize`): "
+                  f"{diff(rows, task, (arm, key), ('summarize', key))}"
+                  for arm in arms if arm not in ("recency", "summarize") for key, label in (
                       ("recall_last", "recall, last steps"), ("val_fact_final", "fact-room success after RL"),
                       ("compaction_ratio", "compaction ratio"), ("summary_tokens_mean", "summary tokens"),
                       ("wall_s", "wall time (s)"))]
@@ -534,8 +548,9 @@ def report(args) -> str:
         "`val_fact_success_rate`, the rooms that need a fact shown earlier opened on their first try. Recall: "
         "`summary_recall`, the share of `DoorsEnv.memory_facts()` needed later that accepted summaries carry, "
         f"mean of the first and last {RECALL_EDGE} steps. Arms: recency after RL (`recency`, final), summarizing "
-        "untrained (`summarize`, start), summarizing after RL (`summarize`, final), and the same with "
-        "`grpo.summary_credit=next_segment`.", "",
+        f"untrained (`{EXPERIMENT_ARMS[-1]}`, start) and summarizing after RL (its final): "
+        "the config's summary training (RECIPE: `grpo.summary_credit=next_segment`, "
+        "`on_summary_failure=end_episode_scored`, `loss_fn.reference_policy_kl_penalty`; [rule.md](rule.md)).", "",
         f"Warm start of doors_memory (models/tiny-summarize/build_info.json): {warm_start()}.", "",
         "Wall time: each run's `wall_s` is its whole `python -m minirl.train` (start-up, both validations, every "
         "step; the sum of its parts when a stopped sweep resumed it) on this 2-core machine, shared with other "

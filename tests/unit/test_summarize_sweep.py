@@ -187,8 +187,26 @@ def test_a_run_that_dies_on_its_own_is_recorded_as_it_ends(tmp_path, monkeypatch
     assert row["died_reason"] == "RuntimeError: training step 0 lost 3"
 
 
+def summary_training(cfg) -> tuple:
+    return (cfg.grpo.summary_credit, cfg.agent.context_history.policy.summarize.on_summary_failure,
+            cfg.loss_fn.reference_policy_kl_penalty)
+
+
+def test_the_arms_spell_out_their_summary_training_and_the_memory_config_carries_the_recipe():
+    """Every summarizing arm sets the summary training it ran with, so a config that changes under it does not
+    change what its rows mean; issue 54's summarizing arm is what configs/summarize.yaml trains."""
+    path = str(REPO / sweep.TASKS["doors_memory"])
+    recipe = summary_training(load_config(path, sweep.ARMS[sweep.EXPERIMENT_ARMS[-1]]))
+    assert recipe == summary_training(load_config(path)) == ("next_segment", "end_episode_scored", sweep.KL)
+    for arm in ("summarize", "summarize+faults, redispatch", "lost log, any"):  # rollout credit, on either config
+        for task in sweep.TASKS:
+            assert summary_training(load_config(str(REPO / sweep.TASKS[task]), sweep.ARMS[arm])) == (
+                "rollout", "raise", 0.0), (task, arm)
+
+
 def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
-    rows = [{"task": "doors_memory", "arm": "summarize", "seed": str(s), "steps": "3", "wall_s": "1",
+    arm = sweep.EXPERIMENT_ARMS[-1]  # the summarizing arm of issue 54's experiment
+    rows = [{"task": "doors_memory", "arm": arm, "seed": str(s), "steps": "3", "wall_s": "1",
              "val_fact_start": "0", "val_fact_final": "1", "recall_curve": "[0.1, 0.5]", "survived": "True"}
             for s in (0, 11)]
     with (tmp_path / "results.csv").open("w", newline="") as f:
@@ -197,7 +215,7 @@ def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
         w.writerows(rows)
     args = type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": [11]})
     text = sweep.report(args)
-    assert "| summarize | 11 |" in text and "| summarize | 0 |" not in text and "seeds [11]" in text
+    assert f"| {arm} | 11 |" in text and f"| {arm} | 0 |" not in text and "seeds [11]" in text
 
 
 def test_a_part_the_sweep_did_not_live_to_close_counts_to_the_runs_last_write(tmp_path):
