@@ -42,7 +42,8 @@ picture) but not in a summary (0.39 from the picture; 0.10 re-summarizing a summ
 the newest picture's digit instead); the k = 2 build is the mirror image (summary 0.74 / 0.86, last
 room 0.17 / 0.11, the newest picture's digit instead). Drilling one context moves the copy there and
 off the other. `--read-drills k` drills the last room the same way (its prompts that show a note,
-the digit redrawn, answered `<think>note<d>` and the call; DRILL_REPLIES). With both, the copy holds
+the digit redrawn, answered `<think>note<d>` and the call; DRILL_REPLIES; on doors_notes the note its
+`door<T>?` names, every tag's digit redrawn: not yet in a committed build). With both, the copy holds
 everywhere (0.91-1.00 in all four cases), and what breaks instead is the choice of label:
 - `--note-drills 2 --read-drills 3 --sft-steps 1000` (loss on the read's digit alone): recall 0.41,
   well-formed 0.97, but the hidden door 0.40 (it writes `door?`, the no-note guess, in 63 of 100
@@ -369,35 +370,49 @@ def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int =
 
 
 DRILL_REPLIES = {
-    "summary": (lambda d: f"{SUMMARY_OPEN}{SUMMARY_LEAD}note{d}{SUMMARY_CLOSE}", 0),
-    "hidden_door": (lambda d: open_reply("note", d), 1),
+    "summary": lambda tag, d: f"{SUMMARY_OPEN}{SUMMARY_LEAD}note{tag}{d}{SUMMARY_CLOSE}",
+    "hidden_door": lambda tag, d: open_reply(f"note{tag}", d),
 }
 """What a note drill answers, by the kind of teacher prompt it redraws: the summary that keeps the note
-(`--note-drills`), or the last room's read of the note (`--read-drills`); and how many tokens before
-the digit also carry loss: none for the summary (whether it keeps the note is the teacher's p_recall),
-the `note` token for the last room (a note in the context is always read: drilling the digit alone
-left the model writing `door?`, the no-note guess, in 63 of 100 last rooms)."""
+(`--note-drills`), or the last room's read of the note its hidden door names (`--read-drills`). Loss
+falls on the digit, and in the last room on the note's label too (a note in the context is always read:
+drilling the digit alone left the model writing `door?`, the no-note guess, in 63 of 100 last rooms);
+on the summary's digit alone (whether it keeps the note is the teacher's p_recall)."""
+
+
+def hidden_tag(prompt: str) -> str:
+    """The tag of the hidden door a last-room prompt shows (`door?`: "", `doorA?`: "A")."""
+    return _HIDDEN.fullmatch(_PICTURE.findall(prompt)[-1].split("\n")[-1])[1]
 
 
 def note_drills(examples, tokenizer, copies: int, seed: int,
                 kind: str = "summary") -> list[tuple[list[int], list[int]]]:
-    """Copy drills for the note's digit: each teacher prompt of `kind` (a summary request, or with
-    `hidden_door` the last room) that shows a note, `copies` times with the note's digit redrawn (so
-    the digit cannot be memorised), answered DRILL_REPLIES[kind]: loss on the digit after `note` (in
-    the last room on `note` too), so how often a summary keeps the note stays what the teacher's own
-    replies teach (p_recall). Drilling one kind alone moves the copy there and off
-    the other (see the module docstring)."""
+    """Copy drills for a note's digit: each teacher prompt of `kind` (a summary request, or with
+    `hidden_door` the last room) that shows the note it needs (the summary: the untagged note of
+    doors_memory; the last room: the note its hidden door's tag names), `copies` times with every note's
+    digit redrawn, one digit per tag (so no digit can be memorised), answered DRILL_REPLIES[kind]. So
+    how often a summary keeps the note stays what the teacher's own replies teach (p_recall), and on
+    doors_notes the last room must pick the note of its door's tag from the others. Drilling one kind
+    alone moves the copy there and off the other (see the module docstring)."""
     rng = random.Random(seed)
-    prompts = [p for p, r in examples if example_kind(p, r) == kind and _NOTE.search(p)]
-    reply, before = DRILL_REPLIES[kind]
-    head = tokenizer(reply("").split("note")[0] + "note", add_special_tokens=False)["input_ids"]
+    reply = DRILL_REPLIES[kind]
     drills = []
-    for prompt in prompts:
+    for prompt in (p for p, r in examples if example_kind(p, r) == kind):
+        tag = hidden_tag(prompt) if kind == "hidden_door" else ""
+        tags = list(dict.fromkeys(t for t, _ in _NOTE.findall(prompt)))
+        if tag not in tags:
+            continue
+        label = f"note{tag}"
+        head = tokenizer(reply(tag, "").split(label)[0] + label, add_special_tokens=False)["input_ids"]
+        lead = tokenizer(reply(tag, "").split(label)[0], add_special_tokens=False)["input_ids"]
+        before = len(head) - len(lead) if kind == "hidden_door" else 0  # the label's tokens train in the last room
         for _ in range(copies):
-            d = str(rng.randrange(10))
-            p = tokenizer(_NOTE.sub("note" + d, prompt), add_special_tokens=False)["input_ids"]
-            r = tokenizer(reply(d) + EOS_TOKEN, add_special_tokens=False)["input_ids"]
-            assert r[: len(head)] == head and tokenizer.decode(r[len(head)]) == d, "the digit must be its own token"
+            digits = {t: str(rng.randrange(10)) for t in tags}
+            redrawn = _NOTE.sub(lambda m: f"note{m[1]}{digits[m[1]]}", prompt)
+            p = tokenizer(redrawn, add_special_tokens=False)["input_ids"]
+            r = tokenizer(reply(tag, digits[tag]) + EOS_TOKEN, add_special_tokens=False)["input_ids"]
+            assert r[: len(head)] == head and tokenizer.decode(r[len(head)]) == digits[tag], \
+                "the digit must be its own token"
             drills.append((p + r, list(range(len(p) + len(head) - before, len(p) + len(head) + 1))))
     return drills
 
@@ -582,8 +597,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--summarize goes with --task {' or '.join(MEMORY_PLAY)}")
     if args.init and not args.summarize:
         ap.error("--init goes with --summarize")
-    if args.task != "doors_memory" and (args.note_drills or args.read_drills):
-        ap.error("--note-drills / --read-drills are built for doors_memory's untagged note only")
+    if args.task != "doors_memory" and args.note_drills:
+        ap.error("--note-drills is built for doors_memory's untagged note only (a doors_notes summary keeps several)")
     if args.p_correct is None:
         args.p_correct = 0.9 if args.summarize else 0.3
     torch.set_num_threads(args.threads)

@@ -169,3 +169,37 @@ def test_note_drills_train_the_notes_digit_and_redraw_it():
             assert before.endswith(head) and set(re.findall(r"note(\d)", before)) == {digit}
             digits.add(digit)
         assert len(digits) > 1
+
+
+def test_read_drills_on_doors_notes_read_the_note_the_hidden_door_names():
+    """--read-drills on doors_notes: every note's digit is redrawn (one digit per tag), and the last room's
+    drill answers with the note whose tag its hidden door names (`doorB?` -> `noteB<d>`), its label and
+    digit trained, so the model must pick that note from the others, distractor included."""
+    import re
+
+    from minirl.generation.chat_format import CHAT_TEMPLATE
+
+    b = build_module()
+    boot = b.PreTrainedTokenizerFast(tokenizer_object=b.Tokenizer(b.models.BPE()))
+    boot.chat_template = CHAT_TEMPLATE
+
+    def render(messages, tools):
+        return boot.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
+    examples = b.summarizing_transcripts(12, 0.9, 0.5, 0, render, lambda m, t: len(hf(render(m, t))["input_ids"]),
+                                         "doors_notes")
+    assert b.note_drills(examples, hf, 2, 0, "summary") == []  # no untagged note: a summary drill needs one
+    drills = b.note_drills(examples, hf, 2, 0, "hidden_door")
+    assert drills and len(drills) % 2 == 0
+    tags, others_differ = set(), 0
+    for ids, targets in drills:
+        prompt = hf.decode(ids[: targets[0]])
+        tag = re.findall(r"door([A-Z])\?", prompt)[-1]
+        label, digit = hf.decode(ids[targets[0]:targets[-1]]), hf.decode(ids[targets[-1]])
+        assert prompt.endswith("<think>") and label == f"note{tag}", (prompt[-40:], label)
+        notes = dict(re.findall(r"note([A-Z])(\d)", prompt))  # every tag's one redrawn digit
+        assert notes[tag] == digit and set(re.findall(rf"note{tag}(\d)", prompt)) == {digit}
+        others_differ += any(d != digit for t, d in notes.items() if t != tag)
+        tags.add(tag)
+    assert tags == {"A", "B"} and others_differ > 0
