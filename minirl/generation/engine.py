@@ -222,12 +222,7 @@ class VllmEngine:
     # -- public API (thread-safe) -------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
         """Submit a request; `request_id` (default: a fresh one) is what `abort` takes."""
-        fut: Future = Future()
-        if self.dead is None:
-            self._inbox.put(("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params, time.monotonic()), fut))
-        if self.dead is not None:  # dead before the put, or since: the engine thread may take nothing more
-            self._refuse(fut)
-        return fut
+        return self._submit("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params, time.monotonic()))
 
     def abort(self, request_id: str) -> None:
         """Drop a request whose caller left: vLLM frees its slot and its future gets CancelledError.
@@ -286,8 +281,7 @@ class VllmEngine:
             self.version = version
             self.weights_s += time.monotonic() - t0
 
-        self._inbox.put(("drain" if drain else "run", apply, fut))
-        return fut
+        return self._submit("drain" if drain else "run", apply, fut)
 
     def set_gather(self, gap_s: float, max_s: float, first_s: float | None = None, rule: str = "fixed",
                    burst_n: int = 8) -> None:
@@ -342,8 +336,17 @@ class VllmEngine:
 
     def run(self, fn) -> Future:
         """Run `fn(llm)` on the engine thread, between steps."""
-        fut: Future = Future()
-        self._inbox.put(("run", fn, fut))
+        return self._submit("run", fn)
+
+    def _submit(self, kind: str, payload, fut: Future | None = None) -> Future:
+        """Put a job in the engine thread's inbox and return its future, which a dead engine fails at once:
+        dead before the put, or since (`_fail` empties the inbox once, and the engine thread takes
+        nothing more), so no job waits on an engine that will never answer it."""
+        fut = Future() if fut is None else fut
+        if self.dead is None:
+            self._inbox.put((kind, payload, fut))
+        if self.dead is not None:
+            self._refuse(fut)
         return fut
 
     # -- engine thread (and its watchdog) -------------------------------------------------------

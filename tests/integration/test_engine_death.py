@@ -66,7 +66,9 @@ async def go():
             health = r.status, (await r.json()).get("error")
         t0 = time.monotonic()
         later_direct = engine.generate([1, 2, 3], SamplingParams(max_tokens=4))
-        return {"answers": answers, "update": outcome(update), "direct": outcome(direct), "health": health,
+        later_jobs = [engine.run(lambda llm: None), engine.update_weights(weights, 2)]
+        return {"later_jobs": [(f.done(), outcome(f)) for f in later_jobs],
+                "answers": answers, "update": outcome(update), "direct": outcome(direct), "health": health,
                 "later_done_at_once": later_direct.done(), "later_direct": outcome(later_direct),
                 "later": await chat(http, s.model_url, None), "later_s": time.monotonic() - t0,
                 "dead": repr(engine.dead), "steps": engine.steps}
@@ -79,7 +81,7 @@ def test_an_engine_loop_failure_outside_a_step_kills_the_engine_loudly():
     """`engine_loop_crash` makes the engine thread raise while it resolves a finished request: the
     request in flight, the drain update held for it, the requests deferred behind that update (the one
     that fired the fault among them) all fail at once naming the cause; `/health` is 503 naming it;
-    a later request is refused at once."""
+    a later request, job or weight update is refused at once."""
     proc = subprocess.run([sys.executable, "-c", LOOP_CRASH_CHILD], capture_output=True, text=True, timeout=300,
                           cwd=REPO_ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,3 +95,5 @@ def test_an_engine_loop_failure_outside_a_step_kills_the_engine_loudly():
         assert failed.startswith("RuntimeError: vLLM engine is dead") and cause in failed, out
     assert out["health"][0] == 503 and cause in out["health"][1], out
     assert out["later_done_at_once"] and out["later"][0] == 500 and cause in out["later"][1], out
+    for done_at_once, failed in out["later_jobs"]:  # a job for the engine thread, and a weight update, sent later
+        assert done_at_once and failed.startswith("RuntimeError: vLLM engine is dead") and cause in failed, out
