@@ -141,12 +141,9 @@ def test_committed_summarize_model_covers_the_protocol_and_is_a_noisy_summarizer
     assert sum(f.stat().st_size for f in SUMMARIZE_DIR.iterdir()) < 4_000_000
 
 
-def test_note_drills_train_the_notes_digit_and_redraw_it():
-    """--note-drills / --read-drills: the loss falls on the digit right after the summary's (or the last
-    room's think block's) `note`, and it is the digit of every note the drill's prompt shows (redrawn per
-    drill, so it cannot be memorised); a last-room drill also trains its `note`, a summary drill does not."""
-    import re
-
+def teacher_examples(episodes: int, task: str):
+    """The build module, the committed summarizer's tokenizer, and `episodes` of `task` played by the
+    summarizing teacher (p_correct 0.9, p_recall 0.5) with that tokenizer's counts."""
     from minirl.generation.chat_format import CHAT_TEMPLATE
 
     b = build_module()
@@ -157,7 +154,17 @@ def test_note_drills_train_the_notes_digit_and_redraw_it():
         return boot.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
     hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
-    examples = b.summarizing_transcripts(16, 0.9, 0.5, 0, render, lambda m, t: len(hf(render(m, t))["input_ids"]))
+    count = lambda m, t: len(hf(render(m, t))["input_ids"])  # noqa: E731
+    return b, hf, b.summarizing_transcripts(episodes, 0.9, 0.5, 0, render, count, task)
+
+
+def test_note_drills_train_the_notes_digit_and_redraw_it():
+    """--note-drills / --read-drills: the loss falls on the digit right after the summary's (or the last
+    room's think block's) `note`, and it is the digit of every note the drill's prompt shows (redrawn per
+    drill, so it cannot be memorised); a last-room drill also trains its `note`, a summary drill does not."""
+    import re
+
+    b, hf, examples = teacher_examples(16, "doors_memory")
     for kind, head, trained in (("summary", "<summary>keep\nnote", 1),
                                 ("hidden_door", "<|im_start|>assistant\n<think>note", 2)):
         drills = b.note_drills(examples, hf, 3, 0, kind)
@@ -177,18 +184,7 @@ def test_read_drills_on_doors_notes_read_the_note_the_hidden_door_names():
     digit trained, so the model must pick that note from the others, distractor included."""
     import re
 
-    from minirl.generation.chat_format import CHAT_TEMPLATE
-
-    b = build_module()
-    boot = b.PreTrainedTokenizerFast(tokenizer_object=b.Tokenizer(b.models.BPE()))
-    boot.chat_template = CHAT_TEMPLATE
-
-    def render(messages, tools):
-        return boot.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-
-    hf = AutoTokenizer.from_pretrained(SUMMARIZE_DIR)
-    examples = b.summarizing_transcripts(12, 0.9, 0.5, 0, render, lambda m, t: len(hf(render(m, t))["input_ids"]),
-                                         "doors_notes")
+    b, hf, examples = teacher_examples(12, "doors_notes")
     assert b.note_drills(examples, hf, 2, 0, "summary") == []  # no untagged note: a summary drill needs one
     drills = b.note_drills(examples, hf, 2, 0, "hidden_door")
     assert drills and len(drills) % 2 == 0
