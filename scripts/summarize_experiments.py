@@ -529,8 +529,10 @@ def lost_log_section(rows) -> list[str]:
 
 def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
-    if getattr(args, "report_seeds", None):  # e.g. the unseen seeds 10-19 alone, not the development seeds
-        rows = [r for r in rows if int(r["seed"]) in set(args.report_seeds)]
+    wanted = sorted(args.report_seeds) if getattr(args, "report_seeds", None) else None
+    # issue 54's experiment on those seeds alone (the unseen 10-19, not the development seeds); experiment 3
+    # and the lost-log arms keep their own
+    experiment = [r for r in rows if wanted is None or int(r["seed"]) in wanted]
     seeds = sorted({int(r["seed"]) for r in rows})
     steps = sorted({int(r["steps"]) for r in rows if r.get("steps")})
     lines = [
@@ -551,14 +553,16 @@ def report(args) -> str:
         f"untrained (`{EXPERIMENT_ARMS[-1]}`, start) and summarizing after RL (its final): "
         "the config's summary training (RECIPE: `grpo.summary_credit=next_segment`, "
         "`on_summary_failure=end_episode_scored`, `loss_fn.reference_policy_kl_penalty`; [rule.md](rule.md)).", "",
+        *([f"Issue 54's experiment below reads seeds {wanted} alone, under [rule.md](rule.md); the other "
+           "experiments their own seeds.", ""] if wanted else []),
         f"Warm start of doors_memory (models/tiny-summarize/build_info.json): {warm_start()}.", "",
         "Wall time: each run's `wall_s` is its whole `python -m minirl.train` (start-up, both validations, every "
         "step; the sum of its parts when a stopped sweep resumed it) on this 2-core machine, shared with other "
         "runs (the lock serialises the Ray/vLLM runs, not the other load); `load_avg` in results.csv.", "",
     ]
     for task in TASKS:
-        if any(per_seed(rows, task, a, "wall_s") for a in EXPERIMENT_ARMS):
-            lines += task_section(rows, task)
+        if any(per_seed(experiment, task, a, "wall_s") for a in EXPERIMENT_ARMS):
+            lines += task_section(experiment, task)
     out = Path(args.out)
     lines += faults_section(rows, out) + lost_log_section(rows) + offline_section(out / "offline.jsonl")
     died = [f"- {' '.join(map(str, cell_key(r)))}: {r['died_reason']}" for r in rows if r["survived"] != "True"]

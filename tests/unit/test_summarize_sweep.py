@@ -215,7 +215,7 @@ def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
         w.writerows(rows)
     args = type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": [11]})
     text = sweep.report(args)
-    assert f"| {arm} | 11 |" in text and f"| {arm} | 0 |" not in text and "seeds [11]" in text
+    assert f"| {arm} | 11 |" in text and f"| {arm} | 0 |" not in text and "reads seeds [11] alone" in text
 
 
 def test_a_part_the_sweep_did_not_live_to_close_counts_to_the_runs_last_write(tmp_path):
