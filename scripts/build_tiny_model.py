@@ -403,9 +403,10 @@ def note_drills(examples, tokenizer, copies: int, seed: int,
         if tag not in tags:
             continue
         label = f"note{tag}"
-        head = tokenizer(reply(tag, "").split(label)[0] + label, add_special_tokens=False)["input_ids"]
-        lead = tokenizer(reply(tag, "").split(label)[0], add_special_tokens=False)["input_ids"]
-        before = len(head) - len(lead) if kind == "hidden_door" else 0  # the label's tokens train in the last room
+        lead = reply(tag, "").split(label)[0]
+        head = tokenizer(lead + label, add_special_tokens=False)["input_ids"]
+        before = len(head) - len(tokenizer(lead, add_special_tokens=False)["input_ids"]) \
+            if kind == "hidden_door" else 0  # the label's tokens train in the last room
         for _ in range(copies):
             digits = {t: str(rng.randrange(10)) for t in tags}
             redrawn = _NOTE.sub(lambda m: f"note{m[1]}{digits[m[1]]}", prompt)

@@ -66,9 +66,10 @@ advantage, an exhausted summary is a retryable harness failure, no KL (minirl's 
 configs' before RECIPE went into them, so every row of these arms means what it meant when it ran)."""
 KL = 0.1
 """RECIPE's k3 KL to the warm start (`loss_fn.reference_policy_kl_penalty`; configs/default.yaml has none)."""
-RECIPE = ["grpo.summary_credit=next_segment",
-          "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored",
-          f"loss_fn.reference_policy_kl_penalty={KL}"]
+SCORED = ["grpo.summary_credit=next_segment",
+          "agent.context_history.policy.summarize.on_summary_failure=end_episode_scored"]
+"""Next-segment credit and scored summary failures: RECIPE without its KL (later overrides win)."""
+RECIPE = [*SCORED, f"loss_fn.reference_policy_kl_penalty={KL}"]
 """The summary training the task configs carry (summarize/dev-memory.md): next-segment credit, an exhausted
 summary scored and trained as a failure, and a KL that keeps the summary near the warm start's while the
 next segment's reward sorts it out. Spelled out, so the arm's rows keep their meaning if a config changes."""
@@ -77,8 +78,8 @@ ARMS = {
                 f"agent.context_history.policy.config.images.keep_last_groups={KEEP}"],
     "summarize": ROLLOUT_CREDIT,
     "summarize, next_segment": [*ROLLOUT_CREDIT, "grpo.summary_credit=next_segment"],
-    "summarize, next_segment, scored failure": RECIPE[:2] + ROLLOUT_CREDIT[2:],
-    "summarize, next_segment, scored failure, G8": [*RECIPE[:2], *ROLLOUT_CREDIT[2:], "grpo.num_prompts_per_step=4",
+    "summarize, next_segment, scored failure": [*ROLLOUT_CREDIT, *SCORED],
+    "summarize, next_segment, scored failure, G8": [*ROLLOUT_CREDIT, *SCORED, "grpo.num_prompts_per_step=4",
                                                     "grpo.num_generations_per_prompt=8"],
     "summarize, next_segment, scored failure, KL": RECIPE,
     "summarize+faults, redispatch": [*ROLLOUT_CREDIT, *(f"faults.rate.{k}={FAULT_RATE}" for k in SUMMARY_FAULTS),
