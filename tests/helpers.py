@@ -64,6 +64,17 @@ def run_cli(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=REPO_ROOT, env=full_env)
 
 
+def child_result(code: str, tmp_path, timeout: int, env=None) -> dict:
+    """Run CODE in a fresh `python -c` (repo root as cwd) and return the JSON it dumps to the path it gets as
+    sys.argv[1]. A file, not stdout: the engine's own processes share the child's stdout and can cut into a
+    long line (a 128 KiB result line broke mid-way in CI)."""
+    result = tmp_path / "child-result.json"
+    proc = subprocess.run([sys.executable, "-c", code, str(result)], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO_ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return __import__("json").loads(result.read_text())
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 
 import aiohttp
 import numpy as np
-from helpers import first_step_size
+from helpers import child_result, first_step_size
 
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
-from minirl.config import REPO_ROOT
 from minirl.data import prompt_row
 from minirl.types import TrainBatch
 from minirl.wire import with_extra_body
@@ -221,6 +216,7 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
 
 SAMPLER_COMPILE_CHILD = """
 import json
+import sys
 import threading
 import vllm
 from minirl.config import load_config
@@ -243,22 +239,20 @@ futs = [engine.generate([1, 2, 3 + i], SamplingParams(max_tokens=3, logprobs=k, 
 engine.generate([5], SamplingParams(max_tokens=2, logprobs=0, seed=9)).result()  # a batch of 1 too
 [f.result() for f in futs]
 stepped_on = engine.run(lambda llm: threading.get_ident()).result()
-print(json.dumps({"before": before, "built": built, "served": dict(counters["stats"]), "steps": engine.steps,
-                  "built_where_stepped": built_on == [stepped_on] and stepped_on != threading.get_ident()}))
+json.dump({"before": before, "built": built, "served": dict(counters["stats"]), "steps": engine.steps,
+           "built_where_stepped": built_on == [stepped_on] and stepped_on != threading.get_ident()},
+          open(sys.argv[1], "w"))
 """
 
 
-def test_the_sampler_is_compiled_before_the_engine_serves():
+def test_the_sampler_is_compiled_before_the_engine_serves(tmp_path):
     # vLLM compiles its logprob ranks at the first request asking for logprobs (14.6 s with a cold
     # inductor cache here): inside a served step that fails /health and fleet health quarantines a
     # fresh worker. A fresh process: the engine thread compiles it before its first step, and no
     # served request, of batch 1 or 3, with or without top logprobs, compiles anything after. And
     # vLLM's engine is built on the thread that steps it (libgomp's pools are per thread: an engine
     # built on another thread stepped ~10% slower on 2 cores)
-    proc = subprocess.run([sys.executable, "-c", SAMPLER_COMPILE_CHILD], capture_output=True, text=True, timeout=600,
-                          cwd=REPO_ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = child_result(SAMPLER_COMPILE_CHILD, tmp_path, timeout=600, env={"VLLM_LOGGING_LEVEL": "ERROR"})
     assert out["before"] == 0 and out["built"][0] >= 1, out
     assert out["served"] == out["built"][1] and out["steps"] > 0, out
     assert out["built_where_stepped"], out

@@ -5,12 +5,7 @@ and every request in flight, queued, held behind a draining update or sent later
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from minirl.config import REPO_ROOT
+from helpers import child_result
 
 LOOP_CRASH_CHILD = """
 import asyncio, json, sys, time
@@ -73,19 +68,16 @@ async def go():
                 "later": await chat(http, s.model_url, None), "later_s": time.monotonic() - t0,
                 "dead": repr(engine.dead), "steps": engine.steps}
 
-print(json.dumps(asyncio.run(go())))
+json.dump(asyncio.run(go()), open(sys.argv[1], "w"))
 """
 
 
-def test_an_engine_loop_failure_outside_a_step_kills_the_engine_loudly():
+def test_an_engine_loop_failure_outside_a_step_kills_the_engine_loudly(tmp_path):
     """`engine_loop_crash` makes the engine thread raise while it resolves a finished request: the
     request in flight, the drain update held for it, the requests deferred behind that update (the one
     that fired the fault among them) all fail at once naming the cause; `/health` is 503 naming it;
     a later request, job or weight update is refused at once."""
-    proc = subprocess.run([sys.executable, "-c", LOOP_CRASH_CHILD], capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = child_result(LOOP_CRASH_CHILD, tmp_path, timeout=300, env={"VLLM_LOGGING_LEVEL": "ERROR"})
     cause = "vLLM engine loop failed outside a step: RuntimeError('injected engine_loop_crash')"
     assert cause in out["dead"], out
     assert out["steps"] >= 4, out  # the first request ran on (min_tokens): the loop took the queue into held/deferred

@@ -22,6 +22,7 @@ import re
 
 import aiohttp
 import pytest
+from helpers import child_result
 
 from minirl.agents.agent import ModelReply, run_episode
 from minirl.agents.compaction.summarize import SUMMARY_KIND, threshold, trim_middle
@@ -458,26 +459,19 @@ async def go():
         return results, s.model.take_calls(0)
 
 results, calls = asyncio.run(go())
-print(json.dumps({"results": results, "calls": calls, "vocab": len(tokenizer)}))
+json.dump({"results": results, "calls": calls, "vocab": len(tokenizer)}, open(sys.argv[1], "w"))
 """
 
 
-def test_the_warm_started_summarizer_through_the_real_stack():
+def test_the_warm_started_summarizer_through_the_real_stack(tmp_path):
     """configs/summarize.yaml's model (models/tiny-summarize) on its own engine (a child process, so the
     session's engine stays the default model's): its accepted summaries come back as their own traces,
     trained once, matched by the ledger, and their rejected siblings retired; recall is measured."""
-    import subprocess
-    import sys
-
     from minirl.config import REPO_ROOT
 
     if not (REPO_ROOT / "models" / "tiny-summarize" / "config.json").exists():
         pytest.skip("models/tiny-summarize is not built")
-    out = subprocess.run([sys.executable, "-c", ACCEPTED_CHILD], capture_output=True, text=True, timeout=300,
-                         cwd=REPO_ROOT,
-                         env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data = child_result(ACCEPTED_CHILD, tmp_path, timeout=300)
     cfg = load_config("configs/summarize.yaml")
     rollouts = []
     for i, body in enumerate(data["results"]):
