@@ -530,6 +530,10 @@ def lost_log_section(rows) -> list[str]:
 
 def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
+    # rule.md and segments.md live in docs/experiments/summarize; a report written elsewhere (a development
+    # folder) links them from where it stands
+    rule, segments = (os.path.relpath(REPO / "docs" / "experiments" / "summarize" / name, Path(args.out).resolve())
+                      for name in ("rule.md", "segments.md"))
     wanted = sorted(args.report_seeds) if getattr(args, "report_seeds", None) else None
     # issue 54's experiment on those seeds alone (the unseen 10-19, not the development seeds); experiment 3
     # and the lost-log arms keep their own
@@ -541,7 +545,7 @@ def report(args) -> str:
         f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python scripts/summarize_experiments.py "
         f"--report-only` from results.csv ({len(rows)} runs, seeds {seeds}, steps per run {steps}); "
         f"{args.val_prompts} held-out prompts per validation. Segment weighting and validity: "
-        "[segments.md](segments.md).", "",
+        f"[segments.md]({segments}).", "",
         "Setup: each task's config (" + ", ".join(f"{t}: `{c}`" for t, c in TASKS.items()) + "), the guard's "
         "`max_total_tokens` the same in every arm. A seed s sets `grpo.seed=42+s`, `env.data_seed=1234+s` and "
         "`faults.seed=s`, so within a seed every arm meets the same prompts, held-out set and fault draws. "
@@ -553,8 +557,8 @@ def report(args) -> str:
         f"mean of the first and last {RECALL_EDGE} steps. Arms: recency after RL (`recency`, final), summarizing "
         f"untrained (`{EXPERIMENT_ARMS[-1]}`, start) and summarizing after RL (its final): "
         "the config's summary training (RECIPE: `grpo.summary_credit=next_segment`, "
-        "`on_summary_failure=end_episode_scored`, `loss_fn.reference_policy_kl_penalty`; [rule.md](rule.md)).", "",
-        *([f"Issue 54's experiment below reads seeds {wanted} alone, under [rule.md](rule.md); the other "
+        f"`on_summary_failure=end_episode_scored`, `loss_fn.reference_policy_kl_penalty`; [rule.md]({rule})).", "",
+        *([f"Issue 54's experiment below reads seeds {wanted} alone, under [rule.md]({rule}); the other "
            "experiments their own seeds.", ""] if wanted else []),
         f"Warm start of doors_memory (models/tiny-summarize/build_info.json): {warm_start()}.", "",
         "Wall time: each run's `wall_s` is its whole `python -m minirl.train` (start-up, both validations, every "

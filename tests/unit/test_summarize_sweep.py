@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,9 @@ def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
     args = type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": [11]})
     text = sweep.report(args)
     assert f"| {arm} | 11 |" in text and f"| {arm} | 0 |" not in text and "reads seeds [11] alone" in text
+    links = re.findall(r"\]\(([^)]+\.md)\)", text)  # rule.md and segments.md, from wherever the report stands
+    assert {Path(link).name for link in links} >= {"rule.md", "segments.md"}, links
+    assert all((tmp_path / link).resolve().is_file() for link in links), links
 
 
 def test_a_part_the_sweep_did_not_live_to_close_counts_to_the_runs_last_write(tmp_path):
