@@ -355,6 +355,27 @@ def rises(rows, task, arm) -> tuple[int, int]:
     return sum(v >= RISE for v in rise.values() if v == v), len(rise)
 
 
+CLAIM_SEEDS, CLAIM_RISEN = 10, 9
+"""rule.md: the claim is judged on 10 unseen seeds, and recall must rise by >= RISE on at least 9 of them."""
+
+
+def claim(rows, task, arm) -> str:
+    """rule.md's verdict on one task: recall rose by >= RISE on >= CLAIM_RISEN of CLAIM_SEEDS seeds (a run that
+    ended early fails its seed), and fact-room success after RL minus summarizing untrained and minus recency
+    after RL each has a paired 95% interval above 0."""
+    died = {int(r["seed"]) for r in rows if cell_key(r)[:2] == (task, arm) and r["survived"] != "True"}
+    rise = per_seed(rows, task, arm, "recall_rise")
+    risen = sum(v >= RISE for s, v in rise.items() if v == v and s not in died)
+    lows = [m - h for m, h, _ in (paired(rows, task, (arm, "val_fact_final"), b)
+                                  for b in ((arm, "val_fact_start"), ("recency", "val_fact_final")))]
+    if len(rise) < CLAIM_SEEDS:
+        return f"not judged yet: {len(rise)} of its {CLAIM_SEEDS} seeds run"
+    holds = risen >= CLAIM_RISEN and all(low > 0 for low in lows)
+    return (f"{'holds' if holds else 'does not hold'}: recall rose by >= {RISE} on {risen} of {len(rise)} seeds "
+            f"(needs {CLAIM_RISEN}); the fact-room intervals' lower ends, against summarizing untrained and against "
+            f"recency after RL, are {lows[0]:.3f} and {lows[1]:.3f} (need > 0)")
+
+
 PER_SEED = (("val_fact_start", "fact start"), ("val_fact_final", "fact final"), ("val_success_start", "success start"),
             ("val_success_final", "success final"), ("recall_first", "recall first"), ("recall_last", "recall last"),
             ("compaction_ratio", "compaction ratio"), ("summary_tokens_mean", "summary tokens"), ("wall_s", "wall s"))
@@ -387,6 +408,8 @@ def task_section(rows, task) -> list[str]:
             f"{diff(rows, task, (arm, 'val_success_final'), ('recency', 'val_success_final'))}",
             f"- wall time (s), {arm} − recency: {diff(rows, task, (arm, 'wall_s'), ('recency', 'wall_s'))}",
         ]
+        if arm == EXPERIMENT_ARMS[-1]:
+            lines += ["", f"**Issue 54's claim on {task}, judged as rule.md declares: {claim(rows, task, arm)}.**", ""]
     if per_seed(rows, task, "summarize", "wall_s"):  # rollout credit on the same seeds (`--arms summarize`)
         lines += [f"- {label}, {arm} − rollout credit (`summarize`): "
                   f"{diff(rows, task, (arm, key), ('summarize', key))}"

@@ -222,6 +222,26 @@ def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
     assert all((tmp_path / link).resolve().is_file() for link in links), links
 
 
+def test_the_claims_verdict_follows_the_declared_rule():
+    """rule.md: recall rises by >= 0.3 on >= 9 of the 10 seeds (a run that ended early fails its seed), and both
+    fact-room intervals lie above 0; fewer than 10 seeds are not judged."""
+    arm = sweep.EXPERIMENT_ARMS[-1]
+
+    def rows(seeds=range(10), flat=(), died=(), fact_final=0.7):
+        out = [{"task": "doors_memory", "arm": "recency", "seed": str(s), "val_fact_final": str(0.1 + s % 3 / 20),
+                "survived": "True"} for s in seeds]
+        return out + [{"task": "doors_memory", "arm": arm, "seed": str(s), "survived": str(s not in died),
+                       "val_fact_start": str(0.05 + s % 2 / 20), "val_fact_final": str(fact_final - s % 4 / 20),
+                       "recall_curve": json.dumps([0.1] * 20 + [0.1 if s in flat else 0.45] * 20)} for s in seeds]
+
+    assert sweep.claim(rows(flat=[3]), "doors_memory", arm).startswith("holds: recall rose by >= 0.3 on 9 of 10")
+    assert sweep.claim(rows(flat=[3], died=[5]), "doors_memory", arm).startswith("does not hold: recall rose by "
+                                                                                   ">= 0.3 on 8 of 10")
+    assert sweep.claim(rows(fact_final=0.12), "doors_memory", arm).startswith("does not hold: recall rose by >= "
+                                                                              "0.3 on 10 of 10")
+    assert sweep.claim(rows(seeds=range(9)), "doors_memory", arm) == "not judged yet: 9 of its 10 seeds run"
+
+
 def test_a_part_the_sweep_did_not_live_to_close_counts_to_the_runs_last_write(tmp_path):
     run_dir = sweep.run_dir_of(tmp_path, "doors_memory", "summarize", 0)
     write_jsonl(run_dir / "metrics.jsonl", [{"step": 0}])
