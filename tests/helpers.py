@@ -5,6 +5,7 @@ module and conftest.py imports this file as `helpers`. Fixtures stay in conftest
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def child_result(code: str, tmp_path, timeout: int, env=None) -> dict:
     proc = subprocess.run([sys.executable, "-c", code, str(result)], capture_output=True, text=True, timeout=timeout,
                           cwd=REPO_ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return __import__("json").loads(result.read_text())
+    return json.loads(result.read_text())
 
 
 def last_line(text: str) -> str:
