@@ -350,9 +350,11 @@ RISE = 0.3
 
 
 def rises(rows, task, arm) -> tuple[int, int]:
-    """(seeds whose recall rose by >= RISE, seeds run) of one arm on one task."""
+    """(seeds whose recall rose by >= RISE, seeds run) of one arm on one task; a run that ended early fails its
+    seed (rule.md), whatever its logged steps show."""
+    died = {int(r["seed"]) for r in rows if cell_key(r)[:2] == (task, arm) and r["survived"] != "True"}
     rise = per_seed(rows, task, arm, "recall_rise")
-    return sum(v >= RISE for v in rise.values() if v == v), len(rise)
+    return sum(v >= RISE for s, v in rise.items() if v == v and s not in died), len(rise)
 
 
 CLAIM_SEEDS, CLAIM_RISEN = 10, 9
@@ -363,15 +365,13 @@ def claim(rows, task, arm) -> str:
     """rule.md's verdict on one task: recall rose by >= RISE on >= CLAIM_RISEN of CLAIM_SEEDS seeds (a run that
     ended early fails its seed), and fact-room success after RL minus summarizing untrained and minus recency
     after RL each has a paired 95% interval above 0."""
-    died = {int(r["seed"]) for r in rows if cell_key(r)[:2] == (task, arm) and r["survived"] != "True"}
-    rise = per_seed(rows, task, arm, "recall_rise")
-    risen = sum(v >= RISE for s, v in rise.items() if v == v and s not in died)
+    risen, run = rises(rows, task, arm)
+    if run < CLAIM_SEEDS:
+        return f"not judged yet: {run} of its {CLAIM_SEEDS} seeds run"
     lows = [m - h for m, h, _ in (paired(rows, task, (arm, "val_fact_final"), b)
                                   for b in ((arm, "val_fact_start"), ("recency", "val_fact_final")))]
-    if len(rise) < CLAIM_SEEDS:
-        return f"not judged yet: {len(rise)} of its {CLAIM_SEEDS} seeds run"
     holds = risen >= CLAIM_RISEN and all(low > 0 for low in lows)
-    return (f"{'holds' if holds else 'does not hold'}: recall rose by >= {RISE} on {risen} of {len(rise)} seeds "
+    return (f"{'holds' if holds else 'does not hold'}: recall rose by >= {RISE} on {risen} of {run} seeds "
             f"(needs {CLAIM_RISEN}); the fact-room intervals' lower ends, against summarizing untrained and against "
             f"recency after RL, are {lows[0]:.3f} and {lows[1]:.3f} (need > 0)")
 

@@ -159,11 +159,11 @@ def test_the_report_pairs_arms_by_seed():
     for seed, (base, rl, rec) in enumerate([(0.1, 0.6, 0.2), (0.2, 0.6, 0.1), (0.0, 0.5, 0.2), (0.1, 0.2, 0.3)]):
         curve = [0.1] * 20 + [0.5 if seed < 3 else 0.15] * 20
         rows.append({"task": "doors_memory", "arm": "summarize", "seed": str(seed), "val_fact_start": str(base),
-                     "val_fact_final": str(rl), "recall_curve": json.dumps(curve)})
+                     "val_fact_final": str(rl), "recall_curve": json.dumps(curve), "survived": "True"})
         rows.append({"task": "doors_memory", "arm": "recency", "seed": str(seed), "val_fact_final": str(rec),
                      "recall_curve": "[]"})
     rows.append({"task": "doors_memory", "arm": "summarize", "seed": "9", "val_fact_start": "0",
-                 "val_fact_final": "1", "recall_curve": "[]"})  # no recency run on seed 9: not a pair
+                 "val_fact_final": "1", "recall_curve": "[]", "survived": "True"})  # seed 9: no recency, no pair
     m, h, n = paired_ci({0: 0.6, 1: 0.6, 2: 0.5, 3: 0.2}, {0: 0.2, 1: 0.1, 2: 0.2, 3: 0.3})
     got = sweep.paired(rows, "doors_memory", ("summarize", "val_fact_final"), ("recency", "val_fact_final"))
     assert got == pytest.approx((m, h, n)) and n == 4 and m == pytest.approx(0.275)
