@@ -68,7 +68,7 @@ tested: GRPO suppresses `note` in ordinary rooms, where writing it opens a wrong
 length-sorted window's mix, not a constant rate's noise.)
 With `--task doors_notes --summarize` (issue 54; configs/summarize_notes.yaml) the same teacher plays
 the harder memory task (MEMORY_PLAY: its room counts, threshold range and note names): a summary keeps
-each note its prompt shows (the newest of each tag, one a line, in the order shown)
+each note its prompt shows (the newest of each tag, `noteA<d> noteB<d> noteC<d>` in the order shown)
 with probability p_recall each, and a hidden door `doorA?` is answered from `noteA<d>`; with one
 untagged note (doors_memory) that is exactly the old rule, so doors_memory's transcripts are unchanged.
 `summary_fact_recall` scores what the run's `summary_recall` counts (each needed note, not the
@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import random
 import re
@@ -201,20 +200,6 @@ SUMMARY_LEAD = "keep\n"
 """What the teacher's summary opens with: a word, then a newline, so the label after it tokenizes as a
 picture's label does (`\n`, `note`, `7`; right after `>` it would be one `>note` token), and copying
 the note's digit is the same look-up as reading a picture."""
-SUMMARY_SEP = "\n"
-"""Between the notes a summary keeps (doors_notes): one per line, as a picture lists them. Joined by a
-space, every note after the first tokenizes as ` no`, `te`, `B`, `5`, not `\n`, `note`, `B`, `5`: a
-different look-up from the one a picture teaches, and 2 of a held-out summary's 3 notes."""
-
-
-def read_label(tag: str, tag_first: bool) -> str:
-    """What a hidden door's read writes before the note's digit: `note<T>`, or with `tag_first`
-    (`--tag-first`, tagged doors only) `door<T>\nnote<T>`: the door's tag first, copied the way an
-    ordinary room's digit is (the token after the picture's `door`), then the note of that tag. Without
-    it the tag after `note` is a coin flip (teacher-forced P(tag) 0.49 over 150 held-out doors_notes
-    last rooms, on every doors_notes build of 2026-12-04/05): `note` points at every note the context
-    holds, not at the door's."""
-    return f"door{tag}\nnote{tag}" if tag_first and tag else f"note{tag}"
 
 
 def prompt_text(messages) -> str:
@@ -236,10 +221,8 @@ class SummarizingTeacher:
     room: a summary that drops the fact that matters); after SUMMARY_LEAD. `count` is the token
     count the summarizing policy reads."""
 
-    def __init__(self, rng: random.Random, p_correct: float, p_recall: float, render, count,
-                 tag_first: bool = False):
+    def __init__(self, rng: random.Random, p_correct: float, p_recall: float, render, count):
         self.rng, self.p, self.p_recall, self.render, self.count = rng, p_correct, p_recall, render, count
-        self.tag_first = tag_first
         self.examples: list[tuple[str, str]] = []
 
     def _labels(self, text: str) -> list[str]:
@@ -251,7 +234,7 @@ class SummarizingTeacher:
             notes[tag] = digit  # the newest of each tag, at its first place
         kept = [f"note{tag}{digit}" for tag, digit in notes.items() if self.rng.random() < self.p_recall]
         if kept:
-            return f"<summary>{SUMMARY_LEAD}{SUMMARY_SEP.join(kept)}</summary>"
+            return f"<summary>{SUMMARY_LEAD}{' '.join(kept)}</summary>"
         door = next(label for label in self._labels(text) if label.startswith("door"))
         return f"<summary>{SUMMARY_LEAD}{door}</summary>"
 
@@ -261,7 +244,7 @@ class SummarizingTeacher:
         if hidden := _HIDDEN.fullmatch(door):
             notes = [d for tag, d in _NOTE.findall(text) if tag == hidden[1]]
             shown = {label[-1] for label in labels}
-            name, num = (read_label(hidden[1], self.tag_first), notes[-1]) if notes else \
+            name, num = (f"note{hidden[1]}", notes[-1]) if notes else \
                 (door, self.rng.choice([d for d in "0123456789" if d not in shown]))
         elif self.rng.random() < self.p:
             name, num = door[:-1], door[-1]
@@ -298,11 +281,11 @@ def summarize_agent_config(rng: random.Random, rooms: int,
 
 
 def summarizing_transcripts(n: int, p_correct: float, p_recall: float, seed: int, render, count,
-                            task: str = "doors_memory", tag_first: bool = False) -> list[tuple[str, str]]:
+                            task: str = "doors_memory") -> list[tuple[str, str]]:
     """`n` episodes of memory task `task` (MEMORY_PLAY) played by the SummarizingTeacher through
     run_episode (summarizing compaction)."""
     rng = random.Random(seed)
-    teacher = SummarizingTeacher(rng, p_correct, p_recall, render, count, tag_first)
+    teacher = SummarizingTeacher(rng, p_correct, p_recall, render, count)
     play_cfg = MEMORY_PLAY[task]
 
     async def play():
@@ -387,8 +370,8 @@ def lookup_drill(rng: random.Random, tokenizer, pixels: int = 12, queries: int =
 
 
 DRILL_REPLIES = {
-    "summary": lambda tag, d, tag_first=False: f"{SUMMARY_OPEN}{SUMMARY_LEAD}note{tag}{d}{SUMMARY_CLOSE}",
-    "hidden_door": lambda tag, d, tag_first=False: open_reply(read_label(tag, tag_first), d),
+    "summary": lambda tag, d: f"{SUMMARY_OPEN}{SUMMARY_LEAD}note{tag}{d}{SUMMARY_CLOSE}",
+    "hidden_door": lambda tag, d: open_reply(f"note{tag}", d),
 }
 """What a note drill answers, by the kind of teacher prompt it redraws: the summary that keeps the note
 (`--note-drills`), or the last room's read of the note its hidden door names (`--read-drills`). Loss
@@ -403,7 +386,7 @@ def hidden_tag(prompt: str) -> str:
 
 
 def note_drills(examples, tokenizer, copies: int, seed: int,
-                kind: str = "summary", tag_first: bool = False) -> list[tuple[list[int], list[int]]]:
+                kind: str = "summary") -> list[tuple[list[int], list[int]]]:
     """Copy drills for a note's digit: each teacher prompt of `kind` (a summary request, or with
     `hidden_door` the last room) that shows the note it needs (the summary: the untagged note of
     doors_memory; the last room: the note its hidden door's tag names), `copies` times with every note's
@@ -412,14 +395,14 @@ def note_drills(examples, tokenizer, copies: int, seed: int,
     doors_notes the last room must pick the note of its door's tag from the others. Drilling one kind
     alone moves the copy there and off the other (see the module docstring)."""
     rng = random.Random(seed)
-    reply = functools.partial(DRILL_REPLIES[kind], tag_first=tag_first)
+    reply = DRILL_REPLIES[kind]
     drills = []
     for prompt in (p for p, r in examples if example_kind(p, r) == kind):
         tag = hidden_tag(prompt) if kind == "hidden_door" else ""
         tags = list(dict.fromkeys(t for t, _ in _NOTE.findall(prompt)))
         if tag not in tags:
             continue
-        label = read_label(tag, tag_first) if kind == "hidden_door" else f"note{tag}"
+        label = f"note{tag}"
         lead = reply(tag, "").split(label)[0]
         head = tokenizer(lead + label, add_special_tokens=False)["input_ids"]
         before = len(head) - len(tokenizer(lead, add_special_tokens=False)["input_ids"]) \
@@ -506,16 +489,15 @@ def summarizing_corpus(args, render):
     else:
         rough = lambda messages, tools: len(render(messages, tools)) // 3  # noqa: E731
         first = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, rough,
-                                        args.task, args.tag_first)
+                                        args.task)
         tokenizer = train_tokenizer([p + r for p, r in first[:6000]], args.vocab_size)
 
     def count(messages, tools):
         return len(tokenizer(render(messages, tools), add_special_tokens=False)["input_ids"])
 
     examples = summarizing_transcripts(args.episodes, args.p_correct, args.p_recall, args.seed, render, count,
-                                       args.task, args.tag_first)
-    held_out = summarizing_transcripts(3 * args.eval_n, 1.0, 1.0, args.seed + 1, render, count, args.task,
-                                       args.tag_first)
+                                       args.task)
+    held_out = summarizing_transcripts(3 * args.eval_n, 1.0, 1.0, args.seed + 1, render, count, args.task)
     kinds = [example_kind(p, r) for p, r in examples]
     print(f"teacher: {len(examples)} model calls from {args.episodes} episodes "
           f"({kinds.count('summary')} summaries, {kinds.count('hidden_door')} hidden doors)", flush=True)
@@ -543,8 +525,7 @@ def summary_quality(model, tokenizer, examples, n: int, seed: int) -> dict:
     for prompt, reply in examples:
         kind = example_kind(prompt, reply)
         want = reply.removesuffix(EOS_TOKEN)
-        read = want.split("</think>")[0]  # a hidden door's read: a note's label, or the no-note guess
-        if kind == "summary" and "note" not in want or kind == "hidden_door" and "note" not in read:
+        if kind == "summary" and "note" not in want or kind == "hidden_door" and "<think>note" not in want:
             continue
         key = {"summary": "summary_recall", "hidden_door": "hidden_door_rate", "room": "door_rate"}[kind]
         if len(hits[key]) >= n:
@@ -566,38 +547,10 @@ def summary_quality(model, tokenizer, examples, n: int, seed: int) -> dict:
     return {k: round(sum(v) / max(1, len(v)), 3) for k, v in hits.items()} | {f"{k}_n": len(v) for k, v in hits.items()}
 
 
-MEMORY_TAGS = ("A", "B", "C")
-"""doors_notes' note tags (env.note_layout), one token each."""
-
-
-def redraw_embeddings(model, tokenizer, texts) -> None:
-    """Draw the embedding rows of `texts` (one token each) afresh, orthogonal to each other and as long
-    as the digits' rows, and hold them there through the fine-tune (`--fresh-tags`; tied embeddings, so
-    the output rows too). A token a model never trained on keeps only the softmax's push away from it,
-    the same for every unseen token, so they share a direction: in models/tiny-summarize the tags A and
-    B have cosine 0.89, 900 steps of doors_notes took it to 0.98 (0.92 from fresh rows left free), and
-    a door's tag came out a coin flip (P = 0.49) however the read was written: a copy circuit cannot
-    tell apart two tokens whose rows are one."""
-    weight = model.get_input_embeddings().weight
-    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    assert all(len(r) == 1 for r in rows), "each tag must be one token"
-    rows = [r[0] for r in rows]
-    digits = [tokenizer(str(d), add_special_tokens=False)["input_ids"][0] for d in range(10)]
-    with torch.no_grad():
-        fresh, _ = torch.linalg.qr(torch.randn(weight.shape[1], len(rows)))
-        weight[rows] = fresh.T * weight[digits].norm(dim=1).mean()
-    held = torch.zeros_like(weight[:, :1])
-    held[rows] = 1.0
-    weight.register_hook(lambda grad: grad * (1.0 - held))
-
-
 def new_model(args, tokenizer) -> Qwen2ForCausalLM:
     """A freshly initialised Qwen2 of `--size` for `tokenizer`, or with `--init` the saved model."""
     if args.init:
-        model = Qwen2ForCausalLM.from_pretrained(args.init)
-        if args.fresh_tags:
-            redraw_embeddings(model, tokenizer, MEMORY_TAGS)
-        return model
+        return Qwen2ForCausalLM.from_pretrained(args.init)
     vocab = max(len(tokenizer), args.pad_vocab_to)
     config = Qwen2Config(
         vocab_size=(vocab + 63) // 64 * 64,
@@ -611,10 +564,7 @@ def new_model(args, tokenizer) -> Qwen2ForCausalLM:
         torch_dtype="float32",
         **SIZES[args.size],
     )
-    model = Qwen2ForCausalLM(config)
-    if args.fresh_tags:  # a tokenizer learned on doors_notes has one token per tagged label
-        redraw_embeddings(model, tokenizer, ("noteA", "noteB", "noteC"))
-    return model
+    return Qwen2ForCausalLM(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -643,10 +593,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="--summarize: copy drills per teacher summary request showing a note")
     ap.add_argument("--read-drills", type=int, default=0,
                     help="--summarize: copy drills per teacher last-room prompt showing a note")
-    ap.add_argument("--tag-first", action="store_true",
-                    help="--summarize: a tagged hidden door's read writes the door's tag first (read_label)")
-    ap.add_argument("--fresh-tags", action="store_true",
-                    help="--init: draw the note tags' embeddings afresh (redraw_embeddings)")
     args = ap.parse_args(argv)
     if args.summarize != (args.task in MEMORY_PLAY):
         ap.error(f"--summarize goes with --task {' or '.join(MEMORY_PLAY)}")
@@ -682,7 +628,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = []
     if args.summarize:
         extra = note_drills(examples, tokenizer, args.note_drills, args.seed)
-        extra += note_drills(examples, tokenizer, args.read_drills, args.seed + 1, "hidden_door", args.tag_first)
+        extra += note_drills(examples, tokenizer, args.read_drills, args.seed + 1, "hidden_door")
     if extra:
         print(f"note drills: {len(extra)} (teacher prompts showing a note: summary requests x {args.note_drills}, "
               f"last rooms x {args.read_drills})", flush=True)
@@ -702,8 +648,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.copyfile(Path(args.init) / name, out / name)
     else:
         tokenizer.save_pretrained(out)
-    summarize_only = ("task", "summarize", "p_recall", "eval_n", "note_drills", "read_drills", "init", "tag_first",
-                      "fresh_tags")
+    summarize_only = ("task", "summarize", "p_recall", "eval_n", "note_drills", "read_drills", "init")
     recorded = {k: v for k, v in vars(args).items() if args.summarize and (k != "init" or v) or k not in summarize_only}
     info = {"args": recorded, "parameters": params, "vocab_size": vocab, **scores,
             "build_s": round(time.time() - t0, 1)}

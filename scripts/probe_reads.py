@@ -9,9 +9,9 @@ the mean probability the model gives each token of the read, by kind: `note` (th
 on doors_notes writes `noteB` as one token), `digit`. Chance for a tag is 1/2 (A or B; the distractor C
 is never needed), for the digit 1/10.
 
-    python scripts/probe_reads.py models/tiny-summarize-notes [--n 150] [--tag-first]
+    python scripts/probe_reads.py models/tiny-summarize-notes [--n 150]
 
-`--tag-first` plays the teacher of a model built with `build_tiny_model.py --tag-first`.
+Figures: docs/experiments/summarize/notes-task.md ("Why the warm start cannot read a held note").
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--n", type=int, default=150, help="held-out last rooms that hold their note")
-    ap.add_argument("--tag-first", action="store_true")
     args = ap.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = Qwen2ForCausalLM.from_pretrained(args.model).eval()
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     def count(messages, tools):
         return len(tok(render(messages, tools), add_special_tokens=False)["input_ids"])
 
-    held = build.summarizing_transcripts(300, 1.0, 1.0, 1, render, count, "doors_notes", args.tag_first)
+    held = build.summarizing_transcripts(300, 1.0, 1.0, 1, render, count, "doors_notes")
     tag_ids = {t: tok(t, add_special_tokens=False)["input_ids"] for t in TAGS}
     probs, seen = collections.defaultdict(list), 0
     for prompt, reply in held:
