@@ -68,7 +68,7 @@ tested: GRPO suppresses `note` in ordinary rooms, where writing it opens a wrong
 length-sorted window's mix, not a constant rate's noise.)
 With `--task doors_notes --summarize` (issue 54; configs/summarize_notes.yaml) the same teacher plays
 the harder memory task (MEMORY_PLAY: its room counts, threshold range and note names): a summary keeps
-each note its prompt shows (the newest of each tag, `noteA<d> noteB<d> noteC<d>` in the order shown)
+each note its prompt shows (the newest of each tag, one a line, in the order shown)
 with probability p_recall each, and a hidden door `doorA?` is answered from `noteA<d>`; with one
 untagged note (doors_memory) that is exactly the old rule, so doors_memory's transcripts are unchanged.
 `summary_fact_recall` scores what the run's `summary_recall` counts (each needed note, not the
@@ -200,6 +200,12 @@ SUMMARY_LEAD = "keep\n"
 """What the teacher's summary opens with: a word, then a newline, so the label after it tokenizes as a
 picture's label does (`\n`, `note`, `7`; right after `>` it would be one `>note` token), and copying
 the note's digit is the same look-up as reading a picture."""
+SUMMARY_SEP = "\n"
+"""Between the notes a summary keeps (doors_notes): one a line, as a picture lists them. Joined by a
+space, each note after the first tokenizes otherwise (` note`, `B`, `5` where a picture has `noteB`,
+`5`), and a last room cannot find it: built from scratch (3000 episodes, 1200 steps, read drills 2) a
+doors_notes model read a held note 0.26 with spaces (`--size small`), 0.82 with newlines (`tiny`;
+docs/experiments/summarize/notes-task.md). models/tiny-summarize-notes was built with spaces."""
 
 
 def prompt_text(messages) -> str:
@@ -234,7 +240,7 @@ class SummarizingTeacher:
             notes[tag] = digit  # the newest of each tag, at its first place
         kept = [f"note{tag}{digit}" for tag, digit in notes.items() if self.rng.random() < self.p_recall]
         if kept:
-            return f"<summary>{SUMMARY_LEAD}{' '.join(kept)}</summary>"
+            return f"<summary>{SUMMARY_LEAD}{SUMMARY_SEP.join(kept)}</summary>"
         door = next(label for label in self._labels(text) if label.startswith("door"))
         return f"<summary>{SUMMARY_LEAD}{door}</summary>"
 
