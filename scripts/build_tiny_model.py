@@ -80,7 +80,12 @@ door rate 0.87, well-formed 0.96; its summaries are malformed copies (`keep\nnot
 `keep\nnoteC9`): 300 steps do not teach the tagged copy. The committed models/tiny-summarize-notes:
 `--init models/tiny-summarize --episodes 1500 --sft-steps 900 --batch 16 --lr 1e-3 --p-recall 0.7`
 (1809 s on the shared machine): fact recall 0.091 (18 of 198 needed notes), hidden door 0.29, door
-rate 0.92, well-formed 0.98; recall above 0 but below the 0.1-0.4 aimed at.
+rate 0.92, well-formed 0.98; recall above 0 but below the 0.1-0.4 aimed at. Every build fine-tuned
+from models/tiny-summarize wrote the read's tag letter at a coin flip (scripts/probe_reads.py). The
+committed models/tiny-summarize-notes (2026-12-05) is built from scratch instead: `--read-drills 2
+--episodes 3000 --sft-steps 1200 --batch 16 --lr 1e-3 --p-recall 0.7` (230 s), its own tokenizer
+writing `noteB` as one token and a summary's notes one a line (SUMMARY_SEP): fact recall 0.417, hidden
+door 0.82, door rate 0.92, well-formed 0.86.
 Without these flags the build is unchanged (models/tiny-doors stays byte-identical).
 
 Everything runs offline on CPU; the output loads with `from_pretrained(out_dir)`.
@@ -205,7 +210,7 @@ SUMMARY_SEP = "\n"
 space, each note after the first tokenizes otherwise (` note`, `B`, `5` where a picture has `noteB`,
 `5`), and a last room cannot find it: built from scratch (3000 episodes, 1200 steps, read drills 2) a
 doors_notes model read a held note 0.26 with spaces (`--size small`), 0.82 with newlines (`tiny`;
-docs/experiments/summarize/notes-task.md). models/tiny-summarize-notes was built with spaces."""
+docs/experiments/summarize/notes-task.md)."""
 
 
 def prompt_text(messages) -> str:

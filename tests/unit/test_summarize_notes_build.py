@@ -1,7 +1,7 @@
 """The doors_notes warm start (issue 54): scripts/build_tiny_model.py's summarizing teacher on
 `--task doors_notes`, through the real agent loop and summarizing policy with
-configs/summarize_notes.yaml's agent settings and the committed summarizer's tokenizer counts, and
-the committed models/tiny-summarize-notes. No Ray, no vLLM, no training: a few seconds.
+configs/summarize_notes.yaml's agent settings and the committed doors_memory summarizer's tokenizer
+counts, and the committed models/tiny-summarize-notes. No Ray, no vLLM, no training: a few seconds.
 """
 
 from __future__ import annotations
@@ -54,12 +54,18 @@ def test_the_notes_teacher_keeps_each_note_sometimes_and_reads_the_kept_ones():
     assert kinds.count("summary") == summaries and kinds.count("hidden_door") == 120
 
 
-def test_committed_notes_model_is_a_noisy_summarizer_on_the_shared_tokenizer():
+def test_committed_notes_model_reads_a_held_note_and_is_a_noisy_summarizer():
+    """The config's warm start, as its build measured it (100 held-out teacher prompts a kind): it reads
+    a held note well (the read the RL signal runs through: the doors_notes builds fine-tuned from
+    models/tiny-summarize read one 0.15-0.33, notes-task.md), keeps a needed note in a summary only
+    sometimes (room for RL), and its tokenizer writes each tagged label as one token, which that read
+    relies on."""
     info = json.loads((NOTES_DIR / "build_info.json").read_text())
-    assert info["args"]["task"] == "doors_notes" and info["args"]["summarize"]
-    assert info["args"]["init"] == "models/tiny-summarize"
-    assert 0.05 <= info["summary_fact_recall"] <= 0.6  # keeps a needed note sometimes: room for RL
-    assert info["summary_wellformed"] >= 0.9
-    same = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-    assert all((NOTES_DIR / f).read_bytes() == (REPO_ROOT / "models" / "tiny-summarize" / f).read_bytes() for f in same)
+    assert info["args"]["task"] == "doors_notes" and info["args"]["summarize"] and "init" not in info["args"]
+    assert info["hidden_door_rate"] >= 0.6 and info["door_rate"] >= 0.85
+    assert 0.05 <= info["summary_fact_recall"] <= 0.6
+    assert info["summary_wellformed"] >= 0.8
+    tok = AutoTokenizer.from_pretrained(NOTES_DIR)
+    assert [tok.decode([t]) for t in tok("\nnoteB5\ndoorB?", add_special_tokens=False)["input_ids"]] == \
+        ["\n", "noteB", "5", "\n", "door", "B", "?"]
     assert sum(f.stat().st_size for f in NOTES_DIR.iterdir()) < 4_000_000
