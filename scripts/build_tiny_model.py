@@ -83,9 +83,9 @@ door rate 0.87, well-formed 0.96; its summaries are malformed copies (`keep\nnot
 rate 0.92, well-formed 0.98; recall above 0 but below the 0.1-0.4 aimed at. Every build fine-tuned
 from models/tiny-summarize wrote the read's tag letter at a coin flip (scripts/probe_reads.py). The
 committed models/tiny-summarize-notes (2026-12-05) is built from scratch instead: `--read-drills 2
---episodes 3000 --sft-steps 1200 --batch 16 --lr 1e-3 --p-recall 0.7` (230 s), its own tokenizer
-writing `noteB` as one token and a summary's notes one a line (SUMMARY_SEP): fact recall 0.417, hidden
-door 0.82, door rate 0.92, well-formed 0.86.
+--episodes 3000 --sft-steps 1200 --batch 16 --lr 1e-3 --p-recall 0.5` (230 s on a quiet machine), its
+own tokenizer writing `noteB` as one token and a summary's notes one a line (SUMMARY_SEP): fact recall
+0.347, hidden door 0.81, door rate 0.89, well-formed 0.97 (at `--p-recall 0.7`: 0.417, 0.82, 0.92, 0.86).
 Without these flags the build is unchanged (models/tiny-doors stays byte-identical).
 
 Everything runs offline on CPU; the output loads with `from_pretrained(out_dir)`.

@@ -66,6 +66,5 @@ def test_committed_notes_model_reads_a_held_note_and_is_a_noisy_summarizer():
     assert 0.05 <= info["summary_fact_recall"] <= 0.6
     assert info["summary_wellformed"] >= 0.8
     tok = AutoTokenizer.from_pretrained(NOTES_DIR)
-    assert [tok.decode([t]) for t in tok("\nnoteB5\ndoorB?", add_special_tokens=False)["input_ids"]] == \
-        ["\n", "noteB", "5", "\n", "door", "B", "?"]
+    assert [tok.decode([t]) for t in tok("\nnoteB5", add_special_tokens=False)["input_ids"]] == ["\n", "noteB", "5"]
     assert sum(f.stat().st_size for f in NOTES_DIR.iterdir()) < 4_000_000
