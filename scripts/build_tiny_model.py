@@ -77,7 +77,7 @@ copied verbatim) instead of a fresh one; the corpus is then played once, with th
 Measured (2026-12-04, `--init models/tiny-summarize`, 100 held-out prompts a kind at temperature 1):
 1000 episodes, 300 steps of batch 16 at lr 3e-4, p_recall 0.5: fact recall 0.01, hidden door 0.07,
 door rate 0.87, well-formed 0.96; its summaries are malformed copies (`keep\nnote callstC0`,
-`keep\nnoteC9`): 300 steps do not teach the tagged copy. The committed models/tiny-summarize-notes:
+`keep\nnoteC9`): 300 steps do not teach the tagged copy. The first models/tiny-summarize-notes (to 2026-12-05):
 `--init models/tiny-summarize --episodes 1500 --sft-steps 900 --batch 16 --lr 1e-3 --p-recall 0.7`
 (1809 s on the shared machine): fact recall 0.091 (18 of 198 needed notes), hidden door 0.29, door
 rate 0.92, well-formed 0.98; recall above 0 but below the 0.1-0.4 aimed at. Every build fine-tuned
