@@ -578,6 +578,17 @@ def new_model(args, tokenizer) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
+def chat_renderer():
+    """`render(messages, tools)`: the chat template's text for a model call (no tokenizer needed)."""
+    bootstrap = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    bootstrap.chat_template = CHAT_TEMPLATE
+
+    def render(messages, tools):
+        return bootstrap.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    return render
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -617,12 +628,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     t0 = time.time()
 
-    bootstrap = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
-    bootstrap.chat_template = CHAT_TEMPLATE
-
-    def render(messages, tools):
-        return bootstrap.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-
+    render = chat_renderer()
     if args.summarize:
         examples, held_out, tokenizer = summarizing_corpus(args, render)
     else:

@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_tiny_model as build  # noqa: E402
@@ -47,11 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = Qwen2ForCausalLM.from_pretrained(args.model).eval()
-    bootstrap = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
-    bootstrap.chat_template = build.CHAT_TEMPLATE
-
-    def render(messages, tools):
-        return bootstrap.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    render = build.chat_renderer()
 
     def count(messages, tools):
         return len(tok(render(messages, tools), add_special_tokens=False)["input_ids"])
@@ -71,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         dist = model(torch.tensor([p + r])).logits[0, len(p) - 1:].softmax(-1)
         for j in range(1, len(r)):
             text = tok.decode([r[j]])
-            probs[kind(text)].append(dist[j, r[j]].item())
-            if kind(text) == "tag":
+            probs[step := kind(text)].append(dist[j, r[j]].item())
+            if step == "tag":
                 probs["P(other tags)"].append(sum(dist[j, ids[0]].item() for t, ids in tag_ids.items() if t != text))
     print(f"{args.model}: {min(seen, args.n)} held-out last rooms, teacher-forced")
     for name, values in probs.items():
