@@ -51,6 +51,9 @@ from minirl.experiments.stats import mean_ci, paired_ci  # noqa: E402
 
 TASKS = {"doors_memory": "configs/summarize.yaml", "doors_notes": "configs/summarize_notes.yaml"}
 """Each memory task and its config (issue 54): the one-note task and the harder two-notes-and-a-distractor one."""
+DEVELOPMENT = {"doors_memory": "dev-memory.md", "doors_notes": "notes-task.md"}
+"""Each task's development write-up (seeds 0-4, before rule.md): the arms and warm starts tried, which the report
+names beside the verdict (rule.md: a claim that fails is reported with what was tried)."""
 KEEP = 2
 """Recency's kept pictures: with the guard's limit of configs/summarize.yaml, keeping 3 would overflow it
 in a 4-room episode (no picture dropped), and keeping 2 drops the note's picture before the last room."""
@@ -383,8 +386,14 @@ PER_SEED = (("val_fact_start", "fact start"), ("val_fact_final", "fact final"), 
 overall, at start (untrained) and after the last step; recall; compaction ratio; summary tokens; wall time."""
 
 
-def task_section(rows, task) -> list[str]:
-    """Issue 54's experiment on one task: every seed's row, the means, the paired differences and the curves."""
+def home_doc(name: str, out) -> str:
+    """A link to docs/experiments/summarize/`name` from a report written in `out` (a development folder too)."""
+    return os.path.relpath(REPO / "docs" / "experiments" / "summarize" / name, Path(out).resolve())
+
+
+def task_section(rows, task, development: str) -> list[str]:
+    """Issue 54's experiment on one task: every seed's row, the means, the paired differences and the curves;
+    `development` links the task's development write-up."""
     arms = [a for a in EXPERIMENT_ARMS if per_seed(rows, task, a, "wall_s")]
     lines = [f"## {task} ({TASKS[task]})", "", "| arm | seed | " + " | ".join(t for _, t in PER_SEED) + " |",
              "|---|---|" + "---|" * len(PER_SEED)]
@@ -409,7 +418,9 @@ def task_section(rows, task) -> list[str]:
             f"- wall time (s), {arm} − recency: {diff(rows, task, (arm, 'wall_s'), ('recency', 'wall_s'))}",
         ]
         if arm == EXPERIMENT_ARMS[-1]:
-            lines += ["", f"**Issue 54's claim on {task}, judged as rule.md declares: {claim(rows, task, arm)}.**", ""]
+            lines += ["", f"**Issue 54's claim on {task}, judged as rule.md declares: {claim(rows, task, arm)}.** "
+                      f"What was tried before the rule (development seeds 0-4): [{DEVELOPMENT[task]}]"
+                      f"({development}).", ""]
     if per_seed(rows, task, "summarize", "wall_s"):  # rollout credit on the same seeds (`--arms summarize`)
         lines += [f"- {label}, {arm} − rollout credit (`summarize`): "
                   f"{diff(rows, task, (arm, key), ('summarize', key))}"
@@ -555,8 +566,7 @@ def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
     # rule.md and segments.md live in docs/experiments/summarize; a report written elsewhere (a development
     # folder) links them from where it stands
-    rule, segments = (os.path.relpath(REPO / "docs" / "experiments" / "summarize" / name, Path(args.out).resolve())
-                      for name in ("rule.md", "segments.md"))
+    rule, segments = (home_doc(name, args.out) for name in ("rule.md", "segments.md"))
     wanted = sorted(args.report_seeds) if getattr(args, "report_seeds", None) else None
     # issue 54's experiment on those seeds alone (the unseen 10-19, not the development seeds); experiment 3
     # and the lost-log arms keep their own
@@ -590,7 +600,7 @@ def report(args) -> str:
     ]
     for task in TASKS:
         if any(per_seed(experiment, task, a, "wall_s") for a in EXPERIMENT_ARMS):
-            lines += task_section(experiment, task)
+            lines += task_section(experiment, task, home_doc(DEVELOPMENT[task], args.out))
     out = Path(args.out)
     lines += faults_section(rows, out) + lost_log_section(rows) + offline_section(out / "offline.jsonl")
     died = [f"- {' '.join(map(str, cell_key(r)))}: {r['died_reason']}" for r in rows if r["survived"] != "True"]
