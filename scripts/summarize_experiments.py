@@ -564,8 +564,6 @@ def lost_log_section(rows) -> list[str]:
 
 def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
-    # rule.md and segments.md live in docs/experiments/summarize; a report written elsewhere (a development
-    # folder) links them from where it stands
     rule, segments = (home_doc(name, args.out) for name in ("rule.md", "segments.md"))
     wanted = sorted(args.report_seeds) if getattr(args, "report_seeds", None) else None
     # issue 54's experiment on those seeds alone (the unseen 10-19, not the development seeds); experiment 3
