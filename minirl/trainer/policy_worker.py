@@ -48,26 +48,41 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                   top_p: float = 1.0, also_unfiltered: bool = False):
+                   top_p: float = 1.0, also_unfiltered: bool = False, first: int = 1):
     """[B, T] logprob of each token given its prefix (position 0 gets 0), from the distribution
     vLLM samples and reports as its processed logprobs: logits / temperature, then, with
     top_p < 1, nucleus-filtered (`top_p_filter`) and renormalised, as upstream filters the
     trainer's side so the two compare. A token outside the trainer's nucleus gets logprob 0 with
     no gradient (upstream's `mask_out_neg_inf_logprobs`). With `also_unfiltered`, returns
-    (filtered, unfiltered): upstream's KL uses the unfiltered ones."""
+    (filtered, unfiltered): upstream's KL uses the unfiltered ones. Positions before `first` (no
+    row trains a token there) get 0, and the LM head skips them where the model takes
+    `logits_to_keep` (Hugging Face's, as TRL asks for its completions alone): the vocabulary's
+    logits were most of a large-vocabulary model's update."""
     import torch
     import torch.nn.functional as F
 
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    first = max(1, min(first, input_ids.shape[1]))
+    keep = input_ids.shape[1] - first + 1  # the logits at positions first-1 .. T-1
+    if first > 1 and _keeps_logits(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits.float()
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, first - 1 :].float()
     if temperature != 1.0:
         logits = logits / temperature
-    logits, targets = logits[:, :-1], input_ids[:, 1:, None]
-    raw = F.pad(torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1), (1, 0))
+    logits, targets = logits[:, :-1], input_ids[:, first:, None]
+    raw = F.pad(torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1), (first, 0))
     if top_p >= 1.0:
         return (raw, raw) if also_unfiltered else raw
     lp = torch.log_softmax(top_p_filter(logits, top_p), dim=-1).gather(-1, targets).squeeze(-1)
-    lp = F.pad(torch.where(torch.isneginf(lp), torch.zeros_like(lp), lp), (1, 0))
+    lp = F.pad(torch.where(torch.isneginf(lp), torch.zeros_like(lp), lp), (first, 0))
     return (lp, raw) if also_unfiltered else lp
+
+
+def _keeps_logits(model) -> bool:
+    """Does the model's forward take `logits_to_keep` (through a DDP wrapper too)?"""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(getattr(model, "module", model).forward).parameters
 
 
 class PolicyWorker:
@@ -181,12 +196,14 @@ class PolicyWorker:
 
         temperature, top_p = self.cfg.policy.generation.temperature, self.cfg.policy.generation.top_p
         lf = self.cfg.loss_fn
-        curr, curr_unfiltered = token_logprobs(self.net, ids, attn, temperature, top_p, also_unfiltered=True)
+        first = int(mask.any(0).float().argmax())  # the micro-batch's first trained position: none before it
+        curr, curr_unfiltered = token_logprobs(self.net, ids, attn, temperature, top_p, also_unfiltered=True,
+                                               first=first)
         prev = curr.detach()  # one optimizer step per batch: the pre-update policy is this one
         ref = None
         if self.reference is not None:  # unfiltered, as upstream's reference logprobs
             with torch.no_grad():
-                ref = token_logprobs(self.reference, ids, attn, temperature)
+                ref = token_logprobs(self.reference, ids, attn, temperature, first=first)
         loss, m = clipped_pg_loss(
             curr, prev, adv, mask, normalizer, lf.ratio_clip_min, lf.ratio_clip_max,
             ref, lf.reference_policy_kl_penalty, lf.token_level_loss,

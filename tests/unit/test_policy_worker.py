@@ -138,6 +138,41 @@ def test_top_p_logprobs_match_a_float64_reference():
                            want.gather(-1, ids[:, 1:, None]).squeeze(-1))
 
 
+def test_logprobs_from_the_first_trained_position_skip_the_lm_head_before_it():
+    """`first`: the same logprobs from there on, bit for bit, 0 before it, and the LM head computes
+    only the positions from first - 1 on (Hugging Face's `logits_to_keep`); a model whose forward
+    takes no `logits_to_keep` gets the same numbers from its full logits."""
+    import torch
+
+    from minirl.trainer.policy_worker import token_logprobs
+
+    worker = PolicyWorker(load_config(None, []))
+    ids = torch.as_tensor(batch(rows=3, width=40).input_ids)
+    attn = torch.ones_like(ids)
+    attn[1, 33:] = 0
+    seen = []
+    hook = worker.model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+
+    class Plain(torch.nn.Module):  # a forward without logits_to_keep
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask)
+
+    with torch.no_grad():
+        for top_p in (1.0, 0.5):
+            full = token_logprobs(worker.model, ids, attn, 0.7, top_p)
+            assert seen[-1] == 40
+            part = token_logprobs(worker.model, ids, attn, 0.7, top_p, first=25)
+            assert seen[-1] == 16  # positions 24 .. 39
+            assert torch.equal(part[:, 25:], full[:, 25:]) and bool((part[:, :25] == 0).all())
+            assert torch.equal(token_logprobs(Plain(worker.model), ids, attn, 0.7, top_p, first=25), part)
+            assert torch.equal(token_logprobs(worker.model, ids, attn, 0.7, top_p, first=0), full)
+    hook.remove()
+
+
 def test_top_p_training_step_and_kl_on_unfiltered_logprobs():
     """With top_p < 1 the worker trains against filtered logprobs (a token outside the nucleus has
     no gradient) and the KL compares unfiltered ones with the unfiltered reference: 0 at step 0."""
