@@ -10,6 +10,8 @@ are its own (the generator's only weight them, with use_importance_sampling_corr
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 import time
@@ -80,9 +82,13 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def _keeps_logits(model) -> bool:
     """Does the model's forward take `logits_to_keep` (through a DDP wrapper too)?"""
-    import inspect
+    return _forward_keeps_logits(type(getattr(model, "module", model)))
 
-    return "logits_to_keep" in inspect.signature(getattr(model, "module", model).forward).parameters
+
+@functools.cache
+def _forward_keeps_logits(cls: type) -> bool:
+    """`_keeps_logits` by the model's class: read once, not on every micro-batch."""
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 class PolicyWorker:
