@@ -273,8 +273,8 @@ class Cluster:
         group is in flight between steps, so there is no pump to pause and no round trip to wait for."""
         if self.controller is not None and self.cfg.async_rl.enabled:
             ray.get(self.controller.syncing.remote())
-        publish(self.policy[0], self.gen, self.store, version)
-        return {} if self.controller is None else ray.get(self.controller.published.remote(version))
+        announce = None if self.controller is None else (lambda: self.controller.published.remote(version))
+        return publish(self.policy[0], self.gen, self.store, version, announce) or {}
 
     def save_checkpoint(self, step: int) -> None:
         from dataclasses import asdict

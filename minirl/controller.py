@@ -328,10 +328,11 @@ class Controller:
             raise
 
     async def _collect(self, step: int, version: int) -> tuple[TrainBatch, dict]:
-        busy0, gather0 = await self._engine_s(self._ask_clocks())
+        before = self._ask_clocks()  # read as the take begins, awaited after it (no round trip ahead of the dispatch)
         self.mark = self.mark or await self._clocks()  # the first cycle starts here
         waited = time.perf_counter()
         take = await self.fleet.watched(step, self.source.take(step, version))
+        busy0, gather0 = await self._engine_s(before)
         gen_s, waited = time.perf_counter() - take.since, time.perf_counter() - waited
         after = self._ask_clocks()  # read as the take ends, awaited once the batch is packed
         check_step(self.cfg, step, take.outcomes)

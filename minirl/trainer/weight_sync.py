@@ -25,7 +25,9 @@ class WeightsStore:
         return None if self.ref is None else (self.version, self.ref)
 
 
-def publish(policy_rank0, gen_workers: list, store, version: int) -> None:
+def publish(policy_rank0, gen_workers: list, store, version: int, announce=None):
+    """`announce`: called once every worker serves `version` (it returns an ObjectRef: the controller's
+    `published`), and awaited beside the store's put; its result is returned (None without it)."""
     weights = policy_rank0.get_weights.remote()
     ray.get([w.update_weights.remote(weights, version) for w in gen_workers])
-    ray.get(store.put.remote(version, [weights]))
+    return ray.get([store.put.remote(version, [weights]), *([announce()] if announce else [])])[-1]
