@@ -83,7 +83,7 @@ class GenResult:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    decoded: list[str | None]  # each generated token's text, as vLLM's detokenizer produced it
+    decoded: list[str | None]  # each generated token's text, as vLLM's detokenizer made it (None: detokenize=False)
     text: str
     finish_reason: str
     version_start: int

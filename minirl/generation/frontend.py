@@ -78,19 +78,20 @@ class Channel:
 class FrontEnd:
     """Starts the front-end process and serves its requests to `engine` from one thread.
 
-    The front end holds aiohttp, JSON, vLLM's pydantic protocol classes, the chat template, the
-    tokenizer, the call log, the fault sites and `required_prefix_token_ids` (~2.5 ms of Python a
-    request, off the engine's GIL). What crosses (pickled tuples): to the engine, token ids with
-    vLLM's own msgpack encoding of the SamplingParams (what vLLM sends to its EngineCore; 3x cheaper
-    to decode than a pickle; pickled when an int in them is too large for msgpack, so that vLLM's own
+    The front end holds aiohttp, JSON, vLLM's pydantic protocol classes, the chat template, the tokenizer, the
+    call log, the fault sites and `required_prefix_token_ids` (~2.5 ms of Python a request, off the engine's
+    GIL), and detokenizes each finished generation with vLLM's own classes (minirl.generation.detokenize: the
+    engine's steps skip that unless a request has stop strings). What crosses (pickled tuples): to the engine,
+    token ids with vLLM's own msgpack encoding of the SamplingParams (what vLLM sends to its EngineCore; 3x
+    cheaper to decode than a pickle; pickled when an int in them is too large for msgpack, so that vLLM's own
     validation in the engine's process answers it, naming the field), aborts, health probes and the
     `engine_hang` / `engine_crash` / `engine_loop_crash` faults; back, each request's `GenResult` or its
-    exception, and each probe's answer (None, or why the engine is unhealthy). `required_prefix_token_ids` is checked
-    against the vocabulary in the front end (`check_vocab`, on the bound this process sends at start):
-    a round trip here on every turn held the front end's event loop ~1 ms while it waited. The
-    engine's process also calls into the front end (`call`): take the call log, reset for a new run,
-    stats, the new weight version. `worker_kill` kills the front end's process at its site in
-    `ModelServer`; the worker SIGKILLs its own process when the front end exits."""
+    exception, and each probe's answer (None, or why the engine is unhealthy). `required_prefix_token_ids` is
+    checked against the vocabulary in the front end (`check_vocab`, on the bound this process sends at start): a
+    round trip here on every turn held the front end's event loop ~1 ms while it waited. The engine's process
+    also calls into the front end (`call`): take the call log, reset for a new run, stats, the new weight
+    version. `worker_kill` kills the front end's process at its site in `ModelServer`; the worker SIGKILLs its
+    own process when the front end exits."""
 
     def __init__(self, engine, cfg, rank: int, host: str, port: int):
         from minirl.runtime.http_thread import resolve_host

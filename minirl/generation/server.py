@@ -39,6 +39,7 @@ from minirl.runtime import jsonio
 from minirl.config import VllmConfig
 from minirl.faults import FaultPlan, fault_site
 from minirl.generation.chat_format import PrefixMismatch, normalize_content, parse_reply, rendered_chars, splice_prefix
+from minirl.generation.detokenize import Detokenizer, moves
 from minirl.generation.segments import SegmentEncoder
 from minirl.runtime.http_thread import INLINE_BYTES, off_loop
 from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, BadCoordinates, Coords, parse_call_key
@@ -248,6 +249,7 @@ class ModelServer:
         # rendering refuses nothing that vLLM would serve.
         self.max_chars_per_token = max(len(t) for t in tokenizer.get_vocab())
         self.segments = SegmentEncoder(tokenizer, INLINE_BYTES)
+        self.detokenizer = Detokenizer(tokenizer)
 
     def app(self, max_request_bytes: int = VllmConfig.max_request_bytes) -> web.Application:
         app = web.Application(client_max_size=max_request_bytes, middlewares=[self.gate])
@@ -413,7 +415,8 @@ class ModelServer:
                 self.calls.unkeyed.append(record)
 
     def _logprobs(self, req: ChatCompletionRequest, result) -> tuple[list[dict], bool]:
-        """As vLLM's `_create_chat_logprobs` builds them, from the engine's own detokenized text: each
+        """As vLLM's `_create_chat_logprobs` builds them, from vLLM's detokenized text (made in this process
+        by minirl.generation.detokenize, or by the engine for a request with stop strings): each
         generated token with its logprob, and as its `top_logprobs` the first `top_logprobs` of that
         position's entries in vLLM's order (the sampled token first), all of them for -1 or with
         `logprob_token_ids`. As the dicts vLLM's `ChatCompletionLogProbsContent` dumps to (one
@@ -455,8 +458,11 @@ class ModelServer:
         if params.seed is not None and not as_sent:  # an external agent's call: its own sample each turn
             params.seed = call_seed(params.seed, prompt)
         record["seed"] = params.seed
+        here = moves(params)
+        if here:  # the engine's step skips detokenizing; this process does it, as vLLM's own would
+            params.detokenize = False
         result = await self._generate(prompt, params, record)
-        return self._response(body, req, prompt, result)
+        return self._response(body, req, prompt, self.detokenizer.fill(result, params) if here else result)
 
     async def _before_engine(self, fires, prompt: list[int], key: str | None) -> None:
         """The faults injected at this call (in this order) and the context-length check."""
