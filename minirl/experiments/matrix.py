@@ -184,21 +184,25 @@ def _last_line(stderr: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def _train(args: list[str], kill_after: Path | None = None) -> tuple[int, str, bool]:
-    """One `minirl.train` process: (exit code, last stderr line, killed). With `kill_after`, SIGKILL the
-    driver's process group once that checkpoint's state file exists."""
+def _train(args: list[str], log: Path, kill_after: Path | None = None) -> tuple[int, str, bool]:
+    """One `minirl.train` process: (exit code, last stderr line, killed); its stderr is appended to `log`
+    (a broken invariant's cause is often there). With `kill_after`, SIGKILL the driver's process group
+    once that checkpoint's state file exists."""
     proc = subprocess.Popen([sys.executable, "-m", "minirl.train", *args], cwd=REPO_ROOT,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    killed = False
     if kill_after is not None:
         while proc.poll() is None and not kill_after.exists():
             time.sleep(0.2)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return -9, "", True
+            killed = True
     _, stderr = proc.communicate()
-    return proc.returncode, _last_line(stderr), False
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(stderr)
+    return (-9, "", True) if killed else (proc.returncode, _last_line(stderr), False)
 
 
 def run_cell(cell: dict, out: Path, steps: int, attach: dict[str, list[str]], seed: int) -> dict:
@@ -211,10 +215,12 @@ def run_cell(cell: dict, out: Path, steps: int, attach: dict[str, list[str]], se
     except ConfigError as exc:
         return {**cell, "rc": 2, "verdict": f"table: the config refuses a cell the table allows: {exc}"}
     resumed_from = None
-    rc, last, killed = _train([*args, "run_dir_exists=overwrite"],  # a cell re-run replaces its earlier files
+    log = run_dir.parent / f"{cell['cell']}.stderr"  # beside the run directory, which the run claims whole
+    log.unlink(missing_ok=True)
+    rc, last, killed = _train([*args, "run_dir_exists=overwrite"], log,  # a cell re-run replaces its earlier files
                               run_dir / "checkpoints" / "step_1" / "state.json" if cell["kill"] else None)
     if killed:
-        rc, last, _ = _train([*args, "checkpoint.resume=auto"])
+        rc, last, _ = _train([*args, "checkpoint.resume=auto"], log)
         resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("type") == "resumed"]
         resumed_from = resumed[-1]["from_step"] if resumed else None
     verdict = check_run(run_dir, rc, last, cfg, resumed_from) or "ok"
