@@ -14,6 +14,11 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+from vllm.tokenizers.hf import get_cached_tokenizer
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.engine.logprobs import LogprobsProcessor
+
 
 def moves(params) -> bool:
     """Whether a request's detokenizing can run in the front end. A request with stop strings keeps it in
@@ -26,41 +31,34 @@ class Detokenizer:
     (`convert_ids_list_to_tokens`, with the UTF-8 repair of `LogprobsProcessor._verify_tokens`)."""
 
     def __init__(self, tokenizer):
-        from vllm.tokenizers.hf import get_cached_tokenizer
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-
         self.tokenizer = get_cached_tokenizer(tokenizer)  # the class vLLM's engine detokenizes with
-        self._repair = LogprobsProcessor(self.tokenizer, None, None, None, None, None)._correct_decoded_token
+        self._repair = LogprobsProcessor(tokenizer=self.tokenizer, logprobs=None, prompt_logprobs=None,
+                                         cumulative_logprob=None, num_logprobs=None,
+                                         num_prompt_logprobs=None)._correct_decoded_token
         self._strings: dict[int, str] = {}  # a token's string alone depends on its id only
 
     def fill(self, result, params):
         """`result` (generated with `detokenize=False`) with the text and strings vLLM would have given it."""
-        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-
         request = SimpleNamespace(request_id="", sampling_params=params, prompt_token_ids=result.prompt_token_ids,
                                   prompt_embeds=None)
         detok = IncrementalDetokenizer.from_new_request(self.tokenizer, request)
         detok.update(list(result.token_ids), result.finish_reason == "stop")  # a stop token is not text
         ids = result.token_ids
-        decoded = self._strings_of(ids)
-        for i in [i for i, s in enumerate(decoded) if s.endswith("\ufffd")]:
-            decoded[i] = self._repair(ids[i], ids[max(0, i - 4):i])
-        top = None if result.top is None else [self._position(ids, i, entries) for i, entries in enumerate(result.top)]
+        decoded = [self._repaired(ids, i, t, s) for i, (t, s) in enumerate(zip(ids, self._strings_of(ids)))]
+        top = None
+        if result.top is not None:  # each position's entries, the sampled token first
+            top = [[(t, lp, self._repaired(ids, i, t, s)) for (t, lp, _), s in
+                    zip(entries, self._strings_of([t for t, _, _ in entries]))] for i, entries in enumerate(result.top)]
         return replace(result, text=detok.get_next_output_text(finished=True, delta=False), decoded=decoded, top=top)
 
-    def _position(self, sampled: list[int], i: int, entries: list[tuple]) -> list[tuple]:
-        """Position `i`'s logprob entries (the sampled token first) with their strings as vLLM's logprobs
-        processor makes them: each id decoded alone, and one that ends in a replacement character
-        repaired from the (up to 4) tokens sampled before it."""
-        strings = self._strings_of([t for t, _, _ in entries])
-        return [(t, lp, self._repair(t, sampled[max(0, i - 4):i]) if s.endswith("\ufffd") else s)
-                for (t, lp, _), s in zip(entries, strings)]
+    def _repaired(self, sampled: list[int], i: int, token: int, s: str) -> str:
+        """An entry of position `i` as vLLM's logprobs processor shows it: its string alone, or, ending in a
+        replacement character, repaired from the (up to 4) tokens sampled before it."""
+        return self._repair(token, sampled[max(0, i - 4):i]) if s.endswith("\ufffd") else s
 
     def _strings_of(self, ids: list[int]) -> list[str]:
         """Each id's string alone (vLLM's `convert_ids_list_to_tokens`), cached: it depends on the id only."""
         missing = [t for t in ids if t not in self._strings]
         if missing:
-            from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
-
             self._strings.update(zip(missing, convert_ids_list_to_tokens(self.tokenizer, missing)))
         return [self._strings[t] for t in ids]
