@@ -154,6 +154,11 @@ class Cluster:
             ray.get(self.controller.finish.remote(), timeout=30)
         except Exception as exc:
             print(f"minirl: the run's end-of-run books were not written: {describe(exc)}", file=sys.stderr, flush=True)
+            try:  # where the controller waits, for the report that follows
+                print(f"minirl: the controller's tasks:\n{ray.get(self.controller.stacks.remote(), timeout=5)}",
+                      file=sys.stderr, flush=True)
+            except Exception:
+                pass
 
     def _run_failed(self, exc: BaseException) -> None:
         """The run's `run_failed` event: through the controller (which writes it once, with the step),

@@ -310,6 +310,18 @@ class Controller:
         self.events.write(event)
         return event
 
+    async def stacks(self) -> str:
+        """Where each of this actor's asyncio tasks waits now (for a `finish` that did not end: the
+        driver prints this before it gives up on the books)."""
+        import asyncio
+        import io
+
+        out = io.StringIO()
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.print_stack(limit=12, file=out)
+        return out.getvalue()
+
     async def collect(self, step: int, version: int) -> tuple[TrainBatch, dict]:
         """Rollouts for `step` under the failure policy, then the assembled batch and its stats. Any
         failure on the way (the rollouts, the step checks, the ledger, the assembly) writes run_failed.
