@@ -220,8 +220,11 @@ class VllmEngine:
                              daemon=True).start()
 
     # -- public API (thread-safe) -------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], params, request_id: str | None = None) -> Future:
-        """Submit a request; `request_id` (default: a fresh one) is what `abort` takes."""
+    def generate(self, prompt_token_ids, params, request_id: str | None = None) -> Future:
+        """Submit a request; `request_id` (default: a fresh one) is what `abort` takes. The prompt is its
+        token ids with `params`, or an EngineCoreRequest that vLLM's InputProcessor made of them elsewhere
+        (a front end's, built from `processor_config`: `params` is then None), as `vllm serve`'s API
+        process hands its EngineCore requests already processed."""
         return self._submit("gen", (request_id or uuid.uuid4().hex, prompt_token_ids, params, time.monotonic()))
 
     def abort(self, request_id: str) -> None:
@@ -238,6 +241,17 @@ class VllmEngine:
         """vLLM's own vocabulary check (raises VLLMValidationError naming `parameter`); a pure
         read of the model's config, safe on any thread."""
         self.llm.llm_engine.renderer.validate_token_ids(token_ids, parameter=parameter)
+
+    def processor_config(self):
+        """The engine's VllmConfig as vLLM's InputProcessor reads it, small enough to pickle: the
+        compilation config's forward context (the model's layers and their KV cache, ~2 GB pickled)
+        left out. A front end builds its own InputProcessor from it (minirl.generation.frontend)."""
+        import copy
+
+        config = copy.copy(self.llm.llm_engine.vllm_config)
+        config.compilation_config = copy.copy(config.compilation_config)
+        config.compilation_config.static_forward_context = {}
+        return config
 
     def vocab_bound(self) -> int | None:
         """The largest token id `validate_token_ids` lets through (vLLM's: the larger of the tokenizer's
@@ -450,7 +464,10 @@ class VllmEngine:
             self._after = None
         self._last_sub = submitted
         try:
-            self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            if params is None:  # processed already (`generate`): vLLM takes it as it is
+                self.llm.llm_engine.add_request(rid, prompt, prompt.params)
+            else:
+                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         except BaseException as exc:  # vLLM refused the request (e.g. VLLMValidationError)
             fut.set_exception(exc)
             return
