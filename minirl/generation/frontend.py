@@ -225,8 +225,8 @@ class EngineClient:
         """vLLM's InputProcessor makes the request (raising what vLLM refuses), sent in vLLM's own msgpack
         encoding, as `vllm serve` sends its EngineCore (pickled when an int in it is too large for msgpack)."""
         rid = request_id or uuid.uuid4().hex
-        request = self.processor.process_inputs(rid, {"prompt_token_ids": prompt_token_ids}, params,
-                                                supported_tasks=("generate",))
+        (prompt,) = self.processor.renderer.render_cmpl([{"prompt_token_ids": prompt_token_ids}])
+        request = self.processor.process_inputs(rid, prompt, params, supported_tasks=("generate",))
         try:
             encoded = [bytes(frame) for frame in self._encode(request)]
         except OverflowError:

@@ -38,17 +38,22 @@ def _engines(engine, params: SamplingParams):
     return engine.run(own).result(timeout=60)
 
 
+def _made(ours: InputProcessor, rid: str, params: SamplingParams):
+    """As the front end makes it (`EngineClient.generate`): the renderer's prompt, then the processor."""
+    (prompt,) = ours.renderer.render_cmpl([{"prompt_token_ids": PROMPT}])
+    return ours.process_inputs(rid, prompt, params, supported_tasks=("generate",))
+
+
 def test_the_front_ends_processor_makes_the_engines_request(engine):
     ours = InputProcessor(pickle.loads(pickle.dumps(engine.processor_config())))
     for kw in CASES:
-        made = ours.process_inputs("r", {"prompt_token_ids": PROMPT}, SamplingParams(**kw),
-                                   supported_tasks=("generate",))
+        made = _made(ours, "r", SamplingParams(**kw))
         assert _fields(made) == _fields(_engines(engine, SamplingParams(**kw))), kw
     for bad in (dict(allowed_token_ids=[10**6]), dict(logprobs=10**4), dict(prompt_logprobs=10**4)):
         theirs = _engines(engine, SamplingParams(**bad))
         assert isinstance(theirs, Exception), bad
         with pytest.raises(type(theirs)) as err:
-            ours.process_inputs("r", {"prompt_token_ids": PROMPT}, SamplingParams(**bad), supported_tasks=("generate",))
+            _made(ours, "r", SamplingParams(**bad))
         assert str(err.value) == str(theirs), bad
 
 
@@ -56,8 +61,7 @@ def test_the_engine_samples_the_same_from_a_processed_request(engine):
     ours = InputProcessor(pickle.loads(pickle.dumps(engine.processor_config())))
     for i, kw in enumerate(CASES):
         raw = engine.generate(PROMPT, SamplingParams(**kw), f"raw-{i}").result(timeout=300)
-        made = ours.process_inputs(f"made-{i}", {"prompt_token_ids": PROMPT}, SamplingParams(**kw),
-                                   supported_tasks=("generate",))
+        made = _made(ours, f"made-{i}", SamplingParams(**kw))
         served = engine.generate(made, None, f"made-{i}").result(timeout=300)
         assert served.token_ids == raw.token_ids and served.finish_reason == raw.finish_reason, kw
         assert served.logprobs == pytest.approx(raw.logprobs, abs=1e-5), kw
