@@ -1,7 +1,8 @@
 """The async source's end of run (`BufferSource.close`): the call records a place was moving off the
 servers when the run ended reach the end-of-run ledger, not the void. Found by the switch matrix's
 `served` book (cell pw19: a windowed run's place cancelled at the end had taken its records off one
-generation worker and was waiting on the other, and worker 0's records of s24.g1 were in no ledger line)."""
+generation worker and was waiting on the other, and worker 0's records of s24.g1 were in no ledger line). And a
+`finish` that does not end says where it waits."""
 
 from __future__ import annotations
 
@@ -41,3 +42,23 @@ def test_a_place_cancelled_mid_move_keeps_the_records_a_server_handed_over():
     unfinished, held = asyncio.run(go())
     assert sorted(rec["key"] for rec in held) == keys and log.finish()["left"] == []
     assert unfinished == {"buffered": [], "in_flight": []}
+
+
+def test_a_finish_that_does_not_end_names_its_await():
+    """`Controller.stacks`, which the driver prints when `finish` times out: every pending task of the
+    controller's loop, each with the frame it waits in (the call that answers it, not itself)."""
+    from minirl.controller import Controller
+
+    async def take_calls_that_never_answers():
+        await asyncio.Event().wait()
+
+    async def go():
+        stuck = asyncio.ensure_future(take_calls_that_never_answers())
+        await asyncio.sleep(0)
+        out = await Controller.stacks(None)
+        stuck.cancel()
+        return out
+
+    out = asyncio.run(go())
+    assert "take_calls_that_never_answers" in out and "await asyncio.Event().wait()" in out
+    assert ", in go\n" not in out  # the task that asks is left out
