@@ -245,7 +245,9 @@ class VllmEngine:
     def processor_config(self):
         """The engine's VllmConfig as vLLM's InputProcessor reads it, small enough to pickle: the
         compilation config's forward context (the model's layers and their KV cache, ~2 GB pickled)
-        left out. A front end builds its own InputProcessor from it (minirl.generation.frontend)."""
+        left out. A front end builds its own InputProcessor from it (minirl.generation.frontend), in its own
+        process: one built in this process while the engine thread compiled its sampler broke that compile
+        (a KeyError for an attention layer in vLLM's forward context)."""
         import copy
 
         config = copy.copy(self.llm.llm_engine.vllm_config)

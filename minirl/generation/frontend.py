@@ -84,14 +84,13 @@ class FrontEnd:
     engine's steps skip that unless a request has stop strings), as `vllm serve`'s API process does both for
     its EngineCore. What crosses (pickled tuples): to the engine, the EngineCoreRequest in vLLM's own msgpack
     encoding (what vLLM sends its EngineCore; pickled when an int in it is too large for msgpack), aborts,
-    health probes and the
-    `engine_hang` / `engine_crash` / `engine_loop_crash` faults; back, each request's `GenResult` or its
-    exception, and each probe's answer (None, or why the engine is unhealthy). `required_prefix_token_ids` is
-    checked against the vocabulary in the front end (`check_vocab`, on the bound this process sends at start): a
-    round trip here on every turn held the front end's event loop ~1 ms while it waited. The engine's process
-    also calls into the front end (`call`): take the call log, reset for a new run, stats, the new weight
-    version. `worker_kill` kills the front end's process at its site in `ModelServer`; the worker SIGKILLs its
-    own process when the front end exits."""
+    health probes and the `engine_hang` / `engine_crash` / `engine_loop_crash` faults; back, each request's
+    `GenResult` or its exception, and each probe's answer (None, or why the engine is unhealthy).
+    `required_prefix_token_ids` is checked against the vocabulary in the front end (`check_vocab`, on the bound
+    this process sends at start): a round trip here on every turn held the front end's event loop ~1 ms while it
+    waited. The engine's process also calls into the front end (`call`): take the call log, reset for a new run,
+    stats, the new weight version. `worker_kill` kills the front end's process at its site in `ModelServer`; the
+    worker SIGKILLs its own process when the front end exits."""
 
     def __init__(self, engine, cfg, rank: int, host: str, port: int):
         from minirl.runtime.http_thread import resolve_host
