@@ -265,21 +265,23 @@ class Cluster:
                     self.router if health else None)
         )
         if attach:  # a reused engine may hold another run's weights (nothing is dispatched before the first step)
-            publish(self.policy[0], self.gen, self.store, version=0)
+            publish(self.policy[0].get_weights.remote(), self.gen, self.store, version=0)
         self.urls = {"model": model_urls, "agents": agent_urls, "router": router}
         ends = write_endpoints(self.run_dir, self.urls["router"], model_urls, agent_urls)
         print("minirl: endpoints " + " ".join(f"{k}={v}" for k, v in ends.items()), flush=True)
 
     # -- used by the training loop ---------------------------------------------------------------
-    def sync_weights(self, version: int) -> dict:
-        """Every generation worker serves `version`; then the controller dispatches under it. Async:
+    def sync_weights(self, version: int, weights=None) -> dict:
+        """Every generation worker serves `version`; then the controller dispatches under it. `weights`:
+        policy rank 0's `get_weights` ObjectRef, asked for already (else asked here). Async:
         the rollout pump dispatches nothing while the weights move (upstream's pause during a sync).
         Returns the controller's generation lane of the cycle this sync ends (minirl.timeline). Sync, no
         group is in flight between steps, so there is no pump to pause and no round trip to wait for."""
         if self.controller is not None and self.cfg.async_rl.enabled:
             ray.get(self.controller.syncing.remote())
-        announce = None if self.controller is None else (lambda: self.controller.published.remote(version))
-        return publish(self.policy[0], self.gen, self.store, version, announce) or {}
+        announce = None if self.controller is None else (lambda s: self.controller.published.remote(version, s))
+        weights = self.policy[0].get_weights.remote() if weights is None else weights
+        return publish(weights, self.gen, self.store, version, announce) or {}
 
     def save_checkpoint(self, step: int) -> None:
         from dataclasses import asdict

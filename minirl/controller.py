@@ -236,11 +236,12 @@ class Controller:
         """Write an event from outside the step (e.g. the loop's `resumed`)."""
         self.events.write(event)
 
-    async def published(self, version: int) -> dict:
+    async def published(self, version: int, engines: list[dict]) -> dict:
         """The generation workers now serve `version`: admissions and start_weights follow it. Returns
-        the generation lane of the cycle this publish ends (minirl.timeline; empty for the first)."""
+        the generation lane of the cycle this publish ends (minirl.timeline; empty for the first).
+        `engines`: each worker's clock as its update ended (`GenerationWorker.update_weights`)."""
         self.source.published(version)
-        reading = await self._clocks()
+        reading = clocks(engines, self.manager.occupancy.read())
         lane = {} if self.mark is None else generation_lane(self.mark, reading)
         self.mark = reading
         return lane

@@ -39,9 +39,11 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
         batch, rollout_stats = cluster.controller.collect.options(num_returns=2).remote(step, version=step)
         rollout_stats = ray.get(rollout_stats)
         t1 = time.perf_counter()
-        train_stats = ray.get([w.train.remote(batch) for w in cluster.policy])[0]
+        trained = [w.train.remote(batch) for w in cluster.policy]
+        weights = cluster.policy[0].get_weights.remote()  # runs right after rank 0's update, on that actor
+        train_stats = ray.get(trained)[0]
         t2 = time.perf_counter()
-        generation_lane = cluster.sync_weights(version=step + 1)
+        generation_lane = cluster.sync_weights(version=step + 1, weights=weights)
         t3 = time.perf_counter()
         lane = trainer_lane(t0, t1, t2, t3, rollout_stats["timing/train/exposed_generation"])
         log.log({"step": step, **rollout_stats, **train_stats, "rollout_time_s": t1 - t0, "train_time_s": t2 - t1,

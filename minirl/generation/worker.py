@@ -98,11 +98,13 @@ class GenerationWorker:
         self.front.call("reset", FaultPlan(cfg.faults), cfg.policy.generation.reasoning_parser)
         return self.front.url
 
-    def update_weights(self, named: list, version: int) -> int:
-        """Returns once the engine serves `version` and the front end's /health says so."""
+    def update_weights(self, named: list, version: int) -> dict:
+        """Returns once the engine serves `version` and the front end's /health says so: the version and
+        the engine's clock read then (`clock`), which the controller's `published` takes as its reading
+        of this worker rather than asking for it in another round trip."""
         self.engine.update_weights(named, version, drain=self.drain).result()
         self.front.call("version", version)
-        return version
+        return {"version": version, **self.clock()}
 
     def weights_finite(self) -> bool:
         return self.engine.weights_finite().result()

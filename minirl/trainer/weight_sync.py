@@ -25,9 +25,11 @@ class WeightsStore:
         return None if self.ref is None else (self.version, self.ref)
 
 
-def publish(policy_rank0, gen_workers: list, store, version: int, announce=None):
-    """`announce`: called once every worker serves `version` (it returns an ObjectRef: the controller's
-    `published`), and awaited beside the store's put; its result is returned (None without it)."""
-    weights = policy_rank0.get_weights.remote()
-    ray.get([w.update_weights.remote(weights, version) for w in gen_workers])
-    return ray.get([store.put.remote(version, [weights]), *([announce()] if announce else [])])[-1]
+def publish(weights, gen_workers: list, store, version: int, announce=None):
+    """`weights`: policy rank 0's `get_weights()`, an ObjectRef (the training loop asks for it as it
+    sends the step's batch, so it runs on that actor right after the update, with no round trip
+    between). `announce(served)`: called once every worker serves `version`, with the workers'
+    `update_weights` answers (each its clock then); it returns an ObjectRef (the controller's
+    `published`), awaited beside the store's put; its result is returned (None without it)."""
+    served = ray.get([w.update_weights.remote(weights, version) for w in gen_workers])
+    return ray.get([store.put.remote(version, [weights]), *([announce(served)] if announce else [])])[-1]

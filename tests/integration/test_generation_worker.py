@@ -136,7 +136,7 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
 
         # a weight update is what /health reports as soon as update_weights returns
         weights = PolicyWorker(base_cfg).get_weights()
-        assert ray.get(worker.update_weights.remote(weights, 7), timeout=300) == 7
+        assert ray.get(worker.update_weights.remote(weights, 7), timeout=300)["version"] == 7
         assert health(url) == (200, {"status": "ok", "version": 7})
         status, body = chat(url, "s5.g0.r0.a0.c0")
         (record,) = ray.get(worker.take_calls.remote(5))
