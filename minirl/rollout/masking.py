@@ -108,11 +108,12 @@ _QUANTILES = (("mean", None), ("p50", 50), ("p75", 75), ("p90", 90), ("max", 100
 
 
 def _spread(prefix: str, values) -> dict:
-    """mean, p50, p75, p90 and max of `values` (nan for none), keyed under `prefix`."""
+    """mean, p50, p75, p90 and max of `values` (nan for none), keyed under `prefix`. The percentiles
+    come from one `np.percentile` call (the same values as one call each, at a quarter of the cost)."""
     v = np.asarray(values, dtype=np.float64)
-    return {f"{prefix}/{name}": (float("nan") if not v.size
-                                 else float(v.mean()) if q is None else float(np.percentile(v, q)))
-            for name, q in _QUANTILES}
+    qs = np.percentile(v, [q for _, q in _QUANTILES[1:]]) if v.size else [float("nan")] * (len(_QUANTILES) - 1)
+    return {f"{prefix}/{name}": float(x)
+            for (name, _), x in zip(_QUANTILES, [v.mean() if v.size else float("nan"), *qs])}
 
 
 def rollout_stats(groups: list[ScoredGroup], trace_lengths, context: int) -> dict:
