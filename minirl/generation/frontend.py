@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from concurrent.futures import Future
 
 import zmq
@@ -211,6 +212,9 @@ class EngineClient:
         self.chan, self.max_model_len, self.version = chan, max_model_len, version
         self.vocab_bound = vocab_bound
         self._pending: dict[str, Future] = {}
+        self.loop = None  # the HTTP server's loop (`main`): answers resolve on it, one a loop iteration
+        self._answers: deque[tuple] = deque()
+        self._answers_lock = threading.Lock()
         self.processor = None if processor_config is None else InputProcessor(processor_config)
         self._encode = MsgpackEncoder().encode
 
@@ -251,6 +255,23 @@ class EngineClient:
         check_vocab(token_ids, self.vocab_bound, parameter)
 
     def resolve(self, rid: str, value, exc: BaseException | None) -> None:
+        """An answer from the engine (on the channel's thread), resolved on the server's loop, one a loop
+        iteration (`_resolve_one`). An engine step finishes many requests at once; resolved together,
+        their handlers all built their responses in one iteration of the loop (~1 ms each), and the
+        next turn's first request, back from its agent within ~2 ms, waited for the last of them with
+        the engine idle. One a loop iteration, the loop reads the sockets between two responses."""
+        with self._answers_lock:
+            self._answers.append((rid, value, exc))
+            first = len(self._answers) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._resolve_one)
+
+    def _resolve_one(self) -> None:
+        with self._answers_lock:
+            rid, value, exc = self._answers.popleft()
+            more = bool(self._answers)
+        if more:
+            self.loop.call_soon(self._resolve_one)  # the next iteration, after the loop polls its sockets
         fut = self._pending.pop(rid, None)
         if fut is None or not fut.set_running_or_notify_cancel():  # aborted meanwhile
             return
@@ -278,6 +299,7 @@ def main() -> None:
             return server.app(cfg.policy.generation.vllm_cfg.max_request_bytes)
 
         http = HttpThread(setup, spec["host"], spec["port"], name=f"model-server-{spec['rank']}")
+        engine.loop = http.loop  # before "ready": no one has the URL yet, so no answer comes before it
     except BaseException as exc:
         chan.send("failed", f"{type(exc).__name__}: {exc}")
         chan.ctx.destroy(linger=2000)

@@ -147,3 +147,56 @@ def test_an_answered_episode_sends_its_next_call_before_the_next_episode_reads_i
     keys = [Coords.from_row(row).key for row in rows]
     for this, after in zip(keys, keys[1:]):
         assert model.log.index(("call", f"{this}.c1")) < model.log.index(("reply", f"{after}.c0")), model.log
+
+
+def test_a_request_that_comes_while_an_engine_steps_answers_is_read_before_the_last_answer_is_built():
+    """An engine step answers many requests at once. Their handlers each build a response (~1 ms of the front
+    end's loop); the next turn's first request, sent by the agent the first answer went to, used to wait until
+    the last of them was built, with the engine idle. The front end now resolves one answer a loop iteration,
+    so the loop reads its sockets between two: here the request (a byte on a socket, sent 2 ms after the first
+    answer is built) is read after the answers built meanwhile, where it came after all twelve before."""
+    import socket
+    import threading
+    import time
+
+    from minirl.generation import frontend
+
+    tag = f"minirl-test-answers-{id(object())}"
+    engine_end = frontend.Channel(f"ipc://@{tag}-f", f"ipc://@{tag}-e", bind=True)
+    chan = frontend.Channel(f"ipc://@{tag}-e", f"ipc://@{tag}-f", bind=False)
+    loop = asyncio.new_event_loop()
+    server_sock, agent_sock = socket.socketpair()
+    log: list[str] = []
+    try:
+        client = frontend.EngineClient(chan, max_model_len=128, version=0, vocab_bound=511)
+        client.loop = loop
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+
+        async def handler(k: int) -> None:
+            await asyncio.wrap_future(client.check_health())
+            time.sleep(0.003)  # the response's JSON, on the loop
+            log.append(f"answer {k}")
+            if k == 0:  # the agent reads it, steps its environment and sends its next call
+                threading.Timer(0.002, agent_sock.send, args=(b"x",)).start()
+
+        async def wave() -> None:
+            loop.add_reader(server_sock, lambda: (server_sock.recv(1), log.append("request")))
+            handlers = [asyncio.ensure_future(handler(k)) for k in range(12)]
+            await asyncio.sleep(0.05)  # every handler waits on the engine
+            rids = list(client._pending)
+            # one engine step's answers, handed over in a burst by the channel's thread
+            threading.Thread(target=lambda: [client.resolve(rid, None, None) for rid in rids]).start()
+            await asyncio.gather(*handlers)
+            await asyncio.sleep(0.01)
+            loop.remove_reader(server_sock)
+
+        asyncio.run_coroutine_threadsafe(wave(), loop).result(timeout=30)
+        assert len(log) == 13 and log[0] == "answer 0", log
+        assert log.index("request") <= 6, log  # ~3: read after the answers built meanwhile
+        assert not client._pending
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        server_sock.close()
+        agent_sock.close()
+        chan.ctx.destroy(linger=0)
+        engine_end.ctx.destroy(linger=0)
