@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -116,7 +117,11 @@ class FrontEnd:
         except BaseException:
             self.proc.kill()
             raise
-        threading.Thread(target=self._serve, name=f"frontend-channel-{rank}", daemon=True).start()
+        self._answers: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(self._serve_forever,), name=f"frontend-channel-{rank}",
+                         daemon=True).start()
+        threading.Thread(target=self._serve, args=(self._send_answers,), name=f"frontend-answers-{rank}",
+                         daemon=True).start()
         child.die_with(self.proc, f"generation worker {rank}'s front end", "the worker")
 
     def _await_ready(self) -> str:
@@ -147,13 +152,21 @@ class FrontEnd:
             self._calls.pop(cid, None)
 
     def _done(self, rid: str, fut: Future) -> None:
-        """A request's answer (on the engine thread, which resolves the futures)."""
-        exc = fut.exception()
-        self.chan.send("done", rid, fut.result() if exc is None else None, None if exc is None else _portable(exc))
+        """A request's answer, on the engine thread, which resolves the futures: handed to `_send_answers`.
+        Pickled and sent here, it held the engine thread ~60 us a request between two steps (~6 ms of a
+        default step's ~100 answers)."""
+        self._answers.put((rid, fut))
 
-    def _serve(self) -> None:
+    def _send_answers(self) -> None:
+        while True:
+            rid, fut = self._answers.get()
+            exc = fut.exception()
+            self.chan.send("done", rid, fut.result() if exc is None else None,
+                           None if exc is None else _portable(exc))
+
+    def _serve(self, loop) -> None:
         try:
-            self._serve_forever()
+            loop()
         except BaseException:  # nothing would answer the front end's requests again: end the worker, loudly
             traceback.print_exc()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -200,3 +200,46 @@ def test_a_request_that_comes_while_an_engine_steps_answers_is_read_before_the_l
         agent_sock.close()
         chan.ctx.destroy(linger=0)
         engine_end.ctx.destroy(linger=0)
+
+
+class _Answer:
+    """An engine result that notes which thread pickles it."""
+
+    threads: list[str] = []
+
+    def __reduce__(self):
+        import threading
+
+        _Answer.threads.append(threading.current_thread().name)
+        return (_Answer, ())
+
+
+def test_the_engine_thread_hands_each_answer_over_without_pickling_or_sending_it():
+    """`FrontEnd._done` runs on the engine's thread as each request finishes, between two engine steps; it
+    pickled and sent the answer there (~60 us a request). Now a thread of its own does both, in order."""
+    import threading
+    from concurrent.futures import Future
+
+    from minirl.generation import frontend
+
+    tag = f"minirl-test-done-{id(object())}"
+    engine_end = frontend.Channel(f"ipc://@{tag}-f", f"ipc://@{tag}-e", bind=True)
+    front_end = frontend.Channel(f"ipc://@{tag}-e", f"ipc://@{tag}-f", bind=False)
+    try:
+        side = frontend.FrontEnd.__new__(frontend.FrontEnd)  # its engine-side half alone: no engine, no process
+        side.chan, side._answers = engine_end, __import__("queue").SimpleQueue()
+        threading.Thread(target=side._send_answers, name="answers", daemon=True).start()
+        futures = [Future() for _ in range(3)]
+        futures[0].set_result(_Answer())
+        futures[1].set_exception(ValueError("refused"))
+        futures[2].set_result(_Answer())
+        for k, fut in enumerate(futures):
+            side._done(f"r{k}", fut)
+        got = [front_end.recv(timeout_s=10) for _ in futures]
+        assert [m[:2] for m in got] == [("done", "r0"), ("done", "r1"), ("done", "r2")]
+        assert isinstance(got[0][2], _Answer) and got[0][3] is None
+        assert got[1][2] is None and isinstance(got[1][3], ValueError) and str(got[1][3]) == "refused"
+        assert _Answer.threads == ["answers", "answers"]
+    finally:
+        front_end.ctx.destroy(linger=0)
+        engine_end.ctx.destroy(linger=0)
