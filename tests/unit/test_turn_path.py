@@ -217,6 +217,7 @@ class _Answer:
 def test_the_engine_thread_hands_each_answer_over_without_pickling_or_sending_it():
     """`FrontEnd._done` runs on the engine's thread as each request finishes, between two engine steps; it
     pickled and sent the answer there (~60 us a request). Now a thread of its own does both, in order."""
+    import queue
     import threading
     from concurrent.futures import Future
 
@@ -227,7 +228,7 @@ def test_the_engine_thread_hands_each_answer_over_without_pickling_or_sending_it
     front_end = frontend.Channel(f"ipc://@{tag}-e", f"ipc://@{tag}-f", bind=False)
     try:
         side = frontend.FrontEnd.__new__(frontend.FrontEnd)  # its engine-side half alone: no engine, no process
-        side.chan, side._answers = engine_end, __import__("queue").SimpleQueue()
+        side.chan, side._answers = engine_end, queue.SimpleQueue()
         threading.Thread(target=side._send_answers, name="answers", daemon=True).start()
         futures = [Future() for _ in range(3)]
         futures[0].set_result(_Answer())
