@@ -164,9 +164,9 @@ class FrontEnd:
             self.chan.send("done", rid, fut.result() if exc is None else None,
                            None if exc is None else _portable(exc))
 
-    def _serve(self, loop) -> None:
+    def _serve(self, body) -> None:
         try:
-            loop()
+            body()
         except BaseException:  # nothing would answer the front end's requests again: end the worker, loudly
             traceback.print_exc()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -208,6 +208,13 @@ def check_vocab(token_ids: list[int], bound: int | None, parameter: str) -> None
         raise VLLMValidationError(f"Token id {high} is out of vocabulary", parameter=parameter)
 
 
+def make_request(processor, rid: str, prompt_token_ids: list[int], params):
+    """The EngineCoreRequest vLLM's `processor` (an InputProcessor) makes of token ids: the renderer's
+    prompt first, as `process_inputs` made it of a raw prompt (raising what vLLM refuses)."""
+    (prompt,) = processor.renderer.render_cmpl([{"prompt_token_ids": prompt_token_ids}])
+    return processor.process_inputs(rid, prompt, params, supported_tasks=("generate",))
+
+
 class EngineClient:
     """The engine as `ModelServer` sees it, across the channel: `VllmEngine`'s interface
     (generate -> Future, abort, check_health -> Future, hang, crash, validate_token_ids, max_model_len,
@@ -241,8 +248,7 @@ class EngineClient:
         """vLLM's InputProcessor makes the request (raising what vLLM refuses), sent in vLLM's own msgpack
         encoding, as `vllm serve` sends its EngineCore (pickled when an int in it is too large for msgpack)."""
         rid = request_id or uuid.uuid4().hex
-        (prompt,) = self.processor.renderer.render_cmpl([{"prompt_token_ids": prompt_token_ids}])
-        request = self.processor.process_inputs(rid, prompt, params, supported_tasks=("generate",))
+        request = make_request(self.processor, rid, prompt_token_ids, params)
         try:
             encoded = [bytes(frame) for frame in self._encode(request)]
         except OverflowError:

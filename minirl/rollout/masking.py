@@ -111,9 +111,10 @@ def _spread(prefix: str, values) -> dict:
     """mean, p50, p75, p90 and max of `values` (nan for none), keyed under `prefix`. The percentiles
     come from one `np.percentile` call (the same values as one call each, at a quarter of the cost)."""
     v = np.asarray(values, dtype=np.float64)
-    qs = np.percentile(v, [q for _, q in _QUANTILES[1:]]) if v.size else [float("nan")] * (len(_QUANTILES) - 1)
-    return {f"{prefix}/{name}": float(x)
-            for (name, _), x in zip(_QUANTILES, [v.mean() if v.size else float("nan"), *qs])}
+    if not v.size:
+        return {f"{prefix}/{name}": float("nan") for name, _ in _QUANTILES}
+    stats = [v.mean(), *np.percentile(v, [q for _, q in _QUANTILES[1:]])]
+    return {f"{prefix}/{name}": float(x) for (name, _), x in zip(_QUANTILES, stats)}
 
 
 def rollout_stats(groups: list[ScoredGroup], trace_lengths, context: int) -> dict:

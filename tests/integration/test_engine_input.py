@@ -12,6 +12,8 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.engine.input_processor import InputProcessor
 
+from minirl.generation.frontend import make_request
+
 PROMPT = [1, 388, 201, 300, 7, 9]
 CASES = [
     dict(max_tokens=8, seed=3, logprobs=0),
@@ -39,9 +41,8 @@ def _engines(engine, params: SamplingParams):
 
 
 def _made(ours: InputProcessor, rid: str, params: SamplingParams):
-    """As the front end makes it (`EngineClient.generate`): the renderer's prompt, then the processor."""
-    (prompt,) = ours.renderer.render_cmpl([{"prompt_token_ids": PROMPT}])
-    return ours.process_inputs(rid, prompt, params, supported_tasks=("generate",))
+    """As the front end makes it (`EngineClient.generate`)."""
+    return make_request(ours, rid, PROMPT, params)
 
 
 def test_the_front_ends_processor_makes_the_engines_request(engine):
