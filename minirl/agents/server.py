@@ -120,10 +120,14 @@ def unknown_agent(name: str) -> str | None:
 
 def _small(raw: bytes, result: dict) -> bool:
     """Whether a `/run` answer is small enough to serialize on the event loop, as `off_loop` parses
-    a small body there (the thread hop cost ~0.1 ms of CPU a request, more than encoding a few kB):
-    the row's size plus ~24 bytes for each token id and logprob its output carries."""
-    tokens = sum(len(item.get(f) or ()) for item in result["response"]["output"] for f in TOKEN_FIELDS)
-    return len(raw) + 24 * tokens <= INLINE_BYTES
+    a small body there (the thread hop cost ~0.1 ms of CPU a request, more than encoding a few kB,
+    and 1-3 ms of wall time on the step's last answer): the row's size plus at most 8 bytes for each
+    token id (7 digits and a comma) and 24 for each logprob (a float's repr and a comma) its output
+    carries. At 24 bytes for an id too, a default run's 8.4 kB answers read as over 16 kB."""
+    output = result["response"]["output"]
+    ids = sum(len(item.get(f) or ()) for item in output for f in TOKEN_FIELDS[:2])
+    logprobs = sum(len(item.get(TOKEN_FIELDS[2]) or ()) for item in output)
+    return len(raw) + 8 * ids + 24 * logprobs <= INLINE_BYTES
 
 
 class AgentServer:
