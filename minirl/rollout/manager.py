@@ -213,21 +213,21 @@ class RolloutManager:
         self.last_progress = time.monotonic()
 
     async def run_step(self, step: int, rows: list[dict],
-                       on_tail: Callable[[], None] | None = None) -> list[GroupOutcome]:
+                       on_resolved: Callable[[], None] | None = None) -> list[GroupOutcome]:
         """All groups concurrently; the first run-ending error cancels the rest and propagates.
-        `on_tail` runs once, as the step's last group is left running alone (every other group
-        resolved without error; never in a step of one group): the sync source takes the step's call
-        records so far meanwhile, so the take after the step carries only the last group's."""
+        `on_resolved` runs as each group but the last resolves without error (never in a step of one
+        group): the sync source takes the step's call records so far meanwhile, so the take after the
+        step carries only those of its last calls."""
         self.open()
         tasks = [asyncio.create_task(self.run_group(step, g, row)) for g, row in enumerate(rows)]
-        if on_tail is not None and len(tasks) > 1:
+        if on_resolved is not None and len(tasks) > 1:
             resolved = Counter()
 
             def tally(task: asyncio.Task) -> None:
                 if not task.cancelled() and task.exception() is None:
                     resolved["groups"] += 1
-                    if resolved["groups"] == len(tasks) - 1:
-                        on_tail()
+                    if resolved["groups"] < len(tasks):
+                        on_resolved()
 
             for t in tasks:
                 t.add_done_callback(tally)

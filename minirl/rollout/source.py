@@ -1,7 +1,7 @@
 """The synchronous step source: `SyncSource.take(step, version)` dispatches one optimizer step's
 prompt groups through the rollout manager, awaits them all, and hands them to the controller with
-the generation servers' call records of that step. Its async twin, `BufferSource`, is in
-minirl/async_rl/source.py; both are a `types.StepSource`.
+the generation servers' call records of that step (taken as its groups resolve: `Trickle`). Its
+async twin, `BufferSource`, is in minirl/async_rl/source.py; both are a `types.StepSource`.
 
 Invariant: nothing outlives a step: every group of step s is dispatched, resolved and handed over
 by step s's `take`, under the step's own policy version, so no trained call is older than it. Every
@@ -48,19 +48,52 @@ class SyncSource:
         return {"buffered": [], "in_flight": []}, held  # no group outlives a step
 
     async def take(self, step: int, version: int) -> StepTake:
-        """The step's groups, and the servers' records of their calls: those taken while the last group
-        ran alone (`RolloutManager.run_step`'s `on_tail`), then the rest once every group resolved, so
-        the take on the step's path carries one group's records rather than the whole step's."""
+        """The step's groups, and the servers' records of their calls: taken as the groups resolve
+        (`Trickle`), then the rest once every group has, so the take on the step's path carries only
+        the records of the step's last calls rather than the whole step's."""
         since = time.perf_counter()
         rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
-        early: list[asyncio.Future] = []
+        trickle = Trickle(lambda: self.drain(step))
         try:
-            outcomes = await self.manager.run_step(step, rows, lambda: early.append(asyncio.ensure_future(
-                self.drain(step))))
-            parts = await asyncio.gather(*map(asyncio.shield, early), self.drain(step))
-        except BaseException:  # what the early take holds goes to no step: the run's end retires it
-            for part in await asyncio.gather(*early, return_exceptions=True):
-                self.held += part if isinstance(part, list) else []
+            outcomes = await self.manager.run_step(step, rows, trickle.poke)
+            calls = await trickle.finish()
+        except BaseException:  # what the takes so far hold goes to no step: the run's end retires it
+            self.held += await trickle.taken()
             raise
-        calls = [c for part in parts for c in part]
         return StepTake(outcomes, [version] * len(outcomes), calls, since, dict.fromkeys(SOURCE_COUNTS, 0))
+
+
+class Trickle:
+    """A step's call records, taken from the servers while its groups run: `poke` (a group resolved)
+    starts a take, one at a time (a poke while one runs asks for one more after it); `finish` waits
+    for the take in flight, then takes the rest. Every take's records are kept in the order taken;
+    one in flight is always awaited, never cancelled, since the servers have already handed it over."""
+
+    def __init__(self, drain: Callable[[], Awaitable[list[dict]]]):
+        self.drain, self.parts = drain, []
+        self.task: asyncio.Task | None = None
+        self.again = False
+
+    def poke(self) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._run())
+        else:
+            self.again = True
+
+    async def _run(self) -> None:
+        self.again = True
+        while self.again:
+            self.again = False
+            self.parts.append(await self.drain())
+
+    async def finish(self) -> list[dict]:
+        if self.task is not None:
+            await asyncio.shield(self.task)
+        self.parts.append(await self.drain())
+        return [c for part in self.parts for c in part]
+
+    async def taken(self) -> list[dict]:
+        """What the takes so far handed over (the take in flight awaited; a failed one took nothing)."""
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+        return [c for part in self.parts for c in part]
