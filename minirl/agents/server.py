@@ -118,6 +118,10 @@ def unknown_agent(name: str) -> str | None:
     return None if name in AGENT_NAMES else f"unknown agent_ref name {name[:80]!r}; known: {list(AGENT_NAMES)}"
 
 
+_FIELD_BYTES = {f: 24 if f == "generation_log_probs" else 8 for f in TOKEN_FIELDS}
+"""`_small`'s most JSON bytes per element of each token field: a logprob's repr, or an id's 7 digits, and a comma."""
+
+
 def _small(raw: bytes, result: dict) -> bool:
     """Whether a `/run` answer is small enough to serialize on the event loop, as `off_loop` parses
     a small body there (the thread hop cost ~0.1 ms of CPU a request, more than encoding a few kB,
@@ -125,9 +129,8 @@ def _small(raw: bytes, result: dict) -> bool:
     token id (7 digits and a comma) and 24 for each logprob (a float's repr and a comma) its output
     carries. At 24 bytes for an id too, a default run's 8.4 kB answers read as over 16 kB."""
     output = result["response"]["output"]
-    ids = sum(len(item.get(f) or ()) for item in output for f in TOKEN_FIELDS[:2])
-    logprobs = sum(len(item.get(TOKEN_FIELDS[2]) or ()) for item in output)
-    return len(raw) + 8 * ids + 24 * logprobs <= INLINE_BYTES
+    tokens = sum(n * len(item.get(f) or ()) for item in output for f, n in _FIELD_BYTES.items())
+    return len(raw) + tokens <= INLINE_BYTES
 
 
 class AgentServer:
