@@ -67,7 +67,8 @@ class Trickle:
     """A step's call records, taken from the servers while its groups run: `poke` (a group resolved)
     starts a take, one at a time (a poke while one runs asks for one more after it); `finish` waits
     for the take in flight, then takes the rest. Every take's records are kept in the order taken;
-    one in flight is always awaited, never cancelled, since the servers have already handed it over."""
+    one in flight is always awaited, never cancelled, since the servers have already handed it over.
+    A take that fails stays the last: no poke starts another, and `finish` raises its error."""
 
     def __init__(self, drain: Callable[[], Awaitable[list[dict]]]):
         self.drain, self.parts = drain, []
@@ -75,10 +76,10 @@ class Trickle:
         self.again = False
 
     def poke(self) -> None:
-        if self.task is None or self.task.done():
-            self.task = asyncio.ensure_future(self._run())
-        else:
+        if self.task is not None and not self.task.done():
             self.again = True
+        elif self.task is None or self.task.exception() is None:
+            self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         self.again = True
@@ -90,10 +91,13 @@ class Trickle:
         if self.task is not None:
             await asyncio.shield(self.task)
         self.parts.append(await self.drain())
-        return [c for part in self.parts for c in part]
+        return self._records()
 
     async def taken(self) -> list[dict]:
         """What the takes so far handed over (the take in flight awaited; a failed one took nothing)."""
         if self.task is not None:
             await asyncio.gather(self.task, return_exceptions=True)
+        return self._records()
+
+    def _records(self) -> list[dict]:
         return [c for part in self.parts for c in part]
