@@ -62,7 +62,7 @@ class GroupRun:
     data: int = 0
     gid: str = ""
     streaks: dict = field(default_factory=dict)  # row -> (its last failure's answer, sends in a row that gave it)
-    final: dict = field(default_factory=dict)  # row -> its failure in this group attempt that will not pass
+    ended: dict = field(default_factory=dict)  # row -> the failure that ended its sends in this group attempt
     sending: dict = field(default_factory=dict)  # row -> (agent server, monotonic time) of its send in flight
     last_url: dict = field(default_factory=dict)  # row -> the agent server its last failed send went to
     weight: int | None = None  # async: the policy version the current group attempt started under
@@ -443,7 +443,7 @@ class RolloutManager:
         pending = [r for r in range(G) if r not in out.rollouts]
         deadline = self.rf.nemo_gym.rollout_timeout_s
         before = list(row_attempt)
-        run.final = {}
+        run.ended = {}
         run.sending.clear()
         try:
             async with asyncio.timeout(deadline):
@@ -461,13 +461,15 @@ class RolloutManager:
         return failures
 
     def _timed_out(self, run: GroupRun, rows: list[int]) -> list[tuple[Coords, BaseException]]:
-        """The group deadline caught `rows`: each a RolloutTimeout naming the agent server its send was
-        on, and each server that held one and answered nothing meanwhile charged a `timeout`."""
+        """The group deadline caught `rows`: each row still sending (or not yet sent) a RolloutTimeout naming
+        the agent server its send was on, and each server that held one and answered nothing meanwhile
+        charged a `timeout`; each row whose sends had already failed, its own failure."""
         failures, silent = [], {}
         for r in rows:
-            # a row that already failed for good keeps its own failure (a terminal one decides the group)
-            if r in run.final:
-                failures.append(run.final[r])
+            # a row whose sends ended before the deadline keeps its own failure, so its class decides as
+            # it would have without the deadline (a terminal one decides the group; DATA stays DATA)
+            if r in run.ended:
+                failures.append(run.ended[r])
                 continue
             exc = RolloutTimeout(f"NeMo-Gym prompt group exceeded {self.rf.nemo_gym.rollout_timeout_s}s")
             coords = Coords(run.step, run.group, r, run.row_attempt[r] - 1)
@@ -504,8 +506,7 @@ class RolloutManager:
                     out.row_retries += 1
                     self._failure_event(out, coords, classify(exc), exc, "retried", scope="row", group_attempt=run.gid)
                     continue
-                if will_not_pass(exc):
-                    run.final[r] = (coords, exc)
+                run.ended[r] = (coords, exc)
                 return coords, exc
             del run.sending[r]
             run.streaks.pop(r, None)

@@ -96,7 +96,9 @@ def assert_invariants(run):
     failed = {(e["step"], e["group"], e["rollout"], e["attempt"]) for e in run.failures()}
     ok = {(c.step, c.group, c.rollout, c.attempt) for c in committed_attempts(run)}
     assert not failed & ok, "nothing is committed unless it succeeded"
-    gids = [e["group_attempt"] for e in run.failures() if e.get("scope") != "row"]
+    # a row fails at most once per group attempt, so a row's group-level failures never share an id
+    gids = [(e["step"], e["group"], e["rollout"], e["group_attempt"])
+            for e in run.failures() if e.get("scope") != "row"]
     assert len(gids) == len(set(gids)), "each group attempt gets a fresh id"
 
 
@@ -271,6 +273,20 @@ def test_the_group_deadline_covers_a_whole_group_attempt_and_keeps_what_came_bac
     assert g0.rollouts[0].coords.attempt == 1
     (failure,) = run.failures()
     assert failure["error"] == "NeMo-Gym prompt group exceeded 4.0s" and failure["decision"] == "retried"
+    assert_invariants(run)
+
+
+def test_the_group_deadline_keeps_a_failed_rows_own_failure(stack, base_cfg):
+    """Row 0 fails both its sends (HTTP 500) while row 1 hangs past the deadline: row 0's failure
+    event names its own failure, not the deadline's RolloutTimeout (before, the deadline rewrote every
+    failure that was not terminal, so a DATA failure there was retried with backoff as INFRA)."""
+    faults = [{"kind": "agent_exception", "step": 0, "group": 0, "rollout": 0, "attempt": a} for a in (0, 1)]
+    faults.append({"kind": "timeout", "step": 0, "group": 0, "rollout": 1, "attempt": 0})
+    run = run_step(stack, policy_cfg(base_cfg, faults, groups=1, rollout_timeout_s=4.0))
+    assert run.error is None and run.outcomes[0].status == "committed" and run.sleeps == [1.0]
+    by_row = {e["rollout"]: e for e in run.failures("retried") if e.get("scope") != "row"}
+    assert by_row[0]["reason"] == "GymTransportError" and by_row[0]["attempt"] == 1
+    assert by_row[1]["reason"] == "RolloutTimeout" and by_row[1]["error"] == "NeMo-Gym prompt group exceeded 4.0s"
     assert_invariants(run)
 
 
