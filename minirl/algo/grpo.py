@@ -34,7 +34,10 @@ def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize:
     with `leave_one_out=False`); its advantage is r_i minus their mean, divided by (std + eps)
     where their unbiased std is > 0. A constant set has std exactly 0: the std is computed
     two-pass and only for a set whose values differ, since even two-pass leaves ~1e-17 for
-    [0.1, 0.1, 0.1] (an inexact mean), and dividing by it turns an advantage of 0.1 into 1e5.
+    [0.1, 0.1, 0.1] (an inexact mean), and dividing by it turns an advantage of 0.1 into 1e5. The
+    difference is taken as the mean of r_i minus each other member, the same value, so a constant set's
+    advantages are exactly 0 rather than r_i minus an inexact mean (-1.4e-17 for [0.1] * 4), which a
+    reader counting zero advantages (`zero_advantage_sample_frac`) would miss.
     Rollouts outside the membership get 0 (members that are masked get theirs computed, as
     upstream's; the loss masks them).
     """
@@ -53,7 +56,7 @@ def group_advantages(rewards, valid=None, leave_one_out: bool = True, normalize:
         if leave_one_out:
             member[i] = False
         others = r[member]
-        adv[i] = r[i] - others.mean()
+        adv[i] = (r[i] - others).mean()  # exactly 0 where every other equals r_i, however their mean rounds
         if normalize and len(others) > 1 and others.max() != others.min():
             std = np.sqrt(((others - others.mean()) ** 2).sum() / (len(others) - 1))
             adv[i] /= std + eps

@@ -84,6 +84,23 @@ def test_equal_rewards_give_zero_advantage():
     assert np.all(group_advantages([0.1, 0.1, 0.1]) == 0)
 
 
+def test_constant_sets_give_exactly_zero_advantages():
+    """A group whose rewards are all equal has advantage exactly 0 (the exact reference's), whatever its
+    size, value, mask or switches, though the float mean of 3 x 0.1 is not 0.1: a `zero_advantage_sample_frac`
+    that counts `a == 0.0` must see every such rollout (before, [0.1] * 4 gave -1.4e-17 each)."""
+    rng = random.Random(3)
+    values = TENTHS + [rng.random() for _ in range(20)] + [1 / 3, 2 / 3, 1e-3]
+    for g in range(1, 9):
+        for value in values:
+            for valid in (None, [rng.random() > 0.3 for _ in range(g)]):
+                for loo, norm, exclude in ((True, True, True), (True, True, False), (False, True, True),
+                                           (True, False, True)):
+                    got = group_advantages([value] * g, valid, leave_one_out=loo, normalize=norm,
+                                           exclude_masked=exclude)
+                    assert got.tolist() == [0.0] * g, (value, g, valid, loo, norm, exclude)
+                    assert reference_advantages([value] * g, valid, loo, norm, exclude) == [0.0] * g
+
+
 def test_groups_of_one_and_two():
     assert group_advantages([0.7]).tolist() == [0.0]
     assert group_advantages([0.7], [0], exclude_masked=False).tolist() == [0.0]
