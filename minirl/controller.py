@@ -11,6 +11,7 @@ took, lost or evicted, never another step's.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -216,6 +217,8 @@ class Controller:
         # `fleet`: the generation router's actor when fleet health is on, else None (then nothing is watched)
         self.fleet = FleetWatch(fleet, cfg.async_rl.generation_fleet_health.probe_interval_s, self.events.write)
         self.pool: list[dict] = []  # external agents: headerless records not matched yet
+        self.salvaged: list[dict] = []  # records of a drain that failed on another worker: retired at the run's end
+        self.unlogged: list = []  # the last step's group outcomes, in no metrics line until the next collect
         self.step: int | None = None  # the step last collected (a later failure is that step's)
         self.failed = False  # the run's run_failed event is written
         self.finished = False  # the run's run_end event is written
@@ -224,7 +227,9 @@ class Controller:
     async def snapshot(self) -> dict:
         """The controller's part of a checkpoint, taken between two awaits (a consistent cut): the
         failure policy's run-scoped counters and, async, the pump's buffer with the call records
-        of its groups (pickled: `Cluster.save_checkpoint` writes it into the checkpoint)."""
+        of its groups (pickled: `Cluster.save_checkpoint` writes it into the checkpoint). A checkpoint
+        follows its step's metrics line (minirl.train), so that step's groups are settled here."""
+        self._settle()
         return {"rollout_manager": self.manager.state(), "async_buffer": self.source.snapshot()}
 
     def load_state(self, state: dict, async_buffer: bytes | None = None) -> None:
@@ -272,12 +277,22 @@ class Controller:
         return clocks([await ref for ref in self._ask_clocks()], self.manager.occupancy.read())
 
     async def _drain(self, step: int | None) -> list[dict]:
-        asked = [w.take_calls.remote(step) for w in self.gen_workers]  # all at once, handed over in worker order
-        return [c for ref in asked for c in await ref]
+        """Every worker's call records of `step`, asked of all at once, in worker order. A worker's take
+        that fails fails the drain, after every other has answered: the records those handed over are no
+        longer on their servers, so they go to the run's end (`salvaged`)."""
+        asked = [w.take_calls.remote(step) for w in self.gen_workers]
+        answers = await asyncio.gather(*asked, return_exceptions=True)
+        records = [c for a in answers if not isinstance(a, BaseException) for c in a]
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            self.salvaged += records
+            raise errors[0]
+        return records
 
     def run_failed(self, error: str) -> None:
         """The run ends with `error` (`ExceptionClass: message`): its one `run_failed` event, with the
-        step and what the step spent; a second call (the driver's, for a failure already written) is a no-op."""
+        step and what the step spent (its groups, when its update, weight sync or metrics line failed after
+        its collect); a second call (the driver's, for a failure already written) is a no-op."""
         if self.failed:
             return
         self.failed = True
@@ -302,7 +317,9 @@ class Controller:
             except Exception as exc:  # a worker that died (and was restarted) lost its log: its line says so
                 accounts.append({"rank": rank, "left": [], "served_count": 0, "dropped": 0, "served": [],
                                  "error": f"{type(exc).__name__}: {exc}"[:500]})
-        left = held + [rec for a in accounts for rec in a.pop("left")]
+        # with the records drained and never ledgered: a failed drain's, and an external agent's unmatched ones
+        left = held + self.salvaged + self.pool + [rec for a in accounts for rec in a.pop("left")]
+        self.salvaged, self.pool = [], []
         self.ledger.close_run(left, accounts)
         event = {"type": "run_end", "step": self.step, "unfinished": unfinished,
                  "groups_unfinished": sum(map(len, unfinished.values())), "calls_retired_at_end": len(left),
@@ -314,7 +331,6 @@ class Controller:
     async def stacks(self) -> str:
         """Where each of this actor's asyncio tasks waits now (for a `finish` that did not end: the
         driver prints this before it gives up on the books)."""
-        import asyncio
         import io
 
         out = io.StringIO()
@@ -334,6 +350,7 @@ class Controller:
         (`context_compaction.call_selection`: which captured calls train), `assemble`, and the step's
         statistics."""
         self.step = step
+        self._settle()  # the driver wrote the last step's metrics line before it asked for this one
         try:
             return await self._collect(step, version)
         except BaseException as exc:  # the run ends here: leave its reason and its cost in the log
@@ -351,6 +368,7 @@ class Controller:
         check_step(self.cfg, step, take.outcomes)
         kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
         ledger, generated = await self._check_ledger(step, version, take, kept)
+        self.source.ledgered()  # until here a failure leaves the take's records to the run's end
         selection = self.cfg.context_compaction.call_selection  # which captured calls train (rollout/selection.py)
         reselected = 0 if selection == "returned_history" else select_calls(
             selection, kept, take.calls, self.cfg.policy.max_total_sequence_length)
@@ -370,8 +388,13 @@ class Controller:
         spent = [*take.outcomes, *take.evicted]
         stats.update(kind_counts(spent, kept))
         stats["summaries_failed"] += sum(o.summaries_failed for o in spent)  # raised: failed attempts
-        self.manager.settle(spent)
+        self.unlogged = spent  # counted by run_failed until its metrics line is written (`_settle`)
         return batch, stats
+
+    def _settle(self) -> None:
+        """The last collected step's metrics line is written: its groups leave the manager's unsettled."""
+        self.manager.settle(self.unlogged)
+        self.unlogged = []
 
     async def _check_ledger(self, step: int, version: int, take: StepTake, kept: list[Rollout]) -> tuple[dict, int]:
         """The kept rollouts against the ledger: the servers' call logs, or for an external agent (no

@@ -146,10 +146,16 @@ class StepSource(Protocol):
         """Resume from a checkpoint's `snapshot`."""
         ...
 
+    def ledgered(self) -> None:
+        """The last take's call records are in its step's ledger. Until then the source keeps them, so a
+        step that fails after its take (its checks, its ledger, the fleet watch's last poll) leaves them
+        to `close`."""
+        ...
+
     async def close(self) -> tuple[dict, list[dict]]:
         """The run ends: stop generating. Returns the prompt groups left unfinished (`buffered`: finished,
         taken by no step; `in_flight`: cancelled here), each as [step, group], and the call records
-        the source holds that no step's ledger took."""
+        the source holds that no step's ledger took (the last take's too, unless `ledgered`)."""
         ...
 
 

@@ -3,8 +3,9 @@ optimizer step's prompt groups from the buffer that the rollout pump (pump.py) f
 `types.StepSource`, as the synchronous `SyncSource` (minirl/rollout/source.py) is.
 
 Invariant: every buffered group is taken by exactly one step or evicted once; every call record
-drained from the servers reaches exactly one step's ledger (with its group, or as an orphan); the
-checkpoint's buffer carries the call records of exactly the groups it holds.
+drained from the servers reaches exactly one step's ledger (with its group, or as an orphan), or
+the run's end (`close`: a step that failed after its take, or groups no step took); the checkpoint's
+buffer carries the call records of exactly the groups it holds.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class BufferSource:
         self.pump: RolloutPump | None = None  # started by the first `take`
         self.calls: dict[tuple[int, int], list[dict]] = {}  # drained server records by (step, group)
         self.orphans: list[dict] = []  # records of groups evicted or already taken (retired attempts)
+        self.unledgered: list[dict] = []  # the last take's records, until its step's ledger has them
         self.consumed: set[tuple[int, int]] = set()
         self.restored: dict | None = None  # a resumed checkpoint's buffer, until the pump starts
         self.handed_over = time.perf_counter()  # when the previous step's groups were taken
@@ -78,9 +80,12 @@ class BufferSource:
         in_flight = [] if self.pump is None else await self.pump.stop()
         await asyncio.gather(*self.moving, return_exceptions=True)  # records a cancelled place was filing
         buffered = [] if self.pump is None else sorted([r.step, r.group] for r in self.buffer.ready)
-        held = [c for records in self.calls.values() for c in records] + self.orphans
-        self.calls, self.orphans = {}, []
+        held = [c for records in self.calls.values() for c in records] + self.orphans + self.unledgered
+        self.calls, self.orphans, self.unledgered = {}, [], []
         return {"buffered": buffered, "in_flight": in_flight}, held
+
+    def ledgered(self) -> None:
+        self.unledgered = []
 
     def _start(self, step: int, version: int) -> None:
         ar = self.cfg.async_rl
@@ -110,7 +115,7 @@ class BufferSource:
                                          sum(r.replacement and r.outcome.status == "committed" for r in chosen))))
         self.consumed.update(key for r in stale + chosen for key in _keys(r))
         calls = [c for r in chosen for key in _keys(r) for c in self.calls.pop(key, [])] + self.orphans
-        self.orphans = []
+        self.orphans, self.unledgered = [], calls
         # the prompts a place gave up on (replaced): counted in the step's attempts and costs, never as groups
         lost = [dataclasses.replace(o, status="replaced") for r in chosen for o in r.lost]
         since, self.handed_over = self.handed_over, time.perf_counter()  # generation overlaps training
@@ -122,6 +127,7 @@ class BufferSource:
         self.pump.check()
         stale = self.sampler.stale(version, ready, self.pump.inflight)
         for r in stale:  # evicted now, even if the wait goes on (or ends the run): its event now
+            self.consumed.update(_keys(r))  # a late record of it (a retired attempt's) is an orphan from now
             calls = [c for key in _keys(r) for c in self.calls.pop(key, [])]
             self.orphans += calls
             self.manager.emit({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,

@@ -5,8 +5,9 @@ async twin, `BufferSource`, is in minirl/async_rl/source.py; both are a `types.S
 
 Invariant: nothing outlives a step: every group of step s is dispatched, resolved and handed over
 by step s's `take`, under the step's own policy version, so no trained call is older than it. Every
-call record taken from a server is handed over once: in the step's take, or (a take that failed) to
-`close`, for the ledger's run_end.
+call record taken from a server is handed over once: in the step's take, kept until the step's ledger
+has it (`ledgered`), or (a take that failed, a step that failed after its take) to `close`, for the
+ledger's run_end.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SyncSource:
                  drain: Callable[[int | None], Awaitable[list[dict]]]):
         self.cfg, self.manager, self.drain = cfg, manager, drain
         self.held: list[dict] = []  # records taken by a take that then failed: no step's, retired at close
+        self.unledgered: list[dict] = []  # the last take's records, until its step's ledger has them
 
     def snapshot(self) -> None:
         return None  # a sync checkpoint holds no buffer
@@ -43,8 +45,11 @@ class SyncSource:
     def syncing(self) -> None:
         pass
 
+    def ledgered(self) -> None:
+        self.unledgered = []
+
     async def close(self) -> tuple[dict, list[dict]]:
-        held, self.held = self.held, []
+        held, self.held, self.unledgered = self.held + self.unledgered, [], []
         return {"buffered": [], "in_flight": []}, held  # no group outlives a step
 
     async def take(self, step: int, version: int) -> StepTake:
@@ -60,6 +65,7 @@ class SyncSource:
         except BaseException:  # what the takes so far hold goes to no step: the run's end retires it
             self.held += await trickle.taken()
             raise
+        self.unledgered = calls
         return StepTake(outcomes, [version] * len(outcomes), calls, since, dict.fromkeys(SOURCE_COUNTS, 0))
 
 

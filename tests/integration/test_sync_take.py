@@ -1,7 +1,7 @@
 """The sync step source's take of the servers' call records (minirl/rollout/source.py), through real
 servers: the records are taken as the groups resolve, so the take after the step carries only the
 last group's; every record is handed over exactly once, in the step's take or, when the take fails,
-to `close` (the ledger's run_end)."""
+to `close` (the ledger's run_end), as they do when the step fails after its take."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from minirl.wire import RolloutRedispatchExhausted
 from test_failure_policy import VOCAB, policy_cfg
 
 
-def _take(stack, cfg):
+def _take(stack, cfg, ledgered=True):
     """SyncSource.take of step 0 over a real stack; each drain notes the groups with a send in flight
-    as it is asked, and what it took. Returns (take or the error, the drains, what close returns, every
-    record the server holds afterwards)."""
+    as it is asked, and what it took. A take that succeeds is then `ledgered` (the controller's ledger
+    has its records) unless the step fails after it (`ledgered=False`). Returns (take or the error, the
+    drains, what close returns, every record the server holds afterwards)."""
     drains, events = [], []
 
     async def go():
@@ -32,6 +33,8 @@ def _take(stack, cfg):
             source = SyncSource(cfg, manager, drain)
             try:
                 result = await source.take(0, 0)
+                if ledgered:
+                    source.ledgered()
             except BaseException as exc:  # noqa: BLE001 - the test reads it
                 result = exc
             finally:
@@ -41,6 +44,13 @@ def _take(stack, cfg):
 
     result, held, left = asyncio.run(go())
     return result, drains, held, left
+
+
+def test_a_step_that_fails_after_its_take_leaves_the_takes_records_to_close(stack, base_cfg):
+    """The take succeeds, then the step fails before its ledger takes the records (its checks, the
+    fleet watch's last poll): `close` hands every record of the take to the ledger's run_end, once."""
+    take, _, held, left = _take(stack, policy_cfg(base_cfg, groups=2), ledgered=False)
+    assert take.calls and held == take.calls and left == []
 
 
 def test_the_records_of_all_but_the_last_group_are_taken_while_it_runs(stack, base_cfg):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers import connect, last_line, run_cli
+from minirl.config import load_config
+from minirl.experiments.invariants import check_run
 from minirl.metrics import REQUIRED_FIELDS
 
 pytestmark = pytest.mark.slow
@@ -112,6 +114,9 @@ def test_review_failure_table(tmp_path, case, mode, shared_engine):
     else:
         assert proc.returncode != 0
         assert FLOOR.match(tail), tail
+    # the books close whatever the outcome: at the floor, the step's call records were taken and its
+    # ledger never written, so they are retired at the run's end (before, they were in no ledger line)
+    assert check_run(tmp_path, proc.returncode, tail, load_config(str(tmp_path / "config.yaml"))) is None
     faults = [e for e in events(tmp_path) if e["type"] == "fault"]
     assert faults and all((e["kind"], e["step"], e["group"], e["rollout"]) == (kind, 0, 1, 0) for e in faults)
 
@@ -146,6 +151,8 @@ def test_a_diverging_update_ends_the_run_naming_the_lr_before_weights_are_publis
     (failed,) = run_failed(tmp_path)
     assert failed["error"] == tail and failed["step"] == 0
     assert not (tmp_path / "metrics.jsonl").read_text().strip(), "no step completed"
+    # step 0's sends are in no metrics line, so run_failed counts them (before: 0, they were settled at collect)
+    assert (failed["rollout_attempts"], failed["rollouts_generated"]) == (4, 4)
     ray = connect(shared_engine)
     try:
         assert ray.get(ray.get_actor("shared-gen-0").weights_finite.remote())
@@ -190,6 +197,7 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_ends_it_with_run_failed(tmp
     (failed,) = run_failed(tmp_path)
     assert failed["error"] == tail and failed["step"] == 2
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
+    assert failed["rollout_attempts"] == 0, "step 2's sends are in its metrics line, not counted twice"
 
 
 def test_workers_beyond_what_ray_offers_end_at_once_naming_the_keys(tmp_path):

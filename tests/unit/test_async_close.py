@@ -1,8 +1,9 @@
 """The async source's end of run (`BufferSource.close`): the call records a place was moving off the
 servers when the run ended reach the end-of-run ledger, not the void. Found by the switch matrix's
 `served` book (cell pw19: a windowed run's place cancelled at the end had taken its records off one
-generation worker and was waiting on the other, and worker 0's records of s24.g1 were in no ledger line). And a
-`finish` that does not end says where it waits."""
+generation worker and was waiting on the other, and worker 0's records of s24.g1 were in no ledger line). A
+late record of a group evicted while a take still waits is an orphan at once. And a `finish` that does
+not end says where it waits."""
 
 from __future__ import annotations
 
@@ -62,3 +63,43 @@ def test_a_finish_that_does_not_end_names_its_await():
     out = asyncio.run(go())
     assert "take_calls_that_never_answers" in out and "await asyncio.Event().wait()" in out
     assert ", in go\n" not in out  # the task that asks is left out
+
+
+def test_a_late_record_of_a_group_evicted_while_the_take_waits_is_an_orphan():
+    """A take evicts a stale group and keeps waiting for its own: a record of the evicted group that
+    arrives meanwhile (a retired attempt's, moved as its place resolves) is an orphan at once, handed
+    to the next step's ledger; before, it was filed under the group's key until the take ended, so a
+    checkpoint taken then left it out. The pump is a stand-in for its `check` and `inflight` only."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from minirl.async_rl.buffer import GroupBuffer, GroupRecord
+    from minirl.async_rl.samplers import make_sampler
+    from minirl.types import GroupOutcome
+
+    cfg = load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=windowed",
+                             "async_rl.sampler.max_staleness_versions=1", "grpo.num_prompts_per_step=1",
+                             "loss_fn.use_importance_sampling_correction=true",
+                             "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+                             "async_rl.rollout_failure.max_skipped_prompts=0"])
+    late = {"key": "s0.g0.r0.a1.c0", "step": 0, "group": 0, "rollout": 0, "attempt": 1, "call": 0}
+    events = []
+
+    async def drain(step: int) -> list[dict]:
+        return [late]
+
+    async def go():
+        source = BufferSource(cfg, SimpleNamespace(emit=events.append), drain)
+        source.buffer, source.sampler = GroupBuffer(8), make_sampler("windowed", 1, 1)
+        source.pump = SimpleNamespace(check=lambda: None, inflight=Counter(), train_waiting=None, selected=None)
+        source.buffer.ready.append(GroupRecord(0, 0, 0, GroupOutcome(0, "committed", step=0), 0))
+        taking = asyncio.ensure_future(source.take(3, 3))  # version 3, S = 1: the group of weight 0 is stale
+        await asyncio.sleep(0.01)
+        assert [e["type"] for e in events] == ["evict"] and not taking.done()
+        await source.resolved(0, 0)  # the late record arrives while the take still waits
+        orphans, filed = list(source.orphans), dict(source.calls)
+        taking.cancel()
+        return orphans, filed
+
+    orphans, filed = asyncio.run(go())
+    assert orphans == [late] and filed == {}
