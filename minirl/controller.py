@@ -27,7 +27,7 @@ from minirl.rollout.manager import RolloutManager, dominant_failure
 from minirl.rollout.masking import ScoredGroup, baseline_members, masking_stats, rollout_stats
 from minirl.rollout.selection import select_calls
 from minirl.rollout.source import SyncSource
-from minirl.timeline import clocks, generation_lane
+from minirl.timeline import EngineClocks, clocks, generation_lane
 from minirl.types import GroupOutcome, Rollout, StepSource, StepTake, Trace, TrainBatch
 
 
@@ -223,6 +223,7 @@ class Controller:
         self.failed = False  # the run's run_failed event is written
         self.finished = False  # the run's run_end event is written
         self.mark: tuple | None = None  # minirl.timeline's clocks at the last publish (the cycle's start)
+        self.engine_clocks = EngineClocks()  # the workers' totals, continuous across their restarts
 
     async def snapshot(self) -> dict:
         """The controller's part of a checkpoint, taken between two awaits (a consistent cut): the
@@ -246,7 +247,7 @@ class Controller:
         the generation lane of the cycle this publish ends (minirl.timeline; empty for the first).
         `engines`: each worker's clock as its update ended (`GenerationWorker.update_weights`)."""
         self.source.published(version)
-        reading = clocks(engines, self.manager.occupancy.read())
+        reading = clocks(self.engine_clocks.read(engines), self.manager.occupancy.read())
         lane = {} if self.mark is None else generation_lane(self.mark, reading)
         self.mark = reading
         return lane
@@ -266,15 +267,15 @@ class Controller:
         are taken now, whenever they are awaited."""
         return [w.clock.remote() for w in self.gen_workers]
 
-    @staticmethod
-    async def _engine_s(asked: list) -> tuple[float, float]:
+    async def _engine_s(self, asked: list) -> tuple[float, float]:
         """The engines' run totals of stepping and of gathering bursts before a step, summed over the
         workers, from `_ask_clocks`."""
-        readings = [await ref for ref in asked]
+        readings = self.engine_clocks.read([await ref for ref in asked])
         return sum(c["busy_s"] for c in readings), sum(c["gather_s"] for c in readings)
 
     async def _clocks(self) -> tuple[float, ...]:
-        return clocks([await ref for ref in self._ask_clocks()], self.manager.occupancy.read())
+        readings = self.engine_clocks.read([await ref for ref in self._ask_clocks()])
+        return clocks(readings, self.manager.occupancy.read())
 
     async def _drain(self, step: int | None) -> list[dict]:
         """Every worker's call records of `step`, asked of all at once, in worker order. A worker's take

@@ -69,11 +69,37 @@ def trainer_lane(t0: float, t1: float, t2: float, t3: float, exposed: float) -> 
             "timing/train/weight_sync": t3 - t2}
 
 
+CLOCK_KEYS = ("busy_s", "weights_s", "drain_s", "gather_s")
+
+
+class EngineClocks:
+    """The generation workers' run totals (`GenerationWorker.clock`, in worker order) made continuous
+    across a worker's restarts: a restarted worker counts from 0 in a new `epoch`, so the totals of its
+    earlier lives, as last read, are carried over, and the difference of two readings is never negative
+    (what the engine did between its last reading and its death is not counted)."""
+
+    def __init__(self):
+        self.last: dict[int, dict] = {}  # rank -> the last reading taken in
+        self.carried: dict[int, dict] = {}  # rank -> the totals of its earlier lives
+
+    def read(self, readings: list[dict]) -> list[dict]:
+        out = []
+        for rank, reading in enumerate(readings):
+            last = self.last.get(rank)
+            carried = self.carried.setdefault(rank, dict.fromkeys(CLOCK_KEYS, 0.0))
+            if last is not None and last.get("epoch") != reading.get("epoch"):
+                for k in CLOCK_KEYS:
+                    carried[k] += last[k]
+            self.last[rank] = reading
+            out.append({k: reading[k] + carried[k] for k in CLOCK_KEYS})
+        return out
+
+
 def clocks(engines: list[dict], active_s: float) -> tuple[float, ...]:
     """One reading of the run's totals: (now, engine busy, weight load, weight drain, gather: means
     over the workers' `GenerationWorker.clock`, rollouts-in-flight occupancy)."""
     n = max(len(engines), 1)
-    means = (sum(e[k] for e in engines) / n for k in ("busy_s", "weights_s", "drain_s", "gather_s"))
+    means = (sum(e[k] for e in engines) / n for k in CLOCK_KEYS)
     return (time.monotonic(), *means, active_s)
 
 

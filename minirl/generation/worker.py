@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 from minirl.config import MinirlConfig
 from minirl.faults import FaultPlan
@@ -53,6 +54,7 @@ class GenerationWorker:
     def __init__(self, cfg: MinirlConfig, rank: int, host: str, port: int, weights_store=None):
         self.rank = rank
         self.drain = not cfg.async_rl.in_flight_weight_updates
+        self.epoch = f"{os.getpid()}-{time.time_ns()}"  # this life's: a restarted worker's clocks count from 0
         self.engine = make_engine(cfg, rank, on_dead=self._engine_died)
         if weights_store is not None:  # after a restart: catch up before serving
             import ray
@@ -120,9 +122,11 @@ class GenerationWorker:
 
     def clock(self) -> dict:
         """The engine's run totals of stepping, loading weights, draining for an update and gathering
-        bursts, in seconds (minirl.timeline); read on this actor, without the front end."""
+        bursts, in seconds (minirl.timeline), and this worker process's `epoch` (totals restart from 0 in
+        a restarted worker); read on this actor, without the front end."""
         e = self.engine
-        return {"busy_s": e.busy_s, "weights_s": e.weights_s, "drain_s": e.drain_s, "gather_s": e.gather_s}
+        return {"busy_s": e.busy_s, "weights_s": e.weights_s, "drain_s": e.drain_s, "gather_s": e.gather_s,
+                "epoch": self.epoch}
 
     def stats(self) -> dict:
         front = self.front.call("stats")

@@ -104,6 +104,9 @@ def test_killed_generation_worker_restarts_and_the_run_goes_on(tmp_path, shared_
     assert {e["class"] for e in retried} == {"infra"}
     assert rows[1]["redispatched_groups"] >= 1 and rows[1]["groups_trained"] >= 3
     assert rows[2]["policy_version"] == 2
+    # the restarted worker's engine counts from 0: its clocks continue the killed one's, never negative
+    clocks = ["engine_busy_s", "engine_gather_s", *(k for k in rows[1] if k.startswith("timing/generation/"))]
+    assert all(r[k] >= 0 for r in rows for k in clocks), [{k: r[k] for k in clocks} for r in rows]
     calls = [json.loads(line) for line in (tmp_path / "ledger" / "step_1.jsonl").read_text().splitlines()]
     assert {(c["version_start"], c["version_end"])
             for c in calls if c["ledger_status"] in ("trained", "matched")} == {(1, 1)}, \

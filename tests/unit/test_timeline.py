@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from minirl.timeline import TIMING_FIELDS, Occupancy, generation_lane, trainer_lane
+from minirl.timeline import TIMING_FIELDS, EngineClocks, Occupancy, generation_lane, trainer_lane
 
 
 def test_occupancy_counts_overlapping_intervals_once():
@@ -44,3 +44,18 @@ def test_generation_lane_adds_up_to_the_cycle():
     assert sum(lane[f"timing/generation/{p}"] for p in parts) == pytest.approx(lane["timing/generation/cycle"])
     assert lane["timing/generation/weight_drain"] == 0.5
     assert set(lane) | set(trainer_lane(0, 1, 2, 3, 0.5)) | {"timing/train/policy_compute"} == set(TIMING_FIELDS)
+
+
+def test_engine_clocks_continue_across_a_worker_restart():
+    """A restarted generation worker's engine counts from 0 in a new epoch: its earlier life's totals,
+    as last read, are carried, so a step's difference never goes negative (it was -95 s for a shared
+    worker killed mid-run); the other worker is untouched."""
+    def reading(busy, epoch):
+        return {"busy_s": busy, "weights_s": busy / 10, "drain_s": 0.0, "gather_s": busy / 5, "epoch": epoch}
+
+    ec = EngineClocks()
+    series = [[reading(100.0, "a"), reading(50.0, "x")], [reading(105.0, "a"), reading(52.0, "x")],
+              [reading(2.0, "b"), reading(53.0, "x")], [reading(4.0, "b"), reading(55.0, "x")]]
+    busy = [[r["busy_s"] for r in ec.read(step)] for step in series]
+    assert busy == [[100.0, 50.0], [105.0, 52.0], [107.0, 53.0], [109.0, 55.0]]
+    assert ec.read([reading(5.0, "b"), reading(56.0, "x")])[0]["gather_s"] == pytest.approx(105.0 / 5 + 1.0)
