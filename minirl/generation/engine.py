@@ -188,6 +188,8 @@ class VllmEngine:
         self._last_sub = 0.0  # time.monotonic() at which the latest request accepted was submitted (`generate`)
         self._after: float | None = None  # the submission of a finished gather's last request, until the next
         self.steps = 0  # engine steps taken
+        self.aborted = 0  # requests whose caller left before they finished (`abort`): aborted in vLLM, taken out of
+        # those deferred behind a draining update, or never added (their caller left before the engine saw them)
         self.step_log: deque[tuple[float, float, int]] = deque(maxlen=STEP_LOG)
         """The latest steps' (time.monotonic() at its start, seconds, requests in the engine): where a
         burst's time goes, for benches (bench/engine_overhead.py splits it into filling, full, draining)."""
@@ -267,7 +269,8 @@ class VllmEngine:
     def update_weights(self, named: list, version: int, drain: bool = False) -> Future:
         """New weights between two engine steps. Requests in flight continue under them (their
         result records both versions), unless `drain`: then the update waits until every request in
-        flight has finished, and requests that arrive meanwhile wait for the update. Weights that do
+        flight has finished, and requests that arrive meanwhile wait for the update; so does a second
+        drain, which then drains in its turn (the requests that came before it first). Weights that do
         not fit the served checkpoint fail the future (ValueError naming the tensor) and change nothing.
 
         The check (`check_weights`, against the checkpoint's safetensors headers) runs before vLLM's
@@ -436,7 +439,9 @@ class VllmEngine:
                 self._die(TimeoutError(f"an engine step has not returned within step_timeout_s={timeout_s:g}"))
 
     def _accept(self, kind, payload, fut: Future) -> None:
-        if self._held is not None and kind == "gen":  # draining for an update: new requests wait for it
+        # draining for an update: new requests wait for it, and so does a second drain (in `_held` it would
+        # replace the first, whose future then never resolved); `_apply_held` takes them in arrival order
+        if self._held is not None and kind in ("gen", "drain"):
             self._deferred.append((kind, payload, fut))
             return
         if kind == "drain":
@@ -449,16 +454,14 @@ class VllmEngine:
                 fut.set_exception(exc)
             return
         if kind == "abort":
-            entry = self._pending.pop(payload, None)
-            if entry is not None:
-                self.llm.llm_engine.abort_request([payload])
-                entry[0].set_exception(CancelledError(f"request {payload} aborted: its caller left"))
+            self._abort(payload)
             return
         rid, prompt, params, submitted = payload
         if self.dead is not None:  # a reload failed (`update_weights`): nothing serves from its weights
             self._refuse(fut)
             return
         if not fut.set_running_or_notify_cancel():  # the caller left before the engine saw it
+            self.aborted += 1
             return
         if self._after is not None:  # the first request after a gather: how long after its last one it came
             if submitted - self._after < self.gather_gap_s:  # one the fixed rule would have gathered
@@ -478,6 +481,27 @@ class VllmEngine:
             self.first_add_t = self.last_add_t
         self._pending[rid] = (fut, self.version)
 
+    def _abort(self, rid: str) -> None:
+        """An `abort`: the request leaves vLLM, or the requests deferred behind a draining update (an abort
+        that came while it waited there was lost, and the request generated in full after the update: a
+        front end's abort never cancels the engine-side future). Its future fails with CancelledError
+        either way (unless its caller cancelled it already); nothing for a request that has finished."""
+        entry = self._pending.pop(rid, None)
+        if entry is not None:
+            self.llm.llm_engine.abort_request([rid])
+            fut = entry[0]
+        else:
+            at = next((i for i, (kind, payload, _) in enumerate(self._deferred)
+                       if kind == "gen" and payload[0] == rid), None)
+            if at is None:
+                return
+            fut = self._deferred.pop(at)[2]
+        self.aborted += 1
+        try:
+            fut.set_exception(CancelledError(f"request {rid} aborted: its caller left"))
+        except InvalidStateError:  # cancelled by its caller (an in-process one) while it was deferred
+            pass
+
     def _gather(self) -> None:
         """The first requests of a burst reached an idle engine: take the rest of it before the first
         step, until none has come for `gather_gap_s` or `gather_max_s` has passed since now. On a CPU
@@ -488,29 +512,41 @@ class VllmEngine:
         Under the `learned` rule a gather of fewer than `gather_burst_n` requests (calls back from their
         tools together) waits only the gap learned from recent gathers' own spacing (`learned_gap`):
         the fixed gap held every clump 20 ms past its last request, which followed the one before
-        within ~1 ms on a quiet machine."""
-        if self.gather_gap_s <= 0:
+        within ~1 ms on a quiet machine.
+
+        Only requests added to vLLM count as gathered, and the window runs from the latest of them: an
+        abort, a weight update or a request refused that the gather takes is none (each counted once
+        turned a lone request into a burst, with the burst's longer windows). A drain ends the gather
+        (its update waits for these requests), and an update run meanwhile is in `weights_s`, not in
+        `gather_s` (the timeline subtracts both)."""
+        if self.gather_gap_s <= 0 or self._held is not None:  # a held update waits for these requests: step them
             return
-        t0 = time.monotonic()
+        t0 = last = time.monotonic()
+        weights_before = self.weights_s
         deadline = t0 + self.gather_max_s
         clump = learned_gap(self._gaps, self.gather_gap_s) if self.gather_rule == "learned" else self.gather_gap_s
         self.gather_learned_s = clump
         taken = len(self._pending)
-        while (wait := min(self._window(taken, clump), deadline - time.monotonic())) > 0:
+        while (wait := min(last + self._window(taken, clump), deadline) - time.monotonic()) > 0:
             before = self._last_sub
             try:
-                self._accept(*self._inbox.get(timeout=wait))
+                kind, payload, fut = self._inbox.get(timeout=wait)
             except queue.Empty:
                 break
-            taken += 1
-            if taken > 2 and self._last_sub != before:  # the gaps after a burst's second request (not the first's)
+            self._accept(kind, payload, fut)
+            if self._held is not None:  # a drain came: its update waits for the requests gathered
+                break
+            if kind != "gen" or payload[0] not in self._pending:  # not a request added to vLLM
+                continue
+            taken, last = taken + 1, time.monotonic()
+            if taken > 2:  # the gaps after a burst's second request (not the first's)
                 self._gaps.append(self._last_sub - before)
         if taken == 1:
             self.gathers_lone += 1
         else:
             self.gathers_burst += 1
             self._after = self._last_sub
-        self.gather_s += time.monotonic() - t0
+        self.gather_s += time.monotonic() - t0 - (self.weights_s - weights_before)
 
     def _window(self, taken: int, clump_s: float) -> float:
         """How long a gather that has taken `taken` requests waits for the next (`_gather`)."""
@@ -528,7 +564,9 @@ class VllmEngine:
         engine = self.llm.llm_engine
         try:
             while True:
-                if self._held is not None and not self._pending:  # drained: apply the update, then the waiting ones
+                # drained: apply the update, then the waiting ones (a second drain among them, with nothing
+                # before it in flight, is drained at once: the loop would otherwise wait on the inbox first)
+                while self._held is not None and not self._pending:
                     self._apply_held()
                 idle = not self._pending
                 self._take_inbox(block=idle)
