@@ -325,7 +325,8 @@ class Controller:
         event = {"type": "run_end", "step": self.step, "unfinished": unfinished,
                  "groups_unfinished": sum(map(len, unfinished.values())), "calls_retired_at_end": len(left),
                  "calls_served": sum(a["served_count"] for a in accounts),
-                 "calls_evicted_from_log": sum(a["dropped"] for a in accounts)}
+                 "calls_evicted_from_log": sum(a["dropped"] for a in accounts),
+                 "unkeyed_calls_evicted": sum(a.get("unkeyed_dropped", 0) for a in accounts)}
         self.events.write(event)
         return event
 

@@ -333,7 +333,8 @@ def main() -> None:
         engine.version = version
 
     ops = {"take_calls": server.take_calls, "finish_run": server.calls.finish, "reset": reset, "version": set_version,
-           "stats": lambda: {"tokens": server.tokens_generated, "calls_dropped": server.calls.dropped}}
+           "stats": lambda: {"tokens": server.tokens_generated, "calls_dropped": server.calls.dropped,
+                             "unkeyed_calls_dropped": server.calls.unkeyed_dropped}}
 
     def control(cid: int, op: str, args: tuple) -> None:  # on the server's loop, which owns its state
         try:

@@ -31,6 +31,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error, clean_loc_for_param
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.utils import random_uuid
@@ -74,6 +75,19 @@ class HTTPError(Exception):
         if isinstance(exc, ValidationError):
             return cls(_validation_error(exc))
         return cls(create_error_response(exc))
+
+    @classmethod
+    def of_http(cls, exc: web.HTTPException) -> "HTTPError":
+        """aiohttp's own refusal (a body over `max_request_bytes`: 413) in the body `vllm serve`'s
+        `http_exception_handler` gives a Starlette HTTPException: its text, its status and the status's phrase."""
+        return cls(ErrorResponse(error=ErrorInfo(message=sanitize_message(exc.text or exc.reason),
+                                                 type=HTTPStatus(exc.status).phrase, code=exc.status)))
+
+    @classmethod
+    def internal(cls, exc: Exception) -> "HTTPError":
+        """A failure of this server's own code (every client error is an HTTPError by then): a 500."""
+        return cls(create_error_response(f"internal server error: {exc!r}", "InternalServerError",
+                                         HTTPStatus.INTERNAL_SERVER_ERROR))
 
     def response(self) -> web.Response:
         return web.json_response(self.body.model_dump(), status=self.status)
@@ -169,12 +183,17 @@ class CallLog:
     evicts the step written least recently (a made-up step written once goes first; steps being
     generated are written all the time). `dropped` counts every record evicted. The header is
     trusted from any caller, so this bounds memory, not mischief.
+    Successful calls without a header wait apart (`unkeyed`, at most UNKEYED_CALLS, the oldest evicted first),
+    and `unkeyed_dropped` counts those evicted; not `dropped`, which the run's books read as keyed records no
+    ledger took (an internal run never takes its validation's headerless calls: evicting them loses nothing
+    it accounts for).
     """
 
     def __init__(self):
         self.steps: dict[int, list[dict]] = {}  # ordered least recently written first
         self.unkeyed: deque[dict] = deque(maxlen=UNKEYED_CALLS)  # calls without a header (external agents)
         self.dropped = 0
+        self.unkeyed_dropped = 0  # unkeyed records evicted by UNKEYED_CALLS (`add_unkeyed`)
         self.lost = 0  # records a `call_log_lost` fault kept out of the log (minirl.faults)
         self.served: list[str] = []  # every keyed call this run recorded, in arrival order (the first SERVED_KEYS)
         self.served_count = 0  # ... and how many in all: the server's own total, never the controller's
@@ -194,12 +213,20 @@ class CallLog:
     def take(self, step: int) -> list[dict]:
         return self.steps.pop(step, [])
 
+    def add_unkeyed(self, record: dict) -> None:
+        """A successful call without a header, for the controller to match by content; the oldest held is
+        evicted (and counted) once UNKEYED_CALLS are."""
+        if len(self.unkeyed) == self.unkeyed.maxlen:
+            self.unkeyed_dropped += 1
+        self.unkeyed.append(record)
+
     def finish(self) -> dict:
         """The run ends: every record no step took, and what this run served (its keys, its count, the
-        records the bound evicted), in one go on the server's loop, so no record falls between them."""
+        records the bounds evicted), in one go on the server's loop, so no record falls between them."""
         left = [rec for records in self.steps.values() for rec in records]
         self.steps.clear()
-        return {"left": left, "served": list(self.served), "served_count": self.served_count, "dropped": self.dropped}
+        return {"left": left, "served": list(self.served), "served_count": self.served_count, "dropped": self.dropped,
+                "unkeyed_dropped": self.unkeyed_dropped}
 
     def take_unkeyed(self) -> list[dict]:
         out = list(self.unkeyed)
@@ -260,13 +287,18 @@ class ModelServer:
         return app
 
     # -- helpers (worker threads) --------------------------------------------------------------
-    def render(self, messages: list[dict], tools, add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: list[dict], tools, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> list[int]:
+        """The prompt's token ids, rendered as vLLM's HF renderer renders them: `add_generation_prompt`
+        and `continue_final_message` as the request sent them (the final message left open for the model
+        to continue; both at once is transformers' ValueError, a 400, as in vLLM)."""
         for m in messages:  # vLLM accepts `reasoning` or `reasoning_content` on assistant turns
             m["content"] = normalize_content(m.get("content"))  # list content flattened as vLLM does
             if "reasoning" in m and "reasoning_content" not in m:
                 m["reasoning_content"] = m.pop("reasoning")
         text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message)
         return self.segments.encode(text)  # the ids tokenize=True gives, each repeated stretch encoded once
 
     def take_calls(self, step: int | None) -> list[dict]:
@@ -315,7 +347,8 @@ class ModelServer:
         if chars > limit:
             raise HTTPError.bad_request(input_text_message(self.engine.max_model_len, chars, limit), "input_text")
         try:
-            prompt = self.render(body["messages"], body.get("tools"))
+            prompt = self.render(body["messages"], body.get("tools"), req.add_generation_prompt,
+                                 req.continue_final_message)
         except Exception as exc:  # a template error is the client's fault, as in vLLM
             raise HTTPError.bad_request(f"chat template failed: {exc!r}"[:2000]) from None
         if prefix:
@@ -346,7 +379,8 @@ class ModelServer:
             if "messages" in body:
                 req = TokenizeChatRequest.model_validate(body)
                 self._check_model(req.model)
-                ids = self.render(body["messages"], body.get("tools"), req.add_generation_prompt)
+                ids = self.render(body["messages"], body.get("tools"), req.add_generation_prompt,
+                                  req.continue_final_message)
             else:
                 req = TokenizeCompletionRequest.model_validate(body)
                 self._check_model(req.model)
@@ -385,6 +419,8 @@ class ModelServer:
             body = await off_loop(self._tokenize, await request.read())
         except HTTPError as exc:
             return exc.response()
+        except web.HTTPException as exc:  # a body over max_request_bytes: vLLM's JSON body, not aiohttp's text
+            return HTTPError.of_http(exc).response()
         return web.Response(body=body, content_type="application/json")
 
     async def chat_completions(self, request: web.Request) -> web.Response:
@@ -404,6 +440,10 @@ class ModelServer:
         except asyncio.CancelledError:
             record.update(status=CLIENT_LEFT, error="client disconnected")
             raise
+        except Exception as exc:  # else its record had no status, and its client aiohttp's text/plain answer
+            error = HTTPError.of_http(exc) if isinstance(exc, web.HTTPException) else HTTPError.internal(exc)
+            record.update(status=error.status, error=error.body.error.message)
+            return error.response()
         finally:
             fires = fault_site(self.plan, coords, call=call)
             if fires("call_log_lost"):
@@ -412,7 +452,7 @@ class ModelServer:
                 record.update(coords.as_dict(), call=call, t_end=time.time())
                 self.calls.add(coords.step, record)
             elif record.get("status") == 200:  # an external agent's call: matched later by its tokens
-                self.calls.unkeyed.append(record)
+                self.calls.add_unkeyed(record)
 
     def _logprobs(self, req: ChatCompletionRequest, result) -> tuple[list[dict], bool]:
         """As vLLM's `_create_chat_logprobs` builds them, from vLLM's detokenized text (made in this process
@@ -533,7 +573,9 @@ class ModelServer:
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
         parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none",
                              reasoning_parser=self.reasoning_parser)
-        message = _without_none({"role": "assistant", "content": parsed["content"]})
+        # vLLM's `get_chat_request_role`: without a generation prompt the reply continues the final message's role
+        role = "assistant" if req.add_generation_prompt else body["messages"][-1]["role"]
+        message = _without_none({"role": role, "content": parsed["content"]})
         if parsed["tool_calls"]:  # ChatMessage's serializer drops an empty list
             message["tool_calls"] = [{"id": tc["id"], "type": "function",
                                       "function": {"name": tc["function"]["name"],

@@ -132,7 +132,8 @@ class GenerationWorker:
         front = self.front.call("stats")
         engine = self.engine
         return {"busy_s": engine.busy_s, "steps": engine.steps, "tokens": front["tokens"], "version": engine.version,
-                "calls_dropped": front["calls_dropped"], "first_add_t": engine.first_add_t,
+                "calls_dropped": front["calls_dropped"], "unkeyed_calls_dropped": front["unkeyed_calls_dropped"],
+                "aborted": engine.aborted, "first_add_t": engine.first_add_t,
                 "last_add_t": engine.last_add_t, "gather_s": engine.gather_s, "gathers_lone": engine.gathers_lone,
                 "gathers_burst": engine.gathers_burst, "gather_learned_s": engine.gather_learned_s}
 

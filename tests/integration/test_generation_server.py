@@ -1,0 +1,94 @@
+"""The model server's edges, over the session's real vLLM engine on loopback: every keyed call leaves a
+record with the status its client got, even one refused before the server read it (a body over
+`max_request_bytes`), and the client gets vLLM's JSON error body; the
+headerless calls' bound counts what it evicts; `continue_final_message` and `add_generation_prompt`
+render the prompt as vLLM renders it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from test_bad_input import CHAT, GOOD_CHAT, post
+
+from minirl.wire import ROLLOUT_HEADER
+
+
+def test_a_body_over_max_request_bytes_is_recorded_and_answered_as_vllm_does(engine, tokenizer, base_cfg):
+    """aiohttp refuses the body with a 413 when the handler reads it. Before, that escaped the handler:
+    the call's record had no status (nor error) and the client got aiohttp's text/plain 413."""
+    from aiohttp.test_utils import TestServer
+
+    from minirl.generation.server import ModelServer
+
+    model = ModelServer(engine, tokenizer, base_cfg.policy.model_name)
+    big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_completion_tokens": 2}
+
+    async def go():
+        async with TestServer(model.app(max_request_bytes=2000)) as server, aiohttp.ClientSession() as http:
+            url = str(server.make_url(""))
+            chat = await post(http, url + CHAT, big, headers={ROLLOUT_HEADER: "s0.g0.r0.a0.c0"})
+            tokenize = await post(http, url + "/tokenize", big)
+            return chat, tokenize
+
+    chat, tokenize = asyncio.run(go())
+    for status, body in (chat, tokenize):
+        assert status == 413 and body["error"]["type"] == "Request Entity Too Large", (status, body)
+        assert body["error"]["code"] == 413 and "Maximum request body size 2000" in body["error"]["message"]
+    (record,) = model.take_calls(0)
+    assert record["status"] == 413 and record["error"] == chat[1]["error"]["message"], record
+
+
+def test_headerless_records_the_bound_evicts_are_counted(stack, monkeypatch):
+    """Before, the deque's bound evicted the oldest unkeyed record silently. They are counted apart from
+    `dropped`, which the run's books read as keyed records no ledger took."""
+    import minirl.generation.server as server
+
+    monkeypatch.setattr(server, "UNKEYED_CALLS", 2)
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            answers = [await post(http, s.model_url + CHAT, {**GOOD_CHAT, "seed": i}) for i in range(3)]
+            return answers, s.model.calls
+
+    answers, calls = asyncio.run(go())
+    assert [status for status, _ in answers] == [200, 200, 200]
+    assert calls.unkeyed_dropped == 1 and calls.dropped == 0
+    assert len(calls.take_unkeyed()) == 2
+    assert calls.finish()["unkeyed_dropped"] == 1
+
+
+def test_continue_final_message_and_no_generation_prompt_render_as_vllm_does(stack, tokenizer):
+    """The prompt is the chat template's with the request's `add_generation_prompt` and
+    `continue_final_message` (the final message left open for the model to continue), in /v1/chat/completions
+    and /tokenize alike; the reply's role is the final message's without a generation prompt (vLLM's
+    `get_chat_request_role`); both at once is vLLM's 400. Before, both fields were ignored: the final
+    message was closed and a new assistant turn opened."""
+    messages = [{"role": "user", "content": "open door 3"}, {"role": "assistant", "content": "I will open"}]
+    cases = {"continue": (messages, {"add_generation_prompt": False, "continue_final_message": True}, True),
+             "no_prompt": (messages[:1], {"add_generation_prompt": False}, False)}
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            out = {}
+            for name, (msgs, fields, _) in cases.items():
+                body = {"messages": msgs, "max_completion_tokens": 2, "return_token_ids": True, **fields}
+                out[name] = (await post(http, s.model_url + CHAT, body),
+                             await post(http, s.model_url + "/tokenize", {"messages": msgs, **fields}))
+            both = {"messages": messages, "add_generation_prompt": True, "continue_final_message": True}
+            out["both"] = await post(http, s.model_url + CHAT, both)
+            return out
+
+    out = asyncio.run(go())
+    for name, (msgs, fields, cont) in cases.items():
+        (status, reply), (tok_status, tokenized) = out[name]
+        assert status == 200 and tok_status == 200, (reply, tokenized)
+        expected = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False,
+                                                 add_generation_prompt=False, continue_final_message=cont)
+        assert reply["prompt_token_ids"] == tokenized["tokens"] == list(expected), name
+        assert reply["choices"][0]["message"]["role"] == msgs[-1]["role"], name
+    ends = tokenizer.decode(out["continue"][0][1]["prompt_token_ids"], skip_special_tokens=False)
+    assert ends.endswith("assistant\nI will open"), ends[-40:]
+    status, body = out["both"]
+    assert status == 400 and body["error"]["message"] == (
+        "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
