@@ -70,6 +70,15 @@ def test_keep_first_block_and_zero_last_blocks():
     assert thoughts(compact(history(), cfg(keep_blocks=0), 2).items) == []
 
 
+@pytest.mark.parametrize("keep_blocks", range(0, 8))
+def test_recency_keeps_the_last_blocks_even_when_there_are_fewer(keep_blocks):
+    """3 blocks: keep_last_blocks=k keeps the last min(k, 3), so 3 to 5 drop nothing (before, 4 kept
+    only 1 and 5 only 2: the slice's start went negative and counted from the end)."""
+    res = compact(history(), cfg(keep_groups=4, keep_blocks=keep_blocks), 2)
+    assert thoughts(res.items) == ["think0", "think1", "think2"][3 - min(keep_blocks, 3):]
+    assert res.reasoning_dropped == 3 - min(keep_blocks, 3)
+
+
 def test_nothing_to_drop_is_no_change_and_compaction_is_idempotent():
     res = compact(history(), cfg(keep_groups=3, keep_blocks=3), 2)
     assert not res.changed and res.items == history()

@@ -93,7 +93,8 @@ def compact(items: list[dict], cfg: ContextHistoryConfig, initial_len: int) -> R
     reasoning = cfg.policy.config.reasoning
     if reasoning.enabled:
         blocks = [i for i, it in enumerate(items) if it.get("type") == "reasoning"]
-        keep = set(blocks[len(blocks) - reasoning.keep_last_blocks :] if reasoning.keep_last_blocks else [])
+        # the last k blocks, all of them while there are fewer (a negative start would keep only k - n)
+        keep = set(blocks[max(0, len(blocks) - reasoning.keep_last_blocks) :])
         if reasoning.keep_first_block and blocks:
             keep.add(blocks[0])
         drop = set(blocks) - keep
