@@ -215,7 +215,7 @@ def parse_code(name: str, arguments: str) -> int | None:
         return None
     try:
         code = json.loads(arguments).get("code")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):  # not JSON, not an object, None, too deep
         return None
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 
