@@ -307,6 +307,8 @@ class PolicyWorker:
             )
 
     def load(self, directory: str) -> None:
+        """The checkpoint's weights, optimizer moments, RNG and step count; the optimizer's settings
+        (policy.optimizer.*) are this run's config, which a resume may change."""
         import torch
         from safetensors.torch import load_file
 
@@ -317,5 +319,10 @@ class PolicyWorker:
             self.model.tie_weights()
         extra = torch.load(path / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(extra["optimizer"])
+        # torch restores the saved lr, betas, eps and weight_decay; a resume may change them (only the
+        # moments and step counts carry over), and config.yaml and NonFiniteUpdate name the config's
+        opt = self.cfg.policy.optimizer
+        for group in self.optimizer.param_groups:
+            group.update(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
         torch.set_rng_state(extra["torch_rng"])
         self.steps_done = extra["steps_done"]

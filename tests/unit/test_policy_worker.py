@@ -50,7 +50,7 @@ def test_a_non_finite_loss_skips_the_step_and_keeps_the_weights():
 
     cfg = load_config(None, ["policy.train_micro_batch_size=2"])
     worker = PolicyWorker(cfg)
-    before = dict(worker.get_weights())
+    before = {k: v.copy() for k, v in worker.get_weights()}  # get_weights' arrays share the live parameters' memory
     bad = batch()
     bad.advantages[1] = np.float32(np.inf)  # what a reward of 1e39 became as float32
     with pytest.raises(NonFiniteUpdate, match="the step was skipped and no weights were published"):
@@ -59,6 +59,29 @@ def test_a_non_finite_loss_skips_the_step_and_keeps_the_weights():
     assert all(np.array_equal(before[k], after[k]) for k in before) and worker.steps_done == 0
     assert np.isfinite(worker.train(batch())["loss"])  # the next good batch trains
     assert all(np.isfinite(v).all() for _, v in worker.get_weights())
+    assert not all(np.array_equal(before[k], v) for k, v in worker.get_weights()), "...and moves the weights"
+
+
+def test_a_resume_takes_the_optimizer_settings_of_its_config_and_the_moments_of_the_checkpoint(tmp_path):
+    """torch's load_state_dict restores the saved lr, betas, eps and weight_decay; a resume may
+    change them (config.yaml and NonFiniteUpdate show the new ones), so they must be the ones that run."""
+    import torch
+
+    old = PolicyWorker(load_config(None, ["policy.optimizer.lr=1e-3", "policy.optimizer.weight_decay=0.1"]))
+    old.train(batch())
+    old.save(str(tmp_path))
+    new_cfg = load_config(None, ["policy.optimizer.lr=1e-6", "policy.optimizer.weight_decay=0.0",
+                                 "policy.optimizer.betas=[0.8,0.99]", "policy.optimizer.eps=1e-6"])
+    new = PolicyWorker(new_cfg)
+    new.load(str(tmp_path))
+    for group in new.optimizer.param_groups:
+        settings = (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
+        assert settings == (1e-6, (0.8, 0.99), 1e-6, 0.0)
+    moments = [(old.optimizer.state[p], new.optimizer.state[q])
+               for p, q in zip(old.model.parameters(), new.model.parameters())]
+    assert moments and all(torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+                           and float(a["step"]) == float(b["step"]) == 1 for a, b in moments), "the moments carry over"
+    assert new.steps_done == 1
 
 
 def reference_top_p_logprob(logits_row, target, temperature, top_p):
