@@ -2,7 +2,8 @@
 
 Runs minirl.validation (no fault injection) on the checkpoint's weights, loaded as a resume loads
 them, under the config of the run that wrote it (`<run_dir>/config.yaml`, so the held-out prompts
-stay disjoint from its training prompts), the overrides applied last. Prints the metrics as one JSON
+stay disjoint from its training prompts), the overrides applied last, its data checked as training
+checks it with validation on (`prepare_data`; exit 2 naming the key). Prints the metrics as one JSON
 object and writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, beside the
 evaluation's own events: the training run's logs stay as they were). Exit codes as `minirl.train`.
 A run that attached to a sweep's engines, once they are gone, needs
@@ -19,6 +20,21 @@ from pathlib import Path
 from minirl.config import ConfigError, load_config
 
 
+def prepare_data(cfg) -> None:
+    """Training's data checks (`data.prepare`), with validation on whatever `grpo.val_*` say: an
+    evaluation validates, so a run on `data.train_jsonl` needs `data.validation_jsonl` (the doors
+    task's held-out prompts are not its environment's) with at least `grpo.val_num_prompts` rows."""
+    from minirl import data
+
+    val_at_start, cfg.grpo.val_at_start = cfg.grpo.val_at_start, True
+    try:
+        data.prepare(cfg)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, f"{exc.problem} (minirl.evaluate always validates)") from None
+    finally:
+        cfg.grpo.val_at_start = val_at_start
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minirl.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(str(run_config) if run_config.exists() else None,
                           [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
+        prepare_data(cfg)
         try:
             eval_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -179,6 +179,31 @@ def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_p
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ConfigError: checkpoint.resume")
 
 
+def test_evaluate_checks_the_data_as_training_does_with_validation_on(tmp_path, capsys):
+    """Before, `minirl.evaluate` of a run trained on data.train_jsonl validated it on the doors task's
+    held-out prompts (it never called data.prepare); now the checks training makes with validation on,
+    before Ray: exit 2 with one line naming the key, and nothing written."""
+    from minirl import evaluate
+    from minirl.config import to_yaml
+    from minirl.data import task_row
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_0"
+    ckpt.mkdir(parents=True)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(task_row(load_config(None, []), seed)) + "\n" for seed in range(3)))
+    (run / "config.yaml").write_text(to_yaml(load_config(None, [f"data.train_jsonl={rows}"])))  # val_period 0
+    for extra, start in (
+        ([], "ConfigError: data.validation_jsonl: must be set to validate a run on data.train_jsonl"),
+        ([f"data.validation_jsonl={rows}"], "ConfigError: data.validation_jsonl: holds 3 rows, fewer than "
+                                            "grpo.val_num_prompts=8 (minirl.evaluate always validates)"),
+    ):
+        assert evaluate.main(["--checkpoint", str(ckpt), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(start), err
+    assert not (run / "eval").exists(), "refused before anything is written"
+
+
 @pytest.mark.slow
 def test_a_resumed_run_measures_each_policy_version_once(tmp_path, shared_engine):
     args = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
