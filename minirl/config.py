@@ -856,8 +856,8 @@ class FaultSpec:
     """Rollout within the group (from 0); None matches every rollout."""
     attempt: Optional[int] = bounded(None, ge=0)
     """Attempt of that rollout (from 0); None matches every attempt."""
-    call: int = 0
-    """Model call of the episode at which per-call kinds fire."""
+    call: int = bounded(0, ge=0)
+    """Model call of the episode at which per-call kinds fire (from 0)."""
 
     def check(self) -> None:
         _require(self.kind in FAULT_KINDS, "kind", f"must be one of {', '.join(FAULT_KINDS)}")
@@ -1020,14 +1020,15 @@ class MinirlConfig:
 
 # ------------------------------------------------------------------------------------------ loading
 def _check_keys(node: Any, schema: Any, prefix: str) -> None:
-    """Refuse keys the schema does not have, naming the unknown key in full."""
+    """Refuse keys the schema does not have, naming the unknown key in full; in a list of structured
+    items (faults.inject) each item's keys and values too, named with the item's index."""
     if not isinstance(node, dict) or not isinstance(schema, DictConfig):
         return
     if OmegaConf.get_type(schema) is dict:  # free-form mapping (faults.rate)
         return
     for key, value in node.items():
         full = f"{prefix}{key}"
-        if key not in schema:
+        if key not in schema.keys():  # `in schema` is False for a field still MISSING (FaultSpec.kind)
             while isinstance(value, dict) and len(value) == 1:  # name the leaf of `a.b.c=1`
                 key, value = next(iter(value.items()))
                 full += f".{key}"
@@ -1037,6 +1038,26 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
             if not isinstance(value, dict):
                 raise ConfigError(full, f"is a section: give it a mapping of keys, got {value!r}")
             _check_keys(value, child, full + ".")
+        elif isinstance(child, ListConfig) and isinstance(value, list):
+            _check_items(value, child, full)
+
+
+def _check_items(items: list, schema: ListConfig, full: str) -> None:
+    """Each item of a list of structured items, as `faults.inject[1].group` (OmegaConf's own errors
+    there name the item's field alone: `group`)."""
+    element = schema._metadata.element_type
+    if not (isinstance(element, type) and is_dataclass(element)):
+        return
+    for i, item in enumerate(items):
+        where = f"{full}[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(where, f"must be a mapping of {element.__name__} keys, got {item!r}")
+        item_schema = OmegaConf.structured(element)
+        _check_keys(item, item_schema, where + ".")
+        try:
+            OmegaConf.merge(item_schema, item)
+        except OmegaConfBaseException as exc:
+            raise _merge_error(exc, where, inside=True) from None
 
 
 def _read_yaml(file: str | Path) -> dict:
@@ -1193,10 +1214,19 @@ def _bounds_problem(meta: Any, value: Any) -> str:
     return f"must be in {_BOUNDS[lo_op][2]}{lo}, {hi}{_BOUNDS[hi_op][2]}, got {value}"
 
 
-def _merge_error(exc: OmegaConfBaseException, key: str) -> ConfigError:
+_ROOT_KEYS = frozenset(f.name for f in fields(MinirlConfig))
+"""The top-level sections and keys: the first part of every full key."""
+
+
+def _merge_error(exc: OmegaConfBaseException, key: str, inside: bool = False) -> ConfigError:
     """OmegaConf's error as one line naming the key; a value outside a Literal's choices reads as
-    `validate` words it."""
-    where = getattr(exc, "full_key", None) or key or "config"
+    `validate` words it. OmegaConf names a field of a structured list item without its path (`step`
+    for `faults.inject[0].step`): `key` (the override's, or with `inside` the item's) goes before a
+    name that is not a top-level section."""
+    where = getattr(exc, "full_key", None) or ""
+    if key and where and (inside or where.split(".")[0].split("[")[0] not in _ROOT_KEYS):
+        where = f"{key}.{where}"
+    where = where or key or "config"
     owner, name = getattr(exc, "object_type", None), getattr(exc, "key", None)
     choices = _choices(_hints(owner).get(name)) if isinstance(owner, type) and is_dataclass(owner) else None
     if isinstance(exc, ValidationError) and choices is not None:

@@ -91,6 +91,14 @@ def test_fault_list_in_yaml_flow_style():
         (["env.num_rooms=17"], "env.num_rooms", "<= env.max_num_rooms (16)"),
         (["env.num_rooms=0"], "env.num_rooms", ">= 1"),
         (["faults.inject=[{kind: guard_reject, step: -1}]"], "faults.inject[0].step", ">= 0"),
+        # inside a list of structured items OmegaConf names the leaf alone (`grupo: ...`)
+        (["faults.inject=[{kind: worker_kill}, {kind: worker_kill, grupo: 2}]"], "faults.inject[1].grupo",
+         "unknown config key"),
+        (["faults.inject=[{kind: timeout, step: abc}]"], "faults.inject[0].step", "could not be converted to Integer"),
+        (["faults.inject=[{kind: timeout}, {kind: timeout, call: null}]"], "faults.inject[1].call", "'None'"),
+        (["faults.inject=[{kind: timeout}, 5]"], "faults.inject[1]", "must be a mapping of FaultSpec keys, got 5"),
+        (["faults.inject=[{kind: worker_kill, call: -1}]"], "faults.inject[0].call", "must be >= 0, got -1"),
+        (["faults.inject=[{kind: worker_kill, stepp: {a: 1}}]"], "faults.inject[0].stepp.a", "unknown config key"),
         (["policy.model_name=/no/such/model"], "policy.model_name", "/no/such/model: no such directory"),
         (["policy.model_name=configs"], "policy.model_name", "config.json does not load"),
         (["checkpoint.resume=/no/such/step_3"], "checkpoint.resume", "'/no/such/step_3' is not a directory"),
@@ -133,6 +141,10 @@ def test_valid_edge_values_pass():
         ("grpo: 5\n", "grpo", "is a section: give it a mapping of keys, got 5"),
         ("policy:\n  generation: [1]\n", "policy.generation", "is a section"),
         ("policy:\n  generation:\n    temperature: 0\n", "policy.generation.temperature", "must be > 0"),
+        ("faults:\n  inject:\n    - {kind: timeout}\n    - {kind: timeout, grupo: 1}\n", "faults.inject[1].grupo",
+         "unknown config key"),
+        ("faults:\n  inject:\n    - {kind: timeout, rollout: x}\n", "faults.inject[0].rollout",
+         "could not be converted"),
     ],
 )
 def test_yaml_file_errors_are_one_line_naming_the_key_or_file(tmp_path, text, key, problem):
