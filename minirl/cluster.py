@@ -305,7 +305,11 @@ class Cluster:
     def resume(self) -> int:
         """Load the checkpoint `checkpoint.resume` names; returns the first step to run. Each newer
         checkpoint `auto` skips because it does not verify is reported in events.jsonl and on stderr.
-        The resume is one line on stdout and a `resumed` event, naming any change of the prompt stream."""
+        An explicit path older than the run_dir's newest checkpoints abandons their continuation: each
+        `step_M` from the first step to run on is renamed `abandoned_step_M` (`checkpoint.set_aside_newer`:
+        nothing is lost, and neither pruning nor `auto` takes it for this run's), said in one stdout line
+        and a `checkpoint_abandoned` event each. The resume is one line on stdout and a `resumed` event,
+        naming any change of the prompt stream."""
         path, skipped = checkpoint.select(self.run_dir, self.cfg.checkpoint.resume)
         for bad, reason in skipped:
             print(f"minirl: skipping checkpoint {bad}: {reason}", file=sys.stderr, flush=True)
@@ -319,6 +323,14 @@ class Cluster:
         buffered = buffer.read_bytes() if buffer.exists() else None
         ray.get(self.controller.load_state.remote(state["rollout_manager"], buffered))
         self.sync_weights(version=state["next_step"])
+        if self.cfg.checkpoint.resume != "auto":  # auto's newer ones are the damaged it skipped, reported above
+            moved = checkpoint.set_aside_newer(Path(self.run_dir), state["next_step"])
+            if moved:
+                print(f"minirl: resuming from {path} abandons the continuation after it: moved "
+                      + ", ".join(f"{a.name} to {b}" for a, b in moved), flush=True)
+            for old, new in moved:
+                ray.get(self.controller.note.remote({"type": "checkpoint_abandoned", "checkpoint": str(old),
+                                                     "moved_to": str(new), "resumed_from": str(path)}))
         changes = checkpoint.dataset_changes(state.get("config"), self.cfg)
         print(f"minirl: resumed from {path} at step {state['next_step']}" + (
             f"; the dataset differs from the checkpoint's ({'; '.join(changes)}): "

@@ -56,14 +56,9 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
 
 def _truncate_metrics(run_dir: Path, start: int) -> None:
     """Drop metric lines of steps from `start` on (after the checkpoint, or all when no checkpoint
-    verified): they will be run again."""
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start]
-    path.write_text("".join(line + "\n" for line in keep))
+    verified): they will be run again. A last line cut mid-write is dropped with a warning naming the
+    file; any other line that does not parse ends the run naming the file and line (`checkpoint.keep_records`)."""
+    checkpoint.keep_records(run_dir / "metrics.jsonl", lambda record: record["step"] < start)
 
 
 def prepare_run_dir(cfg: MinirlConfig) -> Path:

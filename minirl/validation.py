@@ -24,6 +24,7 @@ from minirl.config import MinirlConfig
 from minirl.data import _seed, dataset_rows, describe, difficulty, fact_rooms, task_row, task_seed
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import post_run
+from minirl.trainer import checkpoint
 from minirl.wire import (INFRA, ROLLOUT_ID, ROLLOUT_INDEX, SUMMARY_FAILED_SCORED, TASK_INDEX, RolloutFailure,
                          RolloutTimeout, classify, with_extra_body)
 
@@ -185,16 +186,13 @@ class Validator:
     `val_period`-th step), appends each validation to `run_dir/validation.jsonl` (one line each,
     with `step`: the last step trained, -1 before any) and returns the val_* fields for that step's
     metrics row. On resume, lines of policy versions past the resumed one are dropped (they will be
-    measured again), as metrics.jsonl drops the steps it repeats."""
+    measured again), as metrics.jsonl drops the steps it repeats, and so is a last line cut mid-write."""
 
     def __init__(self, cfg: MinirlConfig, controller, run_dir: Path, start: int):
         self.cfg, self.controller, self.path = cfg, controller, Path(run_dir) / "validation.jsonl"
-        keep = []
-        if self.path.exists():
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line and json.loads(line)["val_policy_version"] <= start]
-            self.path.write_text("".join(line + "\n" for line in keep))
-        if cfg.grpo.val_at_start and not any(json.loads(line)["val_policy_version"] == start for line in keep):
+        # a last line cut mid-write is dropped with a warning; another that does not parse is a RecordError
+        keep = checkpoint.keep_records(self.path, lambda record: record["val_policy_version"] <= start)
+        if cfg.grpo.val_at_start and not any(record["val_policy_version"] == start for record in keep):
             self._run(start, step=start - 1)
 
     def after(self, step: int) -> dict:

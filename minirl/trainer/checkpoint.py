@@ -7,7 +7,9 @@ Also the checks before Ray starts: the resume's config and model (`check_resume`
 Invariant: a checkpoint is trusted only when its manifest verifies (an empty manifest does not);
 `select` never resumes from one that does not (`auto` falls back to the newest that does and reports
 each one skipped, an explicit path raises CheckpointError naming the path and the file), and
-resuming repeats no step and skips none.
+resuming repeats no step and skips none. A resume from an older checkpoint sets the run_dir's newer
+ones aside (`set_aside_newer`), so they are never taken for the resumed run's; `save` never prunes the
+checkpoint it writes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
+from typing import Callable
 
 STATE = "state.json"
 ASYNC_BUFFER = "async_buffer.pkl"
@@ -56,11 +60,12 @@ def save(run_dir: Path, step: int, state: dict, write_policy, model_dir: str, ke
 
     Written into a temporary directory; `state.json`, written last, carries a manifest of every other
     file (relative path, size, sha256); every file and directory is fsynced, then the directory is
-    renamed to `step_N` and its parent fsynced. Async, the rollout pump's buffer is `async_buffer.pkl`
-    (the finished groups not yet trained with their weight versions, the groups in flight; pickled
-    dataclasses, read back only from a checkpoint whose manifest verifies). The fault stream needs no
-    position of its own: it is a function of (step, group, rollout, attempt), so resuming at step N
-    resumes it too."""
+    renamed to `step_N` and its parent fsynced. `keep_last_k` > 0 then keeps it and the newest
+    `keep_last_k - 1` checkpoints of earlier steps, and removes the older ones. Async, the rollout
+    pump's buffer is `async_buffer.pkl` (the finished groups not yet trained with their weight
+    versions, the groups in flight; pickled dataclasses, read back only from a checkpoint whose
+    manifest verifies). The fault stream needs no position of its own: it is a function of (step,
+    group, rollout, attempt), so resuming at step N resumes it too."""
     root = directory(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
@@ -80,17 +85,47 @@ def save(run_dir: Path, step: int, state: dict, write_policy, model_dir: str, ke
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _fsync(root)
-    if keep_last_k > 0:
-        for old in checkpoints(run_dir)[:-keep_last_k]:
+    if keep_last_k > 0:  # this one and the newest keep_last_k - 1 before it; never this one, nor a newer one
+        older = [p for p in checkpoints(run_dir) if _step(p) < step]
+        for old in older[: max(len(older) - (keep_last_k - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _step(path: Path) -> int:
+    return int(path.name[5:])
+
+
+ABANDONED = "abandoned_"
+"""The prefix `set_aside_newer` gives a checkpoint of an abandoned continuation: `checkpoints`, so `select`,
+`latest_verified` and pruning, list only `step_N`."""
+
+
+def set_aside_newer(run_dir: Path, next_step: int) -> list[tuple[Path, Path]]:
+    """Each `step_M` of `run_dir` with M >= `next_step` (the continuation that a resume from an older
+    checkpoint abandons) renamed to `abandoned_step_M` (`abandoned_step_M.2`, ... when taken), so that
+    pruning, `checkpoint.resume=auto` and the SIGTERM line never take it for this run's; nothing is
+    deleted. Returns (old path, new path) for each, oldest first."""
+    moved = []
+    for path in checkpoints(run_dir):
+        if _step(path) < next_step:
+            continue
+        target, n = path.with_name(ABANDONED + path.name), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{ABANDONED}{path.name}.{n}")
+        path.rename(target)
+        moved.append((path, target))
+    if moved:
+        _fsync(directory(run_dir))
+    return moved
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
     """Every `step_N` directory, oldest first, verified or not."""
     root = directory(run_dir)
     found = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()] if root.exists() else []
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted(found, key=_step)
 
 
 def verify(path: Path) -> str | None:
@@ -136,6 +171,40 @@ def select(run_dir: Path, resume: str) -> tuple[Path | None, list[tuple[Path, st
             "(name another checkpoint, or use checkpoint.resume=auto to take the newest that verifies)"
         )
     return Path(resume), []
+
+
+class RecordError(ValueError):
+    """A line of a run's JSONL record, before its last, that is not a JSON record: not a cut tail."""
+
+
+def keep_records(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
+    """On resume: rewrite the run's JSONL record `path` (metrics.jsonl, validation.jsonl) to the records
+    `keep` accepts, through a temporary file and `os.replace`, and return them (none when there is no
+    file). A last line that is not a JSON record is the tail of a write the run's end cut (a full disk,
+    a kill): dropped, with one warning line on stderr naming the file. Any other such line is a
+    RecordError naming the file and the line number."""
+    if not path.exists():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    kept = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            wanted = keep(record)
+        except (ValueError, KeyError, TypeError) as exc:
+            if i < len(lines) - 1:
+                raise RecordError(f"{path}, line {n}: not a JSON record ({type(exc).__name__}: {exc}); only a "
+                                  "last line cut mid-write is dropped: repair or remove that line, then resume"
+                                  ) from None
+            print(f"minirl: {path}: dropping its last line {n}, cut mid-write (not a JSON record: "
+                  f"{line[:40]!r}{'...' if len(line) > 40 else ''})", file=sys.stderr, flush=True)
+            break
+        if wanted:
+            kept.append((line, record))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line, _ in kept))
+    os.replace(tmp, path)
+    return [record for _, record in kept]
 
 
 def read_state(path: Path) -> dict:

@@ -169,6 +169,40 @@ def test_resaving_a_step_replaces_it_and_keep_last_k_prunes_the_oldest(tmp_path)
     assert checkpoint.verify(checkpoint.directory(tmp_path) / "step_3") is None
 
 
+def test_save_never_prunes_the_checkpoint_it_writes(tmp_path):
+    """A resumed run writes step 3 again while the abandoned continuation's step_4 and step_5 are still
+    there: pruning by step number used to remove the step_3 just written and keep those two."""
+    for step in range(6):
+        save(tmp_path, step, keep_last_k=3)
+    final = save(tmp_path, 3, keep_last_k=2)
+    assert final.exists() and checkpoint.verify(final) is None
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_3", "step_4", "step_5"], \
+        "the older are pruned, this one and the newer (not this run's to prune) are kept"
+    save(tmp_path, 6, keep_last_k=1)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_6"]
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_newer_aside(tmp_path):
+    """Resuming step_3 of a run that has step_4 and step_5 abandons them: renamed, not deleted, and no
+    longer listed, so pruning, `auto` and the SIGTERM line take the resumed run's own checkpoints."""
+    for step in range(6):
+        save(tmp_path, step, keep_last_k=3)
+    root = checkpoint.directory(tmp_path)
+    (root / "abandoned_step_5").mkdir()  # a second rollback: the first one's name is taken
+    held = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file() and "step_4" in str(p)}
+    path, _ = checkpoint.select(tmp_path, str(root / "step_3"))
+    moved = checkpoint.set_aside_newer(tmp_path, checkpoint.read_state(path)["next_step"])
+    assert [(a.name, b.name) for a, b in moved] == [("step_4", "abandoned_step_4"), ("step_5", "abandoned_step_5.2")]
+    assert {Path(*(("abandoned_step_4",) + p.parts[1:])): b for p, b in held.items()} == {
+        p.relative_to(root): p.read_bytes() for p in (root / "abandoned_step_4").rglob("*") if p.is_file()}, \
+        "nothing is lost"
+    assert checkpoint.verify(root / "abandoned_step_5.2") is None
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_3"]
+    save(tmp_path, 4, keep_last_k=3)
+    assert checkpoint.latest_verified(tmp_path) == (root / "step_4", [])
+    assert checkpoint.set_aside_newer(tmp_path, 5) == [], "nothing newer: nothing moved"
+
+
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
@@ -223,3 +257,18 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
     assert last_line(third.stderr).startswith(
         f"CheckpointError: checkpoint.resume={damaged.parent.parent} cannot be trusted: policy/model.safetensors: size "
         "7 != ")
+
+    # an explicit older checkpoint of the same run_dir abandons the newer ones: set aside, said so
+    root = tmp_path / "checkpoints"
+    fourth = run_cli(*small, "grpo.max_num_steps=2", f"checkpoint.resume={root / 'step_0'}")
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert (f"minirl: resuming from {root / 'step_0'} abandons the continuation after it: moved step_1 to "
+            f"{root / 'abandoned_step_1'}, step_2 to {root / 'abandoned_step_2'}, step_3 to {root / 'abandoned_step_3'}"
+            in fourth.stdout.splitlines())
+    assert [(Path(e["checkpoint"]).name, Path(e["moved_to"]).name, e["resumed_from"]) for e in rows(
+        tmp_path / "events.jsonl") if e["type"] == "checkpoint_abandoned"] == [
+        (f"step_{m}", f"abandoned_step_{m}", str(root / "step_0")) for m in (1, 2, 3)]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_0", "step_1"]
+    assert checkpoint.latest_verified(tmp_path) == (root / "step_1", []), "auto continues the resumed run"
+    assert checkpoint.verify(root / "abandoned_step_3") is None, "the abandoned ones are kept whole"
+    assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1]
