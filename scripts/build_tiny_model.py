@@ -156,7 +156,7 @@ class ScriptedTeacher:
         tokens = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
         return ModelReply(parse_reply(reply), "stop", tokens)
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return 0
 
 
@@ -271,7 +271,7 @@ class SummarizingTeacher:
         tokens = {"prompt_token_ids": [], "generation_token_ids": [], "generation_log_probs": []}
         return ModelReply(parse_reply(reply), "stop", tokens)
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return self.count(messages, tools)
 
 

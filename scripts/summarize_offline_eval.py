@@ -68,7 +68,7 @@ class LocalModel:
         evidence = {"prompt_token_ids": ids, "generation_token_ids": gen, "generation_log_probs": [0.0] * len(gen)}
         return ModelReply(parse_reply(text), finish, evidence)
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return len(self._ids(messages, tools))
 
 

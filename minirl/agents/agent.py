@@ -133,7 +133,7 @@ async def _admit(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy
 
 async def _call_model(ep: Episode, model: ModelClient, call: int) -> tuple[ModelReply, list[dict]]:
     """One model call on the history; its items join the history and the output."""
-    key = f"{ep.coords.key}.c{call}" if ep.coords else new_id("call")
+    key = ep.call_key(call)
     sampling = {**ep.sampling, "seed": ep.sampling["seed"] + call} if "seed" in ep.sampling else ep.sampling
     reply = await model.chat(items_to_messages(ep.history), ep.tools, sampling, key, ep.prefix)
     ep.ev.calls += 1
@@ -173,7 +173,13 @@ async def _ended(ep: Episode, reply: ModelReply, items: list[dict], tool_latency
 async def _guard(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy | None, model: ModelClient,
                  forced_reject: bool) -> str:
     """Gym's context guard (on while a policy compacts). Returns admit, admit_after_compaction or
-    reject, recorded in the evidence."""
+    reject, recorded in the evidence.
+
+    `prompt_tokens` is the length of the prompt the call will send (`Episode.prompt_tokens`: the history
+    with the last call's prompt + reply tokens spliced in, as the model server builds the call's prompt),
+    what the engine sees. Upstream Gym's guard counts `/tokenize` of the messages alone, which differs
+    when a reply is not in the template's canonical form (a re-serialised tool call, whitespace): it
+    would admit a prompt over `max_total_tokens`, or reject one that fits."""
     limit = ch.guards.max_total_tokens if policy is not None else None
     if limit is None and not forced_reject:
         return "admit"
@@ -183,12 +189,12 @@ async def _guard(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy
         decision = "reject"
         record["injected"] = True
     else:
-        record["prompt_tokens"] = await model.count_tokens(items_to_messages(ep.history), ep.tools)
+        record["prompt_tokens"] = await ep.prompt_tokens(model)
         decision = "admit" if record["prompt_tokens"] + reserved <= limit else "reject"
         if decision == "reject" and ch.schedule.type == "turn_chunked_recency":
             # close the chunk now: compact ahead of schedule, then count again
             await compaction.compact_episode(policy, ep, model)
-            after = await model.count_tokens(items_to_messages(ep.history), ep.tools)
+            after = await ep.prompt_tokens(model)  # the prefix is gone if the compaction rewrote the history
             record["prompt_tokens_after_compaction"] = after
             if after + reserved <= limit:
                 decision = "admit_after_compaction"

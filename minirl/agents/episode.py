@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from minirl.agents.env import DoorsEnv
+from minirl.agents.items import items_to_messages, new_id
 from minirl.wire import Coords
 
 
@@ -34,7 +35,11 @@ class ModelClient(Protocol):
         self, messages: list[dict], tools: list[dict], params: dict, key: str, required_prefix: list[int] | None
     ) -> ModelReply: ...
 
-    async def count_tokens(self, messages: list[dict], tools: list[dict]) -> int: ...
+    async def count_tokens(
+        self, messages: list[dict], tools: list[dict], key: str, required_prefix: list[int] | None
+    ) -> int:
+        """The length of the prompt `chat` with the same messages, tools, key and prefix would send."""
+        ...
 
 
 def prompt_identity(items: list[dict], task: dict, env: DoorsEnv) -> int:
@@ -107,3 +112,16 @@ class Episode:
     """The attempt's agent-side fault site (`faults.fault_site`), for a policy's injected faults."""
     stopped: bool = False
     """A compaction ended the episode (`ev.end_reason` says why): no further model call."""
+
+    def call_key(self, call: int) -> str:
+        """The key of turn call `call`: `<rollout>.c<call>` (the server's rollout header; the model client
+        keeps a rollout's calls on one worker by it), or a fresh call id for a row without coordinates."""
+        return f"{self.coords.key}.c{call}" if self.coords else new_id("call")
+
+    async def prompt_tokens(self, client: ModelClient, history: list[dict] | None = None) -> int:
+        """The length of the prompt the next turn call sends (`ModelClient.count_tokens`, on that call's
+        worker): the history with the token prefix spliced in as the call splices it, or (`history`) a
+        history a compaction is about to install, which goes without a prefix."""
+        prefix = self.prefix if history is None else None
+        messages = items_to_messages(self.history if history is None else history)
+        return await client.count_tokens(messages, self.tools, self.call_key(self.ev.calls), prefix)

@@ -127,11 +127,20 @@ class HttpModelClient:
         }
         return ModelReply(choice["message"], choice["finish_reason"], evidence)
 
-    async def count_tokens(self, messages, tools) -> int:
+    async def count_tokens(self, messages, tools, key, required_prefix) -> int:
+        """The length of the prompt that `chat(messages, tools, ..., key, required_prefix)` sends: `/tokenize`
+        of the messages with `required_prefix_token_ids`, which the server splices in as the chat call's
+        (the earlier turns' tokens kept verbatim; None: the messages as rendered), asked of the worker
+        that call goes to (`key`). Upstream Gym's guard counts `/tokenize` of the messages alone; minirl
+        counts the prompt it will send, what the engine sees: a reply not in the template's canonical
+        form re-renders to another length, and the context guard would then admit a prompt over
+        `max_total_tokens`, or reject one that fits. No rollout header: a count is no call of the log."""
         body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
         if tools:
             body["tools"] = tools
-        status, data = await self._post(self.urls[0], "/tokenize", body, None)
+        if required_prefix:
+            body["required_prefix_token_ids"] = required_prefix
+        status, data = await self._post(self._url(key), "/tokenize", body, None)
         if status != 200:
             raise self._error(status, data, "/tokenize")
         return data["count"]

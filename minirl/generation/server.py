@@ -248,8 +248,9 @@ class ModelServer:
     path whole (`served_as` lists the names answered to); only a failure of the server is a 5xx.
 
     minirl's extensions: `required_prefix_token_ids` keeps earlier turns' exact tokens
-    (`splice_prefix`); a request with the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is recorded in
-    the `CallLog` the controller's ledger drains, and keys the engine-side fault sites
+    (`splice_prefix`), in a chat call and in /tokenize's chat form, which counts the prompt that call
+    sends; a request with the `X-Minirl-Rollout` header (`s0.g1.r0.a0.c2`) is recorded in the `CallLog`
+    the controller's ledger drains, and keys the engine-side fault sites
     (`context_overflow`, `model_error`, `worker_kill`, `worker_hang`, `engine_hang`, `engine_crash`,
     `engine_loop_crash`, and `call_log_lost`, which answers the call but keeps its record out of the log);
     a header that does not parse is a 400. A headerless call samples with `call_seed`; minirl's
@@ -339,9 +340,7 @@ class ModelServer:
             raise HTTPError.bad_request("minirl's model server does not stream; send stream=false", "stream")
         if (req.n or 1) != 1:
             raise HTTPError.bad_request("minirl's model server supports n=1 only", "n")
-        prefix = body.get(PREFIX_FIELD)
-        if prefix is not None:
-            prefix = self._check_prefix(prefix)
+        prefix = self._required_prefix(body)
         chars = rendered_chars(body["messages"], body.get("tools"))
         limit = self.engine.max_model_len * self.max_chars_per_token
         if chars > limit:
@@ -351,13 +350,22 @@ class ModelServer:
                                  req.continue_final_message)
         except Exception as exc:  # a template error is the client's fault, as in vLLM
             raise HTTPError.bad_request(f"chat template failed: {exc!r}"[:2000]) from None
-        if prefix:
-            try:
-                prompt = splice_prefix(prefix, prompt, self.tokenizer.eos_token_id, self._decode)
-            except PrefixMismatch as exc:
-                raise HTTPError.bad_request(
-                    f"{PREFIX_FIELD} does not match the messages: {exc}", PREFIX_FIELD) from None
-        return body, req, prompt
+        return body, req, self._spliced(prefix, prompt)
+
+    def _required_prefix(self, body: dict) -> list[int] | None:
+        """The body's `required_prefix_token_ids`, checked (`_check_prefix`); None when absent."""
+        prefix = body.get(PREFIX_FIELD)
+        return None if prefix is None else self._check_prefix(prefix)
+
+    def _spliced(self, prefix: list[int] | None, prompt: list[int]) -> list[int]:
+        """The rendered `prompt` with `prefix` kept verbatim (`splice_prefix`): the prompt a chat call
+        sends, and what /tokenize counts; a prefix that is not the messages' earlier turns is a 400."""
+        if not prefix:
+            return prompt
+        try:
+            return splice_prefix(prefix, prompt, self.tokenizer.eos_token_id, self._decode)
+        except PrefixMismatch as exc:
+            raise HTTPError.bad_request(f"{PREFIX_FIELD} does not match the messages: {exc}", PREFIX_FIELD) from None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -374,13 +382,19 @@ class ModelServer:
                 type="NotFoundError", param="model", code=HTTPStatus.NOT_FOUND)))
 
     def _tokenize(self, raw: bytes) -> bytes:
+        """vLLM's /tokenize. The chat form also takes minirl's `required_prefix_token_ids`, checked and
+        spliced as a chat call's (`_required_prefix`, `_spliced`, the same 400s), so its count is the
+        length of the prompt that chat call would send (the agent's context guard counts it); like
+        vLLM's, it sets no length limit on the prompt."""
         body = parse_json_object(raw)
         try:
             if "messages" in body:
                 req = TokenizeChatRequest.model_validate(body)
                 self._check_model(req.model)
-                ids = self.render(body["messages"], body.get("tools"), req.add_generation_prompt,
-                                  req.continue_final_message)
+                prefix = self._required_prefix(body)
+                rendered = self.render(body["messages"], body.get("tools"), req.add_generation_prompt,
+                                       req.continue_final_message)
+                ids = self._spliced(prefix, rendered)
             else:
                 req = TokenizeCompletionRequest.model_validate(body)
                 self._check_model(req.model)

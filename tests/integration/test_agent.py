@@ -108,8 +108,8 @@ def test_a_tokenize_4xx_stays_data_across_the_hop(stack, base_cfg):
         async with stack() as s, aiohttp.ClientSession() as http:
             client = HttpModelClient([s.model_url], base_cfg.policy.model_name, http)
             with pytest.raises(ModelCallFailed) as info:
-                await client.count_tokens([{"role": 5, "content": "x"}], [])
-            good = await client.count_tokens([{"role": "user", "content": "hello"}], [])
+                await client.count_tokens([{"role": 5, "content": "x"}], [], "c0", None)
+            good = await client.count_tokens([{"role": "user", "content": "hello"}], [], "c0", None)
             return info.value, good
 
     exc, good = asyncio.run(go())
@@ -143,8 +143,8 @@ def test_guard_admit_admit_after_compaction_and_reject(stack, base_cfg, schedule
         async with stack(cfg) as s, aiohttp.ClientSession() as session:
             client = HttpModelClient([s.model_url], cfg.policy.model_name, session)  # the served name: another is a 404
             full = history_with_pictures(3)
-            n_full = await client.count_tokens(items_to_messages(full), tools)
-            n_small = await client.count_tokens(items_to_messages(compact(full, ch, 2).items), tools)
+            n_full = await client.count_tokens(items_to_messages(full), tools, "c0", None)
+            n_small = await client.count_tokens(items_to_messages(compact(full, ch, 2).items), tools, "c0", None)
             if limit is None:
                 return n_full, n_small
             ch.guards.max_total_tokens = limit

@@ -293,7 +293,8 @@ def test_dataset_rows_draw_their_own_summarizing_threshold_and_a_group_shares_it
     from test_summarize import Scripted, play, row_of, summarize_cfg
 
     base = row_of(summarize_cfg("agent.max_steps=1"))
-    tokens = asyncio.run(Scripted().count_tokens(items_to_messages(base["responses_create_params"]["input"]), []))
+    messages = items_to_messages(base["responses_create_params"]["input"])
+    tokens = asyncio.run(Scripted().count_tokens(messages, [], "c0", None))
     cfg = summarize_cfg("agent.max_steps=1", lo=tokens - 150, hi=tokens + 150)  # the first call's prompt: mid-range
 
     def variant(i: int, rollout: int = 0, attempt: int = 0, seed: int = 7) -> dict:

@@ -87,7 +87,7 @@ class Scripted:
         evidence = {"prompt_token_ids": prompt, "generation_token_ids": gen, "generation_log_probs": [-0.5] * len(gen)}
         return ModelReply(message, "tool_calls" if message.get("tool_calls") else "stop", evidence)
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return len(enc(render(messages)))
 
 

@@ -72,7 +72,7 @@ class Quiet:
         evidence = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [0.0]}
         return ModelReply({"role": "assistant", "content": "done"}, "stop", evidence)
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return 1
 
 

@@ -84,7 +84,7 @@ class Reader:
         evidence = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [0.0]}
         return ModelReply({"role": "assistant", "content": "", "tool_calls": [call]}, "tool_calls", evidence)
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return len(render(messages))
 
 

@@ -128,7 +128,7 @@ class Summarizer:
         return ModelReply(message, finish, {"prompt_token_ids": enc(text), "generation_token_ids": gen,
                                             "generation_log_probs": [-0.5] * len(gen)})
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return len(enc(render(messages)))
 
 

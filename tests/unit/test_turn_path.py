@@ -122,7 +122,7 @@ class OneStep:
         message = {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": fn}]}
         return ModelReply(message, "tool_calls", self.EVIDENCE)
 
-    async def count_tokens(self, messages, tools):
+    async def count_tokens(self, messages, tools, key, required_prefix):
         return 1
 
 

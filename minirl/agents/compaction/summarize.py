@@ -156,7 +156,7 @@ class SummarizePolicy:
         self.fallback = RewritePolicy(cfg)
 
     async def compact(self, ep: Episode, client: ModelClient) -> CompactionResult:
-        before = await client.count_tokens(items_to_messages(ep.history), ep.tools)
+        before = await ep.prompt_tokens(client)  # what the next turn call sends, its token prefix spliced in
         if before + self.cfg.guards.reserved_generation_tokens <= threshold(self.s, ep.prompt):
             return CompactionResult(ep.history)
         k = ep.ev.count("summaries") + ep.ev.count("summaries_failed")
@@ -216,7 +216,7 @@ class SummarizePolicy:
     async def _accepted(self, ep: Episode, client: ModelClient, run: Requests, before: int, reply: ModelReply,
                         text: str) -> CompactionResult:
         items = continuation(ep.history, ep.initial_len, text)
-        after = await client.count_tokens(items_to_messages(items), ep.tools)
+        after = await ep.prompt_tokens(client, items)  # the continuation, sent without a prefix
         record = {"outcome": "completed", "tokens_before": before, "tokens_after": after, "model_calls": run.sent}
         out = reply_to_items(reply.message, reply.evidence)
         out[-1].update(trace_kind=SUMMARY_KIND, compaction=record)
