@@ -298,6 +298,12 @@ def logprob_gap(reported: list[float], recorded) -> float:
     return max((abs(a - max(b, -9999.0)) for a, b in zip(reported, recorded)), default=0.0)
 
 
+def _same(rec: dict, call: Call) -> bool:
+    """Whether a call-log record holds `call`'s tokens (its prompt and generated ids)."""
+    return (list(rec.get("prompt_token_ids") or ()) == call.prompt
+            and list(rec.get("generation_token_ids") or ()) == call.gen)
+
+
 class Ledger:
     """Every model call of every attempt, keyed by (step, group, rollout, attempt), owned by the
     controller and written to `run_dir/ledger/step_N.jsonl`.
@@ -393,11 +399,46 @@ class Ledger:
         return (record["step"], record["group"], record["rollout"], record["attempt"])
 
     @staticmethod
-    def _rejected_summaries(recs: list[dict], rollout: Rollout) -> set[int]:
-        """ids of an attempt's summary-call records that none of its committed summary calls is."""
-        kept = {(tuple(c.prompt), tuple(c.gen)) for c in rollout.calls if c.kind != "turns"}
-        return {id(rec) for rec in recs if is_summary_call(rec.get("call")) and
-                (tuple(rec.get("prompt_token_ids") or ()), tuple(rec.get("generation_token_ids") or ())) not in kept}
+    def _rejected_summaries(recs: list[dict], calls: list[Call]) -> set[int]:
+        """ids of an attempt's summary-call records that none of its committed summary calls (`calls`) is.
+
+        A compaction's requests share their prompt, and a peaked model may answer them alike, so a kept
+        summary is found by its request's call key (`s<k>a<n>`, the `call` of its compaction record,
+        agents/compaction/summarize.py), never by content alone: token-identical rejected requests stay
+        rejected. A summary call without that key (another agent's) takes one record alike in content,
+        the newest."""
+        kept = [c for c in calls if c.kind != "turns"]
+        keys = {(c.compaction or {}).get("call") for c in kept} - {None}
+        summaries = [rec for rec in recs if is_summary_call(rec.get("call"))]
+        taken = {id(rec) for rec in summaries if rec.get("call") in keys}
+        for c in kept:
+            if (c.compaction or {}).get("call") is None:
+                rec = next((rec for rec in reversed(summaries) if id(rec) not in taken and _same(rec, c)), None)
+                if rec is not None:
+                    taken.add(id(rec))
+        return {id(rec) for rec in summaries if id(rec) not in taken}
+
+    @staticmethod
+    def _trains(r: Rollout, recs: list[dict], rejected: set[int]) -> dict[int, bool]:
+        """id of each record that is one of the rollout's calls -> whether that call trains: its rollout
+        counts and the segment (trace) holding it is not masked. Calls take records alike in content in
+        order, one each. Empty when no segment is masked: every call then goes with its rollout."""
+        if all(t.mask_reason is None for t in r.traces):
+            return {}
+        trains = []
+        for t in r.traces:
+            trains += [r.sample_mask == 1 and t.mask_reason is None] * t.calls
+        free: dict[tuple, list[dict]] = {}
+        for rec in recs:
+            if rec.get("status") == 200 and id(rec) not in rejected:
+                content = (tuple(rec.get("prompt_token_ids") or ()), tuple(rec.get("generation_token_ids") or ()))
+                free.setdefault(content, []).append(rec)
+        out: dict[int, bool] = {}
+        for c, ok in zip(r.calls, trains):
+            found = free.get((tuple(c.prompt), tuple(c.gen)))
+            if found:
+                out[id(found.pop(0))] = ok
+        return out
 
     def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int,
                    oldest: int | None = None) -> Counter:
@@ -413,13 +454,15 @@ class Ledger:
         raises RuntimeError. A call may span versions (an in-flight weight update) within the window.
         A committed attempt's summary requests that no trained call is (rejected, or refused as too
         long: agents/compaction/summarize.py) are retired: never trained, never a mismatch, never a mask.
+        Every other record of a committed attempt is `masked` when its rollout is masked or the segment
+        holding its call is (`segment_validity=any` trains the rollout's other segments), else `trained`.
         """
         oldest = version if oldest is None else oldest
         by_attempt: dict[tuple, list[dict]] = {}
         for rec in server_calls:
             by_attempt.setdefault(self._attempt_key(rec), []).append(rec)
         committed = {(r.coords.step, r.coords.group, r.coords.rollout, r.coords.attempt): r for r in rollouts}
-        rejected = {key: self._rejected_summaries(by_attempt.get(key, []), r) for key, r in committed.items()}
+        rejected = {key: self._rejected_summaries(by_attempt.get(key, []), r.calls) for key, r in committed.items()}
         counts: Counter = Counter()
         for key, r in committed.items():
             seen = [(c.get("prompt_token_ids"), c.get("generation_token_ids")) for c in by_attempt.get(key, [])
@@ -438,9 +481,10 @@ class Ledger:
         lines = []
         for key, recs in sorted(by_attempt.items()):
             rollout = committed.get(key)
+            trains = {} if rollout is None else self._trains(rollout, recs, rejected[key])
             for rec in recs:
                 status = "retired" if rollout is None or id(rec) in rejected[key] else (
-                    "masked" if rollout.sample_mask == 0 else "trained")
+                    "trained" if trains.get(id(rec), rollout.sample_mask == 1) else "masked")
                 versions = {rec.get("version_start"), rec.get("version_end")} - {None}
                 if status in ("trained", "masked") and versions and not (
                         oldest <= min(versions) and max(versions) <= version):

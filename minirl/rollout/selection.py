@@ -41,10 +41,11 @@ def returned_history(records: list[dict], result: dict) -> tuple[list[dict], str
 
 def select_all_captured(records: list[dict], result: dict) -> tuple[list[dict], str | None]:
     """Every usable record, except the summary requests none of the returned calls is (rejected
-    attempts: dead leaves the harness discarded, never scored); the terminal response is the last
-    returned call's."""
-    kept = [rec for rec in records if usable(rec) and not (is_summary_call(rec.get("call"))
-                                                           and not any(_same_call(rec, c) for c in result["returned"]))]
+    attempts: dead leaves the harness discarded, never scored; a returned summary is its request's
+    record, found by call key, `Ledger._rejected_summaries`, so its token-identical rejected siblings
+    stay out); the terminal response is the last returned call's."""
+    rejected = Ledger._rejected_summaries(records, result["returned"])
+    kept = [rec for rec in records if usable(rec) and id(rec) not in rejected]
     last = result["returned"][-1] if result["returned"] else None
     terminal = next((rec["key"] for rec in reversed(kept) if last is not None and _same_call(rec, last)), None)
     return kept, terminal
@@ -100,7 +101,7 @@ def _check_selection(name: str, r: Rollout, records: list[dict], selected: list[
     """Upstream's "shared capture validation remains authoritative": a selected record must be a
     usable one of the attempt's, and not a summary request the harness rejected (the ledger retires
     those: they are never trained)."""
-    rejected = Ledger._rejected_summaries(records, r)
+    rejected = Ledger._rejected_summaries(records, r.calls)
     ok = {id(rec) for rec in records if usable(rec) and id(rec) not in rejected}
     stray = [rec.get("key") for rec in selected if id(rec) not in ok]
     if stray:

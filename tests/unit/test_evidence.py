@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from minirl.config import MinirlConfig, step_floor
 from minirl.controller import assemble, check_step
 from minirl.rollout.evidence import Ledger, parse_rollout, split_traces
-from minirl.types import Call, GroupOutcome
+from minirl.types import Call, GroupOutcome, Rollout
 from minirl.wire import Coords, RolloutDataFailure
 
 C = Coords(0, 0, 0, 0)
@@ -212,6 +212,32 @@ def test_a_short_record_masks_the_segment_under_any_and_the_rollout_under_all(va
     cfg.grpo.segment_validity = validity
     batch, _ = assemble(cfg, [GroupOutcome(0, "committed", {0: ra, 1: rb})], pad_id=0)
     assert list(batch.sample_mask) == ([0, 0, 1] if validity == "all" else [0, 1, 1])
+
+
+@pytest.mark.parametrize("key", ["s0a1", None])
+def test_token_identical_summary_requests_train_only_the_kept_one(key):
+    """A compaction's three requests share their prompt, and a peaked model answers them alike. The
+    summary the agent kept is its request's record, found by the call key of its compaction record
+    (here request 1, not the newest, so the key is what decides): the ledger retires the other two and
+    `all_captured` leaves them out. A summary call without that key (another agent's) takes one record
+    alike in content, the newest. Hand-built: tests/integration/test_summary_request_keys.py drives the
+    real agent into identical rejected replies, but it keeps the newest of them."""
+    from minirl.rollout.selection import select_calls
+
+    turn = Call([1, 2], [3, 4], [-0.1, -0.1])
+    record_of = {"outcome": "failed", "model_calls": 3, **({"call": key} if key else {})}
+    summary = Call([1, 2, 3, 4, 5, 6], [9], [-0.1], kind="compaction_summary", compaction=record_of)
+    calls = [{**record(C, 0, turn.prompt, turn.gen), "generation_log_probs": turn.logprobs, "t_start": 0.0}]
+    calls += [{**record(C, f"s0a{n}", summary.prompt, summary.gen), "key": f"{C.key}.s0a{n}",
+               "generation_log_probs": summary.logprobs, "t_start": 1.0 + n} for n in range(3)]
+    r = Rollout(C, 0.0, [turn, summary], split_traces([turn, summary]), False, {})
+    counts = Ledger(None).close_step(0, calls, [r], version=0)
+    assert counts["calls_trained"] == 2 and counts["calls_retired"] == 2 and counts["calls_unrecorded"] == 0
+    kept = key or "s0a2"
+    rejected = Ledger._rejected_summaries(calls, r.calls)
+    assert [c["call"] for c in calls if id(c) not in rejected] == [0, kept]
+    assert select_calls("all_captured", [r], calls, max_len=100) == 0  # it trains what the agent returned
+    assert [t.kind for t in r.traces] == ["turns", "compaction_summary"]
 
 
 def test_an_external_agents_calls_are_matched_by_their_tokens():

@@ -6,7 +6,8 @@ continues from the system prompt, the task, the summary and the current observat
 Invariant: only an accepted summary reaches the output (under `on_summary_failure=end_episode_scored`,
 also a failed compaction's newest rejected reply, its record's outcome `failed`): its reply items, the
 token evidence on the last one marked `trace_kind: compaction_summary` with the compaction record
-(outcome, tokens_before, tokens_after, model_calls), so it becomes one trace of its own and is trained
+(outcome, tokens_before, tokens_after, model_calls, and `call`: its request's `s<k>a<n>`, by which the
+ledger knows it from a token-identical rejected request), so it becomes one trace of its own and is trained
 once; any other rejected or refused request is in no output item (the ledger retires the server's
 record of it); every request leaves one flat record in `evidence.summary`.
 """
@@ -120,6 +121,13 @@ class Requests:
     last: ModelReply | None = None
     """The newest rejected reply the policy wrote as it came (no tool call, no injected fault): the
     one `end_episode_scored` trains."""
+    last_call: str | None = None
+    """`last`'s request, as its call key ends (`s<k>a<n>`)."""
+
+    def call(self, n: int) -> str:
+        """Request n's call (`s<k>a<n>`): the kept summary's compaction record names it, so the ledger and
+        the call selection find that request's record, not a token-identical rejected one."""
+        return f"s{self.k}a{n}"
 
 
 class SummarizePolicy:
@@ -192,7 +200,7 @@ class SummarizePolicy:
                 return reply, summary_text(reply.message.get("content") or "")
             run.rejected.append(reason)
             if not (empty or tool_call or reply.message.get("tool_calls")):
-                run.last = reply
+                run.last, run.last_call = reply, run.call(run.sent - 1)
         return None
 
     async def _send(self, ep: Episode, client: ModelClient, run: Requests) -> ModelReply:
@@ -219,7 +227,7 @@ class SummarizePolicy:
         after = await ep.prompt_tokens(client, items)  # the continuation, sent without a prefix
         record = {"outcome": "completed", "tokens_before": before, "tokens_after": after, "model_calls": run.sent}
         out = reply_to_items(reply.message, reply.evidence)
-        out[-1].update(trace_kind=SUMMARY_KIND, compaction=record)
+        out[-1].update(trace_kind=SUMMARY_KIND, compaction={**record, "call": run.call(run.sent - 1)})
         ep.output += out
         needed, recalled = recall(ep.env, text)
         counters = {"summaries": 1, "summary_attempts_rejected": len(run.rejected),
@@ -243,7 +251,7 @@ class SummarizePolicy:
             if scored and run.last is not None:  # the failure trains, with its rollout's (or segment's) advantage
                 out = reply_to_items(run.last.message, run.last.evidence)
                 out[-1].update(trace_kind=SUMMARY_KIND, compaction={"outcome": "failed", "tokens_before": before,
-                                                                    "model_calls": run.sent})
+                                                                    "model_calls": run.sent, "call": run.last_call})
                 ep.output += out
             return CompactionResult(ep.history, outcome="failed", tokens_before=before, model_calls=run.sent,
                                     counters=counters, end_reason=SUMMARY_FAILED_SCORED if scored else "summary_failed")
