@@ -298,7 +298,7 @@ def logprob_gap(reported: list[float], recorded) -> float:
     return max((abs(a - max(b, -9999.0)) for a, b in zip(reported, recorded)), default=0.0)
 
 
-def _same(rec: dict, call: Call) -> bool:
+def same_call(rec: dict, call: Call) -> bool:
     """Whether a call-log record holds `call`'s tokens (its prompt and generated ids)."""
     return (list(rec.get("prompt_token_ids") or ()) == call.prompt
             and list(rec.get("generation_token_ids") or ()) == call.gen)
@@ -413,7 +413,7 @@ class Ledger:
         taken = {id(rec) for rec in summaries if rec.get("call") in keys}
         for c in kept:
             if (c.compaction or {}).get("call") is None:
-                rec = next((rec for rec in reversed(summaries) if id(rec) not in taken and _same(rec, c)), None)
+                rec = next((rec for rec in reversed(summaries) if id(rec) not in taken and same_call(rec, c)), None)
                 if rec is not None:
                     taken.add(id(rec))
         return {id(rec) for rec in summaries if id(rec) not in taken}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from minirl.config import SELECTION_BUILTINS, load_callable
-from minirl.rollout.evidence import SUMMARY_KIND, Ledger, split_traces
+from minirl.rollout.evidence import SUMMARY_KIND, Ledger, same_call, split_traces
 from minirl.types import Call, Rollout
 from minirl.wire import is_summary_call
 
@@ -28,14 +28,9 @@ def usable(rec: dict) -> bool:
     return rec.get("status") == 200 and bool(gen) and isinstance(lps, list) and len(lps) == len(gen)
 
 
-def _same_call(rec: dict, call: Call) -> bool:
-    return (list(rec.get("prompt_token_ids") or ()) == call.prompt
-            and list(rec.get("generation_token_ids") or ()) == call.gen)
-
-
 def returned_history(records: list[dict], result: dict) -> tuple[list[dict], str | None]:
     """Upstream's default: the records of the calls the agent returned, in the returned order."""
-    out = [rec for call in result["returned"] for rec in records if _same_call(rec, call)][: len(result["returned"])]
+    out = [rec for call in result["returned"] for rec in records if same_call(rec, call)][: len(result["returned"])]
     return out, out[-1]["key"] if out else None
 
 
@@ -47,7 +42,7 @@ def select_all_captured(records: list[dict], result: dict) -> tuple[list[dict], 
     rejected = Ledger._rejected_summaries(records, result["returned"])
     kept = [rec for rec in records if usable(rec) and id(rec) not in rejected]
     last = result["returned"][-1] if result["returned"] else None
-    terminal = next((rec["key"] for rec in reversed(kept) if last is not None and _same_call(rec, last)), None)
+    terminal = next((rec["key"] for rec in reversed(kept) if last is not None and same_call(rec, last)), None)
     return kept, terminal
 
 
@@ -115,7 +110,7 @@ def _check_selection(name: str, r: Rollout, records: list[dict], selected: list[
 def _as_call(rec: dict, returned: list[Call]) -> Call:
     """A record as a Call: a returned call keeps its kind and compaction record; another summary
     request is a summary call; the rest are turns."""
-    same = next((c for c in returned if _same_call(rec, c)), None)
+    same = next((c for c in returned if same_call(rec, c)), None)
     if same is not None:
         return same
     kind = SUMMARY_KIND if is_summary_call(rec.get("call")) else "turns"
