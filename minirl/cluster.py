@@ -414,15 +414,20 @@ def engine_env(cfg: MinirlConfig) -> dict[str, str]:
 
 
 def start_generation_workers(cfg: MinirlConfig, host: str, store=None, placement=None, name: str | None = None) -> list:
-    """Generation worker actors (restarted on death, at the same port). With `name`, they are
-    detached and named `<name>-<rank>`, to outlive the driver for `attach_generation_workers`."""
+    """Generation worker actors (restarted on death, at the same port, at most
+    `cluster.generation_worker_max_restarts` times). Each is named, so that Ray's ActorDiedError names it
+    once it stays dead: `generation-worker-<rank>` and this driver's job id (unique in the cluster). With
+    `name`, they are detached and named `<name>-<rank>`, to outlive the driver for `attach_generation_workers`."""
     cl = cfg.cluster
+    job = ray.get_runtime_context().get_job_id()
     workers = []
     for i in range(cl.num_generation_workers):
         # a call while the actor restarts waits for it (with fleet health the run goes on meanwhile, and the
-        # controller drains its call log and publishes weights to every worker)
+        # controller drains its call log and publishes weights to every worker); once Ray stops restarting it,
+        # the call fails
         options = {"num_cpus": cl.cpus_per_generation_worker, "num_gpus": cl.gpus_per_generation_worker,
-                   "max_restarts": -1, "max_task_retries": -1, "runtime_env": {"env_vars": engine_env(cfg)}}
+                   "max_restarts": cl.generation_worker_max_restarts, "max_task_retries": -1,
+                   "runtime_env": {"env_vars": engine_env(cfg)}, "name": f"generation-worker-{i}-job-{job}"}
         if placement is not None:
             options.update(placement(i))
         if name is not None:

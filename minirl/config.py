@@ -808,6 +808,13 @@ class ClusterConfig:
     """GPUs per policy worker (0: CPU)."""
     cpus_per_generation_worker: float = bounded(1.0, ge=0)
     """CPUs Ray reserves per generation worker."""
+    generation_worker_max_restarts: int = bounded(10, ge=-1)
+    """How many times Ray restarts a generation worker whose process died (its engine died, `worker_kill`,
+    an OOM kill), as Ray's `max_restarts` counts them: over the worker's life, not in a row; -1 without
+    limit, as before, when a worker that died at every start was restarted forever and every call on it
+    waited for good. Past it the worker stays dead, and the next call on it fails with Ray's
+    ActorDiedError naming the worker (`generation-worker-<rank>-job-<id>`, an attached one `<name>-<rank>`)
+    and why its process died."""
     cpus_per_policy_worker: float = bounded(1.0, ge=0)
     """CPUs Ray reserves per policy worker."""
     host: str = "127.0.0.1"

@@ -9,6 +9,8 @@ at its completion. Every accepted request leaves `pending` exactly once: finishe
 failed with the engine. A weight update lands whole or leaves the engine as it was (`update_weights`).
 Whatever fails on the engine thread, in a step or around one, kills the engine loudly (`_die`): it is
 marked dead and every request in it, waiting for it or sent after fails; the thread never ends alone.
+A weight reload is watched as a step is: one running past STUCK_STEP_S fails `check_health`, and past
+`step_timeout_s` it kills the engine.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def configure_cpu_env(kv_cache_gb: int, omp_threads: int, env=os.environ) -> Non
 STEP_LOG = 4096
 """Steps kept in `VllmEngine.step_log`."""
 STUCK_STEP_S = 5.0
-"""A step running longer than this fails `check_health` (so fleet health quarantines the worker);
-`step_timeout_s`, much longer, then ends the engine."""
+"""A step, or a weight update's reload, running longer than this fails `check_health` (so fleet health
+quarantines the worker); `step_timeout_s`, much longer, then ends the engine."""
 GAP_SAMPLES, GAP_MIN_SAMPLES = 256, 32
 """The learned gap reads the latest `GAP_SAMPLES` gaps between a gather's requests; with fewer than
 `GAP_MIN_SAMPLES` it is `gather_gap_s`."""
@@ -207,6 +209,7 @@ class VllmEngine:
         self._unwedged.set()
         self._crash: str | None = None  # set by the `engine_crash` / `engine_loop_crash` fault: "step" or "loop"
         self._step_t0: float | None = None  # when the step in progress began
+        self._reload_t0: float | None = None  # when the weight reload in progress began (`update_weights`)
         self.sampler_compiled = threading.Event()  # set by the engine thread before its first step
         self._built = threading.Event()  # set by the engine thread once vLLM's engine is built, or failed to
         self._build_error: BaseException | None = None
@@ -288,14 +291,17 @@ class VllmEngine:
             return fut
 
         def apply(llm):
-            t0 = time.monotonic()
+            self._reload_t0 = t0 = time.monotonic()  # watched as a step is (`_running`)
             try:
+                self._unwedged.wait()  # the `engine_hang` fault: a reload wedged in its collective
                 llm.collective_rpc(_reload_weights, args=(named,))
             except BaseException as exc:  # vLLM's layers may sit on the meta device now: serve nothing from them
                 failed = RuntimeError(f"the update to weights version {version} failed inside vLLM's reload ({exc!r}); "
                                       "its weights are partly loaded, so the engine serves no more")
                 self._fail(failed)
                 raise failed from exc
+            finally:
+                self._reload_t0 = None
             llm.reset_prefix_cache()
             self.version = version
             self.weights_s += time.monotonic() - t0
@@ -323,22 +329,31 @@ class VllmEngine:
         return self.run(lambda llm: all(llm.collective_rpc(_all_finite)))
 
     def check_health(self) -> Future:
-        """A done Future: None when the engine is healthy, else why not: it is dead, or the step in
-        progress has run for more than STUCK_STEP_S (wedged in a kernel or a collective). Answered
-        from the caller's thread, so a busy engine thread does not delay it."""
+        """A done Future: None when the engine is healthy, else why not: it is dead, or the step or
+        weight reload in progress has run for more than STUCK_STEP_S (wedged in a kernel or a
+        collective). Answered from the caller's thread, so a busy engine thread does not delay it."""
         fut: Future = Future()
-        started, now = self._step_t0, time.monotonic()
+        running, now = self._running(), time.monotonic()
         if self.dead is not None:
             fut.set_result(f"vLLM engine is dead: {self.dead!r}")
-        elif started is not None and now - started > STUCK_STEP_S:
-            fut.set_result(f"an engine step has been running for {now - started:.0f} s (wedged?)")
+        elif running is not None and now - running[1] > STUCK_STEP_S:
+            fut.set_result(f"{running[0]} has been running for {now - running[1]:.0f} s (wedged?)")
         else:
             fut.set_result(None)
         return fut
 
+    def _running(self) -> tuple[str, float] | None:
+        """What the engine thread is inside and since when (time.monotonic()): a step, or a weight
+        update's reload in vLLM (`update_weights`), which holds up every step as long; None: neither."""
+        if (t0 := self._step_t0) is not None:
+            return "an engine step", t0
+        if (t0 := self._reload_t0) is not None:
+            return "a weight reload", t0
+        return None
+
     def hang(self) -> None:
-        """The `engine_hang` fault: the next step does not return until `unhang` (or the step
-        timeout ends the engine). Requests are still accepted; none finishes meanwhile."""
+        """The `engine_hang` fault: the next step, or weight reload, does not return until `unhang` (or
+        the step timeout ends the engine). Requests are still accepted; none finishes meanwhile."""
         self._unwedged.clear()
 
     def unhang(self) -> None:
@@ -434,9 +449,9 @@ class VllmEngine:
     def _watch(self, timeout_s: float) -> None:
         while self.dead is None:
             time.sleep(min(1.0, timeout_s / 4))
-            started = self._step_t0
-            if started is not None and time.monotonic() - started > timeout_s:
-                self._die(TimeoutError(f"an engine step has not returned within step_timeout_s={timeout_s:g}"))
+            running = self._running()
+            if running is not None and time.monotonic() - running[1] > timeout_s:
+                self._die(TimeoutError(f"{running[0]} has not returned within step_timeout_s={timeout_s:g}"))
 
     def _accept(self, kind, payload, fut: Future) -> None:
         # draining for an update: new requests wait for it, and so does a second drain (in `_held` it would

@@ -34,6 +34,7 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import _forma
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+from vllm.exceptions import GenerationError
 from vllm.utils import random_uuid
 
 from minirl.runtime import jsonio
@@ -245,7 +246,8 @@ class ModelServer:
     1e-5 is greedy, and a prompt longer than the context gets vLLM's 400 "maximum context length".
     vLLM's errors: a client error is a 400 with vLLM's body `{"error": {"message", "type", "param",
     "code"}}` naming the field (`HTTPError.of`); an unknown `model` is vLLM's 404 naming the served
-    path whole (`served_as` lists the names answered to); only a failure of the server is a 5xx.
+    path whole (`served_as` lists the names answered to); only a failure of the server is a 5xx, a
+    request the engine finished with `finish_reason` "error" among them (vLLM's 500, `_generate`).
 
     minirl's extensions: `required_prefix_token_ids` keeps earlier turns' exact tokens
     (`splice_prefix`), in a chat call and in /tokenize's chat form, which counts the prompt that call
@@ -255,11 +257,12 @@ class ModelServer:
     `engine_loop_crash`, and `call_log_lost`, which answers the call but keeps its record out of the log);
     a header that does not parse is a 400. A headerless call samples with `call_seed`; minirl's
     agents' `seed + call` (with the header, or `X-Minirl-Seed: per-call`) is used as sent.
-    `/health` is 503 when the engine is dead, when a step has run past `engine.STUCK_STEP_S`, or when
-    the engine's process does not answer within `HEALTH_TIMEOUT_S`. Work proportional to a body's size
-    (parsing, rendering, tokenizing) runs in a worker thread for a body over `INLINE_BYTES`, and a
-    prompt whose printed fields (`rendered_chars`) cannot fit `max_model_len` is refused before it is
-    rendered. A client that disconnects has its request aborted in the engine (minirl.runtime.http_thread)."""
+    `/health` is 503 when the engine is dead, when a step or a weight reload has run past
+    `engine.STUCK_STEP_S`, or when the engine's process does not answer within `HEALTH_TIMEOUT_S`.
+    Work proportional to a body's size (parsing, rendering, tokenizing) runs in a worker thread for a
+    body over `INLINE_BYTES`, and a prompt whose printed fields (`rendered_chars`) cannot fit
+    `max_model_len` is refused before it is rendered. A client that disconnects has its request aborted
+    in the engine (minirl.runtime.http_thread)."""
 
     reasoning_parser: str | None = "think"  # policy.generation.reasoning_parser; None: no reasoning split
 
@@ -557,7 +560,10 @@ class ModelServer:
         return params
 
     async def _generate(self, prompt: list[int], params, record: dict):
-        """Submit to the engine (aborted if the client leaves); the call's token evidence goes into `record`."""
+        """Submit to the engine (aborted if the client leaves); the call's token evidence goes into `record`.
+        A request the engine finished with `finish_reason` "error" (vLLM's FinishReason.ERROR: a grammar that
+        rejected the sampled token, a KV load that failed) is vLLM's 500 "Internal server error", its
+        evidence recorded."""
         rid = uuid.uuid4().hex
         try:
             result = await asyncio.wrap_future(self.engine.generate(prompt, params, rid))
@@ -575,6 +581,8 @@ class ModelServer:
             version_start=result.version_start,
             version_end=result.version_end,
         )
+        if result.finish_reason == "error":  # vLLM's `_raise_if_error`: the engine failed it (FinishReason.ERROR)
+            raise HTTPError(create_error_response(GenerationError()))
         return result
 
     def _response(self, body: dict, req: ChatCompletionRequest, prompt: list[int], result) -> tuple[dict, bool]:

@@ -43,9 +43,10 @@ def make_engine(cfg: MinirlConfig, rank: int, on_dead=None):
 
 
 class GenerationWorker:
-    """A worker whose engine dies (a step fails, or does not return within `vllm_cfg.step_timeout_s`)
-    ends its process, as `vllm serve` exits when its engine dies, so Ray restarts it whole rather than
-    keeping a worker that fails or hangs every call. A weight update refused before vLLM's reload
+    """A worker whose engine dies (a step fails, or a step or a weight reload does not return within
+    `vllm_cfg.step_timeout_s`) ends its process, as `vllm serve` exits when its engine dies, so Ray restarts
+    it whole (at most `cluster.generation_worker_max_restarts` times) rather than keeping a worker that
+    fails or hangs every call. A weight update refused before vLLM's reload
     (weights of another model) leaves the engine serving its last good weights; one that fails inside
     the reload marks the engine dead (`/health` 503, so fleet health routes around it) without ending
     the process, since Ray would re-run the same update on the restarted worker; the next run's

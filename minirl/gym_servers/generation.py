@@ -6,7 +6,10 @@ starts a Ray cluster owned by this process, `cluster.num_generation_workers` det
 workers (`--name`-<rank>) and the generation router in front of them; prints Gym's `policy_base_url`
 and `policy_model_name`, the overrides that attach `minirl.train` (give it the same config), and last
 one line `generation-ready {json}`; then waits. Invariant: nothing is printed as ready before the
-router answers; Ctrl-C or SIGTERM stops the Ray cluster this process started, and nothing else.
+router answers; Ctrl-C or SIGTERM stops the Ray cluster this process started, and nothing else, at
+once: during start-up (vLLM's, minutes) with exit 1 and nothing announced ready (a SIGTERM once
+`ray.init` has put Ray's own handler in, until start-up ends, exits non-zero as Ray's does), and
+once ready with exit 0.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import argparse
 import json
 import signal
 import sys
-import threading
 
 
 def start(cfg, name: str) -> dict:
@@ -35,6 +37,14 @@ def start(cfg, name: str) -> dict:
             "router": router, "workers": workers, "attach": attach}
 
 
+def _stop(signum, frame) -> None:
+    """Ctrl-C or SIGTERM, wherever the main thread is (a start-up's `ray.get` too): ends the command as
+    Ctrl-C does; later ones are ignored, so that Ray's shutdown finishes."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minirl.gym_servers.generation", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,19 +60,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, _stop)
     import ray
 
+    ready = None
+    print("minirl: starting the generation workers and the router (vLLM's start-up takes minutes; Ctrl-C "
+          "stops it)", flush=True)
     try:
         ready = start(cfg, args.name)
+        signal.signal(signal.SIGTERM, _stop)  # ray.init replaced it with its own
         print(f"policy_base_url={ready['policy_base_url']}\npolicy_model_name={ready['policy_model_name']}\n"
               f"attach: {' '.join(ready['attach'])}\n"
               f"(router {ready['router']}, workers {ready['workers']}; Ctrl-C stops them)")
         print("generation-ready " + json.dumps(ready), flush=True)
-        while not stop.wait(1.0):
-            pass
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        if ready is None:
+            print("KeyboardInterrupt: stopped during start-up, before anything was ready", file=sys.stderr, flush=True)
+            return 1
     finally:
         ray.shutdown()  # the cluster start_shared_generation started: its detached actors go with it
     return 0

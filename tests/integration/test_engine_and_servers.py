@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import numpy as np
@@ -212,6 +213,51 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
         assert (b.version_start, b.version_end) == (v0 + 2, v0 + 2), "the later request waited for the update"
     finally:
         engine.update_weights(weights, version=v0).result(timeout=120)
+
+
+def test_a_hung_weight_reload_fails_health_as_a_stuck_step_does(stack, base_cfg):
+    """A weight update's reload that does not return (wedged in vLLM's collective) holds up every step,
+    as a wedged step does. Before, `check_health` read only the step in progress: `/health` stayed 200,
+    the fleet never quarantined the worker, and the watchdog (`step_timeout_s`) never ended it, so the
+    update's publish waited for good. The seeded `engine_hang` fires at a call that `context_overflow`
+    then refuses, so no step runs: the engine's next wedgeable work is the reload."""
+    from safetensors.numpy import load_file
+
+    from minirl.config import load_config
+    from minirl.generation.engine import STUCK_STEP_S
+    from minirl.wire import ROLLOUT_HEADER
+
+    weights = list(load_file(f"{base_cfg.policy.model_name}/model.safetensors").items())
+    cfg = load_config(None, ["faults.inject=[{kind: engine_hang, step: 0, group: 0, rollout: 0, attempt: 0},"
+                             " {kind: context_overflow, step: 0, group: 0, rollout: 0, attempt: 0}]"])
+
+    async def health(http, url):
+        async with http.get(url + "/health") as r:
+            return r.status, await r.json()
+
+    async def go():
+        async with stack(cfg) as s, aiohttp.ClientSession() as http:
+            engine, v0 = s.engine, s.engine.version
+            try:
+                body = {"messages": messages(), "max_completion_tokens": 2}
+                async with http.post(s.model_url + "/v1/chat/completions", json=body,
+                                     headers={ROLLOUT_HEADER: "s0.g0.r0.a0.c0"}) as r:
+                    refused = r.status
+                update = engine.update_weights(weights, version=v0)
+                t0 = time.monotonic()
+                while (sick := await health(http, s.model_url))[0] == 200 and time.monotonic() - t0 < STUCK_STEP_S + 10:
+                    await asyncio.sleep(0.25)
+                noticed_s, pending = time.monotonic() - t0, not update.done()
+            finally:
+                engine.unhang()  # as a new run's reset does: the session's engine serves on
+            await asyncio.wait_for(asyncio.wrap_future(update), 60)
+            return refused, sick, noticed_s, pending, await health(http, s.model_url), v0
+
+    refused, sick, noticed_s, pending, healthy, v0 = asyncio.run(go())
+    assert refused == 400 and pending
+    assert sick[0] == 503 and sick[1]["error"].startswith("a weight reload has been running for"), sick
+    assert STUCK_STEP_S <= noticed_s < STUCK_STEP_S + 5, noticed_s
+    assert healthy == (200, {"status": "ok", "version": v0})
 
 
 SAMPLER_COMPILE_CHILD = """

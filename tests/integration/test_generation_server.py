@@ -92,3 +92,39 @@ def test_continue_final_message_and_no_generation_prompt_render_as_vllm_does(sta
     status, body = out["both"]
     assert status == 400 and body["error"]["message"] == (
         "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+
+
+def test_a_request_the_engine_finishes_with_error_is_vllms_500(stack, tokenizer):
+    """A request whose grammar (`structured_outputs`) allows none of its `allowed_token_ids`: vLLM's
+    sampler draws from no allowed token, the grammar rejects what it drew, and the engine's scheduler
+    ends the request with FinishReason.ERROR, the engine itself unharmed. `vllm serve` answers that 500
+    (`_raise_if_error`: GenerationError, "Internal server error"). Before, minirl's server answered 200
+    with `finish_reason: "error"` and a NaN logprob, and the agent took it as a reply. Now its body is
+    vLLM's, the call is recorded failed with the engine's evidence, and the agent's model client reads
+    it as a failed call of the fleet's (INFRA), as an injected `model_error`'s 500."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import GenerationError
+
+    from minirl.agents.model_client import HttpModelClient
+    from minirl.wire import INFRA, classify
+
+    (b,) = tokenizer.encode("b")
+    bad = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 4, "seed": 1,
+           "structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [b]}
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            failed = await post(http, s.model_url + CHAT, bad, headers={ROLLOUT_HEADER: "s0.g0.r0.a0.c0"})
+            grammar_only = {k: v for k, v in bad.items() if k != "allowed_token_ids"}
+            fine = await post(http, s.model_url + CHAT, grammar_only, headers={ROLLOUT_HEADER: "s0.g0.r0.a0.c1"})
+            return failed, fine, s.model.take_calls(0)
+
+    (status, body), (fine_status, fine), records = asyncio.run(go())
+    assert status == 500 and body == create_error_response(GenerationError()).model_dump(), body
+    assert body["error"] == {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                             "code": 500}
+    assert fine_status == 200 and fine["choices"][0]["message"]["content"] == "a"  # the engine serves on
+    failed = next(r for r in records if r["call"] == 0)
+    assert failed["status"] == 500 and failed["error"] == "Internal server error", failed
+    assert failed["finish_reason"] == "error" and len(failed["generation_token_ids"]) == 1, failed
+    assert classify(HttpModelClient._error(status, body, "model call")) == INFRA

@@ -95,7 +95,9 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
              runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
     try:
-        (worker,) = start_generation_workers(load_config(None, WATCHDOG), "127.0.0.1")
+        # two restarts allowed: the engine_hang's and the worker_kill's below; the engine_crash's death is its last
+        bounded = load_config(None, [*WATCHDOG, "cluster.generation_worker_max_restarts=2"])
+        (worker,) = start_generation_workers(bounded, "127.0.0.1")
         url = ray.get(worker.start.remote(), timeout=300)
         engine_pid, front_pid = ray.get(worker.pid.remote()), ray.get(worker.frontend_pid.remote())
         assert engine_pid != front_pid and alive(front_pid)
@@ -193,7 +195,16 @@ def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
         ray.get(worker.reset.remote(cfg))
         assert chat(url, "s10.g0.r0.a0.c0", timeout=60)[0] in (0, 500)
         assert wait_gone(new_engine, new_front), "the worker outlived its dead engine, or the front end its worker"
-        ray.kill(worker, no_restart=True)
+
+        # past cluster.generation_worker_max_restarts the worker stays dead: a call on it fails at once with Ray's
+        # ActorDiedError naming the worker and why its process died (with -1, as before, a worker that died at
+        # every start was restarted for good and every call on it waited)
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.ActorDiedError) as died:
+            ray.get(worker.start.remote(), timeout=120)
+        assert time.monotonic() - t0 < 30, "the call waited for a restart past the bound"
+        assert f"name: generation-worker-0-job-{ray.get_runtime_context().get_job_id()}" in str(died.value), died.value
+        assert "The actor is dead because its worker process has died" in str(died.value), died.value
     finally:
         ray.shutdown()
 
