@@ -1,7 +1,8 @@
 """Run outputs: the event log, per-step metrics (JSONL + TensorBoard) and the progress line.
 
 Invariant: `metrics.jsonl` gets exactly one line per completed optimizer step, written after the
-step's update and weight sync (a non-finite value is written as null); `events.jsonl` gets one
+step's update and weight sync (a non-finite value is written as null), and TensorBoard the same
+scalars, a resumed run first purging those of the steps it runs again; `events.jsonl` gets one
 line per drop, retry, mask, compaction, guard decision, fault and failure, each flushed as it
 happens, so a crash loses nothing logged; the progress line never fails on a missing value.
 """
@@ -54,14 +55,17 @@ class EventLog:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool, progress: bool, total_steps: int):
+    def __init__(self, run_dir: Path, tensorboard: bool, progress: bool, total_steps: int, start: int = 0):
+        """`start`: the first step this process runs (a resume's); TensorBoard drops the scalars an earlier
+        process wrote for it and the steps after (metrics.jsonl is cut there by the caller), as it does for a
+        restarted TensorFlow job."""
         self.f = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.progress, self.total = progress, total_steps
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start)
 
     def log(self, metrics: dict) -> None:
         missing = [k for k in REQUIRED_FIELDS if k not in metrics]

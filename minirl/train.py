@@ -31,7 +31,7 @@ def train(cfg: MinirlConfig, cluster, run_dir: Path) -> None:
 
     start = cluster.resume()
     _truncate_metrics(run_dir, start)
-    log = MetricsLogger(run_dir, cfg.logger.tensorboard, cfg.logger.progress, cfg.grpo.max_num_steps)
+    log = MetricsLogger(run_dir, cfg.logger.tensorboard, cfg.logger.progress, cfg.grpo.max_num_steps, start)
     ckpt = cfg.checkpoint
     val = Validator(cfg, cluster.controller, run_dir, start)  # validates version `start` first with val_at_start
     for step in range(start, cfg.grpo.max_num_steps):

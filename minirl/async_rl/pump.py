@@ -5,9 +5,10 @@ covers its admission rules, `on_dropped_prompt: replace`, pacing and resume.
 
 Invariant: every place (a dispatched group's slot in its step) is dispatched once and resolves once
 into the buffer, with the prompt that last held it (or the run ends; after a resume, once more only
-if it was in flight at the checkpoint); a prompt it gave up on rides on its record (`lost`), never in
-the buffer; a run-ending failure (drop budget, DATA re-raise, stall) stops the pump and is raised to
-the train pump by `check`, never swallowed.
+if it was in flight at the checkpoint); a prompt it gave up on rides on the place (`lost`, in its job
+and so in a checkpoint's) and then on its record, never in the buffer; a run-ending failure (drop
+budget, DATA re-raise, stall) stops the pump and is raised to the train pump by `check`, never
+swallowed.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class RolloutPump:
         self.permitted = asyncio.Event()  # cleared while the weights sync: nothing is dispatched
         self.permitted.set()
         self.inflight: Counter = Counter()  # start_weight of each place's current attempt -> places
-        self.tasks: dict[asyncio.Task, list] = {}  # in flight -> [step, group, target_step, replacement, attempts used]
+        # in flight -> its job: [step, group, target_step, replacement, attempts used, lost outcomes]
+        self.tasks: dict[asyncio.Task, list] = {}
         self.error: BaseException | None = None
         self.wake = asyncio.Event()
         self.main: asyncio.Task | None = None
@@ -69,8 +71,11 @@ class RolloutPump:
         consistent cut of the cursor, the groups in flight and the buffer. A group's task commits
         its record and ends in one loop step, but `_done` drops it from `tasks` a loop iteration
         later, so a task that is done is not in flight: its record is in the buffer already (or
-        it failed, and the run ends)."""
-        in_flight = sorted(tuple(job) for task, job in self.tasks.items() if not task.done())
+        it failed, and the run ends). A place in flight is its job, the outcomes of the prompts it
+        gave up on (`lost`) included, so the step that trains it after a resume counts them."""
+        # each job with a copy of its `lost`, which the place goes on appending to
+        in_flight = sorted(((*job[:5], list(job[5])) for task, job in self.tasks.items() if not task.done()),
+                           key=lambda job: job[:2])
         return {"next": self.next, "in_flight": in_flight, "ready": list(self.buffer.ready),
                 "pool": list(self.pool), "spare_batches": self.spare_batches,
                 "pacer": None if self.pacer is None else self.pacer.state()}
@@ -79,7 +84,7 @@ class RolloutPump:
         stamps = self.sampler.stamps_target_steps
         past = [r for r in snap["ready"] if stamps and r.target_step < first_step]
         self.buffer.ready = [r for r in snap["ready"] if r not in past]
-        jobs = [list(job) if len(job) == 5 else [job[0], job[1], job[0], job[2], 0] for job in snap["in_flight"]]
+        jobs = [_job(job) for job in snap["in_flight"]]
         self.relaunch = [job for job in jobs if not (stamps and job[2] < first_step)]
         self.next, self.pool = tuple(snap["next"]), [tuple(p) for p in snap.get("pool", [])]
         self.spare_batches = snap.get("spare_batches", 0)
@@ -179,7 +184,7 @@ class RolloutPump:
                     await asyncio.wait_for(self.wake.wait(), None if self.pacer is None else 0.2)
             await self.buffer.reserve()
             await self.permitted.wait()  # a sync may have begun while the place was reserved
-            self._launch([step + self._diverted(), group, step, False, 0])
+            self._launch([step + self._diverted(), group, step, False, 0, []])
             self.stamped |= stamps
             self.next = (step + (group + 1) // n, (group + 1) % n)
 
@@ -238,7 +243,7 @@ class RolloutPump:
         self._dispatched(job)
 
     def _dispatched(self, job: list) -> None:
-        step, group, target, replacement, _ = job
+        step, group, target, replacement = job[:4]
         self.manager.emit({"type": "dispatch", "step": step, "group": group, "target_step": target,
                            "start_weight": self.version, "replacement": replacement})
 
@@ -248,8 +253,9 @@ class RolloutPump:
 
     async def _place(self, job: list) -> None:
         """One place of a step: its prompt's group, and under `replace` the spares that stand in for
-        it, until a record commits (or the run ends)."""
-        lost, start, dispatched = [], [], time.monotonic()
+        it, until a record commits (or the run ends). The outcomes of the prompts it gave up on
+        ride on the job (`lost`), where a checkpoint finds them."""
+        lost, start, dispatched = job[5], [], time.monotonic()
 
         def attempt(kept: int | None) -> int:
             """A group attempt starts under the version served now; the place's stamp is the oldest
@@ -282,7 +288,7 @@ class RolloutPump:
         finally:
             if start:
                 self.inflight[start[0]] -= 1
-        step, group, target, replacement, _ = job
+        step, group, target, replacement = job[:4]
         if self.pacer is not None and outcome.status == "committed":
             self.pacer.observed(prompt_class(prompt_row(self.cfg, step, group)), time.monotonic() - dispatched)
         record = GroupRecord(step, group, start[0], outcome, target_step=target, replacement=replacement, lost=lost)
@@ -296,7 +302,7 @@ class RolloutPump:
         rf = self.cfg.async_rl.rollout_failure
         if rf.on_dropped_prompt != "replace" or not self.sampler.stamps_target_steps:
             return False
-        step, group, target, _, used = job
+        step, group, target, _, used = job[:5]
         event = {"type": "replace", "step": step, "group": group, "status": outcome.status, "target_step": target,
                  "attempt": used + 1, "max_replacement_attempts": rf.max_replacement_attempts}
         if used >= rf.max_replacement_attempts or not self.pool:
@@ -313,7 +319,15 @@ class RolloutPump:
             target, lender.target_step, lender.promoted = lender.target_step, target, True
         else:
             event["decision"] = "fresh_prompt"
-        job[:] = [spare[0], spare[1], target, True, used + 1]
+        job[:5] = [spare[0], spare[1], target, True, used + 1]
         self.manager.emit({**event, "fresh_step": spare[0], "fresh_group": spare[1], "fills_step": target,
                            "pool": len(self.pool)})
         return True
+
+
+def _job(saved) -> list:
+    """A checkpoint's place in flight as a job: [step, group, target_step, replacement, attempts used,
+    lost outcomes]; an older checkpoint holds the first five, or (step, group, replacement)."""
+    if len(saved) == 3:
+        saved = (saved[0], saved[1], saved[0], saved[2], 0)
+    return [*saved[:5], list(saved[5]) if len(saved) > 5 else []]

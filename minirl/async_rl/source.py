@@ -5,7 +5,8 @@ optimizer step's prompt groups from the buffer that the rollout pump (pump.py) f
 Invariant: every buffered group is taken by exactly one step or evicted once; every call record
 drained from the servers reaches exactly one step's ledger (with its group, or as an orphan), or
 the run's end (`close`: a step that failed after its take, or groups no step took); the checkpoint's
-buffer carries the call records of exactly the groups it holds.
+buffer carries the call records of exactly the groups it holds and the prompts its places in flight
+gave up on (`replace`: the step that trains such a place ledgers them).
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ class BufferSource:
         self.moving: set[asyncio.Future] = set()  # call-record moves under way (`resolved`)
 
     def snapshot(self) -> bytes | None:
-        """The buffer with the call records of its groups, pickled (taken between two awaits)."""
+        """The buffer with the call records of its groups and of the prompts its places in flight gave
+        up on, pickled (taken between two awaits)."""
         if self.pump is None:
             return None
         pump = self.pump.snapshot()
-        calls = {k: self.calls[k] for k in (k for r in pump["ready"] for k in _keys(r)) if k in self.calls}
+        held = [k for r in pump["ready"] for k in _keys(r)] + [(o.step, o.group) for job in pump["in_flight"]
+                                                                for o in job[5]]
+        calls = {k: self.calls[k] for k in held if k in self.calls}
         return pickle.dumps({"pump": pump, "calls": calls})
 
     def restore(self, buffer: bytes | None) -> None:

@@ -267,6 +267,8 @@ def test_a_promotion_lets_the_short_step_train_before_its_spare_returns(stack, b
 
     chosen, spare_in_flight = asyncio.run(go())
     assert sorted((r.step, r.group, r.promoted) for r in chosen) == [(0, 0, False), (2, 0, True)]
-    assert spare_in_flight == [[0, 2, 2, True, 1]]  # spare batch 0's first prompt, now aimed at step 2
+    # spare batch 0's first prompt, now aimed at step 2, with the dropped prompt it stands in for
+    assert [(*job[:5], [(o.step, o.group, o.status) for o in job[5]]) for job in spare_in_flight] == \
+        [(0, 2, 2, True, 1, [(0, 1, "dropped")])]
     (ev,) = [e for e in events if e["type"] == "replace"]
     assert (ev["decision"], ev["lender_step"], ev["lender_group"]) == ("promoted", 2, [2, 0])

@@ -126,6 +126,73 @@ def test_a_retry_that_keeps_an_old_row_is_stamped_with_that_rows_version(stack, 
     assert all(counts.get("calls_trained", 0) > 0 for _, counts in takes)
 
 
+def test_a_resume_from_a_checkpoint_taken_while_a_spare_stands_in_counts_the_lost_prompt(stack, base_cfg, engine):
+    """`replace`: group (0, 0)'s prompt drops (a model server 500 on its row 0, one group attempt
+    allowed) and spare (0, 1) takes its place. A checkpoint of the buffer (`BufferSource.snapshot`,
+    pickled, and the manager's counters, as `Controller.snapshot` takes them) is taken as the spare is
+    dispatched; a second source resumes from it and relaunches the place. Its step 0 counts what the
+    uninterrupted step 0 counts: the lost prompt as `replaced`, its sends and its failure kinds, and its
+    call records (retired by the ledger). Before, the checkpoint kept the place but not the prompt it
+    gave up on: the resumed step took the spare alone, and the lost prompt's sends and failures were
+    counted by no step (its drop still charged to the budget)."""
+    from minirl.async_rl.source import BufferSource
+    from minirl.gym.failures import kind_counts
+    from minirl.rollout.evidence import Ledger
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = async_cfg(base_cfg, "in_order", [{"kind": "model_error", "step": 0, "group": 0, "rollout": 0}])
+    cfg.grpo.max_num_steps = 1  # the pump dispatches step 0's place, and nothing after it
+    rf = cfg.async_rl.rollout_failure
+    rf.on_dropped_prompt, rf.max_infra_attempts_per_prompt, rf.max_consecutive_dropped_prompts = "replace", 1, 1
+    version = engine.version
+    checkpoints = []
+
+    async def step_0(s, events: list, checkpoint=None) -> dict:
+        """Step 0 taken from a fresh manager and source (resumed from `checkpoint` as the controller's
+        `load_state` resumes), then the run's end; what the step's metrics and ledger count of it."""
+        async def drain(step):
+            return s.model.take_calls(step)
+
+        def emit(event):  # the event log; the checkpoint is taken as the spare goes out
+            events.append(event)
+            if checkpoint is None and event["type"] == "dispatch" and event["replacement"]:
+                checkpoints.append((source.snapshot(), manager.state()))
+
+        manager = RolloutManager(cfg, [s.agent_url], emit, VOCAB)
+        source = BufferSource(cfg, manager, drain)
+        if checkpoint is not None:
+            source.restore(checkpoint[0])
+            manager.load_state(checkpoint[1])
+        try:
+            take = await asyncio.wait_for(source.take(0, version), 120)
+        finally:
+            await source.close()
+            await manager.session.close()
+        kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
+        ledger = Ledger(None).close_step(0, take.calls, kept, version, oldest=take.oldest(version, source.window))
+        return {"places": sorted((o.step, o.group, o.status, o.group_attempts, o.row_sends) for o in take.outcomes),
+                "rollout_attempts": sum(o.row_sends for o in take.outcomes), **kind_counts(take.outcomes, kept),
+                "calls_retired": ledger["calls_retired"],
+                "lost_calls": sorted(c["key"] for c in take.calls if (c["step"], c["group"]) == (0, 0))}
+
+    async def go():
+        async with stack(cfg) as s:
+            events, resumed_events = [], []
+            whole = await step_0(s, events)
+            assert len(checkpoints) == 1
+            resumed = await step_0(s, resumed_events, checkpoints[0])
+            return whole, resumed, events, resumed_events
+
+    whole, resumed, events, resumed_events = asyncio.run(go())
+    (replace,) = [e for e in events if e["type"] == "replace"]
+    assert (replace["decision"], replace["fresh_step"], replace["fresh_group"]) == ("fresh_prompt", 0, 1)
+    assert whole["places"] == [(0, 0, "replaced", 1, 2), (0, 1, "committed", 1, 2)]
+    assert whole["failures_by_kind"] and whole["calls_retired"] == len(whole["lost_calls"]) > 0
+    (restored,) = [e for e in resumed_events if e["type"] == "buffer_restored"]
+    assert restored["redispatched"] == [[0, 1]] and restored["kept"] == []
+    assert resumed == whole
+
+
 SYNC_RUN = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3",
             "checkpoint.enabled=false",
             "logger.tensorboard=false", "faults.rate={agent_exception: 0.15, guard_reject: 0.1}", "faults.seed=5",

@@ -209,7 +209,7 @@ def rows(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(tmp_path, shared_engine):
-    small = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "logger.tensorboard=false",
+    small = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
              "checkpoint.save_period=1", "checkpoint.keep_last_k=0", f"run_dir={tmp_path}", *shared_engine]
     first = run_cli(*small, "grpo.max_num_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -218,7 +218,8 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
     kept = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     # issue 49: a fresh run into it (B) wrote over it; now refused before Ray, and so is a resume under another model
     for extra, start in ((["grpo.seed=99"], f"ConfigError: run_dir: {tmp_path} holds an earlier run (metrics.jsonl, "
-                          "events.jsonl, ledger, checkpoints/step_0, checkpoints/step_1), and checkpoint.resume=none"),
+                          "events.jsonl, ledger, tensorboard, checkpoints/step_0, checkpoints/step_1), "
+                          "and checkpoint.resume=none"),
                          (["checkpoint.resume=auto", "policy.model_name=models/tiny-summarize"],
                           f"ConfigError: policy.model_name: {REPO_ROOT / 'models' / 'tiny-summarize'} is not the model "
                           "of the "
@@ -272,3 +273,9 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
     assert checkpoint.latest_verified(tmp_path) == (root / "step_1", []), "auto continues the resumed run"
     assert checkpoint.verify(root / "abandoned_step_3") is None, "the abandoned ones are kept whole"
     assert [r["step"] for r in rows(tmp_path / "metrics.jsonl")] == [0, 1]
+    # TensorBoard shows what metrics.jsonl holds: each resume purged the scalars of the steps it ran again
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    shown = EventAccumulator(str(tmp_path / "tensorboard")).Reload().Scalars("reward_mean")
+    assert [(e.step, e.value) for e in shown] == [
+        (r["step"], pytest.approx(r["reward_mean"])) for r in rows(tmp_path / "metrics.jsonl")]

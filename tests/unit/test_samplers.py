@@ -197,7 +197,7 @@ def test_a_restored_pump_drops_past_targets_keeps_the_rest_and_redispatches_only
     pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 2, 1), 3, 3, None, snap)
     assert [(r.step, r.group) for r in pump.buffer.ready] == [(3, 0)]
     # the spare (0, 2) in flight for step 2 is past its target too: only the target step counts
-    assert pump.relaunch == [[3, 1, 3, False, 0], [4, 0, 4, False, 0]] and pump.next == (4, 1)
+    assert pump.relaunch == [[3, 1, 3, False, 0, []], [4, 0, 4, False, 0, []]] and pump.next == (4, 1)
     assert pump.pool == [(0, 3)] and pump.spare_batches == 1
     (event,) = events
     assert event["type"] == "buffer_restored" and event["dropped_past_target"] == [[2, 1]]
@@ -225,16 +225,17 @@ def test_a_snapshot_never_lists_a_finished_group_as_in_flight_too():
             await pump.buffer.commit(rec(0, 1, 0))
 
         done, running = asyncio.create_task(finishes()), asyncio.create_task(asyncio.Event().wait())
-        pump.tasks.update({done: (0, 1, False), running: (0, 0, False)})  # as _launch registers them
+        # as _launch registers them: [step, group, target_step, replacement, attempts used, lost]
+        pump.tasks.update({done: [0, 1, 0, False, 0, []], running: [0, 0, 0, False, 0, []]})
         await asyncio.sleep(0)
-        assert done.done() and (0, 1, False) in pump.tasks.values()
+        assert done.done() and [0, 1, 0, False, 0, []] in pump.tasks.values()
         snap = pump.snapshot()
         running.cancel()
         return snap
 
     snap = asyncio.run(go())
     assert [(r.step, r.group) for r in snap["ready"]] == [(0, 1)]
-    assert snap["in_flight"] == [(0, 0, False)]
+    assert snap["in_flight"] == [(0, 0, 0, False, 0, [])]
 
 
 def test_a_lost_place_takes_a_spare_within_its_own_budget_and_borrows_from_the_furthest_step():
