@@ -94,8 +94,10 @@ def describe(row: dict) -> str:
 def fact_rooms(row: dict, result: dict) -> tuple[int, int] | None:
     """(rooms opened on their first try, rooms) over the rooms of a doors row that need a fact shown
     earlier (`DoorsEnv.memory_facts`: doors_memory's last room, doors_notes' two noted rooms), replayed
-    from the result's `open_door` calls as `verify` scores them; None for a task without such rooms."""
-    if difficulty(row) is None:
+    from the result's `open_door` calls as `verify` scores them; None for a task without such rooms, and
+    for one without an integer `seed` (a row for an external agent, which `prepare` accepts as that
+    agent's to judge: its rooms cannot be replayed)."""
+    if difficulty(row) is None or type(row["task"].get("seed")) is not int:
         return None
     task = row["task"]
     needed = {f["needed_in_room"] for f in DoorsEnv(task["seed"], task["num_rooms"], task.get("env", "doors"))

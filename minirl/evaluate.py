@@ -4,8 +4,11 @@ Runs minirl.validation (no fault injection) on the checkpoint's weights, loaded 
 them, under the config of the run that wrote it (`<run_dir>/config.yaml`, so the held-out prompts
 stay disjoint from its training prompts), the overrides applied last, its data checked as training
 checks it with validation on (`prepare_data`; exit 2 naming the key). Prints the metrics as one JSON
-object and writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, beside the
-evaluation's own events: the training run's logs stay as they were). Exit codes as `minirl.train`.
+object, then writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, beside the
+evaluation's own events: the training run's logs stay as they were), which is checked to be writable
+before anything starts (`check_out`); a `policy.model_name` of another shape than the checkpoint's
+is refused then too (`checkpoint.check_model`). Exit codes as `minirl.train`: 2 for a ConfigError, before Ray
+(`cluster.ray_address` probed first, as train does) or from inside the cluster.
 A run that attached to a sweep's engines, once they are gone, needs
 `cluster.ray_address=null cluster.attach_generation_workers=null`.
 """
@@ -17,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from minirl.config import ConfigError, load_config
+from minirl.config import ConfigError, load_config, probe_ray_address
+from minirl.trainer import checkpoint
 
 
 def prepare_data(cfg) -> None:
@@ -35,6 +39,20 @@ def prepare_data(cfg) -> None:
         cfg.grpo.val_at_start = val_at_start
 
 
+def check_out(out: Path) -> None:
+    """Before anything starts: `out` can be written (opened for appending, and left as it was), so an
+    evaluation's metrics are never lost to a folder that is missing or read-only; else a ConfigError
+    naming `--out`."""
+    existed = out.exists()
+    try:
+        with open(out, "a"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as exc:
+        raise ConfigError("--out", f"cannot write {out}: {exc.strerror or exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minirl.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,30 +67,31 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(str(run_config) if run_config.exists() else None,
                           [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
         prepare_data(cfg)
+        checkpoint.check_model(cfg, ckpt)  # a `policy.model_name` override of another shape: named, before Ray
+        probe_ray_address(cfg)  # a cluster to join answers (Ray itself retries one that does not for minutes)
         try:
             eval_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError("--checkpoint", f"cannot write {eval_dir}: {exc.strerror or exc}") from None
+        out = Path(args.out) if args.out else eval_dir / "metrics.json"
+        check_out(out)
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
     import ray
 
-    from minirl.cluster import Cluster, describe
+    from minirl.cluster import Cluster, cause, describe
 
     try:
         with Cluster(cfg, eval_dir) as cluster:
             version = cluster.resume()
             metrics = ray.get(cluster.controller.validate.remote(version))
-    except KeyboardInterrupt:
-        print("KeyboardInterrupt: interrupted", file=sys.stderr)
-        return 1
-    except Exception as exc:  # report the root cause, last, after Ray is down
+    except (KeyboardInterrupt, Exception) as exc:  # report the root cause, last, after Ray is down
         print(describe(exc), file=sys.stderr, flush=True)
-        return 1
-    out = Path(args.out) if args.out else eval_dir / "metrics.json"
-    out.write_text(json.dumps({"checkpoint": str(ckpt), **metrics}, indent=2) + "\n")
-    print(json.dumps({"checkpoint": str(ckpt), **metrics}), flush=True)
+        return 2 if isinstance(cause(exc), ConfigError) else 1
+    record = {"checkpoint": str(ckpt), **metrics}
+    print(json.dumps(record), flush=True)  # first: a write that fails after all leaves the metrics on stdout
+    out.write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

@@ -5,8 +5,12 @@ rows of `data.validation_jsonl`, sampled with the training generation config and
 
 Invariant: a validation's metrics cover exactly `val_num_prompts` x `val_num_generations` rollouts
 of held-out prompts, each the answer of a fault-free `/run`: `val_num_rollouts` scored ones and
-`val_num_masked` whose verifier measured nothing. A failure of the fleet ends it (`ValidationFailed`);
-a row is never dropped, since dropping would skew the very mix this measures.
+`val_num_masked` whose verifier measured nothing. A result is read as training reads it (Gym's
+failure facts first, `gym.failures.episode_failure`), so a failed episode is never scored. Each send
+goes to the agent server training's pool picks (`rollout.agent_pool`: another than the one the row
+last failed on, a refused one marked down); an INFRA failure is re-sent after training's backoff. A
+failure of the fleet ends it (`ValidationFailed`); a row is never dropped, since dropping would skew
+the very mix this measures.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import aiohttp
 
 from minirl.config import MinirlConfig
 from minirl.data import _seed, dataset_rows, describe, difficulty, fact_rooms, task_row, task_seed
+from minirl.gym.failures import episode_failure
+from minirl.rollout.agent_pool import AgentPool
 from minirl.rollout.evidence import parse_scored, reward_bound
-from minirl.rollout.manager import post_run
+from minirl.rollout.manager import backoff, post_run
+from minirl.rollout.masking import PASS_REWARD
 from minirl.trainer import checkpoint
-from minirl.wire import (INFRA, ROLLOUT_ID, ROLLOUT_INDEX, SUMMARY_FAILED_SCORED, TASK_INDEX, RolloutFailure,
-                         RolloutTimeout, classify, with_extra_body)
+from minirl.wire import (ATTEMPT_INDEX, INFRA, ROLLOUT_ID, ROLLOUT_INDEX, SUMMARY_FAILED_SCORED, TASK_INDEX,
+                         AgentUnreachable, RolloutFailure, RolloutTimeout, classify, with_extra_body)
 
 
 POLICY_ENDS = {"ContextGuardRejected": "guard_reject", "SummaryFailed": "summary_failed"}
@@ -82,8 +89,11 @@ def held_out_prompts(cfg: MinirlConfig) -> list[dict]:
     return [task_row(cfg, seed) for seed in held_out_seeds(cfg)]
 
 
-def held_out_rows(cfg: MinirlConfig) -> list[dict]:
-    """The `/run` rows of one validation: no `_minirl` block, a fixed sampling seed per rollout.
+def held_out_rows(cfg: MinirlConfig, version: int = 0) -> list[dict]:
+    """The `/run` rows of one validation (of policy `version`): no `_minirl` block, a fixed sampling
+    seed per rollout, and Gym's collector keys with a rollout id of the version's (`val.v3.i0.r1`), so
+    that no two validations share a Gym episode (`_send` adds each send's attempt index, as training's
+    `wire.collector_keys` does).
 
     Without a `_minirl` coordinates block the row's model calls carry no rollout header, and every
     fault site (minirl.faults) is keyed by those coordinates, so none fires, whatever `faults.*` says.
@@ -98,41 +108,58 @@ def held_out_rows(cfg: MinirlConfig) -> list[dict]:
             params = with_extra_body(row["responses_create_params"],
                                      seed=_seed(cfg.grpo.seed, "val", i, r) % 2**31)
             # Gym's collector keys (minirl.wire)
-            keys = {TASK_INDEX: i, ROLLOUT_INDEX: r, ROLLOUT_ID: f"val.i{i}.r{r}"}
+            keys = {TASK_INDEX: i, ROLLOUT_INDEX: r, ROLLOUT_ID: f"val.v{version}.i{i}.r{r}"}
             rows.append({**row, "responses_create_params": params, "_rowidx": len(rows), **keys})
     return rows
 
 
-async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, url: str, row: dict) -> dict:
+async def _send(cfg: MinirlConfig, session: aiohttp.ClientSession, pool: AgentPool, row: dict) -> dict:
     """One held-out row's scored result. A failure is the fleet's (no fault fires here): an INFRA one
-    is sent again, up to `nemo_gym.max_row_attempts` sends, and any other ends the validation with
-    ValidationFailed, except the policy's own episode ends of `POLICY_ENDS`, which score 0. A
-    verifier's `mask_sample` (the reward is not a measurement, e.g. a judge that failed) is transient
+    (Gym's non-terminal EpisodeFailure or `_ng_failure_*` stamp included) is sent again, after
+    training's backoff (`rollout_failure.backoff_base_s`, `max_backoff_s`) and to the server the pool
+    picks, up to `nemo_gym.max_row_attempts` sends, and any other ends the validation with
+    ValidationFailed naming it, except the policy's own episode ends of `POLICY_ENDS`, which score 0.
+    A verifier's `mask_sample` (the reward is not a measurement, e.g. a judge that failed) is transient
     as an INFRA failure is: the row is sent again, and a result still masked after the last send is
     returned as it is (`summarize` counts it in `val_num_masked`)."""
-    ng = cfg.async_rl.rollout_failure.nemo_gym
-    send = 0
+    rf = cfg.async_rl.rollout_failure
+    ng = rf.nemo_gym
+    send, url = 0, None
     while True:
         send += 1
+        url = pool.pick(avoid=url)
+        sent_at = pool.clock()
+        pool.acquire(url)
         try:
             async with asyncio.timeout(ng.rollout_timeout_s):
-                result = await post_run(session, url, row)
+                result = await post_run(session, url, {**row, ATTEMPT_INDEX: send - 1})
+            pool.answered(url)
+            failed = episode_failure(result)  # Gym's failure facts, as training's parse_rollout reads them first
+            if failed is not None:
+                raise failed
             scored = parse_scored(result, reward_bound(cfg.grpo.normalize_rewards))  # the training path's checks
             scored["fact_rooms"] = fact_rooms(row, result)
             if scored["mask"] is None or send >= ng.max_row_attempts:
                 return scored
             continue  # the verifier's mask_sample: no measurement yet, send the row again
         except TimeoutError:
+            pool.failed(url, "timeout", sent_at)
             exc: BaseException = RolloutTimeout(f"held-out /run exceeded {ng.rollout_timeout_s}s")
+        except AgentUnreachable as e:
+            pool.failed(url, "refused", sent_at)  # marked down: the pool passes it over while another is up
+            exc = e
         except RolloutFailure as e:
             ended = POLICY_ENDS.get(getattr(e, "error_type", None))
             if ended is not None:  # the policy's own episode ended: scored 0 (POLICY_ENDS)
                 return {"reward": 0.0, "response": {"status": "incomplete"}, "evidence": {"end_reason": ended},
                         "fact_rooms": fact_rooms(row, {})}
             exc = e
+        finally:
+            pool.release(url)
         if classify(exc) != INFRA or send >= ng.max_row_attempts:
             raise ValidationFailed(f"held-out row {row['_rowidx']}{describe(row)} "
                                    f"failed after {send} send(s): {type(exc).__name__}: {exc}") from exc
+        await asyncio.sleep(backoff(rf, send))  # training's, before INFRA retry k
 
 
 def summarize(rows: list[dict], results: list[dict]) -> dict:
@@ -152,7 +179,7 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
             by_rooms[difficulty(row)].append(reward)
     out = {
         "val_reward_mean": sum(rewards) / len(rewards),
-        "val_success_rate": sum(r == 1.0 for r in rewards) / len(rewards),
+        "val_success_rate": sum(r >= PASS_REWARD for r in rewards) / len(rewards),  # training's pass
         "val_truncated_rate": sum((res.get("response") or {}).get("status") == "incomplete" for res in results)
         / len(results),
         "val_guard_ended_rate": ends.count("guard_reject") / len(results),
@@ -167,17 +194,17 @@ def summarize(rows: list[dict], results: list[dict]) -> dict:
     if len(by_rooms) > 1:
         for k, rs in sorted(by_rooms.items()):
             out[f"val_reward_mean_rooms_{k}"] = sum(rs) / len(rs)
-            out[f"val_success_rate_rooms_{k}"] = sum(r == 1.0 for r in rs) / len(rs)
+            out[f"val_success_rate_rooms_{k}"] = sum(r >= PASS_REWARD for r in rs) / len(rs)
     return out
 
 
 async def validate(cfg: MinirlConfig, agent_urls: list[str], version: int) -> dict:
     """One validation of the weights the generation workers serve now (`version`, for the record)."""
     t0 = time.perf_counter()
-    rows = held_out_rows(cfg)
+    rows = held_out_rows(cfg, version)
+    pool = AgentPool.of(agent_urls, cfg.agent)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        results = await asyncio.gather(*(_send(cfg, session, agent_urls[i % len(agent_urls)], row)
-                                         for i, row in enumerate(rows)))
+        results = await asyncio.gather(*(_send(cfg, session, pool, row) for row in rows))
     return {**summarize(rows, results), "val_policy_version": version, "val_time_s": time.perf_counter() - t0}
 
 

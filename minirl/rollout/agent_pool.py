@@ -41,6 +41,11 @@ class AgentPool:
         self.answered_at = dict.fromkeys(self.urls, float("-inf"))  # its last /run answer
         self.turn = 0
 
+    @classmethod
+    def of(cls, urls: list[str], ag) -> AgentPool:
+        """The pool `agent` (an AgentConfig) configures, as training and validation send through it."""
+        return cls(urls, ag.selection, ag.down_retry_s, ag.down_retry_max_s, ag.max_server_failures)
+
     def pick(self, avoid: str | None = None) -> str:
         """The server for the next send (`avoid`: the one this row just failed on)."""
         up = [u for u in self.urls if u not in self.downs]

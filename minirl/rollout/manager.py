@@ -154,6 +154,12 @@ def dominant_failure(reasons: list[str]) -> str:
     return f"Dominant failure ({share}): {text}" + (f" [likely cause: {hint}]" if hint else "")
 
 
+def backoff(rf, k: int) -> float:
+    """Delay before INFRA retry k (k = INFRA attempts failed so far, from 1), under `rf` (a
+    RolloutFailureConfig): training's rows and validation's held-out rows wait alike."""
+    return min(rf.backoff_base_s * 2 ** (k - 1), rf.max_backoff_s)
+
+
 class RolloutManager:
     def __init__(
         self,
@@ -165,8 +171,7 @@ class RolloutManager:
         post: Callable[..., Awaitable[dict]] = post_run,
     ):
         self.cfg, self.agent_urls, self.emit, self.vocab_size = cfg, agent_urls, emit, vocab_size
-        ag = cfg.agent
-        self.pool = AgentPool(agent_urls, ag.selection, ag.down_retry_s, ag.down_retry_max_s, ag.max_server_failures)
+        self.pool = AgentPool.of(agent_urls, cfg.agent)
         self.probes: set[asyncio.Task] = set()  # down agent servers' probes in flight
         self.agent_sends: Counter = Counter()  # /run sends per agent server since the last agent_stats()
         self.lost: deque[str] = deque(maxlen=64)  # the reasons of the groups lost since the last commit
@@ -184,10 +189,6 @@ class RolloutManager:
         self.unsettled: dict[tuple[int, int], GroupOutcome] = {}  # (step, group) -> begun, in no step's metrics yet
         self.session: aiohttp.ClientSession | None = None
         self.max_abs_reward = reward_bound(cfg.grpo.normalize_rewards)
-
-    def backoff(self, k: int) -> float:
-        """Delay before INFRA retry k (k = INFRA attempts failed so far, from 1)."""
-        return min(self.rf.backoff_base_s * 2 ** (k - 1), self.rf.max_backoff_s)
 
     def state(self) -> dict:
         return {"consecutive_drops": self.consecutive_drops, "skipped": self.skipped}
@@ -333,7 +334,7 @@ class RolloutManager:
         restarting = (all(isinstance(e, AgentUnreachable) for _, e in failures)
                       and run.out.backoff_s < self.rf.agent_restart_window_s)
         if self.can_redispatch and (run.infra < self.rf.max_infra_attempts_per_prompt or restarting):
-            delay = self.backoff(run.infra)
+            delay = backoff(self.rf, run.infra)
             past_budget = run.infra >= self.rf.max_infra_attempts_per_prompt
             window = {"restart_window_s": self.rf.agent_restart_window_s} if past_budget else {}
             self._failed(run.out, failures, "retried", backoff_s=delay, group_attempt=run.gid, **window)

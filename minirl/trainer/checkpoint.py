@@ -239,8 +239,8 @@ def check_resume(cfg) -> None:
         return  # the run reports it, as before
     if path is None:
         return
+    check_model(cfg, path)
     old = read_state(path).get("config")
-    check_model(cfg, path, old if isinstance(old, dict) else {})
     if not isinstance(old, dict):
         return
     new = asdict(cfg)
@@ -257,10 +257,11 @@ MODEL_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_siz
 """The model config keys a checkpoint's weights must share with `policy.model_name` to load into it."""
 
 
-def check_model(cfg, path: Path, old: dict) -> None:
+def check_model(cfg, path: Path) -> None:
     """The checkpoint's `policy/config.json` (written by save_pretrained) against `policy.model_name`'s
     on MODEL_SHAPE_KEYS; else ConfigError naming both models and each differing key (torch's load
-    would end the run after Ray starts with a tab-indented `size mismatch for ...` line)."""
+    would end the run after Ray starts with a tab-indented `size mismatch for ...` line). Before Ray,
+    for a resume (`check_resume`) and for `minirl.evaluate`."""
     from minirl.config import ConfigError
 
     try:
@@ -269,11 +270,16 @@ def check_model(cfg, path: Path, old: dict) -> None:
     except (OSError, ValueError):
         return  # no saved model config to compare (the load then says what it finds)
     changed = [(k, saved.get(k), model.get(k)) for k in MODEL_SHAPE_KEYS if saved.get(k) != model.get(k)]
-    if changed:
-        raise ConfigError("policy.model_name", f"{cfg.policy.model_name} is not the model of the checkpoint resumed "
-                          f"({path}, written with policy.model_name={_lookup(old, 'policy.model_name')}): " + ", ".join(
-                              f"{k} {a!r} there, {b!r} here" for k, a, b in changed)
-                          + "; resume with that model, or start a new run_dir")
+    if not changed:
+        return
+    try:  # the checkpoint's own config names the model it was written with
+        old = read_state(path).get("config")
+    except (OSError, ValueError, AttributeError):
+        old = None  # none to read: `_lookup` says <unset>
+    raise ConfigError("policy.model_name", f"{cfg.policy.model_name} is not the model of the checkpoint resumed "
+                      f"({path}, written with policy.model_name={_lookup(old, 'policy.model_name')}): " + ", ".join(
+                          f"{k} {a!r} there, {b!r} here" for k, a, b in changed)
+                      + "; resume with that model, or start a new run_dir")
 
 
 DATASET_KEYS = ("data.train_jsonl", "data.shuffle", "env.data_seed", "env.task", "env.num_rooms",

@@ -99,6 +99,22 @@ def test_a_row_minirls_agents_cannot_run_is_refused_before_ray(base_cfg, tmp_pat
     data.prepare(external)
 
 
+@pytest.mark.parametrize("task", [{"num_rooms": 3}, {"env": "doors_memory", "num_rooms": 3, "seed": "7"},
+                                  {"env": "doors_memory", "num_rooms": 3, "seed": True}])
+def test_an_external_agents_held_out_row_without_an_integer_seed_has_no_fact_rooms(base_cfg, tmp_path, task):
+    """A doors-shaped task without an integer `seed` is the external agent's to judge (`prepare` accepts
+    it, as above); validation reads its result without replaying its rooms (`fact_rooms` None, so no
+    `val_fact_success_rate`), where it died with a bare KeyError 'seed' after the row's /run succeeded."""
+    row = {"responses_create_params": {"input": "How many rooms?"}, "task": task}
+    cfg = own_pool_cfg(base_cfg, tmp_path, [row], external_url="http://127.0.0.1:9")
+    cfg.data.validation_jsonl, cfg.grpo.val_num_prompts, cfg.grpo.val_at_start = cfg.data.train_jsonl, 1, True
+    data.prepare(cfg)
+    (held,) = held_out_rows(cfg)
+    opened = {"type": "function_call", "name": "open_door", "arguments": json.dumps({"door": "red"}), "call_id": "c"}
+    result = {**held, "response": {"status": "completed", "output": [opened]}, "reward": 1.0}
+    assert data.fact_rooms(held, result) is None and data.fact_rooms(held, {}) is None
+
+
 def test_the_validation_rows_are_checked_too(base_cfg, tmp_path):
     cfg = copy.deepcopy(base_cfg)
     cfg.grpo.val_num_prompts = 2

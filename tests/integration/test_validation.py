@@ -12,12 +12,13 @@ from collections import Counter
 
 import pytest
 
-from helpers import run_cli
+from helpers import last_line, run_cli, serve_run
 from minirl.agents.env import make_rooms
 from minirl.config import REPO_ROOT, load_config
 from minirl.faults import FAULT_KINDS
 from minirl.data import prompt_row
-from minirl.validation import ValidationFailed, held_out_rows, held_out_seeds, training_seeds, validate
+from minirl.rollout.masking import PASS_REWARD
+from minirl.validation import ValidationFailed, held_out_rows, held_out_seeds, summarize, training_seeds, validate
 
 
 @pytest.mark.parametrize("overrides", [
@@ -65,6 +66,90 @@ def test_a_fleet_that_cannot_answer_fails_the_validation_by_name_after_its_resen
     with pytest.raises(ValidationFailed, match=r"held-out row \d \(seed \d+, 2 rooms\) failed after 2 send\(s\): "
                                                r"AgentUnreachable"):
         asyncio.run(validate(cfg, [f"http://127.0.0.1:{free_port('127.0.0.1')}"], version=0))
+
+
+def test_a_held_out_row_refused_by_a_down_agent_server_is_sent_to_another(stack):
+    """One agent server of two down (nothing listens at its port): the row refused there is sent again,
+    after training's backoff, to the server training's pool picks (the other; the refused one is marked
+    down), so the validation measures every row. Before, row i was pinned to agent_urls[i % 2] and re-sent
+    to the same dead server until ValidationFailed ended the run, while the healthy one sat idle."""
+    from minirl.cluster import free_port
+
+    cfg = load_config(None, ["grpo.val_num_prompts=2", "async_rl.rollout_failure.nemo_gym.max_row_attempts=2",
+                             "async_rl.rollout_failure.backoff_base_s=0.1"])
+
+    async def go():
+        async with stack(cfg) as s:
+            down = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+            return await validate(cfg, [down, s.agent_url], version=0)  # the first pick is the down one
+
+    metrics = asyncio.run(go())
+    assert metrics["val_num_rollouts"] == 2 and metrics["val_num_masked"] == 0
+
+
+def test_val_success_rate_counts_a_pass_as_training_does():
+    """A pass is training's (`reward >= PASS_REWARD`, rollout/masking.py), overall and per room count: a
+    Gym environment's score above 1 (a sum of rewards, 1 + 1e-12 from float arithmetic) passes in both;
+    before, validation counted only `reward == 1.0`."""
+    rows = [{"task": {"env": "doors", "seed": s, "num_rooms": 1 + s % 2}} for s in range(4)]
+    results = [{"reward": r, "evidence": {}, "response": {"status": "completed"}, "mask": None, "fact_rooms": None}
+               for r in (2.0, 1.0 + 1e-12, 1.0, 0.5)]
+    out = summarize(rows, results)
+    assert out["val_success_rate"] == sum(r["reward"] >= PASS_REWARD for r in results) / 4 == 0.75
+    assert out["val_success_rate_rooms_1"] == 1.0 and out["val_success_rate_rooms_2"] == 0.5
+
+
+def test_a_held_out_result_with_gym_failure_facts_is_read_as_training_reads_it():
+    """Gym 0.7's failure facts on a held-out `/run` result, read first as training's parse_rollout reads
+    them (`gym.failures.episode_failure`): a non-terminal EpisodeFailure and a row Gym's collector stamped
+    `_ng_failure_class` (non-terminal, its response and reward 0 no measurement) are INFRA, sent again and
+    scored on the answer that succeeded; a terminal EpisodeFailure ends the validation with the failure's
+    own reason after one send. Before, the first was a malformed result (ValidationFailed), the second a
+    measured 0 and the third ended naming a missing `response`. The shapes are Gym 0.7.0's, served as
+    test_gym_failures.py serves them: no fault fires on a held-out row, and minirl's own pool sends none."""
+    from aiohttp import web
+
+    cfg = load_config(None, ["grpo.val_num_prompts=3", "async_rl.rollout_failure.backoff_base_s=0"])
+    sends: Counter = Counter()
+    terminal = []  # set: row 0 fails terminally on every send
+    episode = {"episode_id": {"rollout_id": "val", "attempt": 0}, "task_id": {"taskset": "doors", "task_id": "0"}}
+
+    def failure(final: bool) -> dict:
+        reason = "the task's quota is spent" if final else "the sandbox provider did not answer"
+        return {**episode, "failure": {"failure_reason": reason, "terminal": final,
+                                       "failure_kind": "provider_unavailable", "stage": "seed"}}
+
+    async def run(request):  # row 0: an EpisodeFailure first, row 1: a stamped failure first, row 2 never
+        row = await request.json()
+        i = row["_rowidx"]
+        assert row["_ng_attempt_index"] == sends[i], "each send is its own Gym episode (`-a1` on a resend)"
+        sends[i] += 1
+        ok = {**row, "response": {"status": "completed", "output": []}, "reward": 1.0}
+        if terminal and i == 0:
+            return web.json_response(failure(True))
+        if sends[i] == 1 and i == 0:
+            return web.json_response(failure(False))
+        if sends[i] == 1 and i == 1:
+            return web.json_response({**ok, "reward": 0.0, "_ng_failure_class": "environment_server_failed",
+                                      "_ng_failure_terminal": False, "_ng_failure_message": "env server crashed"})
+        return web.json_response(ok)
+
+    async def go():
+        runner, url = await serve_run(run)
+        try:
+            return await validate(cfg, [url], version=0)
+        finally:
+            await runner.cleanup()
+
+    metrics = asyncio.run(go())
+    assert dict(sends) == {0: 2, 1: 2, 2: 1}
+    assert metrics["val_num_rollouts"] == 3 and metrics["val_reward_mean"] == 1.0
+    sends.clear()
+    terminal.append(True)
+    with pytest.raises(ValidationFailed, match=r"^held-out row 0 .*failed after 1 send\(s\): EpisodeFailedTerminal: "
+                                               r".*the task's quota is spent$"):
+        asyncio.run(go())
+    assert sends[0] == 1, "a terminal failure is never sent again"
 
 
 def test_validation_runs_without_faults_even_at_fault_rate_one(stack):
@@ -204,6 +289,59 @@ def test_evaluate_checks_the_data_as_training_does_with_validation_on(tmp_path, 
     assert not (run / "eval").exists(), "refused before anything is written"
 
 
+def test_evaluate_refuses_an_out_it_cannot_write_before_anything_starts(tmp_path, capsys):
+    """An `--out` in a folder that does not exist, or a folder itself: one line naming --out and exit 2,
+    before Ray. Before, it was found only after the whole evaluation, whose metrics were lost to a
+    FileNotFoundError (`cluster.num_generation_workers=64` ends at once an evaluation that goes on)."""
+    from minirl import evaluate
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0"
+    ckpt.mkdir(parents=True)
+    for out in (tmp_path / "no" / "such" / "metrics.json", tmp_path):
+        assert evaluate.main(["--checkpoint", str(ckpt), "--out", str(out), "cluster.num_generation_workers=64"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ConfigError: --out: cannot write {out}: "), err
+    assert not (tmp_path / "no").exists()
+
+
+def test_evaluate_refuses_a_model_of_another_shape_than_the_checkpoints_before_anything_starts(tmp_path, capsys):
+    """`policy.model_name` overridden with a model the checkpoint's weights cannot load into: one line naming
+    the key and both models, exit 2, before Ray, as a resume is refused (`checkpoint.check_model`). Before,
+    evaluate started the cluster and ended with exit 1 on torch's size mismatch."""
+    import shutil
+
+    from minirl import evaluate
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0"
+    (ckpt / "policy").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "models" / "tiny-doors" / "config.json", ckpt / "policy" / "config.json")
+    (ckpt / "state.json").write_text(json.dumps({"config": {"policy": {"model_name": "models/tiny-doors"}}}))
+    assert evaluate.main(["--checkpoint", str(ckpt), "policy.model_name=models/tiny-summarize",
+                          "cluster.num_generation_workers=64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"ConfigError: policy.model_name: {REPO_ROOT / 'models' / 'tiny-summarize'} is not the model of the "
+        f"checkpoint resumed ({ckpt}, written with policy.model_name=models/tiny-doors): vocab_size 512 there, "
+        "576 here"), err
+
+
+def test_evaluate_exits_2_on_a_config_error_as_train_does(tmp_path):
+    """As `minirl.train`: a ConfigError exits 2 with its one line, whether `cluster.ray_address` is
+    probed before Ray and nothing answers there, or it comes from inside the cluster (workers beyond
+    what Ray offers). Before, both exited 1."""
+    from minirl.cluster import free_port
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0"
+    ckpt.mkdir(parents=True)
+    for override, start in ((f"cluster.ray_address=127.0.0.1:{free_port('127.0.0.1')}",
+                             "ConfigError: cluster.ray_address: nothing answers at"),
+                            ("cluster.num_generation_workers=64", "ConfigError: cluster.num_cpus: the workers need")):
+        proc = subprocess.run([sys.executable, "-m", "minirl.evaluate", "--checkpoint", str(ckpt), override],
+                              capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                              env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        assert proc.returncode == 2 and last_line(proc.stderr).startswith(start), proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_a_resumed_run_measures_each_policy_version_once(tmp_path, shared_engine):
     args = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
@@ -232,6 +370,7 @@ def test_a_held_out_result_with_mask_sample_is_sent_again_then_counted_not_score
     async def run(request):  # row 0 is masked once, row 1 on every send, row 2 never
         row = await request.json()
         i = row["_rowidx"]
+        assert row["_ng_attempt_index"] == sends[i], "each send is its own Gym episode (`-a1` on a resend)"
         sends[i] += 1
         masked = (i == 0 and sends[i] == 1) or i == 1
         body = {"response": {"status": "completed", "output": []}, "reward": 0.0 if masked else 1.0}
