@@ -1,8 +1,10 @@
 """Running the cells: one real `python -m minirl.train` subprocess per cell, attached to the sweep's
 one shared generation worker, and each cell's row of results.csv summarised from its run directory.
 Invariant: a cell runs at most once per output directory (results.csv is the resume point, a row
-written and flushed as each cell ends), and a row's counts come from the run's own metrics.jsonl and
-events.jsonl, including the step that ended a run (it wrote no metrics line)."""
+written and flushed as each cell ends), every row there ran the same run shape (steps, step size,
+room mix, call cap, validation: `shape.json`, so a resume with another shape is refused rather than
+mixed in), and a row's counts come from the run's own metrics.jsonl and events.jsonl, including the
+step that ended a run (it wrote no metrics line)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def summarize(c: dict, grid: Grid, run_dir: Path, proc: subprocess.CompletedProc
         "rollouts_masked": sum(r["rollouts_masked"] for r in rows),
         "groups_redispatched": sum(r["redispatched_groups"] for r in rows),
         "rollouts_generated": generated, "rollouts_trained": trained,
-        "fraction_trained": round(trained / generated, 4) if generated else 0.0,
+        "fraction_trained": round(trained / generated, 4) if generated else "",  # none generated: no value
         "mean_groups_trained": round(sum(r["groups_trained"] for r in rows) / len(rows), 3) if rows else 0.0,
         "mean_rollouts_trained": round(trained / len(rows), 3) if rows else 0.0,
         "final_reward": rows[-1]["reward_mean"] if rows else "", **learning(run_dir, rows),
@@ -117,6 +119,27 @@ def shared_engines(fresh: bool, attach: list[str] | None = None):
         ray.shutdown()
 
 
+def _same_shape(out: Path, grid: Grid, done: dict) -> None:
+    """Every cell of a results.csv ran one run shape (`shape.json`, written by the sweep that began it;
+    an older one without it: each row's `steps_target`); a sweep of another shape into it is refused."""
+    shape = {k: list(v) if isinstance(v, tuple) else v for k, v in (
+        ("steps", grid.steps), ("prompts", grid.prompts), ("generations", grid.generations), ("mix", grid.mix),
+        ("max_calls", grid.max_calls), ("val_period", grid.val_period), ("val_prompts", grid.val_prompts))}
+    path = out / "shape.json"
+    held = json.loads(path.read_text()) if path.exists() else None
+    if held is None and done:
+        held = {"steps": int(next(iter(done.values()))["steps_target"])}
+        if any(int(row["steps_target"]) != held["steps"] for row in done.values()):
+            raise SystemExit(f"{out / 'results.csv'} holds cells of several step counts: use another --out")
+    differs = {k: (v, shape[k]) for k, v in (held or {}).items() if shape.get(k) != v}
+    if differs:
+        raise SystemExit(f"{out / 'results.csv'} holds cells of another run shape ("
+                         + ", ".join(f"{k} {a} there, {b} here" for k, (a, b) in differs.items())
+                         + "): use another --out, or the same shape to resume")
+    if not path.exists():
+        path.write_text(json.dumps(shape) + "\n")
+
+
 def run_sweep(grid: Grid, out: Path, fresh_engines: bool, attach: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.csv"
@@ -127,6 +150,7 @@ def run_sweep(grid: Grid, out: Path, fresh_engines: bool, attach: list[str] | No
             done = {row["cell"]: row for row in reader}
         if reader.fieldnames != COLUMNS:
             raise SystemExit(f"{results_path} has other columns (an older sweep): use another --out")
+    _same_shape(out, grid, done)
     cells = list(grid.cells())
     todo = [c for c in cells if cell_id(c) not in done]
     print(f"sweep: {len(cells)} cells, {len(done)} already in {results_path}, {len(todo)} to run "

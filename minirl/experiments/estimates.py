@@ -1,7 +1,9 @@
 """Estimates over seeds: a cell's rows grouped by seed, a mean ± the half-width of its 95% t-interval
 (minirl.experiments.stats.mean_ci), and two policies compared by their per-seed (paired) differences
 (minirl.experiments.stats.paired_ci). Invariant: every number the report prints or plots comes through here,
-and a difference is called resolved only when its interval excludes 0."""
+and a difference is called resolved only when its interval excludes 0. Seeds that all give the same value
+(no spread) give no t-interval, as one seed gives none: mean / (0 / sqrt n) is no t statistic, so such an
+estimate is reported as "the same in every seed", never as resolved."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def _cells(rows: list[dict], grid: Grid) -> dict[tuple, list[dict]]:
     """Rows by (kind, rate, policy, budget, floor), seeds together, in the grid's order."""
     out: dict[tuple, list[dict]] = {}
     def order(r: dict) -> tuple:
-        return list(grid.kinds).index(r["kind"]), r["rate"], list(grid.policies).index(r["policy"]), r["budget"]
+        return (list(grid.kinds).index(r["kind"]), r["rate"], list(grid.policies).index(r["policy"]), r["budget"],
+                r["fraction"])
 
     for r in sorted(rows, key=order):
         out.setdefault((r["kind"], r["rate"], r["policy"], r["budget"], r["fraction"]), []).append(r)
@@ -51,12 +54,14 @@ def _ci(rs: list[dict], field: str, digits: int = 2) -> str:
     return f"{mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {half:.{digits}f}")
 
 
-def _by_rooms(rs: list[dict]) -> str:
+def _by_rooms(rs: list[dict], mix: tuple) -> str:
+    """The final validation reward per room count of `mix` (the grid's, the table header's order), each
+    the mean over the seeds that measured it; "–" for a room count none did (the held-out set had none)."""
     per: dict[str, list[float]] = {}
     for r in rs:
         for k, v in json.loads(r["val_final_by_rooms"] or "{}").items():
             per.setdefault(k, []).append(v)
-    return " / ".join(f"{sum(v) / len(v):.2f}" for _, v in sorted(per.items())) or "–"
+    return " / ".join(f"{sum(per[k]) / len(per[k]):.2f}" if k in per else "–" for k in map(str, mix))
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,17 @@ class Estimate:
     n: int
 
     @property
+    def spreadless(self) -> bool:
+        """Two or more values, all the same (a half-width of 0, up to rounding): no t-interval, as R's
+        t.test refuses "essentially constant" data. Two seeds that each differ by one held-out prompt of 8
+        (+0.125, +0.125) are no evidence, yet the zero-width interval would exclude 0."""
+        return self.half <= 1e-9 * abs(self.mean)
+
+    @property
     def sign(self) -> int:
-        """+1 or -1 where the interval excludes 0, 0 where it holds 0 or there is no interval."""
-        if math.isnan(self.mean) or math.isnan(self.half):
+        """+1 or -1 where the interval excludes 0, 0 where it holds 0 or there is no interval (one seed,
+        or seeds without spread)."""
+        if math.isnan(self.mean) or math.isnan(self.half) or self.spreadless:
             return 0
         return 1 if self.mean - self.half > 0 else -1 if self.mean + self.half < 0 else 0
 
@@ -91,6 +104,8 @@ class Estimate:
             return f"{self.text(digits)} (resolved: the interval excludes 0)"
         if self.half == 0 and self.mean == 0:
             return f"{self.text(digits)} (exactly 0 in every seed)"
+        if self.spreadless:
+            return f"{self.text(digits)} (the same in all {self.n} seeds: no spread, so no t-interval; not resolved)"
         return f"{self.text(digits)} (not resolvable: the interval holds 0)"
 
 
@@ -118,12 +133,27 @@ def _mean(rs: list[dict], field: str) -> float:
 
 
 def _at(cells: dict[tuple, list[dict]], grid: Grid, kind: str, rate: float) -> dict[str, list[dict]]:
-    """A mode's rows at one rate by policy (the grid's first budget; the defaults at their own)."""
-    out: dict[str, list[dict]] = {}
-    for (k, r, policy, budget, _), rs in cells.items():
-        if k == kind and r == rate and (budget == grid.budgets[0] or policy in ON_DEFAULTS):
-            out.setdefault(policy, rs)
-    return out
+    """A mode's rows at one rate by policy: the grid's first budget, and of a policy's floors the first the
+    grid names (a policy without fix 1 runs at floor 1, which the grid need not name; the policies on the
+    shipped config at their own budget and floor). `at_text` names them where the grid has more than one."""
+    keys = [key for key in cells if key[:2] == (kind, rate) and (key[3] == grid.budgets[0] or key[2] in ON_DEFAULTS)]
+    rank = {f: i for i, f in enumerate(grid.fractions)}
+    first: dict[str, tuple] = {}
+    for key in sorted(keys, key=lambda key: rank.get(key[4], len(rank))):
+        first.setdefault(key[2], key)
+    return {key[2]: cells[key] for key in keys if first[key[2]] == key}
+
+
+def cell_name(grid: Grid, policy: str, budget: int, frac: float) -> str:
+    """`policy (budget B)`, and its floor where the grid has more than one: the name of one cell."""
+    return f"{policy} (budget {budget}" + (f", floor {frac}" if len(grid.fractions) > 1 else "") + ")"
+
+
+def at_text(grid: Grid) -> str:
+    """The budget and floor `_at` takes, where the grid has more than one of either; else ""."""
+    parts = ([f"budget {grid.budgets[0]}"] if len(grid.budgets) > 1 else []) + (
+        [f"floor {grid.fractions[0]}"] if len(grid.fractions) > 1 else [])
+    return f" ({', '.join(parts)}; the policies on the shipped config at their own)" if parts else ""
 
 
 def _differs(a: list[dict], b: list[dict], field: str) -> str:

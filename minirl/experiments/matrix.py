@@ -6,7 +6,9 @@ its books balanced, or refused up front.
     python -m minirl.experiments.matrix --subset suite       # the four `make test` runs
 
 Cells and books: docs/experiments.md, "The switch matrix". Invariant: a cell runs at most once per output
-directory (results.csv is the resume point), and every row's verdict comes from the run's own files.
+directory (results.csv is the resume point), every row's verdict comes from the run's own files, and a
+cell's seed (its fault stream and worker hang) is `--seed` plus its position in the whole matrix, whether it
+runs in a fresh matrix, a resumed one, a `--subset` or `--cells`.
 """
 
 from __future__ import annotations
@@ -274,9 +276,13 @@ def shared_workers(names: set[str]):
         ray.shutdown()
 
 
-def run_matrix(cells: list[dict], out: Path, steps: int, seed: int, attach: dict | None = None) -> list[dict]:
+def run_matrix(cells: list[dict], out: Path, steps: int, seed: int, attach: dict | None = None,
+               order: list[str] | None = None) -> list[dict]:
     """Runs the cells not yet in out/results.csv, on `attach` (model name -> the overrides that attach a
-    run to its shared workers; started here when None), and returns every cell's row."""
+    run to its shared workers; started here when None), and returns every cell's row. A cell's seed is
+    `seed` plus its position in `order`, the whole matrix's cell names (default: `cells`'s), never among
+    the cells still to run: resumed, or run alone, a cell meets the faults a fresh whole run gives it."""
+    position = {name: k for k, name in enumerate(order or [c["cell"] for c in cells])}
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.csv"
     done = {}
@@ -294,7 +300,7 @@ def run_matrix(cells: list[dict], out: Path, steps: int, seed: int, attach: dict
             if new:
                 writer.writeheader()
             for k, cell in enumerate(todo):
-                row = run_cell(cell, out, steps, attach, seed + k)
+                row = run_cell(cell, out, steps, attach, seed + position[cell["cell"]])
                 writer.writerow(row)
                 f.flush()
                 done[cell["cell"]] = {c: str(row.get(c, "")) for c in COLUMNS}
@@ -311,13 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     pairwise = pairwise_cells()
-    cells = {"all": pairwise + risky_cells(), "risky": risky_cells(), "pairwise": pairwise,
+    whole = pairwise + risky_cells()
+    cells = {"all": whole, "risky": risky_cells(), "pairwise": pairwise,
              "suite": [c for c in risky_cells() if c["cell"] in SUITE_CELLS]}[args.subset]
     if args.cells:
         cells = [c for c in cells if c["cell"] in args.cells]
     t0 = time.time()
     refusals = check_refusals()
-    rows = run_matrix(cells, Path(args.out), args.steps, args.seed)
+    rows = run_matrix(cells, Path(args.out), args.steps, args.seed, order=[c["cell"] for c in whole])
     from minirl.experiments.matrix_report import write_report
 
     broken = write_report(Path(args.out), rows, refusals, coverage(pairwise), time.time() - t0)

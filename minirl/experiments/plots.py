@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from minirl.experiments.cells import validations
-from minirl.experiments.estimates import _rate
+from minirl.experiments.estimates import _rate, _values
 from minirl.experiments.grid import ON_DEFAULTS, POLICIES, Grid
 from minirl.experiments.stats import mean_ci
 
@@ -67,7 +67,7 @@ def _survival(plt, rows: list[dict], grid: Grid, kind: str, budget: int):
             if _in_plot(r, kind, policy, budget):
                 by_rate.setdefault(r["rate"], []).append(r)
         pts = sorted((rate, sum(r["steps_completed"] / r["steps_target"] for r in rs) / len(rs),
-                      sum(r["fraction_trained"] for r in rs) / len(rs)) for rate, rs in by_rate.items())
+                      mean_ci(_values(rs, "fraction_trained"))[0]) for rate, rs in by_rate.items())
         if pts:
             axes[0].plot([100 * p[0] for p in pts], [p[1] for p in pts], **_style(policy))
             axes[1].plot([100 * p[0] for p in pts], [p[2] for p in pts], **_style(policy))

@@ -1,11 +1,13 @@
 """The sweep's four questions (does shrink's dropping skew training toward easy prompts, does
 end_episode's masking, does redispatch avoid it, does `grpo.baseline_excludes_masked` change the
 outcome) and the pick per fault mode, answered from the estimates. Invariant: an answer says Yes or
-No only where its estimate's interval excludes 0; otherwise it says not resolvable."""
+No only where its estimate's interval excludes 0; otherwise it says not resolvable. A skew is a room
+count trained minus dispatched (negative: an easier mix), and a gap `p − q` is p's skew less q's, paired
+by seed."""
 
 from __future__ import annotations
 
-from minirl.experiments.estimates import Estimate, _ci, _level, _mean, _paired, _rate
+from minirl.experiments.estimates import Estimate, _ci, _level, _mean, _paired, _rate, cell_name
 from minirl.experiments.grid import DEFAULTS, MASKED_IN_BASELINE, MASKED_REWARDS, Grid
 
 Question = tuple[str, list[str], list[Estimate]]
@@ -67,7 +69,9 @@ def _redispatch(here: dict[str, list[dict]], shift: dict[str, Estimate]) -> Ques
     rs, e = here["+redispatch"], shift["+redispatch"]
     gaps = [_paired(here[p], rs, "rooms_shift", f"skew: {p} − +redispatch")
             for p in ("+shrink", "+end_episode", DEFAULTS) if p in here]
-    ans = "**No**" if e.sign else "**Yes**" if all(g.sign for g in gaps) else "**Not resolvably**"
+    # Yes: its own skew holds 0 and every other policy skews resolvably further toward easy prompts than it does
+    avoids = bool(gaps) and all(g.sign < 0 for g in gaps)
+    ans = "**No**" if e.sign else "**Yes**" if avoids else "**Not resolvably**"
     lines = [f"{ans}. +redispatch re-sent {_mean(rs, 'groups_redispatched'):.1f} groups a run, dropped "
              f"{_mean(rs, 'groups_dropped'):.1f} and masked {_mean(rs, 'rollouts_masked'):.1f}; it trained "
              f"{e.resolved()} rooms against dispatched."]
@@ -141,13 +145,14 @@ def _third_baseline(here: dict[str, list[dict]]) -> Question | None:
 def what_to_pick(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:
     """One line per fault mode at its highest rate, from the estimates the skew and validation plots
     draw: the policies without a resolvable skew, the best final validation reward and which
-    policies are not resolvably below it (paired by seed), and the pick that follows."""
+    policies are not resolvably below it (paired by seed), and the pick that follows. A candidate is a
+    cell: a policy at one budget and floor (the floor named where the grid has more than one)."""
     lines = []
     for kind in grid.kinds:
         rate = max(r for (k, r, *_) in cells if k == kind)
-        here = {(p, b): rs for (k, r, p, b, _), rs in cells.items() if k == kind and r == rate}
+        here = {(p, b, f): rs for (k, r, p, b, f), rs in cells.items() if k == kind and r == rate}
         alive = {key: rs for key, rs in here.items() if all(r["survived"] for r in rs)}
-        name = lambda key: f"{key[0]} (budget {key[1]})"  # noqa: E731
+        name = lambda key: cell_name(grid, *key)  # noqa: E731
         if not alive:
             lines.append(f"- **{kind} {_rate(kind, rate)}**: no policy survived every seed.")
             continue

@@ -8,8 +8,9 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from minirl.experiments.estimates import _at, _by_rooms, _ci, _cells, _differs, _mean, _rate, _skew_verdict, kind_text
-from minirl.experiments.grid import DEFAULTS, Grid
+from minirl.experiments.estimates import (_at, _by_rooms, _ci, _cells, _differs, _mean, _rate, _skew_verdict, at_text,
+                                          cell_name, kind_text)
+from minirl.experiments.grid import DEFAULTS, ON_DEFAULTS, Grid
 from minirl.experiments.plots import make_plots
 from minirl.experiments.questions import four_questions, what_to_pick
 
@@ -23,13 +24,13 @@ def write_report(rows: list[dict], grid: Grid, out: Path, title: str) -> list[Pa
         lines += _mode_table(cells, grid, kind)
     for (kind, rate), qs in answers.items():
         if qs:
-            lines += [f"## The questions of issue M: {kind} {_rate(kind, rate)}", ""]
+            lines += [f"## The questions of issue M: {kind} {_rate(kind, rate)}{at_text(grid)}", ""]
             for q, ans, _ in qs:
                 lines += [f"**{q}** " + " ".join(ans), ""]
     lines += _differences(cells, grid)
     lines += ["", "## Bias: what reached the optimizer", ""]
     for (kind, rate, policy, budget, frac), rs in cells.items():
-        lines.append(f"- {kind} {_rate(kind, rate)}, {policy} (budget {budget}): {_skew_verdict(rs)}.")
+        lines.append(f"- {kind} {_rate(kind, rate)}, {cell_name(grid, policy, budget, frac)}: {_skew_verdict(rs)}.")
     lines += ["", "## What to pick", "", *what_to_pick(cells, grid), ""]
     lines += _why_died(rows)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
@@ -74,7 +75,7 @@ def _mode_table(cells: dict[tuple, list[dict]], grid: Grid, kind: str) -> list[s
                             for f in ("groups_dropped", "rollouts_masked", "groups_redispatched"))
         lines.append(f"| {policy} | {budget} | {frac} | {_rate(kind, rate)} | {surv} | {counts} "
                      f"| {_ci(rs, 'fraction_trained')} | {_ci(rs, 'val_reward_start')} "
-                     f"| {_ci(rs, 'val_reward_final')} | {_ci(rs, 'val_success_final')} | {_by_rooms(rs)} "
+                     f"| {_ci(rs, 'val_reward_final')} | {_ci(rs, 'val_success_final')} | {_by_rooms(rs, grid.mix)} "
                      f"| {_ci(rs, 'rooms_shift')} | {_ci(rs, 'skew_tv')} |")
     rooms = " / ".join(f"{k} room(s)" for k in grid.mix)
     lines += ["", f"Final val reward by rooms: {rooms}, mean over seeds. Dropped / masked / re-sent: prompt "
@@ -83,17 +84,34 @@ def _mode_table(cells: dict[tuple, list[dict]], grid: Grid, kind: str) -> list[s
     return lines
 
 
+def _base_cell(cells: dict[tuple, list[dict]], grid: Grid, base: str, cell: tuple) -> tuple | None:
+    """The `base` cell that `cell` (kind, rate, policy, budget, floor) is compared with: the same mode, rate
+    and drop budget, and the same floor where base ran it (else base's first). A policy on the shipped config
+    runs at its own budget, so a base on it matches any budget, and a policy on it meets the base at the
+    grid's first budget (as `_at` takes them). None where base ran no such cell."""
+    kind, rate, policy, budget, frac = cell
+    same = [key for key in cells if key[:3] == (kind, rate, base) and (
+        key[3] == budget or base in ON_DEFAULTS or policy in ON_DEFAULTS and key[3] == grid.budgets[0])]
+    return next((key for key in same if key[4] == frac), same[0] if same else None)
+
+
 def _differences(cells: dict[tuple, list[dict]], grid: Grid) -> list[str]:
     base = DEFAULTS if DEFAULTS in grid.policies else grid.policies[0]
     lines = ["## Which differences are real", "",
-             f"Each policy against `{base}` in the same mode and rate: the per-seed difference (policy − {base}), "
-             "mean ± its 95% t-interval.", ""]
+             f"Each policy against `{base}` in the same mode and rate, at the same drop budget (and floor, where "
+             f"`{base}` ran it; a policy on the shipped config runs at its own): the per-seed difference "
+             f"(policy − {base}), mean ± its 95% t-interval. Each line names the two cells compared.", ""]
     for (kind, rate, policy, budget, frac), rs in cells.items():
-        ref = next((v for (k2, r2, p2, _, _), v in cells.items() if (k2, r2, p2) == (kind, rate, base)), None)
-        if ref is None or policy == base:
+        if policy == base or not any(k[:3] == (kind, rate, base) for k in cells):
             continue
-        lines.append(f"- {kind} {_rate(kind, rate)}, {policy} (budget {budget}): final val reward "
-                     f"{_differs(rs, ref, 'val_reward_final')}; skew {_differs(rs, ref, 'rooms_shift')}.")
+        ref = _base_cell(cells, grid, base, (kind, rate, policy, budget, frac))
+        this = f"- {kind} {_rate(kind, rate)}, {cell_name(grid, policy, budget, frac)}"
+        if ref is None:
+            lines.append(f"{this}: no `{base}` cell at budget {budget} to compare with.")
+            continue
+        lines.append(f"{this} − {cell_name(grid, *ref[2:])}: final val reward "
+                     f"{_differs(rs, cells[ref], 'val_reward_final')}; "
+                     f"skew {_differs(rs, cells[ref], 'rooms_shift')}.")
     if len(grid.policies) < 2:
         lines.append("- One policy only: nothing to compare.")
     return lines

@@ -35,28 +35,35 @@ def mass_skew(run_dir: Path) -> dict:
     trained minus those dispatched: what masks and drops remove), and this loss-mass skew: each
     step's `loss_mass_by_group` (a group's trained tokens x their segment weight, as a share of the
     step's) weighted by its prompt's room count, minus the mean room count dispatched. Weighting
-    moves the second and never the first (it trains the same rollouts, with other weights)."""
+    moves the second and never the first (it trains the same rollouts, with other weights). A step that
+    trained no token (every rollout masked: its shares are all 0) places no mass, and is left out of
+    both means rather than read as mass on 0 rooms."""
     from minirl.config import load_config
     from minirl.data import num_rooms, task_seed
 
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
-    if not rows:
-        return {"mass_rooms_mean": float("nan"), "mass_shift": float("nan"), "segments_per_rollout": float("nan")}
+    massed = [r for r in rows if any(r["loss_mass_by_group"])]
+    trained = sum(r["rollouts_trained"] for r in rows)
+    out = {"segments_per_rollout": sum(r["traces_trained"] for r in rows) / trained if trained else float("nan")}
+    if not massed:
+        return {**out, "mass_rooms_mean": float("nan"), "mass_shift": float("nan")}
     cfg = load_config(str(Path(run_dir) / "config.yaml"))
     mass = dispatched = 0.0
-    for r in rows:
+    for r in massed:
         rooms = [num_rooms(cfg, task_seed(cfg, r["step"], g)) for g in range(cfg.grpo.num_prompts_per_step)]
         mass += sum(m * k for m, k in zip(r["loss_mass_by_group"], rooms))
         dispatched += sum(rooms) / len(rooms)
-    trained = sum(r["rollouts_trained"] for r in rows)
-    return {"mass_rooms_mean": mass / len(rows), "mass_shift": (mass - dispatched) / len(rows),
-            "segments_per_rollout": sum(r["traces_trained"] for r in rows) / trained if trained else float("nan")}
+    return {**out, "mass_rooms_mean": mass / len(massed), "mass_shift": (mass - dispatched) / len(massed)}
 
 
 def report(rows: list[dict], grid: Grid) -> list[str]:
-    """segments.md: per policy, mean ± 95% t-interval over seeds; against token_mean, paired by seed."""
-    from minirl.experiments.stats import mean_ci, paired_ci
+    """segments.md: per policy, mean ± 95% t-interval over seeds; against token_mean, paired by seed.
+    A seed without a value (nan: a run that died before its first step) drops out of that field only,
+    and a cell says how many seeds it holds where that is fewer than the policy ran, as the sweep's
+    estimates do (minirl.experiments.estimates: the mean alone for one value, "–" for none)."""
+    from minirl.experiments.estimates import Estimate, _ci, _values
+    from minirl.experiments.stats import paired_ci
 
     fields = [("segments_per_rollout", "segments / rollout"), ("rooms_shift", "rollout-count skew (rooms)"),
               ("mass_shift", "loss-mass skew (rooms)"), ("val_reward_start", "held-out reward, start"),
@@ -64,8 +71,10 @@ def report(rows: list[dict], grid: Grid) -> list[str]:
     by = {p: {r["seed"]: {**r, **mass_skew(r["run_dir"])} for r in rows if r["policy"] == p} for p in grid.policies}
     out = ["| policy | " + " | ".join(label for _, label in fields) + " |", "|---" * (len(fields) + 1) + "|"]
     for p, runs in by.items():
-        cells = [mean_ci([float(x[f]) for x in runs.values()]) for f, _ in fields]
-        out.append(f"| {p} | " + " | ".join(f"{m:.3f} ± {h:.3f}" for m, h in cells) + " |")
+        rs = [{f: float(x[f]) for f, _ in fields} for x in runs.values()]
+        n = {f: len(_values(rs, f)) for f, _ in fields}
+        out.append(f"| {p} | " + " | ".join(_ci(rs, f, 3) + (f" (n={n[f]})" if 0 < n[f] < len(rs) else "")
+                                            for f, _ in fields) + " |")
     out += ["", f"Against `{DEFAULTS}` (token_mean, all), per-seed differences (mean ± 95% t-interval, n pairs):", "",
             "| policy | loss-mass skew | held-out reward, final |", "|---|---|---|"]
     base = by[DEFAULTS]
@@ -74,7 +83,7 @@ def report(rows: list[dict], grid: Grid) -> list[str]:
             continue
         d = [paired_ci({s: float(x[f]) for s, x in runs.items()}, {s: float(x[f]) for s, x in base.items()})
              for f in ("mass_shift", "val_reward_final")]
-        out.append(f"| {p} | " + " | ".join(f"{m:+.3f} ± {h:.3f} (n={n})" for m, h, n in d) + " |")
+        out.append(f"| {p} | " + " | ".join(f"{Estimate('', *e).text(3)} (n={e[2]})" for e in d) + " |")
     return out
 
 

@@ -105,12 +105,13 @@ def rooms_mix(rooms_of, steps: int, groups: int, generations: int, events: list[
 
     `rooms_of(step, group)` gives a prompt's room count; `events` are the run's events.jsonl lines:
     a `drop` event (decision `dropped`) or a `failure` event with decision `skipped` removes its
-    group, and a `mask` event removes one rollout of a kept group."""
-    gone = {(e["step"], e["group"]) for e in events if e.get("step", steps) < steps and (
-        (e.get("type") == "drop" and e.get("decision") == "dropped")
-        or (e.get("type") == "failure" and e.get("decision") == "skipped"))}
-    masked = Counter((e["step"], e["group"]) for e in events
-                     if e.get("type") == "mask" and e.get("step", steps) < steps)
+    group, and a `mask` event removes one rollout of a kept group. Only the events of a completed step
+    count: an event without an integer step (cluster._run_failed writes `"step": null` when the
+    controller does not answer) names none and is skipped."""
+    done = [e for e in events if isinstance(e.get("step"), int) and e["step"] < steps]
+    gone = {(e["step"], e["group"]) for e in done if (e.get("type") == "drop" and e.get("decision") == "dropped")
+            or (e.get("type") == "failure" and e.get("decision") == "skipped")}
+    masked = Counter((e["step"], e["group"]) for e in done if e.get("type") == "mask")
     dispatched, trained = Counter(), Counter()
     for s in range(steps):
         for g in range(groups):

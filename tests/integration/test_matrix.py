@@ -1,10 +1,11 @@
 """The switch matrix (minirl/experiments/matrix.py): its table reads the config's own values, its pairwise
 cells cover every allowed pair and each loads, every refusal is a ConfigError naming its key (exit 2 through
-the CLI), the invariant checker catches each kind of broken book, and the risky cells, run for real under
-faults on shared workers, keep their books balanced."""
+the CLI), the invariant checker catches each kind of broken book, a cell keeps its seed however the matrix is
+run, and the risky cells, run for real under faults on shared workers, keep their books balanced."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from helpers import SHARED_WORKERS
 from minirl.config import REPO_ROOT, SAMPLER_TRAITS, ConfigError, load_config
-from minirl.experiments import matrix
+from minirl.experiments import matrix, matrix_report
 from minirl.experiments.invariants import check_run
 from minirl.experiments.switches import cell_overrides, choices, refusal_examples, refused, switches
 
@@ -250,3 +251,30 @@ def test_every_dispatched_group_has_one_fate_under_an_unstamped_sampler(tmp_path
     _write(tmp_path, rows, events, ledger, end=end)
     problem = check_run(tmp_path, 0, "", cfg)
     assert problem == expected if expected is None else problem.startswith(expected), problem
+
+
+def test_a_cell_runs_on_its_seed_in_the_whole_matrix_however_it_is_run(tmp_path, monkeypatch):
+    """A cell's seed (its fault stream and worker hang) is --seed plus its position in the whole matrix: a
+    resumed matrix, a --subset and --cells run each cell on the seed a fresh whole run gives it, not on its
+    position among the cells still to run."""
+    seen: dict[str, dict[str, int]] = {}
+
+    def run_cell(cell, out, steps, attach, seed):
+        seen.setdefault(out.name, {})[cell["cell"]] = seed
+        return {**cell, "rc": 0, "verdict": "ok"}
+
+    pairwise = [matrix._default_cell() | {"cell": f"pw{i:02d}", "kill": False} for i in range(3)]
+    monkeypatch.setattr(matrix, "pairwise_cells", lambda: pairwise)
+    monkeypatch.setattr(matrix, "coverage", lambda cells: (0, 0, []))
+    monkeypatch.setattr(matrix, "check_refusals", lambda: [])
+    monkeypatch.setattr(matrix, "shared_workers", lambda models: contextlib.nullcontext({}))
+    monkeypatch.setattr(matrix, "run_cell", run_cell)
+    monkeypatch.setattr(matrix_report, "write_report", lambda *args: 0)
+    for name, argv in [("whole", []), ("resumed", ["--cells", "pw01", "risky-in_order-kill"]), ("resumed", []),
+                       ("risky", ["--subset", "risky"]), ("one", ["--cells", "risky-summarize-async"])]:
+        assert matrix.main(["--out", str(tmp_path / name), "--seed", "7", *argv]) == 0
+    whole = seen["whole"]
+    assert list(whole.values()) == list(range(7, 7 + 3 + len(matrix.risky_cells())))  # a fresh whole run: as before
+    assert seen["resumed"] == whole  # pw01 and the kill cell first, the rest on resume
+    assert all(seen[name][c] == whole[c] for name in ("risky", "one") for c in seen[name])
+    assert seen["one"] == {"risky-summarize-async": whole["risky-summarize-async"]}

@@ -63,3 +63,13 @@ def test_skew_of_a_policy_that_loses_hard_prompts():
     _, t2 = rooms_mix(lambda s, g: 1 if g < 2 else 4, 3, 4, 2, events)
     assert t2[1] == 8 + 0 and difficulty_skew({1: 4, 3: 4}, {1: 2, 3: 2})["skew_tv"] == 0
     assert math.isnan(difficulty_skew({1: 4}, {})["skew_tv"])
+
+
+def test_an_event_without_a_step_is_skipped():
+    """cluster._run_failed writes `"step": null` when the controller does not answer: the mixes skip it
+    (it names no step), rather than comparing None with the step count and ending the whole sweep."""
+    events = [{"type": "drop", "step": 0, "group": 2, "decision": "dropped"},
+              {"type": "run_failed", "step": None, "error": "RayActorError: controller died"},
+              {"type": "mask", "step": None, "group": 3}, {"type": "mask", "group": 3}]
+    dispatched, trained = rooms_mix(lambda s, g: 1 if g < 2 else 4, 1, 4, 2, events)
+    assert dispatched == {1: 4, 4: 4} and trained == {1: 4, 4: 2}

@@ -153,6 +153,41 @@ def test_a_finished_run_without_a_row_is_read_not_rerun(tmp_path, monkeypatch):
     assert len(calls) == 2 and len(sweep.read_rows(out / "results.csv")) == 1
 
 
+def test_a_resumed_part_killed_before_its_own_run_end_is_left_for_the_next_invocation(tmp_path, monkeypatch):
+    """events.jsonl is appended across parts: the run_end of the part the sweep stopped does not close the part
+    that resumed from its checkpoint and was then SIGKILLed (no row, resumed again next time); one that closes
+    its own books gets its row."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    run_dir = sweep.run_dir_of(runs, "doors_memory", "recency", 0)
+    write_jsonl(run_dir / "metrics.jsonl", [{"step": s} for s in range(25)])
+    write_jsonl(run_dir / "events.jsonl", [{"type": "run_failed", "step": 25, "error": "KeyboardInterrupt: "},
+                                           {"type": "run_end", "step": 25}])  # part 1, stopped with the sweep
+    checkpoint(run_dir, 20)
+    parts = []
+
+    def part(rd, argv, closes):
+        parts.append(argv)
+        with open(rd / "events.jsonl", "a") as f:
+            f.write(json.dumps({"type": "resumed", "from_step": 20}) + "\n")
+            if closes:
+                f.write(json.dumps({"type": "run_end", "step": 40}) + "\n")
+        write_jsonl(rd / "metrics.jsonl", [{"step": s} for s in range(40 if closes else 22)])
+        return (0, "", 30.0) if closes else (-9, "", 3.0)
+
+    args = type("A", (), {"out": str(out), "runs": str(runs), "seeds": [0], "tasks": ["doors_memory"],
+                          "arms": ["recency"], "steps": 40, "save_every": 20, "val_prompts": 16})
+    monkeypatch.setattr(sweep, "train_part", lambda rd, argv: part(rd, argv, closes=False))
+    sweep.run_cells(args)
+    assert len(parts) == 1 and "checkpoint.resume=auto" in parts[0]
+    assert not sweep.ended(run_dir) and sweep.read_rows(out / "results.csv") == []
+    assert sweep.cell_state(run_dir, 40) == "resume"
+    monkeypatch.setattr(sweep, "train_part", lambda rd, argv: part(rd, argv, closes=True))
+    sweep.run_cells(args)
+    assert len(parts) == 2 and "checkpoint.resume=auto" in parts[1]
+    (row,) = sweep.read_rows(out / "results.csv")
+    assert (row["survived"], row["steps"], row["parts"], row["wall_s"]) == ("True", "40", "2", "33.0")  # both parts
+
+
 # ------------------------------------------------------------------------------------ paired report
 def test_the_report_pairs_arms_by_seed():
     rows = []
@@ -217,6 +252,9 @@ def test_the_report_reads_only_the_seeds_asked_for(tmp_path):
     args = type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": [11]})
     text = sweep.report(args)
     assert f"| {arm} | 11 |" in text and f"| {arm} | 0 |" not in text and "reads seeds [11] alone" in text
+    # the header names the command that rewrites this report, the seeds it read included
+    command = f"python scripts/summarize_experiments.py --report-only --out {tmp_path} --report-seeds 11"
+    assert f"by `{command}` from results.csv" in text, text[:400]
     links = re.findall(r"\]\(([^)]+\.md)\)", text)  # rule.md and segments.md, from wherever the report stands
     assert {Path(link).name for link in links} >= {"rule.md", "segments.md"}, links
     assert all((tmp_path / link).resolve().is_file() for link in links), links
@@ -227,19 +265,29 @@ def test_the_claims_verdict_follows_the_declared_rule():
     fact-room intervals lie above 0; fewer than 10 seeds are not judged."""
     arm = sweep.EXPERIMENT_ARMS[-1]
 
-    def rows(seeds=range(10), flat=(), died=(), fact_final=0.7):
+    def rows(seeds=sweep.CLAIM_SEEDS, flat=(), died=(), fact_final=0.7):
         out = [{"task": "doors_memory", "arm": "recency", "seed": str(s), "val_fact_final": str(0.1 + s % 3 / 20),
                 "survived": "True"} for s in seeds]
         return out + [{"task": "doors_memory", "arm": arm, "seed": str(s), "survived": str(s not in died),
                        "val_fact_start": str(0.05 + s % 2 / 20), "val_fact_final": str(fact_final - s % 4 / 20),
                        "recall_curve": json.dumps([0.1] * 20 + [0.1 if s in flat else 0.45] * 20)} for s in seeds]
 
-    assert sweep.claim(rows(flat=[3]), "doors_memory", arm).startswith("holds: recall rose by >= 0.3 on 9 of 10")
-    assert sweep.claim(rows(flat=[3], died=[5]), "doors_memory", arm).startswith("does not hold: recall rose by "
-                                                                                   ">= 0.3 on 8 of 10")
+    assert sweep.claim(rows(flat=[13]), "doors_memory", arm).startswith("holds: recall rose by >= 0.3 on 9 of 10")
+    assert sweep.claim(rows(flat=[13], died=[15]), "doors_memory", arm).startswith("does not hold: recall rose by "
+                                                                                     ">= 0.3 on 8 of 10")
     assert sweep.claim(rows(fact_final=0.12), "doors_memory", arm).startswith("does not hold: recall rose by >= "
                                                                               "0.3 on 10 of 10")
-    assert sweep.claim(rows(seeds=range(9)), "doors_memory", arm) == "not judged yet: 9 of its 10 seeds run"
+    nine = "not judged yet: 9 of its 10 seeds (10-19) run by both arms"
+    assert sweep.claim(rows(seeds=range(10, 19)), "doors_memory", arm) == nine
+    # development seeds beside the declared ones: judged on 10-19 alone, not as 9 risen of 15 run
+    dev = rows(seeds=range(5))
+    assert sweep.claim(dev + rows(flat=[13, 14]), "doors_memory", arm).startswith(
+        "does not hold: recall rose by >= 0.3 on 8 of 10")
+    assert sweep.claim(dev + rows(seeds=range(10, 19)), "doors_memory", arm) == nine  # 14 seeds, 9 declared
+    no_recency = [r for r in rows() if not (r["arm"] == "recency" and r["seed"] == "19")]
+    assert sweep.claim(no_recency, "doors_memory", arm) == nine
+    rule = (REPO / "docs/experiments/summarize/rule.md").read_text()
+    assert f"**Seeds {sweep.CLAIM_SEEDS[0]}-{sweep.CLAIM_SEEDS[-1]}**" in rule  # the set rule.md declares
 
 
 def test_a_part_the_sweep_did_not_live_to_close_counts_to_the_runs_last_write(tmp_path):
