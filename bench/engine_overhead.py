@@ -40,10 +40,16 @@ sits against.
     python bench/engine_overhead.py --load [--agents 256] [--seconds 60]
 
 Load mode: no raw side. `--agents` concurrent agents each call the generation-worker actor's
-`/v1/chat/completions` in a loop for `--seconds` (a fresh doors prompt and seed per call, with the
-rollout header and the body minirl's model client sends, so the call log is written as in
-training); reports per-request latency p50/p99 (client side) and generated tokens/s over the
-window, and checks that the call log recorded every call.
+`/v1/chat/completions` in a loop, WARM_UP_S of warm-up, then `--seconds` measured (a fresh doors
+prompt and seed per call, with the rollout header and the body minirl's model client sends, so the
+call log is written as in training); reports per-request latency p50/p99 (client side) and
+generated tokens/s over the window, and checks that the call log recorded every call.
+
+Invariants: no call is sent twice: agent a's k-th call of the whole run (warm-up and window
+counted on) is step k's row a with seed `k * agents + a` and rollout key `s0.g<a>.r<k>.a0.c0`, so
+the window's calls are ones neither the engine's prefix cache nor the call log has seen. The
+window's call-log records (drained after its last call returned) number the calls it sent, or
+the bench exits 1, as it does when a call failed.
 """
 
 from __future__ import annotations
@@ -524,6 +530,10 @@ async def _session():
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
 
+WARM_UP_S = 5.0
+"""Load mode's warm-up before the measured window: the same agents, on calls of their own."""
+
+
 def load(args) -> int:
     import aiohttp
     import numpy as np
@@ -548,39 +558,41 @@ def load(args) -> int:
         return chat_body(cfg.policy.model_name, items_to_messages(params["input"]), chat_tools(params["tools"]),
                          {**params, "seed": k * args.agents + agent})
 
-    async def run() -> tuple[list[float], int, int, int]:
-        latencies, tokens, failed, drained = [], [0], [0], [0]
+    async def run() -> tuple[list[float], int, int, int, int]:
+        latencies, tokens, failed, sent = [], [0], [0], [0]
+        ks = [0] * args.agents  # each agent's next call: the window goes on where its warm-up stopped
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=600)) as http:
             async def agent(a: int, end: float):
-                k = 0
                 while time.perf_counter() < end:
+                    k = ks[a]
+                    ks[a] += 1
                     b, key = body(a, k), f"s0.g{a}.r{k}.a0.c0"
                     t0 = time.perf_counter()
+                    sent[0] += 1
                     async with http.post(url, json=b, headers={ROLLOUT_HEADER: key}) as r:
                         data = await r.json()
                     if time.perf_counter() <= end:  # only calls that finish inside the window count
                         latencies.append(time.perf_counter() - t0)
                         tokens[0] += data["usage"]["completion_tokens"] if r.status == 200 else 0
                         failed[0] += r.status != 200
-                    k += 1
 
-            await asyncio.gather(*(agent(a, time.perf_counter() + 5.0) for a in range(args.agents)))  # warm up
+            await asyncio.gather(*(agent(a, time.perf_counter() + WARM_UP_S) for a in range(args.agents)))
             await asyncio.to_thread(ray.get, gen.take_calls.remote(0))
             latencies.clear()
-            tokens[0] = failed[0] = 0
+            tokens[0] = failed[0] = sent[0] = 0
             await asyncio.gather(*(agent(a, time.perf_counter() + args.seconds) for a in range(args.agents)))
-            drained[0] = len(await asyncio.to_thread(ray.get, gen.take_calls.remote(0)))
-        return latencies, tokens[0], failed[0], drained[0]
+            drained = len(await asyncio.to_thread(ray.get, gen.take_calls.remote(0)))
+        return latencies, tokens[0], failed[0], sent[0], drained
 
     before = ray.get(gen.stats.remote())
-    latencies, tokens, failed, recorded = asyncio.run(run())
+    latencies, tokens, failed, sent, recorded = asyncio.run(run())
     after = ray.get(gen.stats.remote())
     ray.shutdown()
     p50, p99 = (float(np.percentile(latencies, q)) for q in (50, 99))
     busy = after["busy_s"] - before["busy_s"]
     print(f"{len(latencies)} calls in the {args.seconds:.0f} s window ({failed} failed), "
-          f"{recorded} call-log records in all; "
+          f"{recorded} call-log records of the window's {sent} calls sent; "
           f"engine stepping {busy:.1f} s of the run")
     print()
     print("| benchmark | agents | window | calls | latency p50 | latency p99 | tokens/s |")
@@ -588,7 +600,9 @@ def load(args) -> int:
     print(f"| engine_overhead --load | {args.agents} | {args.seconds:.0f} s | {len(latencies)} | {p50 * 1000:.0f} ms "
           f"| {p99 * 1000:.0f} ms | "
           f"{tokens / args.seconds:.0f} |")
-    return 0 if failed == 0 else 1
+    if recorded != sent:
+        print(f"error: the call log recorded {recorded} of the window's {sent} calls", file=sys.stderr)
+    return 0 if failed == 0 and recorded == sent else 1
 
 
 if __name__ == "__main__":

@@ -51,8 +51,9 @@ def main(argv=None, attach: list[str] | None = None) -> int:
             alive = "" if r["survived"] else f" (died at step {r['died_at_step']})"
             cells.append(f"{r['fraction_trained']:.3f}{alive}")
         print(f"| {policy} | " + " | ".join(cells) + " |")
-    print(f"\nP3 fraction of generated rollouts trained, agent_exception, {grid.steps} steps of 8 x 4, drop budget 5. "
-          "Targets at 5%: >= 0.99 with redispatch, >= 0.95 with shrink alone; upstream dies.")
+    own = next((f" (minirl defaults: its own, {r['budget']})" for r in rows if r["policy"] == "minirl defaults"), "")
+    print(f"\nP3 fraction of generated rollouts trained, agent_exception, {grid.steps} steps of 8 x 4, "
+          f"drop budget 5{own}. Targets at 5%: >= 0.99 with redispatch, >= 0.95 with shrink alone; upstream dies.")
     return 0
 
 

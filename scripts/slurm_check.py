@@ -17,7 +17,9 @@ The checks, each printed with its time:
      a checkpoint land in the run dir, no Ray process is left on either node, sacct: COMPLETED 0:0;
   3. the worker node's raylet killed mid-run: the job fails within a bound, its output's last
      `error:` line names the node, nothing is left running, sacct: FAILED;
-  4. `scancel` mid-run: the driver states what it lost, Ray stops on every node, sacct: CANCELLED;
+  4. `scancel` mid-run: the driver states what it lost and closes the run's books (events.jsonl's
+     `run_failed` then `run_end`, ledger/run_end.jsonl: the sidecars keep Ray up until the driver is
+     done), Ray stops on every node, sacct: CANCELLED;
   5. a cluster that never becomes ready (the worker's Ray cannot start): the job fails at
      MINIRL_READY_TIMEOUT_S with its one `error:` line.
 
@@ -29,6 +31,7 @@ clearing what an interrupted earlier run may have left (idempotent). Exit 0 only
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -391,21 +394,22 @@ def check_job(cl: Cluster) -> None:
     say(f"job output ({out}):\n" + tail(out, 40))
 
 
-def submit_long(cl: Cluster, name: str) -> tuple[str, Path] | None:
-    """A long run (a checkpoint every step), once it has logged its first step; None if it did not."""
+def submit_long(cl: Cluster, name: str) -> tuple[str, Path, Path] | None:
+    """A long run (a checkpoint every step), once it has logged its first step: (job, its output, its run
+    dir); None if it did not."""
     t = time.monotonic()
     job, out, run_dir = submit(cl, name, ["grpo.max_num_steps=200", "checkpoint.save_period=1"])
     if not check(f"{name}: the run trains its first step", wait_for_text(run_dir / "metrics.jsonl", '"step"', 900),
                  "" if (run_dir / "metrics.jsonl").exists() else tail(out), t):
         sh(f"scancel {job}", check_rc=False, env=cl.env)
         return None
-    return job, out
+    return job, out, run_dir
 
 
 def check_worker_dies(cl: Cluster) -> None:
     if (started := submit_long(cl, "kill")) is None:
         return
-    job, out = started
+    job, out, _ = started
     raylet = [p.split()[0] for p in cl.node_procs("mrl-n2") if p.split()[1] == "raylet"]
     check("kill: mrl-n2 runs a raylet", len(raylet) == 1, str(cl.node_procs("mrl-n2")))
     killed = time.monotonic()
@@ -425,7 +429,7 @@ def check_worker_dies(cl: Cluster) -> None:
 def check_scancel(cl: Cluster) -> None:
     if (started := submit_long(cl, "cancel")) is None:
         return
-    job, out = started
+    job, out, run_dir = started
     t = time.monotonic()
     sh(f"scancel {job}", env=cl.env)
     state, took = wait_job(cl, job, timeout=300)
@@ -433,6 +437,11 @@ def check_scancel(cl: Cluster) -> None:
     text = out.read_text(errors="replace") if out.exists() else ""
     lost = [line for line in text.splitlines() if "minirl: stopped" in line]
     check("scancel: the driver states its last checkpoint and what it lost", bool(lost), lost[0] if lost else tail(out))
+    events, ledger = run_dir / "events.jsonl", run_dir / "ledger" / "run_end.jsonl"
+    kinds = [json.loads(x).get("type") for x in events.read_text().splitlines() if x.strip()] if events.exists() else []
+    closed = "run_failed" in kinds and "run_end" in kinds[kinds.index("run_failed"):] and ledger.exists()
+    check("scancel: the run closed its books (events.jsonl: run_failed, then run_end; ledger/run_end.jsonl)", closed,
+          "" if closed else f"last events {kinds[-4:]}, {ledger.name} {'present' if ledger.exists() else 'missing'}")
     nothing_left(cl, "scancel")
     acct = sacct(cl, job)
     check("scancel: sacct shows CANCELLED", "|CANCELLED" in acct, acct)

@@ -6,10 +6,10 @@ Fully run here, through the bench's own functions: controller_overhead (P5 on 2 
 untraced; P4 on a 2-step run), async_speedup (sync and async s=1, one step each, at 4 x 2) and
 fault_efficiency (one cell, one step), all runs attached to the session's shared engine.
 Smoke only (each needs an engine of its own, or a package or a device the suite lacks): engine_overhead
-and hop_floor (their `--help`; engine_overhead's phase split of a round's steps, its CPU reading and
-its `vllm serve` command line are checked on their own), vs_trl (the minirl side of its command line
-is a valid config; TRL's side skipped without trl), gpu_check (its pure batch building; the run
-skipped without CUDA).
+and hop_floor (their `--help`; engine_overhead's phase split of a round's steps, its CPU reading, its
+`vllm serve` command line and its load mode against a stub server are checked on their own), vs_trl
+(the minirl side of its command line is a valid config; TRL's side skipped without trl), gpu_check (its
+pure batch building; the run skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -176,6 +176,80 @@ def test_engine_overhead_reads_cpu_below_a_clock_tick(bench):
     assert cpu_s(os.getpid()) - c1 >= 0.02  # read while the thread lives: an exited thread's time leaves with it
     leave.set()
     worker.join()
+
+
+def test_engine_overhead_load_mode_sends_fresh_calls_and_checks_the_call_log(bench, monkeypatch, capsys):
+    """`--load` with a stub HTTP server in the generation worker's place (no Ray, no engine): the measured
+    window sends none of the warm-up's calls again (its rollout keys and seeds are its own, so no prefix cache
+    has seen them), and a call log that lost one of the window's records makes the bench exit 1."""
+    import argparse
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import ray
+
+    import minirl.cluster
+    from minirl.wire import ROLLOUT_HEADER
+
+    eo = bench("engine_overhead")
+    seen: list[tuple[str, str, int]] = []  # (phase, rollout key, seed) of every call the stub answered
+    phase = ["warm-up"]
+
+    class Chat(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((phase[0], self.headers[ROLLOUT_HEADER], body["seed"]))
+            reply = json.dumps({"usage": {"completion_tokens": 4}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    class Ref:  # a Ray object ref: `ray.get` (patched below) calls it
+        def __init__(self, f):
+            self.get = f
+
+    class Worker:  # the generation-worker actor's handle
+        def __init__(self, url: str, lost: int):
+            self.url, self.lost, self.takes = url, lost, 0
+
+        def __getattr__(self, name):
+            f = {"start": lambda: self.url, "stats": lambda: {"busy_s": 0.0}, "take_calls": self.take}[name]
+            return argparse.Namespace(remote=lambda *a: Ref(lambda: f(*a)))
+
+        def take(self, step):
+            self.takes += 1
+            done, phase[0] = phase[0], "window"  # the first take ends the warm-up
+            records = [c for c in seen if c[0] == done]
+            return records[self.lost:] if self.takes == 2 else records  # the window's log loses `lost`
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Chat)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(eo, "WARM_UP_S", 0.5)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: None)
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: None)
+    monkeypatch.setattr(ray, "get", lambda ref: ref.get())
+    try:
+        for lost, rc in ((0, 0), (1, 1)):
+            seen.clear()
+            phase[0] = "warm-up"
+            worker = Worker(f"http://127.0.0.1:{server.server_port}", lost)
+            monkeypatch.setattr(minirl.cluster, "start_generation_workers", lambda cfg, host: (worker,))
+            assert eo.load(argparse.Namespace(overrides=[], agents=2, seconds=0.5)) == rc, capsys.readouterr()
+            warm = {(key, seed) for p, key, seed in seen if p == "warm-up"}
+            window = [(key, seed) for p, key, seed in seen if p == "window"]
+            assert warm and window, seen
+            assert not [c for c in window if c in warm], "the window re-sent warm-up calls"
+            assert len({key for _, key, _ in seen}) == len({seed for _, _, seed in seen}) == len(seen)
+        assert "error: the call log recorded" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_engine_overhead_serves_vllm_with_the_raw_sides_engine(bench):

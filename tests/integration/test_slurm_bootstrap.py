@@ -333,6 +333,89 @@ def test_container_mode_runs_the_driver_under_srun_and_keeps_its_exit_status(fak
     print(f"container mode: {elapsed:.1f}s")
 
 
+# A `ray` with no Ray behind it: logs each call (`<time> <node> <args>`) and answers `ray status` with a ready
+# two-node, two-GPU cluster, for the tests of how the script stops, which need no real Ray.
+FAKE_RAY = """
+    #!/usr/bin/env bash
+    echo "$(date +%s.%N) ${FAKE_NODE:-driver} $*" >>"$FAKE_RAY_LOG"
+    if [[ ${1:-} == status ]]; then
+        printf '%s\\n' "Node status" "Active:" " 1 node_a" " 1 node_b" "Pending:" " (no pending nodes)" \\
+            "Recent failures:" " (no failures)" "" "Total Usage:" " 0.0/2.0 CPU" " 0.0/2.0 GPU"
+    fi
+    """
+
+
+def _fake_ray(fake: FakeSlurm) -> Path:
+    """FAKE_RAY in place of the stand-in `ray`, and a `pgrep` that finds no raylet to watch; returns the log."""
+    _write_exe(fake.bin / "ray", FAKE_RAY)
+    _write_exe(fake.bin / "pgrep", "#!/usr/bin/env bash\nexit 1\n")
+    return fake.tmp / "ray-calls.txt"
+
+
+def _stops(ray_log: Path) -> dict[str, float]:
+    """When each node's sidecar ran `ray stop --force`."""
+    lines = [line.split(None, 2) for line in ray_log.read_text().splitlines()] if ray_log.exists() else []
+    return {node: float(t) for t, node, args in lines if args == "stop --force"}
+
+
+def test_scancel_keeps_ray_up_until_the_driver_has_closed_its_books(fake_slurm):
+    """`scancel` sends SIGTERM to every step at once: the batch script with its driver, and each sidecar. The
+    driver's shutdown needs Ray (run_failed, then run_end and the end-of-run ledger, through the controller
+    actor), so no sidecar stops its node's Ray before the driver is done and the end marker says so; then every
+    node's Ray is stopped and the job ends 143. Here the driver takes 3 s to close its books."""
+    ray_log = _fake_ray(fake_slurm)
+    up, done = fake_slurm.tmp / "driver-up", fake_slurm.tmp / "driver-done"
+    driver = (f"trap 'sleep 3; date +%s.%N >{shlex.quote(str(done))}; exit 143' TERM; "
+              f"touch {shlex.quote(str(up))}; sleep 300 & wait")
+    proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=fake_slurm.tmp, text=True, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=fake_slurm.env(MINIRL_DRIVER_CMD=driver, FAKE_RAY_LOG=str(ray_log),
+                                               MINIRL_READY_TIMEOUT_S="60", MINIRL_STOP_TIMEOUT_S="30"))
+    try:
+        def watching() -> bool:  # each sidecar past its `ray start`, its TERM trap set (FAKE_RAY's status is
+            # ready at once, so the driver may start before node-b has joined: a real cluster waits for it)
+            logs = [fake_slurm.log_dir / f"{node}.log" for node in NODES]
+            return all(log.exists() and "not watching Ray on this node" in log.read_text() for log in logs)
+
+        deadline = time.monotonic() + 60
+        while not (up.exists() and watching()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert up.exists() and watching(), "the driver or a sidecar did not start"
+        t_term = time.time()
+        os.killpg(proc.pid, signal.SIGTERM)  # scancel: every step's processes at once
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    diag = fake_slurm.diagnostics(out, err) + f"\n--- ray calls\n{ray_log.read_text() if ray_log.exists() else ''}"
+    assert proc.returncode == 143, diag
+    assert done.exists() and (fake_slurm.log_dir / "ENDED").exists(), diag
+    stops, ended = _stops(ray_log), float(done.read_text())
+    assert set(stops) == set(NODES), diag
+    assert all(t >= ended for t in stops.values()), (
+        f"Ray stopped {[round(t - t_term, 1) for t in stops.values()]} s after SIGTERM, the driver ended at "
+        f"{ended - t_term:.1f} s\n{diag}")
+    for node in NODES:
+        assert "end marker seen; stopping Ray" in (fake_slurm.log_dir / f"{node}.log").read_text(), diag
+
+
+@pytest.mark.parametrize("timeout_s,waits", [(3, 3), (0, 1)])
+def test_a_sidecars_sigterm_stops_ray_at_its_bound_without_an_end_marker(fake_slurm, timeout_s, waits):
+    """A sidecar whose job never writes the end marker (the batch script is gone) stops its node's Ray after
+    its bound (MINIRL_STOP_TIMEOUT_S; at least 1 s), not at once and not never."""
+    ray_log = _fake_ray(fake_slurm)
+    lib = "\n".join(line for line in SCRIPT.read_text().splitlines() if line != 'main "$@"')
+    t0 = time.time()
+    res = subprocess.run(["bash", "-c", f'{lib}\nstop_on_term "$@"', "stop_on_term",
+                          str(fake_slurm.tmp / "ENDED"), str(timeout_s)], capture_output=True, text=True,
+                         timeout=30, env=fake_slurm.env(FAKE_RAY_LOG=str(ray_log)))
+    assert res.returncode == 143, res.stderr
+    assert f"no end marker after {waits}s; stopping Ray anyway" in res.stderr, res.stderr
+    (stopped,) = _stops(ray_log).values()
+    assert waits <= stopped - t0 < waits + 5, stopped - t0
+
+
 def test_sbatch_script_parses_and_passes_shellcheck():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     assert os.access(SCRIPT, os.X_OK)
