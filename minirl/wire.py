@@ -24,8 +24,9 @@ already differs per call (`seed + call`), so it samples with it as sent; any oth
 seed is made per call by the server (minirl.generation.server.call_seed)."""
 SEED_AS_SENT = "per-call"
 
-_KEY = re.compile(r"^s(\d{1,9})\.g(\d{1,9})\.r(\d{1,9})\.a(\d{1,9})$")
-_CALL_KEY = re.compile(r"^(s\d{1,9}\.g\d{1,9}\.r\d{1,9}\.a\d{1,9})\.(c\d{1,9}|s\d{1,9}a\d{1,9})$")
+_N = "([0-9]{1,9})"  # ASCII digits only: `\d` takes any Unicode digit, which int() would read
+_KEY = re.compile(rf"s{_N}\.g{_N}\.r{_N}\.a{_N}")  # matched whole (fullmatch: `$` lets a trailing newline by)
+_CALL_KEY = re.compile(r"(s[0-9]{1,9}\.g[0-9]{1,9}\.r[0-9]{1,9}\.a[0-9]{1,9})\.(c[0-9]{1,9}|s[0-9]{1,9}a[0-9]{1,9})")
 COORD_FIELDS = ("step", "group", "rollout", "attempt")
 
 
@@ -52,9 +53,9 @@ class Coords:
 
     @classmethod
     def from_key(cls, key: str) -> "Coords":
-        m = _KEY.match(key) if isinstance(key, str) else None
+        m = _KEY.fullmatch(key) if isinstance(key, str) else None
         if m is None:
-            raise BadCoordinates(f"rollout coordinates must look like s0.g1.r0.a0, got {key!r}")
+            raise BadCoordinates(f"rollout coordinates must look like s0.g1.r0.a0, got {short(key)}")
         return cls(*map(int, m.groups()))
 
     @classmethod
@@ -68,7 +69,7 @@ class Coords:
         values = [block.get(k) for k in COORD_FIELDS]
         bad = [k for k, v in zip(COORD_FIELDS, values) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
         if bad:
-            raise BadCoordinates(f"_minirl.{bad[0]} must be a non-negative integer, got {block.get(bad[0])!r}")
+            raise BadCoordinates(f"_minirl.{bad[0]} must be a non-negative integer, got {short(block.get(bad[0]))}")
         return cls(*values)
 
     def as_dict(self) -> dict:
@@ -78,10 +79,9 @@ class Coords:
 def parse_call_key(key: str) -> tuple[Coords, int | str]:
     """`s0.g1.r0.a0.c2` -> (Coords(0, 1, 0, 0), 2); a summary call `s0.g1.r0.a0.s1a2` (compaction 1,
     attempt 2) -> (Coords(0, 1, 0, 0), "s1a2"), a call index no per-call fault matches. Raises BadCoordinates."""
-    m = _CALL_KEY.match(key) if isinstance(key, str) else None
+    m = _CALL_KEY.fullmatch(key) if isinstance(key, str) else None
     if m is None:
-        got = key[:80] if isinstance(key, str) else key
-        raise BadCoordinates(f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2, got {got!r}")
+        raise BadCoordinates(f"{ROLLOUT_HEADER} must look like s0.g1.r0.a0.c2, got {short(key)}")
     call = m.group(2)
     return Coords.from_key(m.group(1)), int(call[1:]) if call[0] == "c" else call
 
@@ -252,8 +252,8 @@ def run_error_body(exc: BaseException, status: int | None = None, stage: str = "
     if not isinstance(kind, str):
         kind = ("agent_run_error" if status >= 500
                 else "minirl:" + ("bad_row" if stage == "admission" else "bad_request"))
-    return {"error": repr(exc), "type": type(exc).__name__, "failure_kind": kind, "stage": stage,
-            "terminal": http_class(status) == DATA}
+    facts = {"type": type(exc).__name__, "failure_kind": kind, "stage": stage, "terminal": http_class(status) == DATA}
+    return {**facts, "error": repr(exc)[:ERROR_BODY_LIMIT]}  # the facts first, the text bounded: a reader keeps both
 
 
 def run_error_status(exc: BaseException) -> int:
@@ -325,7 +325,7 @@ def extra_body(params: dict) -> dict:
     except (ValueError, RecursionError):
         extras = None
     if not isinstance(extras, dict):
-        raise ValueError(f"{EXTRA_BODY} must be a JSON object written as a string, got {raw!r}")
+        raise ValueError(f"{EXTRA_BODY} must be a JSON object written as a string, got {short(raw)}")
     return extras
 
 

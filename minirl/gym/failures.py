@@ -16,7 +16,6 @@ import re
 
 from minirl.wire import (
     DATA,
-    ERROR_BODY_LIMIT,
     INFRA,
     GenerationUnavailable,
     DeterministicFailure,
@@ -175,8 +174,8 @@ def error_failure(status: int, raw: bytes, message: str,
     """A non-200 `/run` as the lane's exception: by the body's `terminal` where it has one (minirl's
     agent pool, a Gym server that sends facts), else by status (`wire.http_class`); the body's kind
     and stage ride on it."""
-    try:
-        facts = json.loads(raw[:ERROR_BODY_LIMIT * 4])
+    try:  # the whole body, as parse_error_body reads it: a long error text before the facts would cut them off
+        facts = json.loads(raw)
     except (ValueError, RecursionError):
         facts = None
     facts = facts if isinstance(facts, dict) else {}

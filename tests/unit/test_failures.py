@@ -148,12 +148,28 @@ def test_coordinates_round_trip_and_bad_ones_are_named():
         Coords.from_row({"_minirl": [1]})
 
 
+def test_coordinates_take_ascii_digits_only_and_name_a_huge_value_briefly():
+    # `$` let a trailing newline by, and `\d` took any Unicode digit, which int() reads as a number
+    for key in ("s0.g1.r0.a0\n", "s\uff10.g1.r0.a0", "s\u0660.g1.r0.a0"):
+        with pytest.raises(BadCoordinates, match="must look like s0.g1.r0.a0"):
+            Coords.from_key(key)
+    for key in ("s0.g1.r0.a0.c2\n", "s0.g1.r0.a0.c\u0662"):
+        with pytest.raises(BadCoordinates, match="must look like s0.g1.r0.a0.c2"):
+            parse_call_key(key)
+    with pytest.raises(BadCoordinates) as huge_key:
+        Coords.from_key("y" * 100_000)
+    with pytest.raises(BadCoordinates) as huge_value:
+        Coords.from_row({"_minirl": {"step": "x" * 100_000, "group": 0, "rollout": 0, "attempt": 0}})
+    assert len(str(huge_key.value)) < 200 and len(str(huge_value.value)) < 200  # were 100,051 characters
+
+
 def test_run_error_body_is_typed_and_parsed_back():
     exc = ContextGuardRejected("Context guard rejected model call at complete action boundary: step=2 "
                                "guards=max_total_tokens")
     body = run_error_body(exc)
     assert body == {"error": repr(exc), "type": "ContextGuardRejected", "failure_kind": "agent_run_error",
                     "stage": "agent", "terminal": False} and run_error_status(exc) == 500
+    assert list(body)[-1] == "error"  # the facts first: a reader that cuts a long body still has them
     import json
 
     assert parse_error_body(json.dumps(body).encode()) == (repr(exc), "ContextGuardRejected")
@@ -167,3 +183,21 @@ def test_run_error_body_is_typed_and_parsed_back():
     assert len(parse_error_body(long)[0]) == 4096  # kept whole up to a few KB, not 300 characters
     assert run_error_status(ModelCallFailed("m", 400)) == 400 and run_error_status(ModelCallFailed("m", 503)) == 500
     assert run_error_status(RuntimeError("agent bug")) == 500
+
+
+def test_a_long_4xx_body_keeps_its_facts_through_the_reader():
+    """A model server's 400 text (cut to 2,000 characters by the agent's client) of emoji is ~24 KB of
+    JSON (`\\ud83d\\ude00` each): the reader parsed only the first 16 KiB, so the body's `terminal: true`
+    was lost and the row was sent again as an agent_run_error."""
+    import json
+
+    from minirl.gym.failures import error_failure
+    from minirl.rollout.manager import will_not_pass
+
+    exc = ModelCallFailed("model call failed with HTTP 400: " + "\U0001F600" * 2000, 400)
+    raw = json.dumps(run_error_body(exc)).encode()
+    assert len(raw) > 16384
+    failure = error_failure(400, raw, "NeMo-Gym /run failed with HTTP 400", "ModelCallFailed")
+    assert (failure.terminal, failure.failure_kind, failure.stage) == (True, "minirl:bad_request", "agent")
+    assert will_not_pass(failure)
+    assert len(run_error_body(ModelCallFailed("x" * 100_000, 400))["error"]) == 4096  # the text is bounded too
