@@ -885,6 +885,15 @@ class FaultsConfig:
     """How long a `timeout` fault keeps `/run` from answering."""
 
     def check(self) -> None:
+        coords = ("step", "group", "rollout", "attempt")
+        for j, b in enumerate(self.inject):  # one planned call per kind and attempt (FaultPlan.call_of)
+            for i, a in enumerate(self.inject[:j]):
+                both = a.kind == b.kind and all(getattr(a, k) is None or getattr(b, k) is None
+                                                or getattr(a, k) == getattr(b, k) for k in coords)
+                _require(not both, f"inject[{j}]",
+                         f"matches a rollout attempt that inject[{i}] matches too (both {a.kind}); a kind fires at "
+                         "one call of an attempt, the first matching spec's, so this one would be ignored there: "
+                         "give the two specs coordinates that no attempt shares")
         for kind, p in self.rate.items():
             _require(kind in FAULT_KINDS, f"rate.{kind}", f"unknown fault kind; one of {', '.join(FAULT_KINDS)}")
             _require(0 <= p <= 1, f"rate.{kind}", f"must be a probability in [0, 1], got {p}")

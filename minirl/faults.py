@@ -84,7 +84,10 @@ class FaultPlan:
       a probability however many rooms there are. n is the row's `task.num_rooms`, so only the
       agent-side kinds (AGENT_SIDE_KINDS), whose sites see the row, take a per-room rate.
     With both set, the attempt fails with 1 - (1 - p)(1 - q)**n. Either way one uniform draw per
-    (kind, attempt) decides, so a fault that fires at rate r also fires at every higher rate."""
+    (kind, attempt) decides, so a fault that fires at rate r also fires at every higher rate.
+    A kind fires at one call of an attempt: an attempt that a `faults.inject` spec matches takes that
+    spec's `call`, not the rate's draw, and FaultsConfig.check refuses two specs of a kind that one
+    attempt matches (the second would be ignored there)."""
 
     def __init__(self, cfg: Any):
         """`cfg`: the run's `faults` section (minirl.config.FaultsConfig, which imports this module's table)."""

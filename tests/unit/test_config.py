@@ -98,6 +98,9 @@ def test_fault_list_in_yaml_flow_style():
         (["faults.inject=[{kind: timeout}, {kind: timeout, call: null}]"], "faults.inject[1].call", "'None'"),
         (["faults.inject=[{kind: timeout}, 5]"], "faults.inject[1]", "must be a mapping of FaultSpec keys, got 5"),
         (["faults.inject=[{kind: worker_kill, call: -1}]"], "faults.inject[0].call", "must be >= 0, got -1"),
+        # two specs of a kind that one attempt matches: only the first's call fired there, the second was ignored
+        (["faults.inject=[{kind: model_error, step: 0, call: 0}, {kind: model_error, group: 1, call: 2}]"],
+         "faults.inject[1]", "matches a rollout attempt that inject[0] matches too (both model_error)"),
         (["faults.inject=[{kind: worker_kill, stepp: {a: 1}}]"], "faults.inject[0].stepp.a", "unknown config key"),
         (["policy.model_name=/no/such/model"], "policy.model_name", "/no/such/model: no such directory"),
         (["policy.model_name=configs"], "policy.model_name", "config.json does not load"),
