@@ -248,7 +248,7 @@ class Controller:
         `engines`: each worker's clock as its update ended (`GenerationWorker.update_weights`)."""
         self.source.published(version)
         reading = clocks(self.engine_clocks.read(engines), self.manager.occupancy.read())
-        lane = {} if self.mark is None else generation_lane(self.mark, reading)
+        lane = {} if self.mark is None else generation_lane(self.mark, reading, self.cfg.async_rl.enabled)
         self.mark = reading
         return lane
 

@@ -103,12 +103,14 @@ def clocks(engines: list[dict], active_s: float) -> tuple[float, ...]:
     return (time.monotonic(), *means, active_s)
 
 
-def generation_lane(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
+def generation_lane(before: tuple[float, ...], after: tuple[float, ...], loads_in_flight: bool = True) -> dict:
     """The generation lane between two `clocks` readings. Engine time is counted as taken inside the
     time rollouts are in flight (a gather too: it holds their calls), so rollout_wait is what is left of
-    that time."""
+    that time; a weight load only with `loads_in_flight` (async: the groups in flight go on through a
+    sync). A sync run loads between steps with no rollout in flight, so its load is outside that time
+    (counted inside it, rollout_wait lost the load and idle gained it)."""
     cycle, busy, load, drain, gather, active = (b - a for a, b in zip(before, after))
-    wait = max(active - busy - load - gather, 0.0)
+    wait = max(active - busy - (load if loads_in_flight else 0.0) - gather, 0.0)
     return {"timing/generation/cycle": cycle, "timing/generation/engine_busy": busy,
             "timing/generation/weight_load": load, "timing/generation/gather": gather,
             "timing/generation/rollout_wait": wait,

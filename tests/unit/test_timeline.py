@@ -46,6 +46,19 @@ def test_generation_lane_adds_up_to_the_cycle():
     assert set(lane) | set(trainer_lane(0, 1, 2, 3, 0.5)) | {"timing/train/policy_compute"} == set(TIMING_FIELDS)
 
 
+def test_a_sync_runs_weight_load_is_outside_the_rollouts_in_flight():
+    """Sync: collect awaits every group, then train, then the weight sync loads with no rollout in
+    flight. A 10 s cycle, rollouts in flight 6 s of it (engines busy 4 s), a 1 s load after: 2 s of
+    rollout_wait, 3 s idle (the load was taken out of rollout_wait and counted twice)."""
+    before, after = (100.0, 0.0, 0.0, 0.0, 0.0, 0.0), (110.0, 4.0, 1.0, 0.0, 0.0, 6.0)
+    lane = generation_lane(before, after, loads_in_flight=False)
+    assert lane["timing/generation/rollout_wait"] == pytest.approx(2.0)
+    assert lane["timing/generation/idle"] == pytest.approx(3.0)
+    parts = ("engine_busy", "weight_load", "gather", "rollout_wait", "idle")
+    assert sum(lane[f"timing/generation/{p}"] for p in parts) == pytest.approx(lane["timing/generation/cycle"])
+    assert generation_lane(before, after)["timing/generation/rollout_wait"] == pytest.approx(1.0)  # async: inside
+
+
 def test_engine_clocks_continue_across_a_worker_restart():
     """A restarted generation worker's engine counts from 0 in a new epoch: its earlier life's totals,
     as last read, are carried, so a step's difference never goes negative (it was -95 s for a shared
