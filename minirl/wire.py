@@ -116,6 +116,12 @@ class GenerationUnavailable(RolloutInfraFailure):
     """No generation server could serve the call."""
 
 
+NO_HEALTHY_BACKEND = "NoHealthyBackendError"
+"""The `error.type` of the generation router's answer when no worker is eligible (its status is
+`async_rl.generation_router.no_healthy_backend_status`, a 4xx so that Gym does not retry it): a
+fleet outage, which minirl's model client raises as GenerationUnavailable, whatever the status."""
+
+
 class GymTransportError(RolloutInfraFailure):
     """`/run` failed at the transport or with an INFRA HTTP status.
 

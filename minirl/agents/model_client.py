@@ -4,8 +4,10 @@ Like Gym's model proxy, it asks for `logprobs=true, top_logprobs=0` and token id
 Invariant: only vLLM's context-length HTTP 400 becomes a failed call (an empty reply with
 `finish_reason="length"` and no token evidence: the agent ends the episode and the rollout is masked,
 "lane A" of docs/failure-policy.md). Any other HTTP error raises ModelCallFailed carrying its status,
-whatever the body, so a 4xx stays DATA and a 5xx INFRA; an unreachable server raises
-GenerationUnavailable. Either fails the whole `/run`, as in Gym's `simple_agent`.
+whatever the body, so a 4xx stays DATA and a 5xx INFRA; an unreachable server, and the generation
+router's answer that no worker is eligible (typed `NO_HEALTHY_BACKEND`, whatever its status), raise
+GenerationUnavailable (INFRA), as the same outage does through Gym's `vllm_model`. Either fails the
+whole `/run`, as in Gym's `simple_agent`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import yarl
 
 from minirl.runtime import jsonio
 from minirl.agents.episode import ModelReply
-from minirl.wire import ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, GenerationUnavailable, ModelCallFailed
+from minirl.wire import (NO_HEALTHY_BACKEND, ROLLOUT_HEADER, SEED_AS_SENT, SEED_HEADER, GenerationUnavailable,
+                         ModelCallFailed)
 
 LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
 GYM_NO_REASONING_PARSER = (
@@ -81,7 +84,8 @@ class HttpModelClient:
             return url
 
     async def _post(self, url: str, path: str, body: dict, key: str | None) -> tuple[int, dict | str]:
-        """(status, parsed JSON body, or the raw text when the body is not JSON)."""
+        """(status, parsed JSON body, or the raw text when the body is not JSON). Raises GenerationUnavailable
+        when the server is unreachable or is the router with no eligible worker."""
         # the agent already sends seed + call: sample with it as sent
         headers = {SEED_HEADER: SEED_AS_SENT, "Content-Type": "application/json"}
         if key and key.startswith("s"):
@@ -93,12 +97,18 @@ class HttpModelClient:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError) as exc:
             raise GenerationUnavailable(f"model server {url} unreachable: {exc!r}") from exc
         try:
-            return status, jsonio.loads_body(raw, encoding)  # loads(resp.text(errors="replace")), without the decode
+            data = jsonio.loads_body(raw, encoding)  # loads(resp.text(errors="replace")), without the decode
         except ValueError:
             if status == 200:
                 raise ModelCallFailed(
                     f"model server {url}{path} answered 200 with a body that is not JSON", 502) from None
             return status, raw.decode(encoding, errors="replace")
+        error = data.get("error") if status != 200 and isinstance(data, dict) else None
+        if isinstance(error, dict) and error.get("type") == NO_HEALTHY_BACKEND:
+            # a 4xx only so that Gym does not retry it (through Gym a /run 500): the fleet's outage, not the data's
+            raise GenerationUnavailable(
+                f"generation router {url} has no eligible worker (HTTP {status}): {str(error.get('message'))[:2000]}")
+        return status, data
 
     @staticmethod
     def _error(status: int, data, what: str) -> ModelCallFailed:

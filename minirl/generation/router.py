@@ -20,15 +20,16 @@ from aiohttp import web
 
 from minirl.config import GenerationFleetHealthConfig, GenerationRouterConfig
 from minirl.runtime.http_thread import HttpThread
-from minirl.wire import ROLLOUT_HEADER, SEED_HEADER
+from minirl.wire import NO_HEALTHY_BACKEND, ROLLOUT_HEADER, SEED_HEADER
 
 FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER, SEED_HEADER)
 MAX_BODY_BYTES = 64 * 2**20  # above every worker's vllm_cfg.max_request_bytes: the worker answers a too-large body
 
 
-def _error(status: int, message: str) -> web.Response:
-    kind = {408: "RequestTimeoutError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
-            504: "GatewayTimeoutError"}.get(status, "RouterError")
+def _error(status: int, message: str, kind: str | None = None) -> web.Response:
+    kind = kind or {408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestEntityTooLargeError",
+                    502: "BadGatewayError", 503: "ServiceUnavailableError",
+                    504: "GatewayTimeoutError"}.get(status, "RouterError")
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.json_response(body, status=status)
 
@@ -53,8 +54,11 @@ class GenerationRouter:
     `connect_timeout_s` is ineligible for `connect_timeout_s` and the request goes to the next one. A
     request that outlives `backend_timeout_s` gets 504, a worker lost mid-answer 502 (both ones Gym
     retries); with no eligible worker the answer is `no_healthy_backend_status` (409 by default), a
-    status Gym does not retry, so the caller sees the outage at once. A quarantined worker's
-    requests in flight are answered 503 at once (INFRA: minirl redispatches their rollouts).
+    status Gym does not retry, so the caller sees the outage at once, typed `NO_HEALTHY_BACKEND` so
+    that minirl's own agents read it as the outage it is (INFRA), not a 4xx of the data. A body over
+    `MAX_BODY_BYTES` gets 413, in the same JSON error body as every other answer of the router's own.
+    A quarantined worker's requests in flight are answered 503 at once (INFRA: minirl redispatches
+    their rollouts), those that were in flight across a `set_health` too.
     A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is
     closed, as is a connection that has not sent a whole request head within `connect_timeout_s`.
     The client session to the workers lives exactly as long as the router's app: `stop` closes it,
@@ -101,6 +105,7 @@ class GenerationRouter:
         await asyncio.gather(*self.probers, return_exceptions=True)
 
     async def _setup(self) -> web.Application:
+        self.evicted = {}  # on this app's loop: a start that failed on a taken port left its own
         self._admit_all()
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_route("*", "/{path:.*}", self.forward)
@@ -154,10 +159,14 @@ class GenerationRouter:
         self.http.run(apply())
 
     def _admit_all(self) -> None:
-        """Every worker out of quarantine, no probe counted (on the router's loop)."""
+        """Every worker out of quarantine, no probe counted (on the router's loop). A worker's `evicted`
+        future that has not fired is kept: the requests in flight on it wait on that one, and must still
+        be failed if it is quarantined later. The transitions not yet polled are dropped: a run attaching
+        here (`set_health`) polls from now, the quarantines they told of undone."""
         self.quarantined: dict[str, str] = {}  # worker -> why (its failed probes)
         self.streak = {u: 0 for u in self.backends}  # >0: passes in a row, <0: failures in a row
-        self.evicted = {u: asyncio.get_running_loop().create_future() for u in self.backends}  # resolved on quarantine
+        self.evicted = {u: f if (f := self.evicted.get(u)) is not None and not f.done()  # resolved on quarantine
+                        else asyncio.get_running_loop().create_future() for u in self.backends}
         self.transitions: list[dict] = []
 
     async def _prober(self, url: str) -> None:
@@ -247,7 +256,10 @@ class GenerationRouter:
                 raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=len(body))
 
     async def forward(self, request: web.Request) -> web.Response:
-        body = await self._read_body(request)
+        try:
+            body = await self._read_body(request)
+        except web.HTTPRequestEntityTooLarge as exc:  # raised, aiohttp would answer it in plain text
+            return _error(413, f"the request body is over the router's limit of {MAX_BODY_BYTES} bytes: {exc.text}")
         if body is None:
             stalled = _error(408, "the request body stalled: nothing arrived for "
                                   f"connect_timeout_s={self.cfg.connect_timeout_s} before it was complete")
@@ -284,6 +296,7 @@ class GenerationRouter:
         return _error(
             self.cfg.no_healthy_backend_status,
             f"no healthy generation worker: all {len(self.backends)} are unreachable, cooling down or quarantined",
+            NO_HEALTHY_BACKEND,
         )
 
 

@@ -2,7 +2,7 @@
 
 Invariant: `url` is answered once the constructor returns; `stop` closes the listener and
 everything `setup` opened, on the server's own loop; a start that fails (a port taken) runs the
-app's cleanup before the constructor raises.
+app's cleanup and closes its loop before the constructor raises.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class HttpThread:
                     self.loop.run_until_complete(self.runner.cleanup())
                 except Exception:
                     pass
+            self.loop.close()  # its selector and self-pipe fds: a router's port scan fails once per taken port
             self._ready.set()
             return
         self._ready.set()

@@ -366,3 +366,151 @@ def test_a_client_that_stalls_mid_headers_is_closed():
     took, got, whole = asyncio.run(go())
     assert got == b"" and 0.4 < took < 3.0, (took, got)
     assert whole == 200
+
+
+# ------------------------------------------------------------------------------- review A: the outage's class,
+# set_health, the 413's body, a failed start's loop
+def test_an_outage_through_the_router_is_infra_as_one_straight_to_a_worker():
+    """No worker accepts the connection: sent straight to one, minirl's model client raises
+    GenerationUnavailable (INFRA, the agent's /run answers 500); through the router (fleet health on:
+    minirl's agents go through it) the router's 409 must be the same outage, for the chat call and for
+    the context guard's count alike, not ModelCallFailed(409), which is DATA and a terminal /run 400."""
+    from minirl.agents.model_client import HttpModelClient
+    from minirl.wire import INFRA, GenerationUnavailable, classify, run_error_status
+
+    async def failures(urls):
+        async with aiohttp.ClientSession() as http:
+            client = HttpModelClient(urls, "m", http)
+            out = []
+            for call in (lambda: client.chat([{"role": "user", "content": "hi"}], None, {}, "s0.g0.r0.a0.c0", None),
+                         lambda: client.count_tokens([{"role": "user", "content": "hi"}], None, "s0.g0.r0.a0.c0",
+                                                     None)):
+                with pytest.raises(Exception) as failed:
+                    await call()
+                out.append(failed.value)
+            return out
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        worker = dead_url()
+        direct = await failures([worker])
+        router = await loop.run_in_executor(None, GenerationRouter, router_cfg(), [worker])
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(router.url + "/v1/chat/completions", json={}) as r:
+                    answer = r.status, await r.json()
+            return direct, await failures([router.url]), router.url, answer
+        finally:
+            await loop.run_in_executor(None, router.stop)
+
+    direct, routed, url, (status, body) = asyncio.run(go())
+    for exc in direct + routed:
+        assert isinstance(exc, GenerationUnavailable), repr(exc)
+        assert classify(exc) == INFRA and run_error_status(exc) == 500, repr(exc)
+    assert status == 409 and body["error"]["type"] == "NoHealthyBackendError"  # still a status Gym does not retry
+    for exc in routed:
+        assert str(exc).startswith(f"generation router {url} has no eligible worker (HTTP 409): "
+                                   "no healthy generation worker: all 1 are unreachable"), str(exc)
+
+
+def test_a_request_in_flight_across_set_health_is_failed_when_its_worker_is_quarantined():
+    """A run attaching to a running router re-applies fleet health (`set_health`) while a request is in
+    flight on a worker: when that worker is quarantined later, the request is answered 503 at once, as
+    any in flight on a quarantined worker is (before, it waited on a future `set_health` had replaced)."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        a, b = Backend("a"), Backend("b")
+        urls = [await a.start(), await b.start()]
+        health = GenerationFleetHealthConfig(**FAST, min_healthy_shards=1)
+        router = await loop.run_in_executor(None, lambda: GenerationRouter(router_cfg(), urls, health=health))
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def post(path):
+                    async with http.post(router.url + path, json={}) as r:
+                        return r.status, await r.json()
+                held = asyncio.ensure_future(post("/hold"))  # goes to a (tie: first in list order), never released
+                await until(lambda: router.outstanding[urls[0]] == 1, what="the held request on a")
+                await loop.run_in_executor(None, router.set_health, health)  # a run attaches
+                a.answering.clear()  # a wedges
+                await until(lambda: urls[0] in router.quarantined, what="a's quarantine")
+                done, _ = await asyncio.wait([held], timeout=3)
+                return (held.result() if done else None), dict(router.outstanding)
+        finally:
+            a.answering.set()
+            a.release.set()
+            await loop.run_in_executor(None, router.stop)
+            await a.runner.cleanup()
+            await b.runner.cleanup()
+
+    answer, outstanding = asyncio.run(go())
+    assert answer is not None, f"still in flight 3 s after its worker's quarantine: outstanding {outstanding}"
+    status, body = answer
+    assert status == 503 and "was quarantined with this request in flight" in body["error"]["message"], answer
+    assert outstanding == dict.fromkeys(outstanding, 0)
+
+
+def test_a_body_over_the_limit_gets_the_routers_json_413():
+    """A request body over MAX_BODY_BYTES is answered 413 in the router's JSON error body, as every
+    other error of the router's own is (aiohttp's own answer is plain text); the router serves on."""
+    import io
+    import json
+
+    from minirl.generation.router import MAX_BODY_BYTES
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        a = Backend("a")
+        router = await loop.run_in_executor(None, GenerationRouter, router_cfg(), [await a.start()])
+        try:
+            async with aiohttp.ClientSession() as http:
+                big = io.BytesIO(b"x" * (MAX_BODY_BYTES + 1024))  # raw bytes this large: aiohttp warns
+                async with http.post(router.url + "/v1/chat/completions", data=big,
+                                     headers={"Content-Type": "application/json"}) as r:
+                    big = r.status, r.content_type, await r.read()
+                async with http.post(router.url + "/tokenize", json={}) as r:
+                    return big, (r.status, await r.json())
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await a.runner.cleanup()
+
+    (status, content_type, raw), (after, body) = asyncio.run(go())
+    assert status == 413 and content_type == "application/json", (status, content_type, raw[:200])
+    error = json.loads(raw)["error"]
+    assert error["type"] == "RequestEntityTooLargeError" and error["code"] == 413, error
+    assert error["message"].startswith("the request body is over the router's limit of 67108864 bytes"), error
+    assert after == 200 and body["backend"] == "a"
+
+
+def test_a_router_whose_first_ports_are_taken_leaks_no_file_descriptors():
+    """Each port the router finds taken is a failed HttpThread start: its event loop (5 fds) is closed
+    with it, so a start after many taken ports, then `stop`, leaves the process's fds as they were."""
+    import subprocess
+    import sys
+
+    child = """
+import gc, os, socket
+from minirl.config import GenerationRouterConfig
+from minirl.generation.router import GenerationRouter
+fds = lambda: len(os.listdir("/proc/self/fd"))
+first = socket.socket(); first.bind(("127.0.0.1", 0)); first.listen()
+low, taken = first.getsockname()[1], [first]
+for port in range(low + 1, low + 10):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port)); s.listen(); taken.append(s)
+    except OSError:
+        s.close(); break
+cfg = lambda lo, hi: GenerationRouterConfig(port_range_low=lo, port_range_high=hi, connect_timeout_s=2.0)
+GenerationRouter(cfg(low + 20, low + 40), ["http://127.0.0.1:9"]).stop()  # lazily opened fds do not count
+gc.collect(); before = fds()
+router = GenerationRouter(cfg(low, low + len(taken) + 5), ["http://127.0.0.1:9"])
+assert int(router.url.rsplit(":", 1)[1]) >= low + len(taken), router.url
+router.stop(); gc.collect()
+print(len(taken), before, fds(), flush=True)
+"""
+    from minirl.config import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    taken, before, after = map(int, done.stdout.split())
+    assert taken >= 2 and after == before, f"{after - before} fds leaked by {taken} taken ports"
