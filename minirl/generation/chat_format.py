@@ -1,13 +1,19 @@
 """The chat format of minirl's tiny models: a Qwen2-style template and the reply parser.
 
 A reply is `<think>…</think>` (optional), free text (optional), then `<tool_call>{json}</tool_call>`
-blocks, then `<|im_end|>`. The server parses replies the way vLLM's hermes tool parser and its
-think-tag reasoning parser do, so a standard OpenAI client gets `tool_calls` and `reasoning`.
+blocks, then `<|im_end|>`. The server parses replies the way vLLM's hermes tool parser
+(`Hermes2ProToolParser.extract_tool_calls`, `parse_reply`) and its think-tag reasoning parser do,
+so a standard OpenAI client gets `tool_calls` and `reasoning`: all blocks become calls or none do
+(one block that fails leaves the whole text in `content`), `content` is the text before the first
+`<tool_call>`, and a call's `arguments` is `json.dumps(arguments, ensure_ascii=False)`.
+(tests/integration/test_model_build.py runs vLLM's parser beside `parse_reply`.)
 
-Invariant: for a reply in canonical form, rendering the parsed message back through the template
-reproduces the reply's text exactly (`render(parse(text)) == text`), so a history that is not
-rewritten re-renders as a prefix of the next prompt; and list content renders exactly as the
-string `normalize_content` makes of it.
+Invariant: for a reply in canonical form (each block `{"name": "…", "arguments": …}` with its
+arguments as `json.dumps(…, ensure_ascii=False)` prints them, non-ASCII text unescaped, and nothing
+after the last block), rendering the parsed message back through the template reproduces the
+reply's text exactly (`render(parse(text)) == text`), so a history that is not rewritten
+re-renders as a prefix of the next prompt; and list content renders exactly as the string
+`normalize_content` makes of it.
 """
 
 from __future__ import annotations
@@ -146,48 +152,50 @@ def rendered_chars(messages: list, tools: list | None) -> int:
 
 
 _THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_START = "<tool_call>"
+# vLLM's `Hermes2ProToolParser.tool_call_regex`: a closed block, or an unclosed one to the end of the text
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def _tool_calls(text: str) -> list[dict] | None:
+    """Every `<tool_call>` block's call, as vLLM's `Hermes2ProToolParser.extract_tool_calls` reads
+    them; None, as there, when any block fails (not JSON, not an object, no string `name`, no
+    `arguments`). The arguments are `json.dumps(arguments, ensure_ascii=False)`, vLLM's string."""
+    calls = []
+    for closed, unclosed in _TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(closed or unclosed)
+            name, args = obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            return None
+        if not isinstance(name, str):  # vLLM's `FunctionCall(name=...)` refuses it
+            return None
+        calls.append({"id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+                      "function": {"name": name, "arguments": args}})
+    return calls
 
 
 def parse_reply(text: str, tools_enabled: bool = True, reasoning_parser: str | None = "think") -> dict:
     """Reply text -> `{"content", "reasoning", "tool_calls"}` (OpenAI message fields).
 
-    A `<tool_call>` block that is not valid JSON with a `name` stays in `content`, as vLLM's
-    hermes parser leaves it. With `reasoning_parser=None` (`vllm serve` without
-    `--reasoning-parser`) a `<think>` block stays in `content` and `reasoning` is None.
+    The tool calls are vLLM's hermes parser's (`Hermes2ProToolParser.extract_tool_calls`): all
+    `<tool_call>` blocks or none. When every block parses (`_tool_calls`; an unclosed last block
+    counts), `content` is the text before the first `<tool_call>` and whatever follows the last
+    block is dropped; when any block fails, there are no tool calls and the whole text is
+    `content`. With `reasoning_parser=None` (`vllm serve` without `--reasoning-parser`) a
+    `<think>` block stays in `content` and `reasoning` is None.
     """
     reasoning = None
     m = _THINK.match(text) if reasoning_parser else None
     if m:
         reasoning = m.group(1)
         text = text[m.end():]
-    tool_calls = []
-    if tools_enabled:
-        rest = []
-        pos = 0
-        for call in _TOOL_CALL.finditer(text):
-            try:
-                obj = json.loads(call.group(1))
-                name, args = obj["name"], obj.get("arguments", {})
-                if not isinstance(name, str):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-            rest.append(text[pos:call.start()])
-            pos = call.end()
-            tool_calls.append(
-                {
-                    "id": f"call_{uuid.uuid4().hex[:16]}",
-                    "type": "function",
-                    "function": {
-                        "name": name,
-                        "arguments": args if isinstance(args, str) else json.dumps(args),
-                    },
-                }
-            )
-        rest.append(text[pos:])
-        text = "".join(rest)
-    return {"content": text or None, "reasoning": reasoning, "tool_calls": tool_calls}
+    tool_calls = None
+    if tools_enabled and TOOL_CALL_START in text:
+        tool_calls = _tool_calls(text)
+        if tool_calls is not None:
+            text = text[:text.index(TOOL_CALL_START)]
+    return {"content": text or None, "reasoning": reasoning, "tool_calls": tool_calls or []}
 
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"

@@ -75,6 +75,50 @@ def test_template_renders_a_reply_back_to_its_own_text():
     assert full == prompt + reply + "<|im_end|>\n"
 
 
+# replies as vLLM's hermes parser reads them: non-ASCII arguments, text after a call, one bad block among good
+# ones, an unclosed last block, a block without `arguments`, string arguments, a name that is no string, ...
+HERMES_CASES = [
+    '<tool_call>{"name": "f", "arguments": {"q": "Zürich"}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"q": "a"}}</tool_call>trailing text',
+    '<tool_call>{bad json}</tool_call><tool_call>{"name": "f", "arguments": {"q": "a"}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"q": "a"}}</tool_call><tool_call>[1]</tool_call>',
+    'Trying. <tool_call>{"name": "f", "arguments": {"q": "a"}}</tool_call> then <tool_call>{"name": "g", '
+    '"arguments": {"q": "東京"}}</tool_call> done',
+    '<tool_call>{"name": "f", "arguments": {"q": "a"}}',
+    '<tool_call>{"name": "f"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "x é"}</tool_call>',
+    '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+    '<tool_call></tool_call>',
+    'no call here',
+]
+
+
+def test_reply_parser_agrees_with_vllms_hermes_parser():
+    """`parse_reply` gives vLLM's `Hermes2ProToolParser.extract_tool_calls` content and calls (names and
+    argument strings), and a canonical reply with non-ASCII arguments renders back to its own text."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    hf = AutoTokenizer.from_pretrained(load_config().policy.model_name)
+    hermes = Hermes2ProToolParser(hf)
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=chat_tools(TOOLS))
+    for text in HERMES_CASES:
+        theirs = hermes.extract_tool_calls(text, req)
+        ours = parse_reply(text)
+        assert ((ours["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in ours["tool_calls"]])
+                == (theirs.content, [(c.function.name, c.function.arguments) for c in theirs.tool_calls])), text
+
+    reply = ('<think>door 9</think><tool_call>{"name": "open_door", "arguments": {"code": 9, "note": "Zürich 東京"}}'
+             '</tool_call>')
+    msg = parse_reply(reply)
+    history = items_to_messages(DoorsEnv(1, 2).initial_input())
+    prompt = hf.apply_chat_template(history, tools=chat_tools(TOOLS), tokenize=False, add_generation_prompt=True)
+    turn = {"role": "assistant", "content": msg["content"] or "", "reasoning_content": msg["reasoning"],
+            "tool_calls": msg["tool_calls"]}
+    full = hf.apply_chat_template(history + [turn], tools=chat_tools(TOOLS), tokenize=False)
+    assert full == prompt + reply + "<|im_end|>\n"
+
+
 # ------------------------------------------------------------------ the summarizing warm start (issue 30)
 SUMMARIZE_DIR = REPO_ROOT / "models" / "tiny-summarize"
 
