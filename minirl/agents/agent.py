@@ -117,7 +117,7 @@ async def _admit(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy
     if ep.stopped:
         return False
     decision = await _guard(ep, ch, policy, model, forced_reject)
-    if ep.stopped:  # the guard's early compaction ended it
+    if ep.stopped:  # the guard's early compaction ended it (decision compaction_ended): no rejection
         return False
     if decision == "admit_after_compaction":
         ep.prefix = None
@@ -172,8 +172,11 @@ async def _ended(ep: Episode, reply: ModelReply, items: list[dict], tool_latency
 
 async def _guard(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy | None, model: ModelClient,
                  forced_reject: bool) -> str:
-    """Gym's context guard (on while a policy compacts). Returns admit, admit_after_compaction or
-    reject, recorded in the evidence.
+    """Gym's context guard (on while a policy compacts). Returns admit, admit_after_compaction,
+    reject or compaction_ended, recorded in the evidence: compaction_ended when the early compaction
+    of a rejected call ended the episode (summarize: `max_compactions` reached, or a failed summary
+    under `end_episode*`), so the record says what the outcome is: that compaction's end, not a
+    rejection (the controller counts `reject` records as guard rejections; `on_reject` never applies).
 
     `prompt_tokens` is the length of the prompt the call will send (`Episode.prompt_tokens`: the history
     with the last call's prompt + reply tokens spliced in, as the model server builds the call's prompt),
@@ -196,7 +199,9 @@ async def _guard(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy
             await compaction.compact_episode(policy, ep, model)
             after = await ep.prompt_tokens(model)  # the prefix is gone if the compaction rewrote the history
             record["prompt_tokens_after_compaction"] = after
-            if after + reserved <= limit:
+            if ep.stopped:
+                decision = "compaction_ended"
+            elif after + reserved <= limit:
                 decision = "admit_after_compaction"
     record["decision"] = decision
     ep.ev.guard.append(record)

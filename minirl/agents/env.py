@@ -7,7 +7,8 @@ blocks pile up in the context: exactly what context compaction drops. The `doors
 `doors_notes` variants (`env.task`, see `DoorsEnv`) hide a door's code in an earlier picture.
 
 Invariant: an episode is a pure function of its task spec (`{"env", "seed", "num_rooms"}`) and the
-agent's calls, and `verify` recomputes the reward from the transcript alone, never from live state.
+agent's calls, and `verify` recomputes the reward from the transcript alone, never from live state:
+from the calls the environment ran, those a `function_call_output` in the transcript answers.
 """
 
 from __future__ import annotations
@@ -223,19 +224,29 @@ def parse_code(name: str, arguments: str) -> int | None:
 def verify(task: dict, output_items: list[dict]) -> float:
     """Reward in [0, 1]: per room, 1 if opened on the first try, 0.5 if later, 0 if never.
 
-    Replays the agent's `open_door` calls against the task's rooms; the live env is not consulted.
+    Replays the agent's `open_door` calls that the environment ran against the task's rooms
+    (`room_scores`); the live env is not consulted.
     """
     return sum(score for _, score in room_scores(task, output_items)) / task["num_rooms"]
 
 
 def room_scores(task: dict, output_items: list[dict]) -> list[tuple[int, float]]:
     """`verify`'s replay, per room tried: (the index in `output_items` of its first try, its score:
-    1 opened on that try, 0.5 later, 0 never). A room never tried is not listed (it scores 0)."""
+    1 opened on that try, 0.5 later, 0 never). A room never tried is not listed (it scores 0).
+
+    A call is a try only if the environment ran it: a `function_call_output` with its `call_id` answers
+    it. A reply cut by the token cap (`finish_reason == "length"`) may still carry a complete call, and
+    the agent ends the episode without running it: the door stays shut, so no credit. A call without a
+    `call_id` is no transcript item but a bare list of calls to replay (bench/ scores one reply's calls
+    so): it counts as run."""
     rooms = make_rooms(task["seed"], task["num_rooms"])
+    answered = {item.get("call_id") for item in output_items if item.get("type") == "function_call_output"}
     scores: list[tuple[int, float]] = []
     room, tries = 0, 0
     for i, item in enumerate(output_items):
         if item.get("type") != "function_call" or room >= len(rooms):
+            continue
+        if item.get("call_id") is not None and item["call_id"] not in answered:
             continue
         if tries == 0:
             scores.append((i, 0.0))

@@ -275,6 +275,66 @@ def test_max_compactions_ends_the_rollout_as_truncated():
     assert rollout_of(cfg, result).mask_reason == "overlong"
 
 
+def chunked_cfg(*overrides: str, rooms: int, limit: int = 420):
+    """summarize on `turn_chunked_recency`, with the guard's limit at the trigger's threshold: a prompt
+    the scheduled summary leaves over it is compacted again, early, by the guard (agent.py:_guard)."""
+    return summarize_cfg("env.task=doors", "agent.context_history.schedule.type=turn_chunked_recency",
+                         f"agent.context_history.guards.max_total_tokens={limit}", *overrides,
+                         rooms=rooms, lo=limit, hi=limit)
+
+
+def test_a_guards_early_summary_after_the_scheduled_one_keeps_the_current_observation():
+    """The scheduled summary (every call) leaves a continuation still over the guard's limit, so the
+    guard summarizes that continuation before the same call. Its history ends in the observation the
+    first continuation re-rendered as a user message, which the second keeps too. Before, only a
+    trailing tool reply was carried: the call went out without the room it is in."""
+    cfg = chunked_cfg("agent.context_history.schedule.actions_per_chunk=1", f"{SUMMARY}.max_summary_tokens=400",
+                      f"{SUMMARY}.on_summary_failure=end_episode", rooms=3)
+    model = Scripted(summaries=["<summary>" + "I opened the first door; " * 8 + "</summary>", "<summary>ok</summary>"])
+    result = play(cfg, model, row=row_of(cfg, group=1))
+    ev = result["evidence"]
+    second = [i for i, (summary, _) in enumerate(model.prompts) if summary][1]
+    after = model.prompts[second + 1][1]
+    handoff = f"<user>{HANDOFF_PREFIX}<summary>ok</summary>"
+    assert after.startswith(render_initial(result) + handoff + "<user>Opened. Room 3.")
+    assert after.count("<image>") == 2  # the task's picture and the current one
+    assert [g["decision"] for g in ev["guard"]] == ["admit", "admit", "admit_after_compaction"]
+    assert ev["summaries"] == 2 and result["reward"] == 1.0 and ev["end_reason"] == "env_done"
+
+
+@pytest.mark.parametrize("on_reject", ["end_episode", "raise"])
+def test_a_guards_early_summary_that_ends_the_episode_is_recorded_as_that_end(on_reject):
+    """max_compactions reached at the guard's early compaction: the episode ends there, truncated, and
+    the guard's record says so (`compaction_ended`), under either `on_reject`: no rejection is counted
+    (the controller counts `reject` records) for a rollout that trains. Before, the record said
+    `reject` while the rollout ended `max_compactions`, trained, and `raise` never raised."""
+    cfg = chunked_cfg("agent.context_history.schedule.actions_per_chunk=100", f"{SUMMARY}.max_compactions=1",
+                      f"agent.context_history.guards.on_reject={on_reject}", "grpo.overlong_filtering=false",
+                      rooms=5)
+    result = play(cfg, Scripted())
+    ev = result["evidence"]
+    assert ev["summaries"] == 1 and ev["end_reason"] == "max_compactions" and not ev["capture_failed"]
+    decisions = [g["decision"] for g in ev["guard"]]
+    assert decisions[-1] == "compaction_ended" and "reject" not in decisions and "admit_after_compaction" in decisions
+    assert rollout_of(cfg, result).mask_reason is None  # truncated, and it trains: no rejection to count
+
+
+def test_no_summary_of_the_initial_context_alone():
+    """Over the threshold at turn 0 the history is the initial context, which a continuation keeps
+    whole: a summary would only add its handoff. So none is requested or counted, and the first call
+    is the turn's. Before, the policy spent a model call and installed a longer prompt as a completed
+    compaction."""
+    cfg = summarize_cfg("env.task=doors", rooms=3, lo=150, hi=150)
+    model = Scripted()
+    result = play(cfg, model)
+    ev = result["evidence"]
+    assert not model.prompts[0][0], "the first request is the turn call"
+    assert ev["summary"][0]["compaction"] == 0 and ev["summaries"] == ev["compactions"] == len(model.summary_prompts)
+    assert ev["end_reason"] == "env_done" and result["reward"] == 1.0
+    first = next(it for it in result["response"]["output"] if it.get("trace_kind") == SUMMARY_KIND)
+    assert first["compaction"]["tokens_before"] > len(enc(model.prompts[0][1]))  # after the first turn
+
+
 def test_summary_traces_split_by_kind():
     a = Call([1, 2], [3], [-0.1])
     s = Call([1, 2, 3, 4], [5, 6], [-0.2, -0.3], kind=SUMMARY_KIND, compaction={"outcome": "completed"})

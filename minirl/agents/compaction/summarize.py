@@ -150,6 +150,8 @@ class SummarizePolicy:
       record's outcome `failed` (`Requests.last`; none when every reply was a tool call or faulted);
       `recency_fallback`: the recency rewrite).
     - `max_compactions` summaries done: the next trigger ends the rollout as truncated.
+    - A history holding only the initial context (turn 0) is never summarized: there is nothing to
+      compact, so the prompt goes out as it is (the guard, if on, judges it).
     - Faults (faults.py): `summary_empty` / `summary_tool_call` at compaction k read every reply of it
       as empty / as carrying a tool call; `summary_overflow` reads its first request as refused.
     - Credit (`grpo.summary_credit=next_segment`): `segment_rewards` scores the segment each accepted
@@ -164,6 +166,10 @@ class SummarizePolicy:
         self.fallback = RewritePolicy(cfg)
 
     async def compact(self, ep: Episode, client: ModelClient) -> CompactionResult:
+        if len(ep.history) <= ep.initial_len:
+            # nothing to compact: the continuation keeps the initial context whole and adds a handoff,
+            # a longer prompt bought with a model call
+            return CompactionResult(ep.history)
         before = await ep.prompt_tokens(client)  # what the next turn call sends, its token prefix spliced in
         if before + self.cfg.guards.reserved_generation_tokens <= threshold(self.s, ep.prompt):
             return CompactionResult(ep.history)

@@ -4,7 +4,8 @@ continues from (`continuation`). The summarizing policy, the tiny model's warm s
 (scripts/build_tiny_model.py) and the metrics' recall all read these, so they cannot drift apart.
 
 Invariant: `summary_text(reply)` returns the text of exactly one closed block, or None; a handoff
-built by `handoff_text(s)` parses back to `s` with `summary_text`.
+built by `handoff_text(s)` parses back to `s` with `summary_text`; a continuation keeps the current
+observation whenever the history it compacts holds one.
 """
 
 from __future__ import annotations
@@ -39,11 +40,20 @@ def continuation(history: list[dict], initial_len: int, summary: str) -> list[di
     prompt and task), the handoff user message `handoff_text(summary)`, then the current observation
     re-rendered as a user message: the content parts of the newest tool reply (e.g. "Opened. Room 4."
     and that room's picture), verbatim, when the history ends in one (it does before every model call
-    after the first)."""
+    after the first), or that user message itself when the history is an earlier continuation (a
+    guard's early compaction right after the scheduled one summarizes it before any new call)."""
     items = list(history[:initial_len])
     items.append({"type": "message", "role": "user", "content": handoff_text(summary)})
     last = history[-1] if len(history) > initial_len else None
     if last is not None and last.get("type") == "function_call_output":
         out = last["output"]
         items.append({"type": "message", "role": "user", "content": out if isinstance(out, str) else list(out)})
+    elif last is not None and last.get("role") == "user" and not is_handoff(last):
+        items.append(dict(last))  # the new handoff supersedes an old one; the observation stays current
     return items
+
+
+def is_handoff(item: dict) -> bool:
+    """Whether `item` is a continuation's handoff message."""
+    content = item.get("content")
+    return isinstance(content, str) and content.startswith(HANDOFF_PREFIX)
