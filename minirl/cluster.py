@@ -83,9 +83,18 @@ def cause(exc: BaseException) -> BaseException:
     return exc
 
 
+INTERRUPTED_BY: list[BaseException] = []
+"""The exception the entry point's SIGTERM handler raised (minirl.shutdown's `Terminated`), once a
+SIGTERM arrived: the driver spends nearly all its time blocked in `ray.get`, whose own signal check
+replaces the handler's exception with a bare KeyboardInterrupt, which `describe` reports as this.
+(The handler fills it: this floor cannot import the entry points'.)"""
+
+
 def describe(exc: BaseException) -> str:
-    """`ExceptionClass: message`, as the run's last stderr line and its `run_failed` event say it."""
+    """`ExceptionClass: message`, as the run's last stderr line and its `run_failed` event say it (a
+    bare KeyboardInterrupt after a SIGTERM as the SIGTERM's: `INTERRUPTED_BY`)."""
     exc = cause(exc)
+    exc = INTERRUPTED_BY[0] if INTERRUPTED_BY and type(exc) is KeyboardInterrupt else exc
     return f"{type(exc).__name__}: {exc if str(exc) or not isinstance(exc, KeyboardInterrupt) else 'interrupted'}"
 
 

@@ -385,7 +385,7 @@ class Controller:
                     self.events.write({"type": "segment_mask", **r.coords.as_dict(), "trace": k, "kind": t.kind,
                                        "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
         busy1, gather1 = await self._engine_s(after)
-        stats.update(self._step_stats(version, take, kept, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
+        stats.update(self._step_stats(version, take, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
         stats["timing/train/exposed_generation"] = waited
         spent = [*take.outcomes, *take.evicted]
         stats.update(kind_counts(spent, kept))
@@ -413,7 +413,7 @@ class Controller:
         ledger["calls_retired"] = len(left) - len(self.pool)
         return ledger, ledger["tokens_matched"]
 
-    def _step_stats(self, version: int, take: StepTake, kept: list[Rollout], ledger: dict, generated: int,
+    def _step_stats(self, version: int, take: StepTake, ledger: dict, generated: int,
                     gen_s: float, engine_busy_s: float, engine_gather_s: float) -> dict:
         """The step's counters beyond `assemble`'s: sends, the ledger's counts, timing, staleness.
         What its groups cost counts the groups it evicted too (async)."""
@@ -422,8 +422,7 @@ class Controller:
         return dict(
             rollout_attempts=sum(o.row_sends for o in spent),
             rollouts_generated=sum(o.rows_returned for o in spent),
-            guard_rejections=sum(o.guard_rejections for o in spent)
-            + sum(g.get("decision") == "reject" for r in kept for g in r.evidence.get("guard", [])),
+            guard_rejections=sum(o.guard_rejections for o in spent),  # raised and ended episodes alike
             calls_retired=ledger.get("calls_retired", 0),
             calls_unrecorded=ledger.get("calls_unrecorded", 0),
             calls_stale=ledger.get("calls_stale", 0),  # external agents: masked, see Ledger.match_external

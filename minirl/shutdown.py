@@ -4,6 +4,9 @@
 Invariant: the first SIGTERM prints what the run keeps at once (a batch system sends SIGKILL soon
 after: Slurm's KillWait, 30 s by default) and ends the run as Ctrl-C does; later SIGTERMs are
 ignored so that the shutdown finishes; the `minirl: stopped:` line is printed at most once per run.
+A run a SIGTERM ended is reported as `Terminated: SIGTERM: ...` (its last stderr line, its
+`run_failed` event), even where the exception that reached the driver is the bare KeyboardInterrupt
+that `ray.get` makes of it (`cluster.describe`, from `cluster.INTERRUPTED_BY`).
 """
 
 from __future__ import annotations
@@ -25,15 +28,23 @@ _RUN_DIR: list[Path] = []  # the armed run's directory, until its report is prin
 
 def arm(run_dir: Path) -> None:
     """Report on `run_dir` when the run stops; install the SIGTERM handler (main thread only)."""
+    from minirl.cluster import INTERRUPTED_BY  # the entry point has loaded it: no Ray start-up here
+
     _RUN_DIR[:] = [run_dir]
+    INTERRUPTED_BY.clear()  # an earlier run's SIGTERM (in this process) is not this one's
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _on_sigterm(signum, frame) -> None:
+    from minirl.cluster import INTERRUPTED_BY
+
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # recorded: raised inside ray.get, it reaches the driver as a bare KeyboardInterrupt
+    INTERRUPTED_BY[:] = [Terminated("SIGTERM: the job was cancelled, hit its time limit or was stopped by its "
+                                    "launcher")]
     report_kept()
-    raise Terminated("SIGTERM: the job was cancelled, hit its time limit or was stopped by its launcher")
+    raise INTERRUPTED_BY[0]
 
 
 def report_kept() -> None:

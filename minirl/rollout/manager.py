@@ -512,6 +512,9 @@ class RolloutManager:
             del run.sending[r]
             run.streaks.pop(r, None)
             out.rows_returned += 1
+            # its guard's rejections (on_reject=end_episode ends the episode, the row returns), counted
+            # as it returns: a group lost later (dropped, skipped, its row discarded) still counts them
+            out.guard_rejections += sum(g.get("decision") == "reject" for g in rollout.evidence.get("guard", []))
             self._agent_events(rollout)
             out.rollouts[r] = rollout
             if run.weight is not None:

@@ -6,8 +6,10 @@ async twin, `BufferSource`, is in minirl/async_rl/source.py; both are a `types.S
 Invariant: nothing outlives a step: every group of step s is dispatched, resolved and handed over
 by step s's `take`, under the step's own policy version, so no trained call is older than it. Every
 call record taken from a server is handed over once: in the step's take, kept until the step's ledger
-has it (`ledgered`), or (a take that failed, a step that failed after its take) to `close`, for the
-ledger's run_end.
+has it (`ledgered`), or (a take that failed, a step that failed after its take, a take the run's end
+cut short) to `close`, for the ledger's run_end. A take under way when the run ends (a SIGTERM: the
+driver stops waiting, the controller's step does not) is stopped by `close`, and its groups are
+named in flight there, as the async source names the places its pump cancels.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class SyncSource:
         self.cfg, self.manager, self.drain = cfg, manager, drain
         self.held: list[dict] = []  # records taken by a take that then failed: no step's, retired at close
         self.unledgered: list[dict] = []  # the last take's records, until its step's ledger has them
+        # the last take: its step, its groups' run and whether the take has ended (its records handed on)
+        self.taking: tuple[int, asyncio.Task, asyncio.Event] | None = None
 
     def snapshot(self) -> None:
         return None  # a sync checkpoint holds no buffer
@@ -49,8 +53,21 @@ class SyncSource:
         self.unledgered = []
 
     async def close(self) -> tuple[dict, list[dict]]:
+        """The run ends. A take still under way (the driver left it: a SIGTERM) is stopped as the async
+        pump stops its places: its groups' run is cancelled and its groups, but those given up on (their
+        drop or skip is their fate), are named in flight; once the take has ended, what its trickle took
+        is in `held` (or, had its groups all resolved, in `unledgered`). Nothing is buffered: no group
+        outlives a step."""
+        in_flight = []
+        if self.taking is not None:
+            step, run, ended = self.taking
+            if not run.done():
+                in_flight = sorted([s, g] for (s, g), o in self.manager.unsettled.items()
+                                   if s == step and o.status == "committed")
+                run.cancel()
+            await ended.wait()  # a drain under way is awaited: the servers have handed its records over
         held, self.held, self.unledgered = self.held + self.unledgered, [], []
-        return {"buffered": [], "in_flight": []}, held  # no group outlives a step
+        return {"buffered": [], "in_flight": in_flight}, held
 
     async def take(self, step: int, version: int) -> StepTake:
         """The step's groups, and the servers' records of their calls: taken as the groups resolve
@@ -59,13 +76,19 @@ class SyncSource:
         since = time.perf_counter()
         rows = [prompt_row(self.cfg, step, g) for g in range(self.cfg.grpo.num_prompts_per_step)]
         trickle = Trickle(lambda: self.drain(step))
+        # a task of its own, so that `close` can stop the groups while this take still hands on its records
+        run = asyncio.ensure_future(self.manager.run_step(step, rows, trickle.poke))
+        ended = asyncio.Event()
+        self.taking = step, run, ended
         try:
-            outcomes = await self.manager.run_step(step, rows, trickle.poke)
+            outcomes = await run
             calls = await trickle.finish()
+            self.unledgered = calls
         except BaseException:  # what the takes so far hold goes to no step: the run's end retires it
             self.held += await trickle.taken()
             raise
-        self.unledgered = calls
+        finally:
+            ended.set()
         return StepTake(outcomes, [version] * len(outcomes), calls, since, dict.fromkeys(SOURCE_COUNTS, 0))
 
 

@@ -261,6 +261,25 @@ def test_guard_rejections_are_counted_from_the_typed_error_body(stack, base_cfg)
     assert failure["error_type"] == "ContextGuardRejected"
 
 
+def test_a_lost_groups_ended_episode_still_counts_its_guard_rejection(stack, base_cfg):
+    """Under the default on_reject=end_episode a rejection ends the episode and the row returns; group 1's
+    sibling then fails (every /run cut) and the group is dropped. Its outcome still counts the rejection,
+    as it counts the row returned (docs/contracts.md: the counts sum over every group outcome the step
+    took). Before, only the kept rollouts' rejections were counted (by the controller): a lost group's
+    were in no metric. Group 0's kept rollout counts its own once."""
+    faults = [{"kind": "guard_reject", "step": 0, "group": 1, "rollout": 0, "call": 1},
+              {"kind": "guard_reject", "step": 0, "group": 0, "rollout": 1, "call": 1},
+              {"kind": "transport", "step": 0, "group": 1, "rollout": 1}]
+    cfg = policy_cfg(base_cfg, faults, max_infra_attempts_per_prompt=1, max_consecutive_dropped_prompts=1)
+    assert cfg.agent.context_history.guards.on_reject == "end_episode"
+    run = run_step(stack, cfg)
+    assert run.error is None, run.error
+    assert [o.status for o in run.outcomes] == ["committed", "dropped"]
+    assert [(o.rows_returned, o.guard_rejections) for o in run.outcomes] == [(2, 1), (1, 1)]
+    assert not any(e.get("error_type") == "ContextGuardRejected" for e in run.failures()), "no send failed on it"
+    assert_invariants(run)
+
+
 def test_the_group_deadline_covers_a_whole_group_attempt_and_keeps_what_came_back(stack, base_cfg):
     """Upstream's rollout_timeout_s: one deadline per group attempt, row re-sends included."""
     hang = {"kind": "timeout", "step": 0, "group": 0, "rollout": 0, "attempt": 0}

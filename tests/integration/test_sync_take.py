@@ -86,3 +86,45 @@ def test_a_failed_take_hands_its_early_records_to_close(stack, base_cfg):
     assert early and {r["group"] for r in early} >= {0, 1}
     assert held == early, "what the takes held goes to close"
     assert not {r["key"] for r in held} & {r["key"] for r in left}
+
+
+def test_the_runs_end_mid_take_stops_it_names_its_groups_and_retires_what_it_took(stack, base_cfg):
+    """A SIGTERM mid-step: the driver stops waiting, the controller's take goes on, and the run's end
+    (`Controller.finish`) closes the source under it. Group 2 hangs; once the records of groups 0 and 1
+    are taken, `close` stops the take (its groups' run is cancelled), names the step's three groups in
+    flight and hands over every record the take's trickle took, none also left on the server. Before,
+    `close` ignored the running take: no group in flight and the trickle's records in no ledger line."""
+    hang = {"kind": "timeout", "step": 0, "group": 2, "rollout": 0, "attempt": 0}
+    cfg = policy_cfg(base_cfg, [hang], groups=3, rollout_timeout_s=120.0)
+    drains = []
+
+    async def go():
+        async with stack(cfg) as s:
+            manager = RolloutManager(cfg, [s.agent_url], [].append, VOCAB)
+
+            async def drain(step):
+                drains.append(s.model.take_calls(step))
+                return drains[-1]
+
+            source = SyncSource(cfg, manager, drain)
+            take = asyncio.ensure_future(source.take(0, 0))
+            for _ in range(600):  # groups 0 and 1 resolve in seconds; group 2 hangs for the deadline
+                if {r["group"] for records in drains for r in records} >= {0, 1} or take.done():
+                    break
+                await asyncio.sleep(0.1)
+            try:
+                unfinished, held = await asyncio.wait_for(source.close(), 30)
+                stopped = take.done()
+            finally:
+                take.cancel()  # before the fix, close left it running (to group 2's deadline)
+                result = (await asyncio.gather(take, return_exceptions=True))[0]
+                await manager.session.close()
+            return unfinished, held, stopped, result, s.model.take_calls(0)
+
+    unfinished, held, stopped, result, left = asyncio.run(go())
+    taken = [r for records in drains for r in records]
+    assert {r["group"] for r in taken} >= {0, 1}, "groups 0 and 1 were taken while group 2 hung"
+    assert unfinished == {"buffered": [], "in_flight": [[0, 0], [0, 1], [0, 2]]}, unfinished
+    assert stopped and isinstance(result, asyncio.CancelledError), "close stops the take"
+    assert held == taken, "what the trickle took goes to close, in the order taken"
+    assert not {r["key"] for r in held} & {r["key"] for r in left}

@@ -107,6 +107,8 @@ def test_review_failure_table(tmp_path, case, mode, shared_engine):
         assert row["dropped_prompt_groups"] == 4 - expect[1] and row["groups_target"] == 4
         if case == "fix_3":
             assert row["redispatched_groups"] == 1 and row["redispatched_rows"] == 1
+        if case == "fix_2":  # the ended episode's rejection, counted once (its group's outcome, not its rollout too)
+            assert row["guard_rejections"] == 1
     elif expect[0] == "exhausted":
         assert proc.returncode != 0
         assert (tail.startswith("RolloutRedispatchExhausted:")
@@ -198,6 +200,56 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_ends_it_with_run_failed(tmp
     assert failed["error"] == tail and failed["step"] == 2
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2]
     assert failed["rollout_attempts"] == 0, "step 2's sends are in its metrics line, not counted twice"
+
+
+def test_a_sigterm_mid_step_is_reported_as_terminated_and_the_steps_groups_close_the_books(tmp_path, shared_engine):
+    """`scancel` while step 1's groups are in flight (its group 3 hangs): the driver, blocked in ray.get,
+    gets the SIGTERM as a bare KeyboardInterrupt, yet its last line and its run_failed event name the
+    SIGTERM, exit 1 as any run-ending failure; and the run's end stops the step's take, names its four
+    groups in flight and retires the call records taken while it ran (check_run's `_served`). Before:
+    `KeyboardInterrupt: interrupted`, no group unfinished and the trickled records in no ledger line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from minirl.config import REPO_ROOT
+
+    args = ["grpo.max_num_steps=3", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
+            "checkpoint.enabled=false", "logger.tensorboard=false", "faults.hang_s=60",
+            "faults.inject=[{kind: timeout, step: 1, group: 3}]", f"run_dir={tmp_path}", *shared_engine]
+    proc = subprocess.Popen([sys.executable, "-m", "minirl.train", *args], cwd=REPO_ROOT, text=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline, hung = time.time() + 240, False
+        while time.time() < deadline and proc.poll() is None and not hung:
+            time.sleep(0.2)
+            hung = (tmp_path / "events.jsonl").exists() and any(
+                e["type"] == "fault" and e["step"] == 1 for e in events(tmp_path))
+        assert hung, "step 1's group 3 did not start"
+        time.sleep(3)  # its other groups resolve, and their records are taken, while it hangs (60 s)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    tail = last_line(stderr)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert tail.startswith("Terminated: SIGTERM: "), tail
+    assert "minirl: stopped: last logged step 0" in stdout
+    (failed,) = run_failed(tmp_path)
+    assert failed["error"] == tail and failed["step"] == 1
+    (end,) = [e for e in events(tmp_path) if e["type"] == "run_end"]
+    assert end["unfinished"] == {"buffered": [], "in_flight": [[1, g] for g in range(4)]}, end
+    assert end["groups_unfinished"] == 4
+    # the books close (check_run's checks after `_exit`, which passes no exit but a budget's)
+    from minirl.experiments import invariants as inv
+
+    cfg, rows, evs = load_config(str(tmp_path / "config.yaml")), metrics(tmp_path), events(tmp_path)
+    for check in (inv._fates, inv._events, inv._ledger, inv._served):
+        assert check(tmp_path, proc.returncode, tail, cfg, rows, evs, None) is None, check.__name__
 
 
 def test_workers_beyond_what_ray_offers_end_at_once_naming_the_keys(tmp_path):
