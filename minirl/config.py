@@ -1157,13 +1157,35 @@ def validate(cfg: MinirlConfig) -> None:
     Each rule sits on what it checks: a choice is a `Literal` field type, a range is the field's
     `bounded(...)` metadata, a rule between fields of one section is that section's `check()`, and a
     rule across sections is `MinirlConfig.check()`."""
-    _check_fields(cfg, "", Any, {})
-    for key, section in _sections(cfg, ""):
+    _check_tree(cfg, "")
+    _check_outside(cfg)
+
+
+def _check_tree(node: Any, key: str) -> None:
+    """`validate`'s rules on one tree (the whole config at key "", or a section at its dotted key)."""
+    _check_fields(node, key, Any, {})
+    for k, section in _sections(node, key):
         try:
             section.check()
         except ConfigError as err:
-            raise ConfigError(f"{key}.{err.key}" if key else err.key, err.problem) from None
-    _check_outside(cfg)
+            raise ConfigError(f"{k}.{err.key}" if k else err.key, err.problem) from None
+
+
+def faults_section(data: Any) -> FaultsConfig:
+    """`faults.*` from plain JSON (a Gym-side server's copy of the run's fault plan, minirl/gym_servers/
+    doors_v07.py), checked as `load_config` checks the run's: unknown keys, types, bounds and
+    FaultsConfig's rules, each ConfigError naming `faults.<key>` (a misspelt key would otherwise match
+    every rollout, an unknown kind never fire)."""
+    if not isinstance(data, dict):
+        raise ConfigError("faults", f"is a section: give it a mapping of keys, got a {type(data).__name__}")
+    node = OmegaConf.structured(FaultsConfig)
+    _check_keys(data, node, "faults.")
+    try:
+        faults: FaultsConfig = OmegaConf.to_object(OmegaConf.merge(node, data))
+    except OmegaConfBaseException as exc:
+        raise _merge_error(exc, "faults", inside=True) from None
+    _check_tree(faults, "faults")
+    return faults
 
 
 def _sections(node: Any, key: str) -> Iterator[tuple[str, Any]]:

@@ -65,7 +65,7 @@ FAULT_KINDS = tuple(SITES)
 AGENT_SIDE_KINDS = tuple(kind for kind, site in SITES.items()
                          if site in (AGENT, AGENT_HTTP, SUMMARIZE, VERIFY))
 """Kinds that fire in the agent pool, where the row (and so its task's room count) is known
-(minirl's own verifier included; the Gym 0.7 doors server takes `session_lost` by rate only)."""
+(minirl's own verifier included, and the Gym 0.7 doors server's, which reads the row's task too)."""
 
 
 def _uniform(seed: int, kind: str, c: Coords) -> float:

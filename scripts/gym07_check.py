@@ -12,7 +12,10 @@ generation side it started (router, attached worker): everything the 0.4.0 half 
    ledger (calls_unrecorded = 0); at step 1 the verifier's mask_sample masks exactly that rollout
    (mask event with reason mask_sample and failure_kind session_lost, masked_by_kind counts it, the
    rest of its group trains);
-5. Gym 0.7's own Environment Server failures (`BaseEnvironmentServer.run_request` answering an
+5. the doors server holds at most `--max-live-episodes` (MAX_LIVE): a session that never verifies (its
+   `/run`'s model call failed) is dropped as the oldest, and verifies as Gym's `session_expired` (masked);
+   a misspelt `--faults` key is refused (exit 2) before any server starts;
+6. Gym 0.7's own Environment Server failures (`BaseEnvironmentServer.run_request` answering an
    `EpisodeFailure`, minirl/gym_servers/episodes_v07.py) through minirl's rollout manager: terminal ones
    are never retried, non-terminal ones are, within the INFRA budget.
 
@@ -30,6 +33,8 @@ from pathlib import Path
 VERSION = "0.7.0"
 LOST = {"kind": "session_lost", "step": 1, "group": 0, "rollout": 0}
 """The session the seeded fault plan loses: its verifier answers mask_sample (Gym's session_lost)."""
+MAX_LIVE = 64
+"""The doors server's `--max-live-episodes` here: above the training check's rollouts in flight (8 x 4)."""
 
 
 def say(msg: str) -> None:
@@ -66,6 +71,41 @@ def check_serving(post, python: str, urls: dict, rows: Path, cfg, work: Path, en
     _check(lane_a, f"too-long prompt through vllm_model -> HTTP {status}, "
                    f"incomplete_details={reply.get('incomplete_details')}, "
            f"output={json.dumps(out)[:160]}", failures, "lane A")
+
+
+def check_sessions(python: str, doors: str, rows: Path, work: Path, env: dict, failures: list) -> None:
+    """MAX_LIVE + 1 sessions seeded, none verified (as `/run`s whose model call failed leave them): the
+    first verifies as `session_expired` with mask_sample, the last as a live one; then a bad `--faults`."""
+    from http.cookiejar import CookieJar
+    from urllib.error import HTTPError
+    from urllib.request import Request, build_opener, HTTPCookieProcessor
+
+    def call(opener, path: str, body: dict) -> tuple[int, dict]:
+        req = Request(doors + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with opener.open(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except HTTPError as exc:
+            return exc.code, {"raw": exc.read().decode(errors="replace")}
+
+    row = json.loads(rows.read_text().splitlines()[0])
+    openers = [build_opener(HTTPCookieProcessor(CookieJar())) for _ in range(MAX_LIVE + 1)]
+    seeded = {call(o, "/seed_session", {"task": row["task"]})[0] for o in openers}
+    response = {"id": "r", "created_at": 0, "model": "m", "object": "response", "output": [],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+    body = {"responses_create_params": row["responses_create_params"], "task": row["task"], "response": response}
+    (s_old, oldest), (s_new, newest) = (call(o, "/verify", body) for o in (openers[0], openers[-1]))
+    got = [(s, v.get("mask_sample"), v.get("failure_kind")) for s, v in ((s_old, oldest), (s_new, newest))]
+    _check(seeded == {200} and got == [(200, True, "session_expired"), (200, False, None)],
+           f"{MAX_LIVE + 1} sessions seeded on a server holding {MAX_LIVE}, none verified: (status, mask_sample, "
+           f"failure_kind) of the oldest and the newest {got}", failures, "sessions")
+    bad = subprocess.run([python, "-m", "minirl.gym_servers.serve_v07", "--router", "http://127.0.0.1:9",
+                          "--model", "m", "--faults", json.dumps({"inject": [{"kind": "session_lost", "grup": 0}]})],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    _check(bad.returncode == 2 and "faults.inject[0].grup: unknown config key" in bad.stderr,
+           f"--faults with a misspelt key -> exit {bad.returncode}: "
+           f"{next((ln for ln in bad.stderr.splitlines() if ln.startswith('minirl:')), bad.stderr.strip()[-200:])}",
+           failures, "faults")
 
 
 def check_training(urls: dict, attach: list, overrides: list, work: Path, env: dict, failures: list) -> None:
@@ -145,10 +185,11 @@ def run(post, start_gym, stop_gym, python: str, cfg, router: str, attach: list, 
     try:
         faults = {"seed": cfg.faults.seed, "inject": [LOST]}  # the Gym 0.7 doors server's fault plan
         gym, urls = start_gym(python, cfg, router, work, env, "minirl.gym_servers.serve_v07",
-                              ("--faults", json.dumps(faults)),
+                              ("--faults", json.dumps(faults), "--max-live-episodes", str(MAX_LIVE)),
                               "gym07-servers.log")
         say(f"Gym servers up: {urls}")
         check_serving(post, python, urls, rows, cfg, work, env, failures)
+        check_sessions(python, urls["doors"], rows, work, env, failures)
         check_episode_failures(urls["failing_episodes"], cfg, failures)
         check_training(urls, attach, overrides, work, env, failures)
     except Exception as exc:  # report, then stop the Gym process

@@ -233,6 +233,10 @@ LOST_SESSION = {"failure_kind": "session_lost",
                 "failure_reason": "the resources session was lost before verification "
                 "(injected session_lost fault): the reward is not a measurement"}
 """What a verifier reports for a session the seeded fault plan loses (`faults.*` kind `session_lost`)."""
+EXPIRED_SESSION = {"failure_kind": "session_expired",
+                   "failure_reason": "the resources session is not held (never seeded, or dropped as the oldest "
+                   "past the server's max_live_episodes): the reward is not a measurement"}
+"""What the Gym 0.7 doors server's verifier reports for a session it does not hold."""
 
 
 def without_result_facts(row: dict) -> dict:

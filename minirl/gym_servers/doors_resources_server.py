@@ -3,7 +3,7 @@ runs in the Gym venv (it imports `nemo_gym`). `/seed_session` starts an episode 
 `task`, `/open_door` is the tool `simple_agent` calls, `/verify` scores the transcript.
 
 Invariant: the reward of a `/run` is `env.verify(task, output)`, a pure function of the row's task
-and the agent's calls, whatever state the live episodes hold.
+and the agent's calls, whatever state the live episodes hold; at most `max_live_episodes` are held.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ class DoorsVerifyResponse(BaseVerifyResponse):
 class DoorsResourcesServer(SimpleResourcesServer):
     config: BaseResourcesServerConfig
     episodes: dict = {}
+    """Live episodes by Gym's session id, oldest first."""
+    max_live_episodes: int = 4096
+    """Episodes held at once. Only `/verify` ends one, and a `/run` whose model call fails between
+    `/seed_session` and `/verify` never verifies (Gym's `simple_agent` closes nothing), so past this
+    the oldest is dropped (`episodes_evicted`): far above any run's rollouts in flight."""
+    episodes_evicted: int = 0
 
     def setup_webserver(self):
         app = super().setup_webserver()
@@ -52,8 +58,16 @@ class DoorsResourcesServer(SimpleResourcesServer):
         """An episode from the row's `task` (`{"env": "doors", "seed", "num_rooms"}`), kept under Gym's
         per-rollout session id."""
         env = DoorsEnv(body.task["seed"], body.task["num_rooms"], body.task.get("env", "doors"))
-        self.episodes[request.session[SESSION_ID_KEY]] = env
+        self.keep(request.session[SESSION_ID_KEY], env)
         return BaseSeedSessionResponse()
+
+    def keep(self, session_id: str, env: DoorsEnv | None) -> None:
+        """`env` as the session's episode, the newest; the oldest past `max_live_episodes` dropped."""
+        self.episodes.pop(session_id, None)
+        self.episodes[session_id] = env
+        while len(self.episodes) > self.max_live_episodes:
+            self.episodes.pop(next(iter(self.episodes)))
+            self.episodes_evicted += 1
 
     async def open_door(self, request: Request) -> PlainTextResponse:
         """The tool `simple_agent` calls by name with the parsed arguments: the observation as plain

@@ -53,7 +53,7 @@ def check_shapes(rows_path: str) -> None:
           "maps them")
 
 
-def gym07_servers(global_cfg: dict, faults: dict) -> list:
+def gym07_servers(global_cfg: dict, faults: dict, max_live_episodes: int) -> list:
     """`minirl.gym_servers.serve`'s servers with 0.7's inline token ids and the doors server on 0.7's classes."""
     from minirl.gym_servers.doors_resources_server import DoorsResourcesServer
     from minirl.gym_servers.doors_v07 import DoorsResourcesServer07
@@ -64,7 +64,8 @@ def gym07_servers(global_cfg: dict, faults: dict) -> list:
     servers = gym_servers(global_cfg)
     for i, server in enumerate(servers):
         if type(server) is DoorsResourcesServer:
-            servers[i] = DoorsResourcesServer07(config=server.config, server_client=server.server_client, faults=faults)
+            servers[i] = DoorsResourcesServer07(config=server.config, server_client=server.server_client, faults=faults,
+                                                max_live_episodes=max_live_episodes)
     host = servers[0].config.host
     episodes = BaseEnvironmentServerConfig(name="failing_episodes", host=host, port=free_port(), entrypoint="app.py",
                                            cleanup_timeout_seconds=5)
@@ -78,17 +79,25 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--uses-reasoning-parser", type=int, default=1)
     ap.add_argument("--faults", default="{}", help="minirl's faults.* as JSON: {seed, inject: [...], rate: {...}}")
+    ap.add_argument("--max-live-episodes", type=int, default=4096, help="the doors server's episodes held at once")
     ap.add_argument("--check-shapes")
     args = ap.parse_args()
     if args.check_shapes:
         return check_shapes(args.check_shapes)
     if not args.router or not args.model:
         ap.error("--router and --model are required to serve")
+    from minirl.config import ConfigError, faults_section
+
+    try:  # before any server starts: a misspelt key would match every rollout, an unknown kind never fire
+        faults_section(json.loads(args.faults))
+    except (ConfigError, ValueError) as exc:
+        print(f"minirl: --faults: {exc}", file=sys.stderr)
+        return 2
     host = "127.0.0.1"
     global_cfg = gym_config(args, host)
     global_cfg["policy_model"]["responses_api_models"]["vllm_model"]["request_prompt_and_generation_token_ids"] = True
     os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(global_cfg)
-    asyncio.run(serve(gym07_servers(global_cfg, json.loads(args.faults)), host))
+    asyncio.run(serve(gym07_servers(global_cfg, json.loads(args.faults), args.max_live_episodes), host))
 
 
 if __name__ == "__main__":

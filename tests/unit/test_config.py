@@ -236,3 +236,23 @@ def test_one_fault_site_predicate_per_attempt():
     assert fault_site(plan, hit)("model_error") and not fault_site(plan, hit)("timeout")
     assert not fault_site(plan, miss)("model_error") and not fault_site(plan, None, call=2)("model_error")
     assert not fault_site(None, hit, call=2)("model_error")
+
+
+@pytest.mark.parametrize("data,key,problem", [
+    ({"inject": [{"kind": "session_lost", "grup": 1}]}, "faults.inject[0].grup", "unknown config key"),
+    ({"inject": [{"kind": "sesion_lost"}]}, "faults.inject[0].kind", "must be one of"),
+    ({"rate": {"session_lost": 7}}, "faults.rate.session_lost", "must be a probability in [0, 1], got 7.0"),
+    ({"rate_per_room": {"model_error": 0.1}}, "faults.rate_per_room.model_error", "needs the row's room count"),
+    ({"sead": 1}, "faults.sead", "unknown config key"),
+    ([1], "faults", "give it a mapping of keys, got a list"),
+])
+def test_a_gym_side_fault_plan_is_checked_as_a_runs_is(data, key, problem):
+    """The Gym 0.7 doors server's `--faults` (minirl's faults.* as JSON) went into a SimpleNamespace
+    unchecked: a misspelt `grup` matched every group, `sesion_lost` never fired, a rate of 7 always did."""
+    from minirl.config import faults_section
+
+    with pytest.raises(ConfigError) as err:
+        faults_section(data)
+    assert err.value.key == key and problem in err.value.problem
+    plan = faults_section({"seed": 3, "inject": [{"kind": "session_lost", "step": 1, "group": 0, "rollout": 0}]})
+    assert plan.seed == 3 and plan.inject[0].group == 0 and plan.inject[0].attempt is None
