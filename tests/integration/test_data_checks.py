@@ -27,7 +27,6 @@ from helpers import serve_run
 from minirl import data
 from minirl.agents.agent import start_episode
 from minirl.agents.env import SYSTEM_PROMPT
-from minirl.agents.items import items_to_messages
 from minirl.config import ConfigError, load_config
 from minirl.data import prompt_key, prompt_row
 from minirl.rollout.manager import RolloutManager
@@ -304,14 +303,16 @@ def test_a_process_holds_no_parsed_rows_and_a_lookup_does_not_rebuild_the_order(
 # ------------------------------------------------------------------ per-prompt threshold (X item 10)
 def test_dataset_rows_draw_their_own_summarizing_threshold_and_a_group_shares_it():
     """Rows of one doors task with different inputs (a dataset's prompts) each draw a threshold: with
-    one call and prompts of one length, some summarize before it and some do not; every rollout and
-    attempt of one row decides alike. A doors prompt still draws by its task seed."""
-    from test_summarize import Scripted, play, row_of, summarize_cfg
+    two calls and prompts of one length, some summarize before the second and some do not (the initial
+    context alone, before the first, is never summarized); every rollout and attempt of one row decides
+    alike. A doors prompt still draws by its task seed."""
+    from test_summarize import Scripted, enc, play, row_of, summarize_cfg
 
-    base = row_of(summarize_cfg("agent.max_steps=1"))
-    messages = items_to_messages(base["responses_create_params"]["input"])
-    tokens = asyncio.run(Scripted().count_tokens(messages, [], "c0", None))
-    cfg = summarize_cfg("agent.max_steps=1", lo=tokens - 150, hi=tokens + 150)  # the first call's prompt: mid-range
+    base = row_of(summarize_cfg("agent.max_steps=2"))
+    probe = Scripted()
+    play(summarize_cfg("agent.max_steps=2", lo=1000, hi=1000), probe)  # no summary: the second call as it goes
+    tokens = len(enc([text for summary, text in probe.prompts if not summary][1]))
+    cfg = summarize_cfg("agent.max_steps=2", lo=tokens - 150, hi=tokens + 150)  # the second call's prompt: mid-range
 
     def variant(i: int, rollout: int = 0, attempt: int = 0, seed: int = 7) -> dict:
         row = row_of(cfg, rollout=rollout, attempt=attempt, seed=seed)
