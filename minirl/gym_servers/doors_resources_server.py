@@ -46,8 +46,7 @@ class DoorsResourcesServer(SimpleResourcesServer):
     max_live_episodes: int = 4096
     """Episodes held at once. Only `/verify` ends one, and a `/run` whose model call fails between
     `/seed_session` and `/verify` never verifies (Gym's `simple_agent` closes nothing), so past this
-    the oldest is dropped (`episodes_evicted`): far above any run's rollouts in flight."""
-    episodes_evicted: int = 0
+    the oldest is dropped (its `/verify` finds no episode): far above any run's rollouts in flight."""
 
     def setup_webserver(self):
         app = super().setup_webserver()
@@ -67,7 +66,6 @@ class DoorsResourcesServer(SimpleResourcesServer):
         self.episodes[session_id] = env
         while len(self.episodes) > self.max_live_episodes:
             self.episodes.pop(next(iter(self.episodes)))
-            self.episodes_evicted += 1
 
     async def open_door(self, request: Request) -> PlainTextResponse:
         """The tool `simple_agent` calls by name with the parsed arguments: the observation as plain
