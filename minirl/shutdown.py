@@ -59,15 +59,22 @@ def report_kept() -> None:
 
 
 def kept(run_dir: Path) -> str:
-    """What a run that ended early leaves: its last logged step, its newest verified checkpoint and
-    the steps a resume from that checkpoint runs again."""
+    """What a run that ended early leaves: its last logged step (a last line cut mid-write, which a resume
+    drops, is passed over), its newest complete checkpoint and the steps a resume from that checkpoint runs
+    again. Complete: every file of the manifest there at its size. The sha256s are left to the resume:
+    hashing a large model's weights and optimizer state could outlast the launcher's grace before SIGKILL."""
     path = run_dir / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    last = json.loads(lines[-1])["step"] if lines else None
-    ckpt, _ = checkpoint.latest_verified(run_dir)
+    last = None
+    for line in reversed(path.read_text().splitlines() if path.exists() else []):
+        try:
+            last = json.loads(line)["step"]
+            break
+        except (ValueError, KeyError, TypeError):
+            continue
+    ckpt, _ = checkpoint.latest_verified(run_dir, hashes=False)
     done = "no step logged" if last is None else f"last logged step {last}"
     if ckpt is None:
-        return f"{done}; no verified checkpoint: every step is lost"
+        return f"{done}; no complete checkpoint: every step is lost"
     saved = checkpoint.read_state(ckpt)["next_step"] - 1
     lost = "nothing after it is lost" if last is None or last <= saved else f"steps {saved + 1}-{last} are lost"
-    return f"{done}; newest verified checkpoint {ckpt} (step {saved}): {lost}; resume with checkpoint.resume=auto"
+    return f"{done}; newest complete checkpoint {ckpt} (step {saved}): {lost}; resume with checkpoint.resume=auto"

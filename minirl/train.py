@@ -12,7 +12,6 @@ Exit codes: 0 on success; 2 for a bad config key or value, or surroundings the c
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 import time
 from pathlib import Path
@@ -63,7 +62,7 @@ def _truncate_metrics(run_dir: Path, start: int) -> None:
 
 def prepare_run_dir(cfg: MinirlConfig) -> Path:
     if cfg.run_dir is None:
-        cfg.run_dir = str(REPO_ROOT / "runs" / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+        cfg.run_dir = str(checkpoint.new_run_dir(REPO_ROOT / "runs"))
     run_dir = Path(cfg.run_dir).resolve()
     removed = checkpoint.claim_run_dir(cfg, run_dir)  # an earlier run's records there: refused, or removed whole
     try:

@@ -2,7 +2,7 @@
 RNG, the data position, the failure policy's run-scoped counters, the resolved config and, async,
 the rollout pump's buffer; `state.json`, written last, carries a manifest of every other file.
 Also the checks before Ray starts: the resume's config and model (`check_resume`), the run_dir
-(`claim_run_dir`).
+(`claim_run_dir`) and the default one (`new_run_dir`).
 
 Invariant: a checkpoint is trusted only when its manifest verifies (an empty manifest does not);
 `select` never resumes from one that does not (`auto` falls back to the newest that does and reports
@@ -14,7 +14,9 @@ checkpoint it writes.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -128,8 +130,9 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=_step)
 
 
-def verify(path: Path) -> str | None:
-    """None when every file of the manifest is there with its size and sha256; else why not, naming the file."""
+def verify(path: Path, hashes: bool = True) -> str | None:
+    """None when every file of the manifest is there with its size and (`hashes`) its sha256; else why not,
+    naming the file."""
     try:
         manifest = json.loads((path / STATE).read_text())["manifest"]
     except (OSError, ValueError, TypeError) as exc:
@@ -139,21 +142,24 @@ def verify(path: Path) -> str | None:
     if not isinstance(manifest, dict) or not manifest:
         return f"{STATE} has an empty manifest: nothing to verify"
     for rel, want in manifest.items():
+        if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("sha256"), str)):
+            return f"{STATE}: the manifest's entry for {rel} is not {{size, sha256}}: {str(want)[:80]}"
         file = path / rel
         if not file.is_file():
             return f"{rel}: missing"
         if (size := file.stat().st_size) != want["size"]:
             return f"{rel}: size {size} != {want['size']}"
-        if _sha256(file) != want["sha256"]:
+        if hashes and _sha256(file) != want["sha256"]:
             return f"{rel}: sha256 mismatch"
     return None
 
 
-def latest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that verifies (None if none does), and (path, reason) for each newer one."""
+def latest_verified(run_dir: Path, hashes: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that verifies (None if none does), and (path, reason) for each newer one.
+    `hashes=False` checks each file's presence and size only (no read of the weights)."""
     skipped = []
     for path in reversed(checkpoints(run_dir)):
-        if (reason := verify(path)) is None:
+        if (reason := verify(path, hashes)) is None:
             return path, skipped
         skipped.append((path, reason))
     return None, skipped
@@ -270,6 +276,14 @@ def check_model(cfg, path: Path) -> None:
     except (OSError, ValueError):
         return  # no saved model config to compare (the load then says what it finds)
     changed = [(k, saved.get(k), model.get(k)) for k in MODEL_SHAPE_KEYS if saved.get(k) != model.get(k)]
+    if changed:  # a key one file leaves to its transformers default (save_pretrained writes them all): as loaded
+        from transformers import AutoConfig
+
+        try:
+            saved, model = (AutoConfig.from_pretrained(p).to_dict() for p in (path / "policy", cfg.policy.model_name))
+        except (OSError, ValueError):
+            return  # not a config transformers reads (the load then says what it finds)
+        changed = [(k, saved.get(k), model.get(k)) for k in MODEL_SHAPE_KEYS if saved.get(k) != model.get(k)]
     if not changed:
         return
     try:  # the checkpoint's own config names the model it was written with
@@ -338,11 +352,30 @@ def earlier_run(run_dir: Path) -> list[str]:
     return found
 
 
+def new_run_dir(root: Path) -> Path:
+    """The default run_dir, `root/<UTC timestamp>`, claimed by an atomic mkdir: a second run started in the
+    same second (a sweep launching several without run_dir=) gets `<timestamp>-2`, not the first one's."""
+    from minirl.config import ConfigError
+
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    for n in itertools.count(1):
+        path = root / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError("run_dir", f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def claim_run_dir(cfg, run_dir: Path) -> list[str]:
-    """Before anything is written: a fresh run (`checkpoint.resume=none`) into a run_dir that holds an
-    earlier run's records is refused (ConfigError naming the folder, `checkpoint.resume` and
-    `run_dir_exists`), or, with `run_dir_exists=overwrite`, every RUN_OUTPUTS entry there is removed
-    first: the two runs never mix. A resume keeps them. Returns the entries removed."""
+    """Before anything is written: a run that does not continue run_dir's own (`checkpoint.resume=none`,
+    or a checkpoint of another folder) into a run_dir that holds an earlier run's records is refused
+    (ConfigError naming the folder, `checkpoint.resume` and `run_dir_exists`), or, with
+    `run_dir_exists=overwrite`, every RUN_OUTPUTS entry there is removed first: the two runs never mix.
+    A resume from run_dir's own checkpoint (`auto`, or a path inside it) keeps them. Returns the entries
+    removed."""
     from minirl.config import ConfigError
 
     resume = cfg.checkpoint.resume
@@ -351,12 +384,14 @@ def claim_run_dir(cfg, run_dir: Path) -> list[str]:
         raise ConfigError("run_dir_exists", f"overwrite would remove the checkpoint checkpoint.resume={resume} resumes "
                           f"from {run_dir}: set run_dir_exists=error to continue that run, "
                           "or checkpoint.resume=none to replace it")
-    records = earlier_run(run_dir) if resume == "none" and run_dir.is_dir() else []
+    records = earlier_run(run_dir) if not inside and run_dir.is_dir() else []
     if records and cfg.run_dir_exists == "error":
         shown = ", ".join(records[:6]) + (f" and {len(records) - 6} more" if len(records) > 6 else "")
-        raise ConfigError("run_dir", f"{run_dir} holds an earlier run ({shown}), and checkpoint.resume=none starts a "
-                          "fresh one that would write over it: continue it with checkpoint.resume=auto, choose another "
-                          "run_dir, or set run_dir_exists=overwrite to remove it first")
+        starts = ("checkpoint.resume=none starts a fresh one" if resume == "none" else
+                  f"checkpoint.resume={resume} starts a run from another folder's checkpoint")
+        raise ConfigError("run_dir", f"{run_dir} holds an earlier run ({shown}), and {starts} that would write over "
+                          "it: continue it with checkpoint.resume=auto, choose another run_dir, or set "
+                          "run_dir_exists=overwrite to remove it first")
     removed = [name for name in RUN_OUTPUTS if records and (run_dir / name).exists()]
     for name in removed:
         path = run_dir / name

@@ -87,6 +87,25 @@ def test_overwrite_removes_every_file_a_run_writes_and_nothing_else_and_a_resume
     assert checkpoint.claim_run_dir(load_config(None, [f"run_dir={run}"]), run) == []
 
 
+def test_a_resume_from_another_folders_checkpoint_does_not_mix_with_an_earlier_run_in_run_dir(tmp_path):
+    """A run that resumes another run's checkpoint into a folder holding an earlier run: refused, as a fresh
+    run is (it kept that run's metrics lines as its own and pruned its checkpoints), or, with
+    run_dir_exists=overwrite, that run removed first (overwrite was silently ignored)."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    earlier_run(run)
+    earlier_run(other)
+    before, step3 = snapshot(run), other / "checkpoints" / "step_3"
+    with pytest.raises(ConfigError) as err:
+        checkpoint.claim_run_dir(load_config(None, [f"run_dir={run}", f"checkpoint.resume={step3}"]), run)
+    assert err.value.key == "run_dir" and str(err.value).startswith(
+        f"run_dir: {run} holds an earlier run (metrics.jsonl, events.jsonl, ledger, checkpoints/step_2, checkpoints/"
+        f"step_3), and checkpoint.resume={step3} starts a run from another folder's checkpoint"), str(err.value)
+    assert snapshot(run) == before
+    removed = checkpoint.claim_run_dir(
+        load_config(None, [f"run_dir={run}", f"checkpoint.resume={step3}", "run_dir_exists=overwrite"]), run)
+    assert "metrics.jsonl" in removed and checkpoint.earlier_run(run) == [] and step3.is_dir()
+
+
 def test_resuming_a_checkpoint_of_another_model_is_refused_before_ray_naming_both(tmp_path):
     """Issue 49 MEDIUM 8: the load's `\\tsize mismatch for model.embed_tokens.weight` after Ray started."""
     run = tmp_path / "run"

@@ -435,7 +435,7 @@ def test_a_stopped_run_states_what_its_newest_checkpoint_keeps(tmp_path):
     from minirl.shutdown import kept
     from minirl.trainer import checkpoint
 
-    assert kept(tmp_path) == "no step logged; no verified checkpoint: every step is lost"
+    assert kept(tmp_path) == "no step logged; no complete checkpoint: every step is lost"
 
     def write_policy(d: str) -> None:
         (Path(d) / "policy").mkdir()
@@ -447,5 +447,9 @@ def test_a_stopped_run_states_what_its_newest_checkpoint_keeps(tmp_path):
     (tmp_path / "checkpoints" / "step_3" / "policy" / "weights.bin").write_bytes(b"x")  # step 3's does not verify
     (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(5)))
     said = kept(tmp_path)
-    assert said.startswith("last logged step 4; newest verified checkpoint "), said
+    assert said.startswith("last logged step 4; newest complete checkpoint "), said
     assert said.endswith("step_1 (step 1): steps 2-4 are lost; resume with checkpoint.resume=auto"), said
+    # a last line cut mid-write (a kill; the resume drops it) is passed over, not "could not read what the run kept"
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    assert kept(tmp_path).startswith("last logged step 4; "), kept(tmp_path)
