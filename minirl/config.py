@@ -222,7 +222,10 @@ class PolicyConfig:
     """Local Hugging Face model directory, loaded with `from_pretrained` (no hub access); a relative
     path that does not exist from the working directory is taken from the repository root."""
     train_global_batch_size: int = II("mul:${grpo.num_prompts_per_step},${grpo.num_generations_per_prompt}")
-    """Logical rollouts per optimizer step; must equal prompts x generations (one step per RL step)."""
+    """Logical rollouts per optimizer step; must equal prompts x generations (one step per RL step).
+    Derived from the two `grpo` keys; a config file's value equal to its own prompts x generations
+    (a run's saved config.yaml holds it resolved) stays derived, so a later override of either key
+    moves it along (`load_config`). Set on the command line, it is checked as given."""
     train_micro_batch_size: int = bounded(16, ge=1)
     """Traces per forward/backward pass (gradient accumulation inside the step)."""
     max_total_sequence_length: int = bounded(1024, ge=1)
@@ -877,10 +880,13 @@ class FaultsConfig:
     inject: list[FaultSpec] = field(default_factory=list)
     """Exact faults at given coordinates."""
     rate: dict[str, float] = field(default_factory=dict)
-    """Independent per-rollout-attempt probability of each kind."""
+    """Independent per-rollout-attempt probability of each kind. A mapping given whole (`faults.rate={...}`,
+    or `rate:` in a later config file) replaces the earlier layers' (`{}` clears it); a dotted
+    `faults.rate.KIND=p` sets that kind alone (`load_config`)."""
     rate_per_room: dict[str, float] = field(default_factory=dict)
     """Correlated with difficulty: per-room hazard q of each agent-side kind; a rollout attempt of an
-    n-room episode fails with p = 1 - (1 - q)**n (see minirl/faults.py)."""
+    n-room episode fails with p = 1 - (1 - q)**n (see minirl/faults.py). Layered as `rate`: a
+    mapping given whole replaces the earlier one, a dotted `faults.rate_per_room.KIND=q` sets one kind."""
     hang_s: float = bounded(3600.0, ge=0)
     """How long a `timeout` fault keeps `/run` from answering."""
 
@@ -941,10 +947,8 @@ class MinirlConfig:
                  f"must equal grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {want} "
                  f"(one optimizer step per RL step), got {self.policy.train_global_batch_size}")
         rewrites = self.agent.name == "compaction_agent" and self.agent.context_history.enabled
-        _require(cc.enabled or self.agent.external_url is not None or not rewrites, "context_compaction.enabled",
-                 "is false, but agent.name=compaction_agent with agent.context_history.enabled=true rewrites its "
-                 "history; without compaction every call must extend the previous one (use agent.name=simple_agent, "
-                 "see configs/plain.yaml)")
+        problem = self.uncompacted_rewrite(self.agent.name, "agent.name")
+        _require(problem is None, "context_compaction.enabled", problem or "")
         if self.agent.context_history.policy.type == "summarize":
             _require(rewrites, "agent.context_history.policy.type",
                      "summarize needs agent.name=compaction_agent with agent.context_history.enabled=true")
@@ -975,6 +979,18 @@ class MinirlConfig:
         fh, workers = self.async_rl.generation_fleet_health, self.cluster.num_generation_workers
         _require(fh.min_healthy_shards <= workers, "async_rl.generation_fleet_health.min_healthy_shards",
                  f"must be at most cluster.num_generation_workers ({workers}), got {fh.min_healthy_shards}")
+
+    def uncompacted_rewrite(self, agent: str, named: str) -> str | None:
+        """Why minirl's agent `agent` (named by `named`: `agent.name`, or a dataset row's `agent_ref.name`,
+        which wins over it; data.agent_problem) cannot run here, worded to follow the key
+        `context_compaction.enabled`; or None. The compaction agent with agent.context_history.enabled=true
+        rewrites its history, and without compaction every call must extend the previous one."""
+        rewrites = agent == "compaction_agent" and self.agent.context_history.enabled
+        if self.context_compaction.enabled or self.agent.external_url is not None or not rewrites:
+            return None
+        return (f"is false, but {named}=compaction_agent with agent.context_history.enabled=true rewrites its "
+                f"history; without compaction every call must extend the previous one (use {named}=simple_agent, "
+                "see configs/plain.yaml)")
 
     def _check_summary_reachable(self) -> None:
         """Every threshold `summarize.threshold_tokens` may draw can fire: a summary triggers when a
@@ -1036,8 +1052,9 @@ class MinirlConfig:
 
 # ------------------------------------------------------------------------------------------ loading
 def _check_keys(node: Any, schema: Any, prefix: str) -> None:
-    """Refuse keys the schema does not have, naming the unknown key in full; in a list of structured
-    items (faults.inject) each item's keys and values too, named with the item's index."""
+    """Refuse keys the schema does not have, naming the unknown key in full, and anything but a list
+    (or null) for a list; in a list of structured items (faults.inject) each item's keys and values
+    too, named with the item's index."""
     if not isinstance(node, dict) or not isinstance(schema, DictConfig):
         return
     if OmegaConf.get_type(schema) is dict:  # free-form mapping (faults.rate)
@@ -1045,10 +1062,7 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
     for key, value in node.items():
         full = f"{prefix}{key}"
         if key not in schema.keys():  # `in schema` is False for a field still MISSING (FaultSpec.kind)
-            while isinstance(value, dict) and len(value) == 1:  # name the leaf of `a.b.c=1`
-                key, value = next(iter(value.items()))
-                full += f".{key}"
-            raise ConfigError(full, "unknown config key")
+            raise ConfigError(_leaf(full, value), "unknown config key")
         child = schema._get_node(key)
         if isinstance(child, DictConfig):
             if not isinstance(value, dict):
@@ -1056,6 +1070,34 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
             _check_keys(value, child, full + ".")
         elif isinstance(child, ListConfig) and isinstance(value, list):
             _check_items(value, child, full)
+        elif isinstance(child, ListConfig) and value is not None:  # OmegaConf's merge raises a bare TypeError
+            leaf = _leaf(full, value)
+            raise ConfigError(leaf, f"is a list: give it [...], got {value!r}" if leaf == full else
+                              f"{full} is a list: give it whole, as {full}=[...], not an item by its index or key")
+
+
+def _leaf(full: str, value: Any) -> str:
+    """The dotted key an override typed: `a.b.c` for `a.b.c=1`, whose parsed value under `a.b` is {c: 1}."""
+    while isinstance(value, dict) and len(value) == 1:
+        key, value = next(iter(value.items()))
+        full += f".{key}"
+    return full
+
+
+def _whole_mappings(node: dict, schema: DictConfig, prefix: str, typed: str) -> Iterator[str]:
+    """The dotted keys of the free-form mappings (faults.rate) that a layer gives whole, which replace
+    the earlier layers' rather than merge into them: any in a file (`typed` ""), and an override's own
+    or one inside it (`faults.rate={}`, `faults={rate: {}}`), but not one an override goes inside
+    (`faults.rate.timeout=0.1` sets one kind). Run on a layer `_check_keys` passed."""
+    for key, value in node.items():
+        full, child = f"{prefix}{key}", schema._get_node(key)
+        if not (isinstance(child, DictConfig) and isinstance(value, dict)):
+            continue
+        if OmegaConf.get_type(child) is dict:
+            if not typed.startswith(full + "."):
+                yield full
+        else:
+            yield from _whole_mappings(value, child, full + ".", typed)
 
 
 def _check_items(items: list, schema: ListConfig, full: str) -> None:
@@ -1072,7 +1114,7 @@ def _check_items(items: list, schema: ListConfig, full: str) -> None:
         _check_keys(item, item_schema, where + ".")
         try:
             OmegaConf.merge(item_schema, item)
-        except OmegaConfBaseException as exc:
+        except (OmegaConfBaseException, TypeError) as exc:
             raise _merge_error(exc, where, inside=True) from None
 
 
@@ -1119,6 +1161,9 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, dict]]:
 def load_config(path: str | None = None, overrides: list[str] = (), base: Path | None = DEFAULT_YAML) -> MinirlConfig:
     """Dataclass defaults <- configs/default.yaml <- `path` <- dotted overrides, then `validate`.
 
+    Each layer merges into the ones before it, but for a free-form mapping it gives whole
+    (`_whole_mappings`: `faults.rate={}` clears the rates), which replaces theirs. A file's
+    `policy.train_global_batch_size` equal to prompts x generations stays derived from them.
     Raises ConfigError naming the offending key.
     """
     merged = OmegaConf.structured(MinirlConfig)
@@ -1126,20 +1171,34 @@ def load_config(path: str | None = None, overrides: list[str] = (), base: Path |
     layers += _parse_overrides(list(overrides))
     for key, data in layers:
         _check_keys(data, merged, "")
+        for whole in _whole_mappings(data, merged, "", key):
+            OmegaConf.update(merged, whole, {}, merge=False)
         try:
             merged = OmegaConf.merge(merged, data)
-        except OmegaConfBaseException as exc:
+            if not key and "train_global_batch_size" in (data.get("policy") or {}):
+                _keep_batch_derived(merged)
+        except (OmegaConfBaseException, TypeError) as exc:
             raise _merge_error(exc, key) from None
     try:
         OmegaConf.resolve(merged)
         cfg: MinirlConfig = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
+    except (OmegaConfBaseException, TypeError) as exc:
         raise _merge_error(exc, "") from None
     model = Path(cfg.policy.model_name)
     if not model.is_absolute():  # actors run elsewhere: always hand them an absolute path
         cfg.policy.model_name = str(model.resolve() if model.exists() else REPO_ROOT / model)
     validate(cfg)
     return cfg
+
+
+def _keep_batch_derived(merged: DictConfig) -> None:
+    """A config file's `policy.train_global_batch_size` (a run's config.yaml holds every value resolved)
+    that equals prompts x generations as merged so far is put back to the interpolation it came
+    from, so that a later override of either `grpo` key moves it too; any other value stays, for
+    `MinirlConfig.check` to refuse."""
+    g = merged.grpo
+    if merged.policy.train_global_batch_size == g.num_prompts_per_step * g.num_generations_per_prompt:
+        merged.policy.train_global_batch_size = PolicyConfig.train_global_batch_size  # the default, ${mul:...}
 
 
 def step_floor(cfg: MinirlConfig) -> int:
@@ -1182,7 +1241,7 @@ def faults_section(data: Any) -> FaultsConfig:
     _check_keys(data, node, "faults.")
     try:
         faults: FaultsConfig = OmegaConf.to_object(OmegaConf.merge(node, data))
-    except OmegaConfBaseException as exc:
+    except (OmegaConfBaseException, TypeError) as exc:
         raise _merge_error(exc, "faults", inside=True) from None
     _check_tree(faults, "faults")
     return faults
@@ -1200,15 +1259,20 @@ def _sections(node: Any, key: str) -> Iterator[tuple[str, Any]]:
 
 
 def _check_fields(node: Any, key: str, hint: Any, meta: Any) -> None:
-    """One walk over every value: a Literal field holds one of its choices, a float is finite, a
-    `bounded` field lies within its bounds (None passes where the field is Optional)."""
+    """One walk over every value: a Literal field holds one of its choices, a number, string or
+    boolean field (a typed list's item, a `dict[str, float]`'s value) no list or mapping, which
+    OmegaConf lets through there, a float is finite, a `bounded` field lies within its bounds (None
+    passes where the field is Optional)."""
     if is_dataclass(node):
         hints = _hints(type(node))
         for f in fields(node):
             _check_fields(getattr(node, f.name), f"{key}.{f.name}" if key else f.name, hints[f.name], f.metadata)
+    elif isinstance(node, (list, dict)) and (word := _scalar_word(hint)):
+        raise ConfigError(key, f"must be {word}, got {'a list' if isinstance(node, list) else 'a mapping'} {node!r}")
     elif isinstance(node, (list, dict)):
+        item = _item_hint(hint, type(node))
         for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
-            _check_fields(v, f"{key}.{k}" if isinstance(node, dict) else f"{key}[{k}]", Any, {})
+            _check_fields(v, f"{key}.{k}" if isinstance(node, dict) else f"{key}[{k}]", item, {})
     elif isinstance(node, float) and not math.isfinite(node):
         raise ConfigError(key, f"must be a finite number, got {node}")
     elif (choices := _choices(hint)) is not None and node not in choices:
@@ -1221,6 +1285,27 @@ def _check_fields(node: Any, key: str, hint: Any, meta: Any) -> None:
 def _hints(cls: type) -> dict[str, Any]:
     """A section's field types, resolved (this module postpones annotations)."""
     return get_type_hints(cls)
+
+
+def _union(hint: Any) -> list:
+    """The types a field may hold: `Optional[Union[str, list[str]]]` -> [str, list[str]] (None left out)."""
+    return [a for a in (get_args(hint) if get_origin(hint) is Union else (hint,)) if a is not type(None)]
+
+
+_SCALAR_WORDS = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+
+
+def _scalar_word(hint: Any) -> str | None:
+    """What a field of scalar types holds, in words (`a number`); None where it may hold a container."""
+    types = _union(hint)
+    return " or ".join(_SCALAR_WORDS[t] for t in types) if types and all(t in _SCALAR_WORDS for t in types) else None
+
+
+def _item_hint(hint: Any, container: type) -> Any:
+    """The type of an item of a `container` (list or dict) a field holds: `list[int]` -> int,
+    `dict[str, float]` -> float, `Optional[Union[str, list[str]]]` with a list -> str; else Any."""
+    typed = [get_args(t) for t in _union(hint) if get_origin(t) is container]
+    return typed[0][-1] if typed and typed[0] else Any
 
 
 def _choices(hint: Any) -> tuple | None:
@@ -1256,10 +1341,11 @@ _ROOT_KEYS = frozenset(f.name for f in fields(MinirlConfig))
 """The top-level sections and keys: the first part of every full key."""
 
 
-def _merge_error(exc: OmegaConfBaseException, key: str, inside: bool = False) -> ConfigError:
-    """OmegaConf's error as one line naming the key; a value outside a Literal's choices reads as
-    `validate` words it. OmegaConf names a field of a structured list item without its path (`step`
-    for `faults.inject[0].step`): `key` (the override's, or with `inside` the item's) goes before a
+def _merge_error(exc: Exception, key: str, inside: bool = False) -> ConfigError:
+    """OmegaConf's error (or the bare TypeError its merge raises for containers it cannot combine)
+    as one line naming the key; a value outside a Literal's choices reads as `validate` words it.
+    OmegaConf names a field of a structured list item without its path (`step` for
+    `faults.inject[0].step`): `key` (the override's, or with `inside` the item's) goes before a
     name that is not a top-level section."""
     where = getattr(exc, "full_key", None) or ""
     if key and where and (inside or where.split(".")[0].split("[")[0] not in _ROOT_KEYS):

@@ -222,7 +222,7 @@ def check_rows(cfg: MinirlConfig, key: str) -> str | None:
                 row = jsonio.loads(raw.decode("utf-8"))  # json's results and errors (Gym's words), faster
             except UnicodeDecodeError as exc:
                 raise ConfigError(f"data.{key}", f"'{path}' line {line_no} is not UTF-8: {exc}") from None
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested past json's recursion limit
                 raise ConfigError(f"data.{key}", f"Malformed JSON in '{path}' at line {line_no}: {exc}") from None
             problem = row_problem(row, cfg)
             if problem is None and not cfg.agent.external_urls():
@@ -291,7 +291,9 @@ def widest_request(row: dict, cfg: MinirlConfig) -> dict:
 def agent_problem(row: dict, cfg: MinirlConfig) -> str | None:
     """What makes a completed row one that minirl's own agent pool cannot run, or None: its `/run`
     request (`widest_request`) over `agent.max_request_bytes`, or refused by the agent server's own
-    check (`check_row`, `unknown_agent`): the server would answer every rollout of it with a 4xx."""
+    check (`check_row`, `unknown_agent`): the server would answer every rollout of it with a 4xx; or
+    its `agent_ref.name` is the compaction agent, which rewrites its history, where compaction is
+    off (`MinirlConfig.uncompacted_rewrite`, the rule `agent.name` meets)."""
     body = widest_request(row, cfg)
     size = len(jsonio.dumps(body))
     if size > cfg.agent.max_request_bytes:
@@ -302,9 +304,10 @@ def agent_problem(row: dict, cfg: MinirlConfig) -> str | None:
     except (BadRow, BadCoordinates) as exc:
         return f"minirl's agent server would refuse it (agent.external_url is unset): {exc}"
     problem = unknown_agent(name)
-    if not problem:
-        return None
-    return f"agent_ref.name: {problem} (minirl's own agent pool serves: agent.external_url is unset)"
+    if problem:
+        return f"agent_ref.name: {problem} (minirl's own agent pool serves: agent.external_url is unset)"
+    rewrite = cfg.uncompacted_rewrite(name, "agent_ref.name")
+    return None if rewrite is None else f"context_compaction.enabled {rewrite}"
 
 
 OUTCOME_FIELDS = ("response", "reward", "evidence", "_rowidx", "_minirl")

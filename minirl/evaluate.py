@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     run_config = ckpt.parent.parent / "config.yaml"
     eval_dir = ckpt.parent.parent / "eval" / ckpt.name
     try:
+        if not ckpt.is_dir():  # the flag as typed, not the `checkpoint.resume` evaluate sets from it
+            what = "is not a directory" if ckpt.exists() else "no such directory"
+            raise ConfigError("--checkpoint", f"{args.checkpoint}: {what} (give a run's checkpoints/step_N)")
         cfg = load_config(str(run_config) if run_config.exists() else None,
                           [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
         prepare_data(cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,20 +35,31 @@ def main(argv=None) -> int:
                     "attempt (faults.rate.KIND); KIND@room, a per-room hazard q, so an n-room attempt fails with "
                     "1 - (1 - q)**n (faults.rate_per_room); overflow, no injected fault but a real context guard "
                     "that long episodes cross")
-    ap.add_argument("--rates", help="comma-separated rates (overrides the preset)")
+    ap.add_argument("--rates", help="comma-separated rates, each in [0, 1] (overrides the preset)")
     ap.add_argument("--policies", help="comma-separated policies (overrides the preset)")
-    ap.add_argument("--budgets", help="comma-separated drop budgets (overrides the preset)")
-    ap.add_argument("--seeds", type=int, help="seeds per cell, 0..N-1 (overrides the preset)")
-    ap.add_argument("--steps", type=int, help="steps per cell (overrides the preset)")
+    ap.add_argument("--budgets", help="comma-separated drop budgets, each >= 0 (overrides the preset)")
+    ap.add_argument("--seeds", type=int, help="seeds per cell, 0..N-1, N >= 1 (overrides the preset)")
+    ap.add_argument("--steps", type=int, help="steps per cell, >= 1 (overrides the preset)")
     args = ap.parse_args(argv)
     grid = QUICK if args.quick else DEFAULT
     changes = {}
     for key, conv in (("kinds", str), ("rates", float), ("policies", str), ("budgets", int)):
-        if getattr(args, key):
-            changes[key] = tuple(conv(v) for v in getattr(args, key).split(","))
-    if args.seeds:
+        if getattr(args, key) is not None:
+            try:
+                changes[key] = tuple(conv(v) for v in getattr(args, key).split(","))
+            except ValueError as exc:
+                ap.error(f"--{key}: {exc}")
+    # refused here, before the engine starts: a cell's own ConfigError would be recorded as a death at step 0
+    if any(not (math.isfinite(r) and 0 <= r <= 1) for r in changes.get("rates", ())):
+        ap.error(f"--rates: each must be a probability in [0, 1], got {args.rates}")
+    if any(b < 0 for b in changes.get("budgets", ())):
+        ap.error(f"--budgets: each must be >= 0, got {args.budgets}")
+    for key in ("seeds", "steps"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            ap.error(f"--{key}: must be >= 1, got {getattr(args, key)}")
+    if args.seeds is not None:
         changes["seeds"] = tuple(range(args.seeds))
-    if args.steps:
+    if args.steps is not None:
         changes["steps"] = args.steps
     if changes:
         grid = Grid(**{**grid.__dict__, **changes})

@@ -15,6 +15,24 @@ from minirl.experiments.questions import four_questions, what_to_pick
 from minirl.experiments.report import _differences
 
 
+@pytest.mark.parametrize("flag", [["--rates", "1.5"], ["--rates", "nan"], ["--rates", "0.1,-0.1"], ["--rates", "x"],
+                                  ["--budgets", "-1"], ["--seeds", "0"], ["--steps", "0"], ["--steps", "-3"]])
+def test_a_bad_grid_value_is_refused_before_any_cell(monkeypatch, tmp_path, capsys, flag):
+    """A rate outside [0, 1] or a negative budget went to the cells, after the shared engine started: each
+    cell's `minirl.train` exited 2, recorded in results.csv as a death at step 0 (a cell there never runs
+    again); `--seeds 0` and `--steps 0` were dropped as unset, running the preset's instead."""
+    from minirl.experiments import sweep
+
+    ran = []
+    monkeypatch.setattr(sweep, "run_sweep", lambda grid, *a: ran.append(grid) or [])
+    monkeypatch.setattr(sweep, "write_report", lambda *a: [])
+    (tmp_path / "report.md").write_text("")  # what a sweep that went on would print at its end
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--quick", "--out", str(tmp_path), *flag])
+    assert exc.value.code == 2 and ran == []
+    assert f"error: {flag[0]}: " in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_two_cell_sweep_writes_csv_report_and_plots(tmp_path, shared_engine):
     out = tmp_path / "cmp"

@@ -114,6 +114,28 @@ def test_an_external_agents_held_out_row_without_an_integer_seed_has_no_fact_roo
     assert data.fact_rooms(held, result) is None and data.fact_rooms(held, {}) is None
 
 
+def test_a_rows_agent_ref_meets_the_compaction_rule_that_agent_name_meets(base_cfg, tmp_path):
+    """`context_compaction.enabled=false` is refused with agent.name=compaction_agent (its history
+    rewrites would break every trace); a row's own `agent_ref.name`, which wins over agent.name, got
+    around it: those rollouts failed at run time with "Non-contiguous messages found!"."""
+    cfg = copy.deepcopy(base_cfg)
+    cfg.agent.name, cfg.context_compaction.enabled = "simple_agent", False
+    good = doors_rows(cfg, 2)
+    rows = [good[0], changed(good[1], "agent_ref", {"name": "compaction_agent"})]
+    cfg.data.train_jsonl = write(tmp_path / "train.jsonl", rows)
+    with pytest.raises(ConfigError) as err:
+        data.prepare(cfg)
+    assert str(err.value) == (
+        f"data.train_jsonl: '{tmp_path / 'train.jsonl'}' line 2: context_compaction.enabled is false, but "
+        "agent_ref.name=compaction_agent with agent.context_history.enabled=true rewrites its history; without "
+        "compaction every call must extend the previous one (use agent_ref.name=simple_agent, see configs/plain.yaml)")
+    history_kept, compacting = copy.deepcopy(cfg), copy.deepcopy(cfg)  # either lifts the rule, as for agent.name
+    history_kept.agent.context_history.enabled = False
+    compacting.context_compaction.enabled = True
+    for ok in (history_kept, compacting):
+        data.prepare(ok)
+
+
 def test_the_validation_rows_are_checked_too(base_cfg, tmp_path):
     cfg = copy.deepcopy(base_cfg)
     cfg.grpo.val_num_prompts = 2

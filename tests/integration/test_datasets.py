@@ -104,6 +104,9 @@ BAD_LINES = [
      r"line 2: responses_create_params.temperature=0.5 differs from policy.generation.temperature=1.0"),
     ({"responses_create_params": {"input": "hi"}, "agent_ref": "simple_agent"},
      r"line 2: agent_ref must be an object with a string name"),
+    # nested past json's recursion limit (msgspec refuses it, json.loads raised RecursionError)
+    ('{"responses_create_params": {"input": "hi", "metadata": ' + "[" * 1200 + "]" * 1200 + "}}",
+     r"Malformed JSON in '.*' at line 2: maximum recursion depth exceeded"),
 ]
 
 

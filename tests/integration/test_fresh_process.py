@@ -19,6 +19,10 @@ from minirl.config import REPO_ROOT
     ("policy.generation.vllm_cfg.max_model_len=4096",
      "ConfigError: policy.generation.vllm_cfg.max_model_len: must be <= the "
      f"model's max_position_embeddings (2048, {REPO_ROOT}/models/tiny-doors/config.json), got 4096"),
+    # were OmegaConf's bare TypeError, or a section check's, with a traceback and exit 1
+    ("faults.inject={kind: timeout, step: 0}",
+     "ConfigError: faults.inject: is a list: give it [...], got {'kind': 'timeout', 'step': 0}"),
+    ("faults.rate.timeout=[0.1]", "ConfigError: faults.rate.timeout: must be a number, got a list [0.1]"),
 ])
 def test_cli_bad_value_exits_2_with_one_line_before_ray_starts(override, line):
     t0 = time.perf_counter()

@@ -261,7 +261,23 @@ def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_p
 
     bad = subprocess.run([sys.executable, "-m", "minirl.evaluate", "--checkpoint", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ConfigError: checkpoint.resume")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ConfigError: --checkpoint")
+
+
+@pytest.mark.parametrize("make", [None, "file"])
+def test_evaluate_names_a_checkpoint_that_is_no_directory_as_the_flag(tmp_path, capsys, make):
+    """It was refused naming `checkpoint.resume`, the override evaluate sets itself, not the flag typed."""
+    from minirl import evaluate
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_3"
+    if make:
+        ckpt.parent.mkdir(parents=True)
+        ckpt.write_text("")
+    assert evaluate.main(["--checkpoint", str(ckpt)]) == 2
+    what = "is not a directory" if make else "no such directory"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"ConfigError: --checkpoint: {ckpt}: {what} (give a run's checkpoints/step_N)"]
+    assert not (tmp_path / "run" / "eval").exists()
 
 
 def test_evaluate_checks_the_data_as_training_does_with_validation_on(tmp_path, capsys):

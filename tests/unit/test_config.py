@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from minirl.config import REPO_ROOT, ConfigError, FaultSpec, load_config
+from minirl.config import REPO_ROOT, ConfigError, FaultSpec, load_config, to_yaml
 
 CONFIGS = REPO_ROOT / "configs"
 
@@ -127,6 +127,91 @@ def test_errors_name_the_key(overrides, key, text):
     assert str(err.value).startswith(key + ":") and text in str(err.value)
 
 
+@pytest.mark.parametrize("override,key,text", [
+    ("faults.inject={kind: timeout, step: 0}", "faults.inject",
+     "is a list: give it [...], got {'kind': 'timeout', 'step': 0}"),
+    ("policy.optimizer.betas={a: 0.9}", "policy.optimizer.betas.a", "policy.optimizer.betas is a list: give it whole"),
+    ("env.num_rooms_choices={a: 2}", "env.num_rooms_choices.a", "env.num_rooms_choices is a list: give it whole"),
+    # OmegaConf's own dotted index into a list
+    ("policy.optimizer.betas.0=0.5", "policy.optimizer.betas.0",
+     "policy.optimizer.betas is a list: give it whole, as policy.optimizer.betas=[...], not an item by its index"),
+    ("faults.inject.0.step=1", "faults.inject.0.step",
+     "faults.inject is a list: give it whole, as faults.inject=[...]"),
+    ("env.num_rooms_choices=3", "env.num_rooms_choices", "is a list: give it [...], got 3"),
+])
+def test_anything_but_a_list_for_a_list_is_a_config_error(override, key, text):
+    """A mapping where the config has a list (a forgotten pair of brackets, or `key.0=v`) escaped as
+    OmegaConf's bare TypeError "Cannot merge incompatible container types": a traceback, exit 1."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key and text in err.value.problem, str(err.value)
+
+
+@pytest.mark.parametrize("override,key,text", [
+    ("faults.rate.timeout=[0.1]", "faults.rate.timeout", "must be a number, got a list [0.1]"),
+    ("faults.rate={timeout: {p: 0.1}}", "faults.rate.timeout", "must be a number, got a mapping {'p': 0.1}"),
+    ("faults.rate_per_room.agent_exception=[0.1]", "faults.rate_per_room.agent_exception",
+     "must be a number, got a list [0.1]"),
+    ("policy.optimizer.betas=[[0.9],0.5]", "policy.optimizer.betas[0]", "must be a number, got a list [0.9]"),
+    ("policy.optimizer.betas=[{a: 1},0.5]", "policy.optimizer.betas[0]", "must be a number, got a mapping"),
+    ("env.num_rooms_choices=[[2]]", "env.num_rooms_choices[0]", "must be an integer, got a list [2]"),
+    ("agent.context_history.policy.summarize.threshold_tokens=[[1],2]",
+     "agent.context_history.policy.summarize.threshold_tokens[0]", "must be an integer, got a list [1]"),
+    ("agent.external_url=[[http://a:1]]", "agent.external_url[0]", "must be a string, got a list ['http://a:1']"),
+])
+def test_a_list_or_mapping_where_a_value_belongs_is_a_config_error(override, key, text):
+    """OmegaConf types neither a `dict[str, float]`'s values nor a typed list's items: a list there
+    passed the merge and crashed a section's check (TypeError `'<=' not supported`, AttributeError
+    from urlparse) with a traceback naming no key."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key and text in err.value.problem, str(err.value)
+
+
+FAULTY = "faults:\n  rate: {timeout: 0.2}\n  rate_per_room: {agent_exception: 0.1}\n"
+
+
+@pytest.mark.parametrize("overrides,rate,per_room", [
+    (["faults.rate={}"], {}, {"agent_exception": 0.1}),
+    (["faults.rate={agent_exception: 0.1}"], {"agent_exception": 0.1}, {"agent_exception": 0.1}),
+    (["faults={rate_per_room: {}}"], {"timeout": 0.2}, {}),
+    (["faults.rate.agent_exception=0.1"], {"timeout": 0.2, "agent_exception": 0.1}, {"agent_exception": 0.1}),
+    (["faults.rate={}", "faults.rate.transport=0.3"], {"transport": 0.3}, {"agent_exception": 0.1}),
+])
+def test_a_fault_mapping_given_whole_replaces_the_earlier_one(tmp_path, overrides, rate, per_room):
+    """`faults.rate` and `faults.rate_per_room` are free-form mappings: one given whole by a later
+    layer replaces the earlier one (`{}` clears it), as a list does, and a dotted `faults.rate.KIND=p`
+    sets one kind. OmegaConf deep-merged them: `faults.rate={}` left the file's rates on."""
+    path = tmp_path / "faulty.yaml"
+    path.write_text(FAULTY)
+    cfg = load_config(str(path), overrides)
+    assert (cfg.faults.rate, cfg.faults.rate_per_room) == (rate, per_room)
+
+
+def test_a_later_files_fault_mapping_replaces_the_earlier_files(tmp_path):
+    (tmp_path / "base.yaml").write_text(FAULTY)
+    (tmp_path / "later.yaml").write_text("faults:\n  rate: {transport: 0.3}\n")
+    cfg = load_config(str(tmp_path / "later.yaml"), base=tmp_path / "base.yaml")
+    assert (cfg.faults.rate, cfg.faults.rate_per_room) == ({"transport": 0.3}, {"agent_exception": 0.1})
+
+
+def test_a_saved_config_follows_an_override_of_the_step_size(tmp_path):
+    """A run's config.yaml holds `policy.train_global_batch_size` resolved (32); loaded again (minirl.evaluate,
+    `--config runs/X/config.yaml`) with another step size it was refused naming that key, which the user
+    never set. A file's value equal to its prompts x generations now follows the grpo keys; one set by
+    hand on the command line, or a file's that differs, is still checked."""
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(load_config()))
+    assert "train_global_batch_size: 32" in saved.read_text()
+    cfg = load_config(str(saved), ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2"])
+    assert cfg.policy.train_global_batch_size == 8
+    with pytest.raises(ConfigError, match=r"^policy.train_global_batch_size: must equal .* = 16 .* got 32$"):
+        load_config(str(saved), ["policy.train_global_batch_size=32", "grpo.num_prompts_per_step=4"])
+    (tmp_path / "odd.yaml").write_text("policy:\n  train_global_batch_size: 5\n")
+    with pytest.raises(ConfigError, match=r"^policy.train_global_batch_size: must equal .* got 5$"):
+        load_config(str(tmp_path / "odd.yaml"))
+
+
 def test_valid_edge_values_pass():
     cfg = load_config(None,
                       ["async_rl.stall_watchdog.stall_timeout_s=null", "policy.optimizer.lr=0", "env.num_rooms=16",
@@ -148,6 +233,8 @@ def test_valid_edge_values_pass():
          "unknown config key"),
         ("faults:\n  inject:\n    - {kind: timeout, rollout: x}\n", "faults.inject[0].rollout",
          "could not be converted"),
+        ("faults:\n  inject:\n    kind: worker_kill\n    step: 1\n", "faults.inject", "is a list: give it [...]"),
+        ("faults:\n  rate:\n    timeout: [0.1]\n", "faults.rate.timeout", "must be a number, got a list [0.1]"),
     ],
 )
 def test_yaml_file_errors_are_one_line_naming_the_key_or_file(tmp_path, text, key, problem):
@@ -245,6 +332,9 @@ def test_one_fault_site_predicate_per_attempt():
     ({"rate_per_room": {"model_error": 0.1}}, "faults.rate_per_room.model_error", "needs the row's room count"),
     ({"sead": 1}, "faults.sead", "unknown config key"),
     ([1], "faults", "give it a mapping of keys, got a list"),
+    ({"inject": {"kind": "timeout", "step": 0}}, "faults.inject", "is a list: give it [...], got {'kind': 'timeout'"),
+    ({"inject": {"kind": "timeout"}}, "faults.inject.kind", "faults.inject is a list: give it whole"),
+    ({"rate": {"timeout": [1]}}, "faults.rate.timeout", "must be a number, got a list [1]"),
 ])
 def test_a_gym_side_fault_plan_is_checked_as_a_runs_is(data, key, problem):
     """The Gym 0.7 doors server's `--faults` (minirl's faults.* as JSON) went into a SimpleNamespace
