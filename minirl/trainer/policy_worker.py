@@ -307,17 +307,37 @@ class PolicyWorker:
             )
 
     def load(self, directory: str) -> None:
-        """The checkpoint's weights, optimizer moments, RNG and step count; the optimizer's settings
-        (policy.optimizer.*) are this run's config, which a resume may change."""
+        """The checkpoint's weights (one safetensors file, or the shards its index names, as
+        save_pretrained writes a large model), optimizer moments, RNG and step count; the optimizer's
+        settings (policy.optimizer.*) are this run's config, which a resume may change. Every weight
+        of the model must be in it but the tied ones (the head that shares the embedding), and
+        nothing else: CheckpointError names the keys. The trainer state loads onto the CPU (a GPU
+        run's checkpoint resumes on a machine without one; the optimizer moves its moments to the
+        parameters' device)."""
+        import json
+
         import torch
         from safetensors.torch import load_file
 
+        from minirl.trainer.checkpoint import CheckpointError
+
         path = Path(directory)
-        state = load_file(str(path / "policy" / "model.safetensors"))
-        self.model.load_state_dict(state, strict=False)
+        index = path / "policy" / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+                 else ["model.safetensors"])
+        state = {}
+        for name in files:
+            state.update(load_file(str(path / "policy" / name)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or ()) if self.model.config.tie_word_embeddings \
+            else set()
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise CheckpointError(f"{path / 'policy'} does not hold {self.cfg.policy.model_name}'s weights: "
+                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         if self.model.config.tie_word_embeddings:
             self.model.tie_weights()
-        extra = torch.load(path / "trainer_state.pt", weights_only=False)
+        extra = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
         self.optimizer.load_state_dict(extra["optimizer"])
         # torch restores the saved lr, betas, eps and weight_decay; a resume may change them (only the
         # moments and step counts carry over), and config.yaml and NonFiniteUpdate name the config's

@@ -84,6 +84,33 @@ def test_a_resume_takes_the_optimizer_settings_of_its_config_and_the_moments_of_
     assert new.steps_done == 1
 
 
+def test_a_sharded_checkpoint_loads_and_one_missing_a_weight_is_refused(tmp_path):
+    """save_pretrained shards a large model (model-0000N-of-M.safetensors and an index): `load` read
+    model.safetensors alone and failed on it. And with strict=False, a checkpoint missing a weight
+    loaded silently, that weight left at the base model's; only the tied head may be absent."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from minirl.trainer.checkpoint import CheckpointError
+
+    old = PolicyWorker(load_config(None, ["policy.optimizer.lr=1e-2"]))
+    old.train(batch())
+    old.save(str(tmp_path))
+    old.model.save_pretrained(tmp_path / "policy", safe_serialization=True, max_shard_size="200KB")
+    (tmp_path / "policy" / "model.safetensors").unlink()
+    assert (tmp_path / "policy" / "model.safetensors.index.json").exists()
+    new = PolicyWorker(load_config())
+    new.load(str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(old.model.state_dict().values(), new.model.state_dict().values()))
+
+    shard = sorted((tmp_path / "policy").glob("model-*.safetensors"))[0]
+    weights = load_file(str(shard))
+    dropped = sorted(weights)[0]
+    save_file({k: v for k, v in weights.items() if k != dropped}, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"does not hold .*tiny-doors's weights: missing \['{dropped}'\]"):
+        PolicyWorker(load_config()).load(str(tmp_path))
+
+
 def reference_top_p_logprob(logits_row, target, temperature, top_p):
     """float64, from the definition vLLM's processed logprobs use: probabilities of logits /
     temperature sorted ascending; a token is dropped when the cumulative probability of it and
