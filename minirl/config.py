@@ -319,6 +319,12 @@ class RolloutFailureConfig:
     restarting) keeps retrying with the backoff above, past `max_infra_attempts_per_prompt`, until its
     backoff adds up to this many seconds (minirl; 0: upstream, the attempts alone, ~7.5 s with
     configs/default.yaml's backoff)."""
+    generation_restart_window_s: float = bounded(120.0, ge=0)
+    """A group whose every failed row is minirl's agent finding no model server (GenerationUnavailable:
+    a generation worker down, or restarting at its port as Ray restarts it after its engine died) keeps
+    retrying with the backoff above, past `max_infra_attempts_per_prompt`, until its backoff adds up to
+    this many seconds (minirl; 0: upstream, the attempts alone). A worker's restart is its engine's
+    start-up: 20-40 s for the tiny model on 2 CPU cores, minutes for a large one."""
     max_identical_failures: int = bounded(3, ge=0)
     """A row whose `/run` is answered with the same 5xx status and the same error text on this many
     sends in a row has a deterministic failure (minirl): it is not retried again, and its group is

@@ -121,6 +121,18 @@ def identical_answer(exc: BaseException) -> tuple[int, str] | None:
     return status, str(exc)
 
 
+def restart_window(rf, failures: list[BaseException]) -> float:
+    """The backoff, in seconds, that a group whose attempt failed with `failures` may spend past
+    `max_infra_attempts_per_prompt` waiting for a restart: `agent_restart_window_s` when no row reached
+    an agent server, `generation_restart_window_s` when every row's agent reached no model server
+    (minirl's agents say GenerationUnavailable); else 0."""
+    if all(isinstance(e, AgentUnreachable) for e in failures):
+        return rf.agent_restart_window_s
+    if all(getattr(e, "error_type", None) == "GenerationUnavailable" for e in failures):
+        return rf.generation_restart_window_s
+    return 0.0
+
+
 def will_not_pass(exc: BaseException) -> bool:
     """Whether sending the row again cannot help: a deterministic failure, or one whose own facts say
     terminal (Gym's EpisodeFailure, a 4xx of minirl's pool). Such a failure decides its group (DATA:
@@ -136,6 +148,8 @@ CAUSE_HINTS = (
     ("maximum context length", "prompts exceed max_model_len (policy.generation.vllm_cfg.max_model_len)"),
     ("AgentUnreachable", "no agent server accepted a connection: down, or not back within "
                          "async_rl.rollout_failure.agent_restart_window_s"),
+    ("GenerationUnavailable", "no generation worker answered: down, or not back within "
+                              "async_rl.rollout_failure.generation_restart_window_s"),
 )
 
 
@@ -330,13 +344,14 @@ class RolloutManager:
         """An INFRA failure: back off and retry (None), or drop the group against the drop budget."""
         exc = failures[0][1]
         run.infra += 1
-        # no agent server reached: one may be restarting, so the group waits out the restart window
-        restarting = (all(isinstance(e, AgentUnreachable) for _, e in failures)
-                      and run.out.backoff_s < self.rf.agent_restart_window_s)
+        # no agent server reached, or no model server behind it: one may be restarting, so the group waits out
+        # the restart window
+        window_s = restart_window(self.rf, [e for _, e in failures])
+        restarting = run.out.backoff_s < window_s
         if self.can_redispatch and (run.infra < self.rf.max_infra_attempts_per_prompt or restarting):
             delay = backoff(self.rf, run.infra)
             past_budget = run.infra >= self.rf.max_infra_attempts_per_prompt
-            window = {"restart_window_s": self.rf.agent_restart_window_s} if past_budget else {}
+            window = {"restart_window_s": window_s} if past_budget else {}
             self._failed(run.out, failures, "retried", backoff_s=delay, group_attempt=run.gid, **window)
             run.out.backoff_s += delay
             await self.sleep(delay)

@@ -86,22 +86,23 @@ def test_sigkilled_driver_resumes_from_its_checkpoint_with_nothing_lost(tmp_path
 def test_killed_generation_worker_restarts_and_the_run_goes_on(tmp_path, shared_engine):
     """On the shared workers too (a sweep's cells, these tests): the restarted worker catches up from the
     shared weights store with the run's current weights, or the ledger's policy-version discipline
-    would end the run. Restarted again after the run has ended, it serves the model's own weights
-    rather than failing on the ended run's weights."""
+    would end the run. On the default backoff: the worker's restart (its engine's start-up, 20 s or
+    more) outlasts the 7.5 s of backoff of 5 attempts, and the groups wait it out in the generation
+    restart window (before it, the run ended: every group of step 1 dropped). Restarted again after
+    the run has ended, it serves the model's own weights rather than failing on the ended run's weights."""
     import asyncio
 
     import aiohttp
 
     proc = run_cli(*SMALL, "grpo.max_num_steps=3", f"run_dir={tmp_path}", "checkpoint.enabled=false", *shared_engine,
-                   "faults.inject=[{kind: worker_kill, step: 1, group: 0, rollout: 0, attempt: 0}]",
-                   "async_rl.rollout_failure.backoff_base_s=2", "async_rl.rollout_failure.max_backoff_s=16",
-                   "async_rl.rollout_failure.max_infra_attempts_per_prompt=6")
+                   "faults.inject=[{kind: worker_kill, step: 1, group: 0, rollout: 0, attempt: 0}]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     retried = [e for e in events(tmp_path) if e["type"] == "failure" and e["step"] == 1 and e["decision"] == "retried"]
     assert retried, "the killed worker's in-flight rollouts were retried"
     assert {e["class"] for e in retried} == {"infra"}
+    assert any(e.get("restart_window_s") == 120.0 for e in retried), "past the 5 attempts, in the restart window"
     assert rows[1]["redispatched_groups"] >= 1 and rows[1]["groups_trained"] >= 3
     assert rows[2]["policy_version"] == 2
     # the restarted worker's engine counts from 0: its clocks continue the killed one's, never negative

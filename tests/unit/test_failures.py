@@ -201,3 +201,23 @@ def test_a_long_4xx_body_keeps_its_facts_through_the_reader():
     assert (failure.terminal, failure.failure_kind, failure.stage) == (True, "minirl:bad_request", "agent")
     assert will_not_pass(failure)
     assert len(run_error_body(ModelCallFailed("x" * 100_000, 400))["error"]) == 4096  # the text is bounded too
+
+
+def test_the_restart_window_a_failed_attempt_may_wait_out():
+    """Past max_infra_attempts_per_prompt, a group keeps retrying only while a restart may end its
+    outage: no agent server reached (agent_restart_window_s), or every row's agent reached no model
+    server (generation_restart_window_s: a generation worker that Ray restarts after its engine
+    died; before, such a group was dropped after 7.5 s of backoff); any other mix gets none."""
+    from minirl.config import load_config
+    from minirl.rollout.manager import restart_window
+    from minirl.wire import AgentUnreachable
+
+    rf = load_config().async_rl.rollout_failure
+    assert (rf.agent_restart_window_s, rf.generation_restart_window_s) == (60.0, 120.0)
+    model_down = GymTransportError("NeMo-Gym /run failed with HTTP 500: GenerationUnavailable(...)",
+                                   "GenerationUnavailable")
+    assert restart_window(rf, [AgentUnreachable("refused"), AgentUnreachable("reset")]) == 60.0
+    assert restart_window(rf, [model_down, model_down]) == 120.0
+    assert restart_window(rf, [model_down, GymTransportError("HTTP 500: ValueError()", "ValueError")]) == 0.0
+    assert restart_window(rf, [model_down, AgentUnreachable("refused")]) == 0.0
+    assert restart_window(load_config("configs/upstream_pr4124.yaml").async_rl.rollout_failure, [model_down]) == 0.0
