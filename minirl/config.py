@@ -348,7 +348,8 @@ class RolloutFailureConfig:
     (num_prompts_per_step) is added at the next batch boundary. An empty pool means shrink."""
     replacement_prompt_source: Literal["spare_groups", "stream"] = "spare_groups"
     """`replace`: where a refill's batch comes from. `spare_groups`: batch b is the groups N..2N-1 of
-    prompt step b, prompts no step trains, so a step's prompts never depend on drops. `stream`
+    prompt step b, prompts no step trains, so a step's prompts never depend on drops (the doors task:
+    with `data.train_jsonl`, whose rows are all in the stream, it is a ConfigError). `stream`
     (upstream): the next batch of the training stream is diverted, and every later step trains the
     batch after the one it would have (which batch depends on when the pool ran low)."""
     nemo_gym: NemoGymConfig = field(default_factory=NemoGymConfig)
@@ -982,6 +983,11 @@ class MinirlConfig:
                  "a `timeout` fault needs a rollout timeout, or /run would hang")
         if self.async_rl.enabled:
             self._check_sampler()
+        _require(rf.on_dropped_prompt != "replace" or rf.replacement_prompt_source != "spare_groups"
+                 or self.data.train_jsonl is None, "async_rl.rollout_failure.replacement_prompt_source",
+                 "spare_groups draws spares from prompts no step trains, which data.train_jsonl has none of (every "
+                 "row is in the stream): spare group N + g of prompt step b would be the row step b + 1 trains as "
+                 "its group g, trained twice; set async_rl.rollout_failure.replacement_prompt_source=stream")
         fh, workers = self.async_rl.generation_fleet_health, self.cluster.num_generation_workers
         _require(fh.min_healthy_shards <= workers, "async_rl.generation_fleet_health.min_healthy_shards",
                  f"must be at most cluster.num_generation_workers ({workers}), got {fh.min_healthy_shards}")

@@ -209,10 +209,11 @@ def dataset_rows(cfg: MinirlConfig, key: str) -> Rows:
 
 
 def check_rows(cfg: MinirlConfig, key: str) -> str | None:
-    """Every row of `data.<key>` read and checked (`row_problem`; when minirl's own agent pool serves,
-    also `agent_problem`): a line that is not a usable row is a ConfigError naming the key, the file
-    and the line (a line that is not JSON in Gym's own words). Returns a line naming the result
-    fields found (rows copied from a rollout dump), which every lookup leaves out, or None."""
+    """Every row of `data.<key>` read and checked (`row_problem`; a training row also `class_problem`;
+    when minirl's own agent pool serves, also `agent_problem`): a line that is not a usable row is a
+    ConfigError naming the key, the file and the line (a line that is not JSON in Gym's own words).
+    Returns a line naming the result fields found (rows copied from a rollout dump), which every
+    lookup leaves out, or None."""
     path = Path(getattr(cfg.data, key))
     found: dict[str, None] = {}
     rows = carrying = 0
@@ -225,6 +226,8 @@ def check_rows(cfg: MinirlConfig, key: str) -> str | None:
             except (ValueError, RecursionError) as exc:  # RecursionError: nested past json's recursion limit
                 raise ConfigError(f"data.{key}", f"Malformed JSON in '{path}' at line {line_no}: {exc}") from None
             problem = row_problem(row, cfg)
+            if problem is None and key == "train_jsonl":
+                problem = class_problem(row, cfg)
             if problem is None and not cfg.agent.external_urls():
                 problem = agent_problem(_completed(row, _fill(cfg)), cfg)
             if problem:
@@ -276,6 +279,17 @@ def row_problem(row, cfg: MinirlConfig) -> str | None:
             return (f"responses_create_params.{name}={got} differs from policy.generation.{name}={want}, "
                     f"at which the trainer takes its logprobs (leave it out, or set policy.generation.{name})")
     return None
+
+
+def class_problem(row: dict, cfg: MinirlConfig) -> str | None:
+    """Under paced admission (`async_rl.sampler.admission=paced`), what makes a training row's stated
+    `difficulty`, its prompt class (`prompt_class`, minirl/async_rl/pacing.py), unusable: an object or
+    an array, which cannot key the durations the pacer observes by class. None otherwise."""
+    value = row.get("difficulty")
+    if not (cfg.async_rl.enabled and cfg.async_rl.sampler.admission == "paced" and isinstance(value, (dict, list))):
+        return None
+    return (f"difficulty must be a string, a number, a boolean or null (async_rl.sampler.admission=paced classes "
+            f"prompts by it), got {json.dumps(value)[:80]} ({_json_type(value)})")
 
 
 _WIDEST = Coords(10**9, 10**9, 10**9, 10**9)

@@ -21,7 +21,8 @@ from minirl.data import difficulty
 def prompt_class(row: dict) -> Hashable:
     """A `/run` row's prompt class for pacing: the difficulty the row states (a neutral top-level
     `difficulty`, else `data.difficulty`: a doors row's room count), or one class (None) for rows that
-    state none. Like the manager, pacing reads no environment field itself."""
+    state none (a stated object or array is refused with its row: `data.class_problem`). Like the manager,
+    pacing reads no environment field itself."""
     if "difficulty" in row:
         return row["difficulty"]
     return difficulty(row)

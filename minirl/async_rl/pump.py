@@ -7,8 +7,8 @@ Invariant: every place (a dispatched group's slot in its step) is dispatched onc
 into the buffer, with the prompt that last held it (or the run ends; after a resume, once more only
 if it was in flight at the checkpoint); a prompt it gave up on rides on the place (`lost`, in its job
 and so in a checkpoint's) and then on its record, never in the buffer; a run-ending failure (drop
-budget, DATA re-raise, stall) stops the pump and is raised to the train pump by `check`, never
-swallowed.
+budget, DATA re-raise, stall, an exception in the dispatch loop itself) stops the pump and is raised
+to the train pump by `check`, never swallowed.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class RolloutPump:
         self.stamped = False  # a stamped batch was admitted: the pool may be filled (as upstream)
         self.relaunch: list[list] = []  # places in flight at the checkpoint resumed from
         self.train_waiting: int | None = None  # the step the train pump waits for (set by the controller)
+        self.train_step = first_step  # the step the train pump is on, waiting or training (set by its source)
         sc = cfg.async_rl.sampler
         self.pacer = (Pacer(sampler.s, sc.pacing_quantile, sc.pacing_bound_s, time.monotonic())
                       if sc.admission == "paced" else None)
@@ -96,11 +97,19 @@ class RolloutPump:
                            "redispatched": [job[:2] for job in self.relaunch]})
 
     def start(self) -> None:
-        self.main = asyncio.create_task(self._run())
-        self.watchdog = asyncio.create_task(self.manager.watchdog(self.next[0]))
-        self.watchdog.add_done_callback(lambda t: t.cancelled() or asyncio.ensure_future(self._fail(t.exception())))
-        self.starved = asyncio.create_task(self._starvation_watch())
-        self.starved.add_done_callback(lambda t: t.cancelled() or asyncio.ensure_future(self._fail(t.exception())))
+        """The dispatch loop and the two watchdogs (the manager's `stall` events name the step the train
+        pump is on when they are written); an exception in any of them ends the run (`_fail`)."""
+        self.main = self._task(self._run())
+        self.watchdog = self._task(self.manager.watchdog(lambda: self.train_step))
+        self.starved = self._task(self._starvation_watch())
+
+    def _task(self, coro) -> asyncio.Task:
+        """A task of the pump's own whose exception is handed to the train pump (`_fail`); a cancel or a
+        clean return (the dispatch loop's, once every step's prompts are out) is not a failure."""
+        task = asyncio.create_task(coro)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                               or asyncio.ensure_future(self._fail(t.exception())))
+        return task
 
     async def _starvation_watch(self) -> None:
         """RolloutStall (or a warning) when the train pump has waited `stall_timeout_s` with no group

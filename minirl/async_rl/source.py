@@ -108,6 +108,7 @@ class BufferSource:
         if self.pump is None:
             self._start(step, version)
         self.pump.train_waiting = step  # the pump's watchdog: a wait with nothing in flight is a stall
+        self.pump.train_step = step  # the step the run is on: the manager's `stall` events name it
         try:
             stale, chosen = await self.buffer.take_when(lambda ready: self._pick(step, version, ready))
         finally:
@@ -138,7 +139,10 @@ class BufferSource:
                                "train_version": version, "max_staleness_versions": self.sampler.s,
                                "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight",
                                "gen_tokens": sum(len(c.get("generation_token_ids") or []) for c in calls)})
-        return stale, self.sampler.select(step, version, ready, self.pump.inflight)
+        # select among what stays: a weight it evicted (weight_fifo's short weight) is no step's oldest
+        gone = {id(r) for r in stale}
+        left = [r for r in ready if id(r) not in gone]
+        return stale, self.sampler.select(step, version, left, self.pump.inflight)
 
     async def resolved(self, step: int, group: int) -> None:
         """A group resolved: move its step's call records from the servers into `calls` (those of

@@ -259,8 +259,10 @@ class RolloutManager:
                 t.cancel()
             await asyncio.gather(*tasks, watchdog, return_exceptions=True)
 
-    async def watchdog(self, step: int) -> None:
-        """Raise RolloutStall (or warn) when nothing in flight has completed for stall_timeout_s."""
+    async def watchdog(self, step: int | Callable[[], int]) -> None:
+        """Raise RolloutStall (or warn) when nothing in flight has completed for stall_timeout_s. Its
+        `stall` event names `step`: the synchronous step, or (a callable, the async pump's, which runs one
+        watchdog for the whole run) the step it returns when the event is written."""
         wd = self.cfg.async_rl.stall_watchdog
         if wd.stall_timeout_s is None:
             await asyncio.Event().wait()
@@ -274,7 +276,8 @@ class RolloutManager:
                     f"no rollout completed for {idle:.1f}s (async_rl.stall_watchdog.stall_timeout_s="
                     f"{wd.stall_timeout_s}); {len(self.in_flight)} in flight: {what}"
                 )
-                self.emit({"type": "stall", "step": step, "in_flight": len(self.in_flight), "decision": wd.action,
+                at = step() if callable(step) else step
+                self.emit({"type": "stall", "step": at, "in_flight": len(self.in_flight), "decision": wd.action,
                            "message": message})
                 if wd.action == "raise":
                     raise RolloutStall(message)

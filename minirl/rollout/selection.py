@@ -29,8 +29,17 @@ def usable(rec: dict) -> bool:
 
 
 def returned_history(records: list[dict], result: dict) -> tuple[list[dict], str | None]:
-    """Upstream's default: the records of the calls the agent returned, in the returned order."""
-    out = [rec for call in result["returned"] for rec in records if same_call(rec, call)][: len(result["returned"])]
+    """Upstream's default: the records of the calls the agent returned, in the returned order. Each
+    returned call takes one usable record alike in tokens, the first not taken yet (as the ledger
+    matches them, `Ledger._trains`): two token-identical records are two calls, and a summary request
+    the harness rejected is none of them (`Ledger._rejected_summaries`)."""
+    rejected = Ledger._rejected_summaries(records, result["returned"])
+    free = [rec for rec in records if usable(rec) and id(rec) not in rejected]
+    out = []
+    for call in result["returned"]:
+        i = next((i for i, rec in enumerate(free) if same_call(rec, call)), None)
+        if i is not None:
+            out.append(free.pop(i))
     return out, out[-1]["key"] if out else None
 
 

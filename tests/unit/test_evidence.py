@@ -240,6 +240,36 @@ def test_token_identical_summary_requests_train_only_the_kept_one(key):
     assert [t.kind for t in r.traces] == ["turns", "compaction_summary"]
 
 
+@pytest.mark.parametrize("key", ["s0a1", None])
+def test_returned_history_takes_one_record_per_returned_call_in_order(key):
+    """`returned_history`, the built-in a custom policy builds on (`resolve_selection_policy`): a peaked
+    model answers two calls alike, so two records share their tokens. Each returned call takes one
+    record, the first not taken yet (as the ledger matches them); before, every alike record went to
+    the first such call and the list was cut to the returned count, which dropped the last call and
+    named the wrong terminal response. A compaction's token-identical requests select the kept one
+    (its call key, else the newest), never a rejected one, which `select_calls` refuses."""
+    from minirl.rollout.selection import returned_history, select_calls
+
+    a, b = Call([1, 2], [3], [-0.1]), Call([1, 2, 3, 4], [5], [-0.1])
+    calls = [{**record(C, n, call.prompt, call.gen), "generation_log_probs": call.logprobs, "t_start": float(n)}
+             for n, call in enumerate([a, a, b])]
+    selected, terminal = returned_history(calls, {"returned": [a, a, b]})
+    assert [r["call"] for r in selected] == [0, 1, 2] and terminal == f"{C.key}.c2"
+    selected, terminal = returned_history(calls, {"returned": [a, b]})
+    assert [r["call"] for r in selected] == [0, 2] and terminal == f"{C.key}.c2"
+    r = Rollout(C, 0.0, [a, b], split_traces([a, b]), False, {})
+    assert select_calls("returned_history", [r], calls, max_len=100) == 0 and r.calls == [a, b]
+
+    record_of = {"outcome": "failed", "model_calls": 3, **({"call": key} if key else {})}
+    summary = Call([1, 2, 3, 6], [9], [-0.1], kind="compaction_summary", compaction=record_of)
+    requests = [{**record(C, f"s0a{n}", summary.prompt, summary.gen), "key": f"{C.key}.s0a{n}",
+                 "generation_log_probs": summary.logprobs, "t_start": 3.0 + n} for n in range(3)]
+    r = Rollout(C, 0.0, [a, summary], split_traces([a, summary], allow_rewrites=True), False, {})
+    selected, terminal = returned_history(calls[:1] + requests, {"returned": r.calls})
+    assert [x["call"] for x in selected] == [0, key or "s0a2"] and terminal == f"{C.key}.{key or 's0a2'}"
+    assert select_calls("returned_history", [r], calls[:1] + requests, max_len=100) == 0
+
+
 def test_an_external_agents_calls_are_matched_by_their_tokens():
     """J item 5: Gym sends no rollout header; each committed call is found in the servers'
     headerless records by prompt + generated ids, or its rollout is masked."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
 import pytest
@@ -50,6 +51,43 @@ def test_weight_fifo_is_gated_and_takes_one_weight_per_step_oldest_first():
     assert [(r.step, r.group) for r in s.select(0, 2, ready[1:], Counter())] == [(1, 0), (1, 1)]
     assert s.select(0, 2, ready[1:], Counter({1: 1})) is None  # an older weight is in flight: wait for it
     assert s.stale(2, ready[1:], Counter()) == []  # the current weight can still grow
+
+
+def test_a_take_selects_the_next_weight_once_it_evicted_the_short_weight_before_it():
+    """weight_fifo inside one take (`BufferSource._pick`): step 2 at version 2, S = 1, N = 2. Group (2, 1)
+    ran under weights 1, its batch sibling (2, 0) was retried after the publish and re-stamped 2, and
+    batch 3 went out under 2; nothing is in flight. Weight 1 is short and evicted; weight 2's three
+    groups hold a step. Before, `select` was handed the buffer as it was before that eviction, still
+    found weight 1 the oldest, and chose nothing: the take waited for a change that never came (a
+    RolloutStall after stall_timeout_s). The pump is a stand-in for its `check` and `inflight` only,
+    as in tests/unit/test_async_close.py."""
+    from types import SimpleNamespace
+
+    from minirl.async_rl.source import BufferSource
+    from minirl.config import load_config
+
+    cfg = load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=weight_fifo",
+                             "async_rl.sampler.max_staleness_versions=1", "grpo.num_prompts_per_step=2",
+                             "loss_fn.use_importance_sampling_correction=true",
+                             "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+                             "async_rl.rollout_failure.max_skipped_prompts=0"])
+    events = []
+
+    async def drain(step: int) -> list[dict]:
+        return []
+
+    async def go():
+        source = BufferSource(cfg, SimpleNamespace(emit=events.append), drain)
+        source.buffer, source.sampler = GroupBuffer(4), make_sampler("weight_fifo", 2, 1)
+        source.pump = SimpleNamespace(check=lambda: None, inflight=Counter(), train_waiting=None, selected=None)
+        source.buffer.ready = [rec(2, 1, 1), rec(2, 0, 2), rec(3, 0, 2), rec(3, 1, 2)]
+        take = await asyncio.wait_for(source.take(2, 2), 2)
+        return take, source.buffer.ready
+
+    take, left = asyncio.run(go())
+    assert [(e["step"], e["group"], e["reason"]) for e in events if e["type"] == "evict"] == [(2, 1, "short_weight")]
+    assert [(o.step, o.group) for o in take.outcomes] == [(2, 0), (3, 0)] and take.start_weights == [2, 2]
+    assert [(r.step, r.group) for r in left] == [(3, 1)]
 
 
 def test_ready_first_takes_the_first_ready_groups_of_any_age_in_dispatch_order_and_evicts_nothing():
@@ -322,3 +360,27 @@ def test_replacement_prompt_source_stream_diverts_the_next_training_batch_as_ups
     with pytest.raises(ConfigError,
                        match="^async_rl.rollout_failure.replacement_prompt_source: must be spare_groups or stream"):
         load_config(None, ["async_rl.rollout_failure.replacement_prompt_source=dataset"])
+
+
+def test_spare_groups_is_refused_with_a_dataset_file_whose_rows_are_all_in_the_stream(tmp_path):
+    """`spare_groups` promises spares no step trains. A `data.train_jsonl` file has none: its spare
+    (b, N + g) would be row b * N + N + g of the epoch's order, the row step b + 1 trains as its group
+    g, so a step that took spare (0, N) trained the next step's first prompt twice. Refused, naming
+    the key and the way out; `stream`, and the doors task's spares (seeds no step uses), are not."""
+    from minirl.config import ConfigError, load_config
+    from minirl.data import prompt_key, task_row, task_seed
+
+    base = load_config()
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(task_row(base, task_seed(base, 1000 + i, 0))) + "\n" for i in range(16)))
+    on = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true", "grpo.num_prompts_per_step=2",
+          "async_rl.rollout_failure.on_dropped_prompt=replace"]
+    with pytest.raises(ConfigError, match=r"^async_rl.rollout_failure.replacement_prompt_source: spare_groups .* "
+                                          r"set async_rl.rollout_failure.replacement_prompt_source=stream$"):
+        load_config(None, [*on, f"data.train_jsonl={path}"])
+    stream = ["async_rl.rollout_failure.replacement_prompt_source=stream"]
+    assert load_config(None, [*on, f"data.train_jsonl={path}", *stream]).data.train_jsonl == str(path)
+    doors = load_config(None, on)
+    assert doors.async_rl.rollout_failure.replacement_prompt_source == "spare_groups"
+    spares = {prompt_key(doors, b, 2 + g) for b in range(8) for g in range(2)}
+    assert not spares & {prompt_key(doors, s, g) for s in range(9) for g in range(2)}

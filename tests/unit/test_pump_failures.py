@@ -1,0 +1,110 @@
+"""The rollout pump's failures reach the train pump as themselves, and what it reports names the right
+step: an exception in its dispatch loop ends the take at once (never a silent wait), a training row
+that would raise there (a `difficulty` no prompt class can be) is refused before the run with its
+file and line, and the manager's `stall` events name the step the run is on. The real source, pump and
+rollout manager, its `/run` injected as tests/integration/test_failure_policy.py injects it: nothing
+is started."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from minirl.async_rl.source import BufferSource
+from minirl.config import ConfigError, load_config
+from minirl.data import check_rows, task_row, task_seed
+from minirl.rollout.manager import RolloutManager
+from minirl.wire import RolloutStall
+
+ITEM = {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
+        "prompt_token_ids": [1, 2, 3], "generation_token_ids": [5, 6], "generation_log_probs": [-0.1, -0.2]}
+
+
+async def no_records(step: int) -> list[dict]:
+    return []
+
+
+def rows_file(path, extra=None) -> str:
+    """Eight doors rows (distinct seeds), each with `extra` merged in."""
+    base = load_config()
+    rows = [{**task_row(base, task_seed(base, 1000 + i, 0)), **(extra or {})} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+PACED = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true", "async_rl.sampler.admission=paced"]
+
+
+def test_an_exception_in_the_dispatch_loop_reaches_the_train_pump(tmp_path):
+    """Paced admission reads the next batch's rows in the dispatch loop itself (`_paced`), outside any
+    place, so a failure there (here the dataset file gone mid-run) is the loop's own. Before, nothing
+    watched the loop's task: the take waited for groups that would never be dispatched, until a
+    RolloutStall that blamed the sampler (or for ever, with stall_timeout_s=null)."""
+    path = rows_file(tmp_path / "train.jsonl")
+    cfg = load_config(None, [f"data.train_jsonl={path}", *PACED])
+    (tmp_path / "train.jsonl").unlink()
+    events = []
+
+    async def go():
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100)
+        source = BufferSource(cfg, manager, no_records)
+        try:
+            with pytest.raises(ConfigError, match=r"^data.train_jsonl: cannot read .*train.jsonl"):
+                await asyncio.wait_for(source.take(0, 0), 5)
+        finally:
+            await source.close()
+            await manager.session.close()
+
+    asyncio.run(go())
+    assert not [e for e in events if e["type"] in ("dispatch", "stall")]
+
+
+def test_a_training_rows_difficulty_that_no_prompt_class_can_be_is_refused_with_its_line(tmp_path):
+    """Paced admission keys what it observed by each row's stated `difficulty`: an object or an array
+    cannot be a key, and raised TypeError in the dispatch loop. It is a bad row under paced admission
+    (the file and the line named, as every bad row is), and a scalar, or any value unpaced, is not."""
+    hard = rows_file(tmp_path / "hard.jsonl", {"difficulty": {"tier": "hard", "rooms": 3}})
+    cfg = load_config(None, [f"data.train_jsonl={hard}", *PACED])
+    with pytest.raises(ConfigError, match=r"^data.train_jsonl: '.*hard.jsonl' line 1: difficulty must be a string, "
+                                          r"a number, a boolean or null .* got \{\"tier\": \"hard\", \"rooms\": 3\} "
+                                          r"\(an object\)$"):
+        check_rows(cfg, "train_jsonl")
+    assert check_rows(load_config(None, [f"data.train_jsonl={hard}"]), "train_jsonl") is None  # eager: unread
+    tiers = rows_file(tmp_path / "tiers.jsonl", {"difficulty": "hard"})
+    assert check_rows(load_config(None, [f"data.train_jsonl={tiers}", *PACED]), "train_jsonl") is None
+
+
+def test_a_stall_event_names_the_step_the_train_pump_is_on():
+    """One manager watchdog runs for the whole async run: its `stall` event named the step the pump
+    started at (0) for ever. Here step 2's group hangs (an agent server that took the request and never
+    answers) while the train pump waits for step 2."""
+    cfg = load_config(None, ["async_rl.enabled=true", "grpo.num_prompts_per_step=1",
+                             "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=2",
+                             "async_rl.sampler.max_staleness_versions=0",
+                             "async_rl.stall_watchdog.stall_timeout_s=0.4"])
+    events, taken = [], []
+
+    async def post(session, url, row):
+        if row["_minirl"]["step"] == 2:
+            await asyncio.Event().wait()
+        return {**row, "response": {"output": [ITEM]}, "reward": 0.0}
+
+    async def go():
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, post=post)
+        source = BufferSource(cfg, manager, no_records)
+        try:
+            for step in range(3):
+                take = await asyncio.wait_for(source.take(step, step), 10)
+                taken.append([(o.step, o.status) for o in take.outcomes])
+                source.syncing()
+                source.published(step + 1)
+        finally:
+            await source.close()
+            await manager.session.close()
+
+    with pytest.raises(RolloutStall, match=r"no rollout completed .* 2 in flight: s2.g0.r"):
+        asyncio.run(go())
+    assert taken == [[(0, "committed")], [(1, "committed")]]
+    assert [(e["step"], e["in_flight"]) for e in events if e["type"] == "stall"] == [(2, 2)]
