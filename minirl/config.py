@@ -161,7 +161,7 @@ class VllmConfig:
     """Torch threads of the engine on CPU."""
     enforce_eager: bool = True
     """Skip graph capture/compilation (start-up matters more than peak speed at this size)."""
-    step_timeout_s: float = 300.0
+    step_timeout_s: float = bounded(300.0, ge=0)
     """An engine step that has not returned after this many seconds is a dead engine: the generation
     worker ends and Ray restarts it (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300, which vLLM
     applies only with tensor parallelism). 0: no limit."""
@@ -747,7 +747,7 @@ class EnvConfig:
             counts = [(f"num_rooms_choices[{i}]", n) for i, n in enumerate(self.num_rooms_choices or [])]
             for key, n in counts or [("num_rooms", self.num_rooms)]:
                 _require(n >= least, key, f"must be >= {least} for env.task={self.task}, got {n}")
-        _require(self.num_rooms <= self.max_num_rooms, "num_rooms",
+        _require(self.num_rooms_choices is not None or self.num_rooms <= self.max_num_rooms, "num_rooms",
                  f"must be <= env.max_num_rooms ({self.max_num_rooms}), got {self.num_rooms}")
         for i, n in enumerate(self.num_rooms_choices or []):
             _require(1 <= n <= self.max_num_rooms, f"num_rooms_choices[{i}]",
@@ -948,6 +948,8 @@ class MinirlConfig:
     def check(self) -> None:
         """The rules across sections (full dotted keys); each section's own ran before."""
         g, rf, cc = self.grpo, self.async_rl.rollout_failure, self.context_compaction
+        _require(self.run_dir is None or self.run_dir.strip() != "", "run_dir",
+                 f"must name a folder (null: runs/<UTC timestamp>), got {self.run_dir!r}")
         self._check_resources()
         want = g.num_prompts_per_step * g.num_generations_per_prompt
         _require(self.policy.train_global_batch_size == want, "policy.train_global_batch_size",

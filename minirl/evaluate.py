@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         if not ckpt.is_dir():  # the flag as typed, not the `checkpoint.resume` evaluate sets from it
             what = "is not a directory" if ckpt.exists() else "no such directory"
             raise ConfigError("--checkpoint", f"{args.checkpoint}: {what} (give a run's checkpoints/step_N)")
+        if (reason := checkpoint.verify(ckpt, hashes=False)) is not None:  # before Ray; the resume hashes it
+            raise ConfigError("--checkpoint", f"{args.checkpoint} is no checkpoint that can be trusted: {reason}")
         cfg = load_config(str(run_config) if run_config.exists() else None,
                           [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
         prepare_data(cfg)

@@ -264,19 +264,24 @@ def test_training_validates_and_evaluate_reproduces_it_from_the_checkpoint(tmp_p
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ConfigError: --checkpoint")
 
 
-@pytest.mark.parametrize("make", [None, "file"])
+@pytest.mark.parametrize("make", [None, "file", "folder"])
 def test_evaluate_names_a_checkpoint_that_is_no_directory_as_the_flag(tmp_path, capsys, make):
-    """It was refused naming `checkpoint.resume`, the override evaluate sets itself, not the flag typed."""
+    """It was refused naming `checkpoint.resume`, the override evaluate sets itself, not the flag typed; a
+    folder that is no checkpoint (no state.json) started Ray and vLLM first, and ended in a CheckpointError."""
     from minirl import evaluate
 
     ckpt = tmp_path / "run" / "checkpoints" / "step_3"
-    if make:
+    if make == "file":
         ckpt.parent.mkdir(parents=True)
         ckpt.write_text("")
+    elif make == "folder":
+        ckpt.mkdir(parents=True)
     assert evaluate.main(["--checkpoint", str(ckpt)]) == 2
-    what = "is not a directory" if make else "no such directory"
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"ConfigError: --checkpoint: {ckpt}: {what} (give a run's checkpoints/step_N)"]
+    what = {None: ": no such directory (give a run's checkpoints/step_N)",
+            "file": ": is not a directory (give a run's checkpoints/step_N)",
+            "folder": " is no checkpoint that can be trusted: state.json unreadable ("}[make]
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"ConfigError: --checkpoint: {ckpt}{what}"), line
     assert not (tmp_path / "run" / "eval").exists()
 
 

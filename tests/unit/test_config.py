@@ -119,6 +119,9 @@ def test_fault_list_in_yaml_flow_style():
          "the workers need 9 CPUs (cluster.num_generation_workers=8 x cluster.cpus_per_generation_worker=1 + "
          "cluster.num_policy_workers=1 x cluster.cpus_per_policy_worker=1), more than Ray offers (cluster.num_cpus=2)"),
         (["cluster.num_gpus=1", "cluster.gpus_per_policy_worker=2"], "cluster.num_gpus", "the workers need 2 GPUs"),
+        # a negative timeout read as no limit; an empty run_dir wrote the run into the working directory
+        (["policy.generation.vllm_cfg.step_timeout_s=-1"], "policy.generation.vllm_cfg.step_timeout_s", ">= 0"),
+        (["run_dir=' '"], "run_dir", "must name a folder (null: runs/<UTC timestamp>), got ' '"),
     ],
 )
 def test_errors_name_the_key(overrides, key, text):
@@ -210,6 +213,15 @@ def test_a_saved_config_follows_an_override_of_the_step_size(tmp_path):
     (tmp_path / "odd.yaml").write_text("policy:\n  train_global_batch_size: 5\n")
     with pytest.raises(ConfigError, match=r"^policy.train_global_batch_size: must equal .* got 5$"):
         load_config(str(tmp_path / "odd.yaml"))
+
+
+def test_a_task_mix_leaves_num_rooms_unchecked():
+    """With env.num_rooms_choices every prompt's room count is drawn from it: env.num_rooms (default 2)
+    is never read, yet `num_rooms_choices=[1] max_num_rooms=1` was refused naming env.num_rooms."""
+    cfg = load_config(None, ["env.num_rooms_choices=[1]", "env.max_num_rooms=1"])
+    assert cfg.env.num_rooms_choices == [1]
+    with pytest.raises(ConfigError, match=r"^env.num_rooms: must be <= env.max_num_rooms \(1\), got 2"):
+        load_config(None, ["env.max_num_rooms=1"])
 
 
 def test_valid_edge_values_pass():
