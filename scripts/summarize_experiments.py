@@ -56,6 +56,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from minirl.experiments.cells import died_step  # noqa: E402
+from minirl.experiments.estimates import Estimate  # noqa: E402
 from minirl.experiments.stats import mean_ci, paired_ci  # noqa: E402
 
 TASKS = {"doors_memory": "configs/summarize.yaml", "doors_notes": "configs/summarize_notes.yaml"}
@@ -196,16 +198,20 @@ def _mean(xs):
 def summarize_run(task: str, arm: str, seed: int, run_dir: Path, wall: float, parts: int, rc: int | None = None,
                   stderr: str = "") -> dict:
     """One cell's row, from the run's metrics.jsonl, validation.jsonl and events.jsonl (its `run_failed`
-    event says why it died; a process that died before writing one, by its exit code and stderr)."""
+    event says why it died; a process that died before writing one, by its exit code and stderr). The step
+    that killed a run wrote no metrics line: its rollouts generated and groups dropped come from its events
+    (minirl.experiments.cells.died_step, over the last part's). `fraction_trained` is empty (no value, which
+    the report skips) where no rollout was generated."""
     rows, vals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "validation.jsonl")
-    failed = [e for e in last_part(run_dir) if e.get("type") == "run_failed"]  # earlier parts' were resumed
+    events = last_part(run_dir)  # earlier parts' events were resumed from
+    failed = [e for e in events if e.get("type") == "run_failed"]
     lines = [x for x in stderr.splitlines() if x.strip()]
     died = str(failed[-1].get("error", ""))[:200] if failed else "" if not rc else (
         lines[-1][:200] if lines else f"exit {rc}")
     recall = [r.get("summary_recall") for r in rows]
-    generated = sum(r.get("rollouts_generated", 0) for r in rows)
-    trained = sum(r.get("rollouts_trained", 0) for r in rows)
     total = lambda key: sum(r.get(key, 0) or 0 for r in rows)  # noqa: E731
+    more_generated, more_dropped = died_step(events, len(rows)) if died else (0, 0)
+    generated, trained = total("rollouts_generated") + more_generated, total("rollouts_trained")
     return {
         "task": task, "arm": arm, "seed": seed, "survived": not died, "died_reason": died,
         "steps": len(rows), "parts": parts, "wall_s": round(wall, 1),
@@ -221,10 +227,11 @@ def summarize_run(task: str, arm: str, seed: int, run_dir: Path, wall: float, pa
         "summary_tokens_mean": _mean([r.get("summary_tokens_mean") for r in rows]),
         "compaction_ratio": _mean([r.get("compaction_ratio") for r in rows]),
         "rejected": total("summary_attempts_rejected"), "failed": total("summaries_failed"),
-        "groups_dropped": total("dropped_prompt_groups"), "groups_redispatched": total("redispatched_groups"),
+        "groups_dropped": total("dropped_prompt_groups") + more_dropped,
+        "groups_redispatched": total("redispatched_groups"),
         "rollouts_generated": generated, "rollouts_trained": trained, "rollouts_masked": total("rollouts_masked"),
         "segments_masked": total("segments_masked"), "calls_unrecorded": total("calls_unrecorded"),
-        "fraction_trained": round(trained / generated, 4) if generated else 0.0,
+        "fraction_trained": round(trained / generated, 4) if generated else "",  # none generated: no value
         "reward_first": _mean([r.get("reward_mean") for r in rows[:EDGE]]),
         "reward_last": _mean([r.get("reward_mean") for r in rows[-EDGE:]]), "run_dir": str(run_dir),
     }
@@ -326,12 +333,15 @@ def cell(x: float) -> str:
 
 
 def verdict(m: float, h: float) -> str:
+    """A paired difference's reading, by minirl.experiments.estimates.Estimate's rule: higher or lower only
+    where its interval excludes 0; seeds that all differ by the same nonzero amount give no t-interval."""
     if m != m or h != h:
         return "not resolvable (fewer than 2 seeds)"
-    if m - h > 0:
-        return "higher (the interval excludes 0)"
-    if m + h < 0:
-        return "lower (the interval excludes 0)"
+    e = Estimate("", m, h, 0)  # n is only Estimate.resolved's wording, not read here
+    if e.sign:
+        return f"{'higher' if e.sign > 0 else 'lower'} (the interval excludes 0)"
+    if e.spreadless and m != 0:
+        return "not resolvable (the same in every seed: no spread, so no t-interval)"
     return "not resolvable (the interval holds 0)"
 
 
@@ -387,7 +397,8 @@ CLAIM_RISEN = 9
 def claim(rows, task, arm) -> str:
     """rule.md's verdict on one task, read from the rows of CLAIM_SEEDS alone: recall rose by >= RISE on
     >= CLAIM_RISEN of them (a run that ended early fails its seed), and fact-room success after RL minus
-    summarizing untrained and minus recency after RL each has a paired 95% interval above 0."""
+    summarizing untrained and minus recency after RL each has a paired 95% interval above 0 (by Estimate's
+    rule: seeds that all differ by the same amount give no interval, so never one above 0)."""
     rows = [r for r in rows if int(r["seed"]) in CLAIM_SEEDS]
     ran = [{int(r["seed"]) for r in rows if cell_key(r)[:2] == (task, a)} for a in (arm, "recency")]
     done = set(CLAIM_SEEDS).intersection(*ran)
@@ -395,12 +406,14 @@ def claim(rows, task, arm) -> str:
         return (f"not judged yet: {len(done)} of its {len(CLAIM_SEEDS)} seeds ({CLAIM_SEEDS[0]}-{CLAIM_SEEDS[-1]}) "
                 "run by both arms")
     risen, run = rises(rows, task, arm)
-    lows = [m - h for m, h, _ in (paired(rows, task, (arm, "val_fact_final"), b)
-                                  for b in ((arm, "val_fact_start"), ("recency", "val_fact_final")))]
-    holds = risen >= CLAIM_RISEN and all(low > 0 for low in lows)
+    facts = [Estimate("", *paired(rows, task, (arm, "val_fact_final"), b))
+             for b in ((arm, "val_fact_start"), ("recency", "val_fact_final"))]
+    holds = risen >= CLAIM_RISEN and all(e.sign > 0 for e in facts)  # Estimate's rule: no spread, no interval
+    lows = [f"{e.mean - e.half:.3f}" + (" (the same in every seed: no t-interval)" if e.spreadless and e.mean else "")
+            for e in facts]
     return (f"{'holds' if holds else 'does not hold'}: recall rose by >= {RISE} on {risen} of {run} seeds "
             f"(needs {CLAIM_RISEN}); the fact-room intervals' lower ends, against summarizing untrained and against "
-            f"recency after RL, are {lows[0]:.3f} and {lows[1]:.3f} (need > 0)")
+            f"recency after RL, are {lows[0]} and {lows[1]} (need > 0)")
 
 
 PER_SEED = (("val_fact_start", "fact start"), ("val_fact_final", "fact final"), ("val_success_start", "success start"),
@@ -434,9 +447,10 @@ def report_command(args) -> str:
     return shlex.join(["python", "scripts/summarize_experiments.py", *argv])
 
 
-def task_section(rows, task, development: str) -> list[str]:
+def task_section(rows, task, development: str, claim_rows: list[dict]) -> list[str]:
     """Issue 54's experiment on one task: every seed's row, the means, the paired differences and the curves;
-    `development` links the task's development write-up."""
+    `development` links the task's development write-up. The claim is judged on `claim_rows` (results.csv's
+    every row: `claim` takes CLAIM_SEEDS from them), whichever seeds `rows` (`--report-seeds`') hold."""
     arms = [a for a in EXPERIMENT_ARMS if per_seed(rows, task, a, "wall_s")]
     lines = [f"## {task} ({TASKS[task]})", "", "| arm | seed | " + " | ".join(t for _, t in PER_SEED) + " |",
              "|---|---|" + "---|" * len(PER_SEED)]
@@ -461,7 +475,8 @@ def task_section(rows, task, development: str) -> list[str]:
             f"- wall time (s), {arm} − recency: {diff(rows, task, (arm, 'wall_s'), ('recency', 'wall_s'))}",
         ]
         if arm == EXPERIMENT_ARMS[-1]:
-            lines += ["", f"**Issue 54's claim on {task}, judged as rule.md declares: {claim(rows, task, arm)}.** "
+            judged = claim(claim_rows, task, arm)
+            lines += ["", f"**Issue 54's claim on {task}, judged as rule.md declares: {judged}.** "
                       f"What was tried before the rule (development seeds 0-4): [{DEVELOPMENT[task]}]"
                       f"({development}).", ""]
     if per_seed(rows, task, "summarize", "wall_s"):  # rollout credit on the same seeds (`--arms summarize`)
@@ -549,6 +564,31 @@ def faults_table(rows, arms) -> list[str]:
     return lines
 
 
+def dying_step_caveat(rows) -> list[str]:
+    """The caveat (2026-12-06) on rows that summarize_run wrote before it counted the step that killed a run
+    (that step writes no metrics line, and its drops and rollouts were lost), written where one of `rows`
+    carries that code's mark: a run that died with no rollout generated and a fraction_trained of 0.0 (0/0,
+    which summarize_run now leaves empty). Those rows' run directories are gone, so their figures stand."""
+    died = [r for r in rows if r["survived"] != "True"]
+    old = [r for r in died if num(r.get("rollouts_generated")) == 0 and num(r.get("fraction_trained")) == 0]
+    if not old:
+        return []
+
+    def names(rs) -> str:
+        seeds: dict[str, set] = {}
+        for r in rs:
+            seeds.setdefault(cell_key(r)[1], set()).add(int(r["seed"]))
+        return "; ".join(f"`{a}` seed{'s' * (len(s) > 1)} {', '.join(map(str, sorted(s)))}" for a, s in seeds.items())
+
+    return ["", f"Caveat (2026-12-06): the rows of the runs that died here ({names(died)}) were written by "
+            "summarize_run before 2026-12-06, which ignored the step that killed a run (it writes no metrics line): "
+            "they undercount that step's dropped groups and generated rollouts (each `died_reason` names the groups "
+            f"it lost), and the fraction_trained 0.0 of {names(old)}, which died in their first step, is 0/0, "
+            "counted as 0 in the means and the paired difference above. Their run directories are gone, so the "
+            "figures stand as measured, with this caveat; summarize_run now adds the dying step from its events "
+            "(minirl.experiments.cells.died_step) and leaves fraction_trained empty for 0/0, which the report skips."]
+
+
 def faults_section(rows, out: Path | None = None) -> list[str]:
     """Experiment 3 (summary faults at FAULT_RATE) on doors_memory, when its arms ran; the earlier 20-step runs
     (FAULTS_SHORT in `out`) beneath, when kept."""
@@ -578,7 +618,7 @@ def faults_section(rows, out: Path | None = None) -> list[str]:
         lines += ["", f"The earlier runs of the fault arms at 20 steps (seeds {kept}), replaced above by runs of the "
                   f"config's length, are kept in [{FAULTS_SHORT}]({FAULTS_SHORT}):", "",
                   *faults_table(short, (red, drop))]
-    return lines
+    return lines + dying_step_caveat([*faulted, *(r for r in short if r["arm"] in (red, drop))])
 
 
 def lost_log_section(rows) -> list[str]:
@@ -609,8 +649,8 @@ def report(args) -> str:
     rows = read_rows(Path(args.out) / "results.csv")
     rule, segments = (home_doc(name, args.out) for name in ("rule.md", "segments.md"))
     wanted = sorted(args.report_seeds) if getattr(args, "report_seeds", None) else None
-    # issue 54's experiment on those seeds alone (the unseen 10-19, not the development seeds); experiment 3
-    # and the lost-log arms keep their own
+    # issue 54's experiment on those seeds alone (the unseen 10-19, not the development seeds), its claim on
+    # CLAIM_SEEDS whatever they are; experiment 3 and the lost-log arms keep their own
     experiment = [r for r in rows if wanted is None or int(r["seed"]) in wanted]
     seeds = sorted({int(r["seed"]) for r in rows})
     steps = sorted({int(r["steps"]) for r in rows if r.get("steps")})
@@ -641,7 +681,7 @@ def report(args) -> str:
     ]
     for task in TASKS:
         if any(per_seed(experiment, task, a, "wall_s") for a in EXPERIMENT_ARMS):
-            lines += task_section(experiment, task, home_doc(DEVELOPMENT[task], args.out))
+            lines += task_section(experiment, task, home_doc(DEVELOPMENT[task], args.out), rows)
     out = Path(args.out)
     lines += faults_section(rows, out) + lost_log_section(rows) + offline_section(out / "offline.jsonl")
     died = [f"- {' '.join(map(str, cell_key(r)))}: {r['died_reason']}" for r in rows if r["survived"] != "True"]

@@ -2,7 +2,9 @@
 tokens thrown away by evictions, samples/s and held-out reward as means with 95% t-intervals over
 seeds; each dispatched group's fate by room count; and paired (per-seed) differences against sync
 and of each paced sampler against its eager twin. Invariant: the report is a function of the rows
-of results.jsonl alone, and a difference is called resolved only when its interval excludes 0."""
+of results.jsonl alone, and a difference is called resolved only as minirl.experiments.estimates.Estimate
+calls one: its interval excludes 0, and seeds that all differ by the same amount (no spread) give no
+interval, so never a resolved one."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import datetime as dt
 import math
 from pathlib import Path
 
+from minirl.experiments.estimates import Estimate
 from minirl.experiments.stats import mean_ci, paired_ci
 
 FIELDS = (("rooms_shift", "rooms trained − stream", 2), ("skew_tv", "TV against the stream", 3),
@@ -35,13 +38,14 @@ def _per_seed(rs: list[dict], field: str) -> dict[int, float]:
 
 
 def _diff(a: list[dict], b: list[dict], field: str, digits: int) -> str:
-    mean, half, n = paired_ci(_per_seed(a, field), _per_seed(b, field))
-    if n == 0 or math.isnan(mean):
+    e = Estimate("", *paired_ci(_per_seed(a, field), _per_seed(b, field)))
+    if e.n == 0 or math.isnan(e.mean):
         return "–"
-    if math.isnan(half):
-        return f"{mean:+.{digits}f} (1 seed)"
-    resolved = "resolved" if abs(mean) > half else "not resolved"
-    return f"{mean:+.{digits}f} ± {half:.{digits}f} ({resolved})"
+    if math.isnan(e.half):
+        return f"{e.mean:+.{digits}f} (1 seed)"
+    verdict = ("resolved" if e.sign else "not resolved" if e.mean == 0 or not e.spreadless
+               else f"the same in all {e.n} seeds: no t-interval, not resolved")
+    return f"{e.mean:+.{digits}f} ± {e.half:.{digits}f} ({verdict})"
 
 
 def _summary_table(modes: dict[str, list[dict]], rows: list[dict]) -> list[str]:

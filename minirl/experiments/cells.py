@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from minirl.experiments.grid import COLUMNS, FLOATS, REPO, Grid, cell_args, cell_id
+from minirl.experiments.invariants import read_jsonl
 
 def summarize(c: dict, grid: Grid, run_dir: Path, proc: subprocess.CompletedProcess, wall: float) -> dict:
     rows = []
@@ -29,7 +30,7 @@ def summarize(c: dict, grid: Grid, run_dir: Path, proc: subprocess.CompletedProc
     trained = sum(r["rollouts_trained"] for r in rows)
     dropped = sum(r["dropped_prompt_groups"] for r in rows)
     if died:  # the step that died generated rollouts (and dropped groups) too, and trained none
-        more_generated, more_dropped = _died_step(run_dir, len(rows))
+        more_generated, more_dropped = died_step(read_jsonl(run_dir / "events.jsonl"), len(rows))
         generated, dropped = generated + more_generated, dropped + more_dropped
     return {
         **c, "cell": cell_id(c), "survived": not died, "died_at_step": len(rows) if died else "",
@@ -80,20 +81,17 @@ def learning(run_dir: Path, rows: list[dict]) -> dict:
     return {**out, **{k: round(v, 4) for k, v in difficulty_skew(dispatched, trained).items()}}
 
 
-def _died_step(run_dir: Path, step: int) -> tuple[int, int]:
-    """(rollouts generated, groups dropped) in the step that ended the run, which wrote no
-    metrics line: its `run_failed` event counts the first, its `drop` events the second."""
-    events = run_dir / "events.jsonl"
-    if not events.exists():
-        return 0, 0
+def died_step(events: list[dict], step: int) -> tuple[int, int]:
+    """(rollouts generated, groups dropped) in `step`, the step that ended the run (the one after its last
+    metrics line, which it never wrote), from the run's `events`: its `run_failed` event counts the first,
+    its `drop` events the second. A `run_failed` without a step (the driver writes one when the controller
+    does not answer) is this step's; it carries no count, so it leaves the controller's, if any, standing.
+    scripts/summarize_experiments.py reads its rows the same way."""
     generated = drops = 0
-    for line in events.read_text().splitlines():
-        e = json.loads(line)
-        if e.get("step") != step:
-            continue
-        if e.get("type") == "run_failed":
-            generated = int(e.get("rollouts_generated", 0))
-        drops += e.get("type") == "drop"
+    for e in events:
+        if e.get("type") == "run_failed" and e.get("step") in (step, None):
+            generated = max(generated, int(e.get("rollouts_generated") or 0))
+        drops += e.get("type") == "drop" and e.get("step") == step
     return generated, drops
 
 

@@ -1,6 +1,8 @@
 """Issue 54's sweep tooling without a training run: scripts/summarize_experiments.py's resume and skip
-(which cells still run, read from results.csv and each run directory's own files), its report's paired
-statistics per seed, and validation's `val_fact_success_rate` (held-out success on the rooms that need a fact)."""
+(which cells still run, read from results.csv and each run directory's own files), its rows (the step that
+killed a run counted from its events), its report's paired statistics per seed (read by
+minirl.experiments.estimates.Estimate's rule), the claim judged on rule.md's seeds whatever seeds the report
+reads, and validation's `val_fact_success_rate` (held-out success on the rooms that need a fact)."""
 
 from __future__ import annotations
 
@@ -332,3 +334,83 @@ def test_experiment_3_pairs_its_seeds_and_tables_the_kept_20_step_runs_beneath(t
     write(tmp_path / "results.csv", [row(drop, 0, 3, survived=False)])  # no redispatch run at full length yet
     text = sweep.report(type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": None}))
     assert "No redispatch run at this length yet; seeds [0]" in text and f"[{sweep.FAULTS_SHORT}]" in text
+
+
+# ------------------------------------------------------------------------ Estimate's rule, the dying step
+def test_a_difference_the_same_in_every_seed_is_neither_higher_nor_lower_and_holds_no_claim():
+    """minirl.experiments.estimates.Estimate's rule: seeds that all differ by the same amount (one held-out
+    prompt of 16 better in every seed: +0.0625, half-width 0) give no t-interval, so no higher or lower, and
+    no interval whose lower end lies above 0 for the claim."""
+    assert sweep.verdict(0.0625, 0.0) == "not resolvable (the same in every seed: no spread, so no t-interval)"
+    assert sweep.verdict(-0.0625, 0.0).startswith("not resolvable (the same in every seed")
+    assert sweep.verdict(0.0, 0.0) == "not resolvable (the interval holds 0)"
+    assert sweep.verdict(0.1, 0.05).startswith("higher") and sweep.verdict(-0.1, 0.05).startswith("lower")
+    arm = sweep.EXPERIMENT_ARMS[-1]
+    rows = []
+    for s in sweep.CLAIM_SEEDS:  # recall rises on every seed, fact-room success after RL beats recency's
+        rows += [{"task": "doors_memory", "arm": arm, "seed": str(s), "survived": "True", "val_fact_start": "0.5",
+                  "val_fact_final": "0.5625", "recall_curve": json.dumps([0.2] * 20 + [0.6] * 20)},
+                 {"task": "doors_memory", "arm": "recency", "seed": str(s), "survived": "True",
+                  "val_fact_final": str(0.1 + s % 3 / 20), "recall_curve": "[]"}]
+    text = sweep.claim(rows, "doors_memory", arm)
+    assert text.startswith("does not hold: recall rose by >= 0.3 on 10 of 10"), text
+    assert "are 0.062 (the same in every seed: no t-interval) and " in text, text
+
+
+def test_the_claim_is_judged_on_its_seeds_whatever_seeds_the_report_reads(tmp_path):
+    """`--report-seeds` narrows the experiment's tables; rule.md's claim is still judged on CLAIM_SEEDS from
+    every row of results.csv."""
+    arm = sweep.EXPERIMENT_ARMS[-1]
+    rows = []
+    for i, s in enumerate(sweep.CLAIM_SEEDS):
+        rows += [{"task": "doors_memory", "arm": arm, "seed": s, "survived": "True", "steps": 40, "wall_s": 100 + i,
+                  "recall_curve": json.dumps([0.2] * 20 + [0.6 + 0.01 * i] * 20), "val_fact_start": 0.2 + 0.01 * i,
+                  "val_fact_final": 0.8 - 0.02 * i},
+                 {"task": "doors_memory", "arm": "recency", "seed": s, "survived": "True", "steps": 40,
+                  "wall_s": 90 + i, "recall_curve": "[]", "val_fact_start": 0.2, "val_fact_final": 0.3 + 0.01 * i}]
+    with (tmp_path / "results.csv").open("w", newline="") as f:
+        w = sweep.csv.DictWriter(f, fieldnames=sweep.COLUMNS, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    text = sweep.report(type("A", (), {"out": str(tmp_path), "val_prompts": 16, "report_seeds": [10, 11, 12]}))
+    verdict = sweep.claim(sweep.read_rows(tmp_path / "results.csv"), "doors_memory", arm)
+    assert verdict.startswith("holds: recall rose by >= 0.3 on 10 of 10"), verdict
+    assert f"Issue 54's claim on doors_memory, judged as rule.md declares: {verdict}.**" in text
+    assert f"| {arm} | 12 |" in text and f"| {arm} | 13 |" not in text  # the tables read the seeds asked for
+
+
+def test_the_step_that_killed_a_run_counts_its_drops_and_rollouts(tmp_path):
+    """The dying step writes no metrics line: its dropped groups and generated rollouts come from the events of
+    the run's last part (minirl.experiments.cells.died_step; an earlier part stopped in the same step was resumed
+    from), and a run that generated nothing has no fraction_trained (0/0), which the report skips, not averages
+    as 0. Rows written before that (a died row with 0/0 written as 0.0) get the dated caveat."""
+    arm = "summarize+faults, drop budget"
+    drops = lambda step, groups: [{"type": "drop", "step": step, "group": g, "decision": "dropped"}  # noqa: E731
+                                  for g in groups]
+    died = tmp_path / "died"
+    write_jsonl(died / "metrics.jsonl", [{"step": s, "rollouts_generated": 16, "rollouts_trained": 16,
+                                          "dropped_prompt_groups": 0} for s in range(5)])
+    write_jsonl(died / "events.jsonl", [
+        *drops(5, (0, 1)), {"type": "run_failed", "step": 5, "error": "Terminated: SIGTERM", "rollouts_generated": 9},
+        {"type": "run_end", "step": 5}, {"type": "resumed", "from_step": 5},  # the sweep was stopped, then resumed
+        *drops(5, (1, 4, 6)), {"type": "run_failed", "step": 5, "rollouts_generated": 20,
+                               "error": "RuntimeError: training step 5 lost 3 of 8 prompt group(s)"},
+        {"type": "run_end", "step": 5}])
+    row = sweep.summarize_run("doors_memory", arm, 0, died, 10.0, 2, rc=1)
+    assert (row["survived"], row["steps"], row["groups_dropped"]) == (False, 5, 3)
+    assert (row["rollouts_generated"], row["rollouts_trained"], row["fraction_trained"]) == (100, 80, 0.8)
+    nothing = tmp_path / "nothing"  # died before any rollout came back
+    write_jsonl(nothing / "events.jsonl", [{"type": "run_failed", "step": None, "error": "RuntimeError: no engine"},
+                                           {"type": "run_end", "step": None}])
+    row = sweep.summarize_run("doors_memory", arm, 1, nothing, 10.0, 1, rc=1)
+    assert (row["rollouts_generated"], row["fraction_trained"]) == (0, "")
+    rows = [{"task": "doors_memory", "arm": arm, "seed": "0", "survived": "False", "rollouts_generated": "100",
+             "fraction_trained": "0.8"},
+            {"task": "doors_memory", "arm": arm, "seed": "1", "survived": "False", "rollouts_generated": "0",
+             "fraction_trained": ""}]
+    assert sweep.stat(rows, "doors_memory", arm, "fraction_trained") == "0.800"  # one value, not (0.8 + 0) / 2
+    assert sweep.dying_step_caveat(rows) == []  # rows of the code that counts the dying step
+    old = [{**rows[0], "rollouts_generated": "80"}, {**rows[1], "fraction_trained": "0.0"}]
+    (caveat,) = [x for x in sweep.dying_step_caveat(old) if x]
+    assert caveat.startswith(f"Caveat (2026-12-06): the rows of the runs that died here (`{arm}` seeds 0, 1)")
+    assert f"the fraction_trained 0.0 of `{arm}` seed 1, which died in their first step, is 0/0" in caveat
