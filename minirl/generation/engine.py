@@ -463,10 +463,14 @@ class VllmEngine:
             self._held = (payload, fut, time.monotonic())
             return
         if kind == "run":
+            if not fut.set_running_or_notify_cancel():  # its caller gave up on it (a timed-out wait): not run
+                return
             try:
-                fut.set_result(payload(self.llm))
+                result = payload(self.llm)
             except BaseException as exc:  # hand any failure to the caller
                 fut.set_exception(exc)
+                return
+            fut.set_result(result)
             return
         if kind == "abort":
             self._abort(payload)
@@ -477,6 +481,9 @@ class VllmEngine:
             return
         if not fut.set_running_or_notify_cancel():  # the caller left before the engine saw it
             self.aborted += 1
+            return
+        if rid in self._pending:  # vLLM takes it (its internal ids differ), but its result would resolve the other's
+            fut.set_exception(ValueError(f"request id {rid!r} is in flight already: give each request its own"))
             return
         if self._after is not None:  # the first request after a gather: how long after its last one it came
             if submitted - self._after < self.gather_gap_s:  # one the fixed rule would have gathered

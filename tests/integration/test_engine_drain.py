@@ -1,6 +1,7 @@
 """A draining weight update (`update_weights(drain=True)`) and what arrives while it is held, through the
 session's real vLLM engine: a request whose caller leaves while it is deferred behind the update is
-aborted there and never generated, and a second drain waits its turn instead of replacing the first.
+aborted there and never generated, a second drain waits its turn instead of replacing the first, an
+update whose caller gave up is not run (the engine serves on), and a request id in flight is refused.
 
 The engine's next step is held (`hang`) while the jobs are sent, so it takes them all together with the
 first request in flight, as a busy engine does."""
@@ -68,3 +69,39 @@ def test_a_second_drain_waits_its_turn_and_both_land_in_order(engine, weights):
     finally:
         engine.unhang()
         engine.update_weights(weights, v0).result(timeout=120)
+
+
+def test_an_update_its_caller_gave_up_on_is_not_run_and_the_engine_serves_on(engine, weights):
+    """`asyncio.wait_for(asyncio.wrap_future(update), T)` cancels the update's future when it times out (while
+    a drain waits for long requests). The engine thread then set a result on a cancelled future: the
+    InvalidStateError escaped its loop, the engine was marked dead (a generation worker ends itself), and
+    the update had been applied all the same."""
+    v0 = engine.version
+    try:
+        engine.hang()
+        running = engine.generate([1, 388, 201, 300], params(2, 1))
+        update = engine.update_weights(weights, v0 + 1, drain=True)
+        assert update.cancel()
+        engine.unhang()
+        assert running.result(timeout=120).version_end == v0
+        assert engine.generate([1, 2, 3], params(2, 2)).result(timeout=120).token_ids
+        assert engine.dead is None and engine.version == v0, (engine.dead, engine.version)
+    finally:
+        engine.unhang()
+
+
+def test_a_request_id_in_flight_already_is_refused(engine):
+    """vLLM takes a second request under an id in flight (its internal ids differ), but the engine keys its
+    requests by that id: the first to finish resolved the second caller with the first's tokens, and the
+    first caller waited for good."""
+    try:
+        engine.hang()
+        first = engine.generate([1, 388, 201, 300], params(2, 1), "same-id")
+        second = engine.generate([1, 388, 201, 301], params(2, 2), "same-id")
+        engine.unhang()
+        with pytest.raises(ValueError, match="request id 'same-id' is in flight already"):
+            second.result(timeout=60)
+        assert first.result(timeout=120).prompt_token_ids == [1, 388, 201, 300]
+        assert engine.dead is None and engine.in_flight == 0
+    finally:
+        engine.unhang()
