@@ -67,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         if not ckpt.is_dir():  # the flag as typed, not the `checkpoint.resume` evaluate sets from it
             what = "is not a directory" if ckpt.exists() else "no such directory"
             raise ConfigError("--checkpoint", f"{args.checkpoint}: {what} (give a run's checkpoints/step_N)")
-        if (reason := checkpoint.verify(ckpt, hashes=False)) is not None:  # before Ray; the resume hashes it
-            raise ConfigError("--checkpoint", f"{args.checkpoint} is no checkpoint that can be trusted: {reason}")
         cfg = load_config(str(run_config) if run_config.exists() else None,
                           [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
         prepare_data(cfg)
@@ -80,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--checkpoint", f"cannot write {eval_dir}: {exc.strerror or exc}") from None
         out = Path(args.out) if args.out else eval_dir / "metrics.json"
         check_out(out)
+        if (reason := checkpoint.verify(ckpt, hashes=False)) is not None:  # the last check before Ray; resume hashes
+            raise ConfigError("--checkpoint", f"{args.checkpoint} is no checkpoint that can be trusted: {reason}")
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
