@@ -955,10 +955,10 @@ class MinirlConfig:
         _require(self.policy.train_global_batch_size == want, "policy.train_global_batch_size",
                  f"must equal grpo.num_prompts_per_step * grpo.num_generations_per_prompt = {want} "
                  f"(one optimizer step per RL step), got {self.policy.train_global_batch_size}")
-        rewrites = self.agent.name == "compaction_agent" and self.agent.context_history.enabled
         problem = self.uncompacted_rewrite(self.agent.name, "agent.name")
         _require(problem is None, "context_compaction.enabled", problem or "")
         if self.agent.context_history.policy.type == "summarize":
+            rewrites = self.agent.name == "compaction_agent" and self.agent.context_history.enabled
             _require(rewrites, "agent.context_history.policy.type",
                      "summarize needs agent.name=compaction_agent with agent.context_history.enabled=true")
             self._check_summary_reachable()
