@@ -96,10 +96,12 @@ class GenResult:
     request asked for more than the sampled token's."""
 
 
-def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
+def checkpoint_shapes(model: str) -> tuple[dict[str, tuple[int, ...]], set[str]] | None:
     """The served checkpoint's tensors, name -> shape, from its safetensors headers (no tensor is
-    read); a tied `lm_head.weight` (the policy's state_dict repeats it, vLLM skips it) takes the
-    embedding's shape. None when the checkpoint has no safetensors files: nothing to check against."""
+    read), and the names an update may leave out: a tied `lm_head.weight` (the policy's state_dict
+    repeats it, vLLM skips it), which takes the embedding's shape. An untied model's lm_head is a
+    tensor of its own, and an update must carry it. None when the checkpoint has no safetensors
+    files: nothing to check against."""
     import json
     from pathlib import Path
 
@@ -116,28 +118,30 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
     embed = next((k for k in shapes if k.endswith("embed_tokens.weight")), None)
     if config.get("tie_word_embeddings") and embed and "lm_head.weight" not in shapes:
         shapes["lm_head.weight"] = shapes[embed]
-    return shapes
+        return shapes, {"lm_head.weight"}
+    return shapes, set()
 
 
-def check_weights(named: list, expected: dict[str, tuple[int, ...]] | None, model: str) -> None:
+def check_weights(named: list, expected: tuple[dict[str, tuple[int, ...]], set[str]] | None, model: str) -> None:
     """A ValueError naming the first tensor of `named` that does not fit the served checkpoint: a
     name it lacks, a shape that differs, an array that is not floating point, or a tensor of the
     checkpoint left out. No-op without `expected` (`checkpoint_shapes` found none)."""
     if expected is None:
         return
+    shapes, optional = expected
     where = f"the served model {model}"
     seen = set()
     for name, a in named:
         a = np.asarray(a)
-        if name not in expected:
+        if name not in shapes:
             raise ValueError(f"weight {name!r} is not a tensor of {where} (a policy of another architecture?)")
-        if tuple(a.shape) != expected[name]:
-            raise ValueError(f"weight {name!r} has shape {tuple(a.shape)}, but {where} has {expected[name]} "
+        if tuple(a.shape) != shapes[name]:
+            raise ValueError(f"weight {name!r} has shape {tuple(a.shape)}, but {where} has {shapes[name]} "
                              "(a policy of another model? policy.model_name must be the model the workers serve)")
         if not np.issubdtype(a.dtype, np.floating):
             raise ValueError(f"weight {name!r} is {a.dtype}, not floating point")
         seen.add(name)
-    missing = sorted(set(expected) - seen - {"lm_head.weight"})
+    missing = sorted(set(shapes) - seen - optional)
     if missing:
         raise ValueError(f"the update lacks {len(missing)} tensor(s) of {where}, e.g. {missing[0]!r}")
 

@@ -53,8 +53,11 @@ def test_check_weights_names_the_tensor_that_does_not_fit(base_cfg):
 
     served = base_cfg.policy.model_name
     expected = checkpoint_shapes(served)
-    assert expected["lm_head.weight"] == expected["model.embed_tokens.weight"] == (512, 128)  # tied: vLLM skips it
-    good = [(k, np.zeros(v, np.float32)) for k, v in expected.items()]
+    shapes, optional = expected
+    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (512, 128)  # tied: vLLM skips it
+    assert optional == {"lm_head.weight"}
+    good = [(k, np.zeros(v, np.float32)) for k, v in shapes.items()]
+    check_weights([kv for kv in good if kv[0] != "lm_head.weight"], expected, served)  # tied: may be left out
     check_weights(good, expected, served)  # the policy's own state_dict (lm_head included) fits
     with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \(576, 128\), but the served model "
                                          r".*tiny-doors has \(512, 128\)"):
@@ -63,9 +66,28 @@ def test_check_weights_names_the_tensor_that_does_not_fit(base_cfg):
         check_weights(good + [("model.extra.weight", np.zeros(3, np.float32))], expected, served)
     with pytest.raises(ValueError, match="'model.norm.weight' is int64, not floating point"):
         check_weights([(k, np.zeros(v, np.int64 if k == "model.norm.weight" else np.float32))
-                       for k, v in expected.items()], expected, served)
+                       for k, v in shapes.items()], expected, served)
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) of the served model .*'model.norm.weight'"):
         check_weights([kv for kv in good if kv[0] != "model.norm.weight"], expected, served)
+
+
+def test_an_untied_models_update_must_carry_its_lm_head(tmp_path):
+    """Only a tied lm_head (the embedding's own tensor) may be left out of an update: an untied model's
+    is a tensor of its checkpoint, and an update without it would leave the engine's head unchanged."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from minirl.generation.engine import check_weights, checkpoint_shapes
+
+    tensors = {"model.embed_tokens.weight": np.zeros((8, 4), np.float32), "lm_head.weight": np.ones((8, 4), np.float32)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    expected = checkpoint_shapes(str(tmp_path))
+    assert expected == ({"model.embed_tokens.weight": (8, 4), "lm_head.weight": (8, 4)}, set())
+    check_weights(list(tensors.items()), expected, str(tmp_path))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) of the served model .*'lm_head.weight'"):
+        check_weights([("model.embed_tokens.weight", tensors["model.embed_tokens.weight"])], expected, str(tmp_path))
 
 
 def test_another_models_weights_are_refused_and_the_shared_worker_serves_on(shared_engine):
