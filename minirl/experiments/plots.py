@@ -166,11 +166,14 @@ def _estimates(plt, ests: list, k: str, rate: float):
                              gridspec_kw={"height_ratios": [len(es) + 1.5 for es, _ in panels]})
     for ax, (es, xlabel) in zip(axes[:, 0], panels):
         ys = list(range(len(es)))[::-1]
-        for y, e in zip(ys, es):
-            half = 0 if math.isnan(e.half) else e.half
+        bare = [math.isnan(e.half) or e.spreadless for e in es]  # one seed, or seeds all alike: no t-interval
+        for y, e, no_interval in zip(ys, es, bare):
             color = "tab:red" if e.sign < 0 else "tab:blue" if e.sign > 0 else "tab:gray"
-            ax.errorbar([e.mean], [y], xerr=[[half], [half]], fmt="o", color=color, capsize=4)
-        ax.set_yticks(ys, [e.label for e in es], fontsize=8)
+            if no_interval:  # a hollow point, not an interval of zero width
+                ax.plot([e.mean], [y], "o", color=color, mfc="none")
+            else:
+                ax.errorbar([e.mean], [y], xerr=[[e.half], [e.half]], fmt="o", color=color, capsize=4)
+        ax.set_yticks(ys, [e.label + (" (no interval)" if b else "") for e, b in zip(es, bare)], fontsize=8)
         ax.set_ylim(-0.7, len(es) - 0.3)
         ax.axvline(0, color="black", linewidth=0.8)
         ax.set(xlabel=xlabel, title=f"{k} {_rate(k, rate)}: mean ± 95% interval over seeds")

@@ -73,3 +73,25 @@ def test_an_event_without_a_step_is_skipped():
               {"type": "mask", "step": None, "group": 3}, {"type": "mask", "group": 3}]
     dispatched, trained = rooms_mix(lambda s, g: 1 if g < 2 else 4, 1, 4, 2, events)
     assert dispatched == {1: 4, 4: 4} and trained == {1: 4, 4: 2}
+
+
+def test_the_estimates_plot_draws_no_interval_where_there_is_none():
+    """One seed (no half-width) or seeds all alike (spreadless) is a hollow point labelled '(no interval)',
+    not an error bar of zero width that reads as certainty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minirl.experiments.estimates import Estimate
+    from minirl.experiments.plots import _estimates
+
+    ests = [Estimate("val one seed", 0.1, math.nan, 1), Estimate("val alike", 0.125, 0.0, 2),
+            Estimate("val spread", 0.1, 0.05, 3)]
+    fig = _estimates(plt, ests, "timeout", 0.1)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["val one seed (no interval)", "val alike (no interval)", "val spread"]
+    assert len(ax.containers) == 1  # one errorbar: the estimate with a spread
+    assert ax.containers[0].lines[0].get_xdata()[0] == 0.1
+    plt.close(fig)
