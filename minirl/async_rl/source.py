@@ -6,7 +6,9 @@ Invariant: every buffered group is taken by exactly one step or evicted once; ev
 drained from the servers reaches exactly one step's ledger (with its group, or as an orphan), or
 the run's end (`close`: a step that failed after its take, or groups no step took); the checkpoint's
 buffer carries the call records of exactly the groups it holds and the prompts its places in flight
-gave up on (`replace`: the step that trains such a place ledgers them).
+gave up on (`replace`: the step that trains such a place ledgers them), the orphans no step has
+ledgered yet, and the groups already taken or evicted (so a resumed run files their late records as
+orphans, as the run it resumes would have).
 """
 
 from __future__ import annotations
@@ -57,18 +59,22 @@ class BufferSource:
 
     def snapshot(self) -> bytes | None:
         """The buffer with the call records of its groups and of the prompts its places in flight gave
-        up on, pickled (taken between two awaits)."""
+        up on, the orphans, and the groups taken or evicted, pickled (taken between two awaits)."""
         if self.pump is None:
             return None
         pump = self.pump.snapshot()
         held = [k for r in pump["ready"] for k in _keys(r)] + [(o.step, o.group) for job in pump["in_flight"]
                                                                 for o in job[5]]
         calls = {k: self.calls[k] for k in held if k in self.calls}
-        return pickle.dumps({"pump": pump, "calls": calls})
+        return pickle.dumps({"pump": pump, "calls": calls, "orphans": self.orphans, "consumed": self.consumed})
 
     def restore(self, buffer: bytes | None) -> None:
-        """Resume: the buffer that the pump restores when it starts."""
+        """Resume: the buffer that the pump restores when it starts; the orphans the next take ledgers, and
+        the groups whose late records are orphans (a checkpoint of before 2026-12-07 has neither)."""
         self.restored = pickle.loads(buffer) if buffer is not None else None
+        if self.restored is not None:
+            self.orphans = list(self.restored.get("orphans", []))
+            self.consumed = set(self.restored.get("consumed", ()))
 
     def published(self, version: int) -> None:
         if self.pump is not None:

@@ -103,3 +103,30 @@ def test_a_late_record_of_a_group_evicted_while_the_take_waits_is_an_orphan():
 
     orphans, filed = asyncio.run(go())
     assert orphans == [late] and filed == {}
+
+
+def test_a_resumed_source_files_late_records_as_the_run_it_resumes_would():
+    """The checkpoint carries the groups already taken or evicted and the orphans no step has ledgered
+    yet. Before, a resumed run knew neither: a late record (a retired attempt's) of a group taken before
+    the checkpoint was filed under its key until the run's end (`run_end`, not the next step's ledger),
+    and the orphans the checkpointed run held were in no ledger at all. The pump is a stand-in for its
+    `snapshot` only."""
+    from types import SimpleNamespace
+
+    cfg = load_config(None, ["async_rl.enabled=true", "async_rl.sampler.name=windowed",
+                             "loss_fn.use_importance_sampling_correction=true",
+                             "async_rl.rollout_failure.max_consecutive_dropped_prompts=0",
+                             "async_rl.rollout_failure.max_skipped_prompts=0"])
+    held = {"key": "s1.g2.r0.a0.c1", "step": 1, "group": 2, "rollout": 0, "attempt": 0, "call": 1}
+    late = {"key": "s0.g0.r3.a1.c0", "step": 0, "group": 0, "rollout": 3, "attempt": 1, "call": 0}
+
+    async def drain(step: int) -> list[dict]:
+        return [late]
+
+    before = BufferSource(cfg, None, drain)
+    before.pump = SimpleNamespace(snapshot=lambda: {"ready": [], "in_flight": []})
+    before.consumed, before.orphans = {(0, 0), (0, 1)}, [held]
+    resumed = BufferSource(cfg, None, drain)
+    resumed.restore(before.snapshot())
+    asyncio.run(resumed.resolved(0, 0))
+    assert resumed.orphans == [held, late] and resumed.calls == {}
