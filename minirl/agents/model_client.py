@@ -23,6 +23,12 @@ from minirl.wire import (NO_HEALTHY_BACKEND, ROLLOUT_HEADER, SEED_AS_SENT, SEED_
                          ModelCallFailed)
 
 LANE_A_MARKERS = ("context length", "maximum context length", "max_tokens")
+
+
+def is_lane_a(status: int, data) -> bool:
+    """Whether a model call's error answer is a context overflow (lane A): as Gym's `vllm_model`, a 400 with
+    a marker anywhere in its body, which is read whole (the error's message is cut to 2,000 characters)."""
+    return status == 400 and any(m in str(data) for m in LANE_A_MARKERS)
 GYM_NO_REASONING_PARSER = (
     "NeMo Gym server `{name}` config has explicitly been set to not use a reasoning parser i.e. "
     "`uses_reasoning_parser: false`. Please do not use a reasoning parser in your vLLM endpoint, or fix the "
@@ -123,7 +129,7 @@ class HttpModelClient:
         status, data = await self._post(self._url(key), "/v1/chat/completions", body, key)
         if status != 200:
             error = self._error(status, data, "model call")
-            if status == 400 and any(m in str(error) for m in LANE_A_MARKERS):
+            if is_lane_a(status, data):
                 return ModelReply({"content": ""}, "length", None, f"context_length: {error}")
             raise error
         choice = data["choices"][0]

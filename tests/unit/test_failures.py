@@ -221,3 +221,18 @@ def test_the_restart_window_a_failed_attempt_may_wait_out():
     assert restart_window(rf, [model_down, GymTransportError("HTTP 500: ValueError()", "ValueError")]) == 0.0
     assert restart_window(rf, [model_down, AgentUnreachable("refused")]) == 0.0
     assert restart_window(load_config("configs/upstream_pr4124.yaml").async_rl.rollout_failure, [model_down]) == 0.0
+
+
+def test_lane_a_reads_the_whole_error_body():
+    """Gym's `vllm_model` looks for "context length" or "max_tokens" in vLLM's whole 400 body. minirl looked in
+    the error's message as its client cuts it (2,000 characters): a server that puts a long text first (a
+    proxy's, or vLLM's own with a long prompt echoed) turned an overflow into a ModelCallFailed (DATA)."""
+    from minirl.agents.model_client import is_lane_a
+
+    long = {"error": {"message": "x" * 2500 + " This model's maximum context length is 512 tokens.",
+                      "type": "BadRequestError", "code": 400}}
+    assert is_lane_a(400, long)
+    assert is_lane_a(400, "not JSON: " + "y" * 3000 + " context length exceeded")
+    assert is_lane_a(400, {"error": {"message": "bad", "param": "max_tokens"}})  # anywhere in the body
+    assert not is_lane_a(500, long)  # a 400 only
+    assert not is_lane_a(400, {"error": {"message": "x" * 2500, "type": "BadRequestError"}})
