@@ -204,7 +204,14 @@ async def validate(cfg: MinirlConfig, agent_urls: list[str], version: int) -> di
     rows = held_out_rows(cfg, version)
     pool = AgentPool.of(agent_urls, cfg.agent)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        results = await asyncio.gather(*(_send(cfg, session, pool, row) for row in rows))
+        sends = [asyncio.ensure_future(_send(cfg, session, pool, row)) for row in rows]
+        try:
+            results = await asyncio.gather(*sends)
+        except BaseException:  # one row ended the validation: the others' /run calls and backoffs end with it
+            for send in sends:
+                send.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+            raise
     return {**summarize(rows, results), "val_policy_version": version, "val_time_s": time.perf_counter() - t0}
 
 

@@ -152,6 +152,40 @@ def test_a_held_out_result_with_gym_failure_facts_is_read_as_training_reads_it()
     assert sends[0] == 1, "a terminal failure is never sent again"
 
 
+def test_a_validation_that_fails_leaves_no_send_behind():
+    """A terminal failure of one held-out row ends the validation; the other rows' sends end with it. Before,
+    `asyncio.gather` raised the first failure and left its siblings running on the controller's loop (their
+    `/run` calls still open on the agent servers, their resends to come after backoff) once the run was over."""
+    from aiohttp import web
+
+    cfg = load_config(None, ["grpo.val_num_prompts=3"])
+    opened, released = Counter(), asyncio.Event()
+
+    async def run(request):  # row 0 fails terminally once the others are waiting; they answer at the end
+        row = await request.json()
+        opened[row["_rowidx"]] += 1
+        if row["_rowidx"] != 0:
+            await released.wait()
+            return web.json_response({})
+        while len(opened) < 3:
+            await asyncio.sleep(0.01)
+        return web.json_response({"failure": {"failure_reason": "the task's quota is spent", "terminal": True,
+                                              "failure_kind": "provider_unavailable", "stage": "seed"}})
+
+    async def go():
+        runner, url = await serve_run(run)
+        try:
+            with pytest.raises(ValidationFailed, match="the task's quota is spent"):
+                await validate(cfg, [url], version=0)
+            return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and "_send" in repr(t)]
+        finally:
+            released.set()
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == [], "a held-out row's send outlived the validation"
+    assert dict(opened) == {0: 1, 1: 1, 2: 1}
+
+
 def test_validation_runs_without_faults_even_at_fault_rate_one(stack):
     """Every fault kind that does not take a server out (kill or wedge it), at rate 1.0 and injected
     at every coordinate: a training row fails, the held-out rows all succeed and leave no rollout
