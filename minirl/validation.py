@@ -29,7 +29,7 @@ from minirl.data import _seed, dataset_rows, describe, difficulty, fact_rooms, t
 from minirl.gym.failures import episode_failure
 from minirl.rollout.agent_pool import AgentPool
 from minirl.rollout.evidence import parse_scored, reward_bound
-from minirl.rollout.manager import backoff, post_run
+from minirl.rollout.manager import backoff, post_run, run_session
 from minirl.rollout.masking import PASS_REWARD
 from minirl.trainer import checkpoint
 from minirl.wire import (ATTEMPT_INDEX, INFRA, ROLLOUT_ID, ROLLOUT_INDEX, SUMMARY_FAILED_SCORED, TASK_INDEX,
@@ -203,7 +203,7 @@ async def validate(cfg: MinirlConfig, agent_urls: list[str], version: int) -> di
     t0 = time.perf_counter()
     rows = held_out_rows(cfg, version)
     pool = AgentPool.of(agent_urls, cfg.agent)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with run_session() as session:
         sends = [asyncio.ensure_future(_send(cfg, session, pool, row)) for row in rows]
         try:
             results = await asyncio.gather(*sends)

@@ -78,6 +78,14 @@ PROBE_TIMEOUT_S = 5.0
 """A down agent server's probe (`GET /health`) not answered within this leaves it down."""
 
 
+def run_session() -> aiohttp.ClientSession:
+    """The session `/run` calls go through (created on the event loop that uses it). No total timeout:
+    aiohttp's default (300 s) would end a longer `/run` with a bare TimeoutError outside the failure policy;
+    a `/run` is bounded by `nemo_gym.rollout_timeout_s` alone (None, upstream's default: unbounded)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+                                 connector=aiohttp.TCPConnector(limit=0))
+
+
 async def post_run(session: aiohttp.ClientSession, url: str, row: dict) -> dict:
     """One `/run` call, mapped onto the taxonomy (upstream's nemo_gym.py wording). The error body's
     typed `type` field travels on the failure as `error_type`."""
@@ -224,7 +232,7 @@ class RolloutManager:
     def open(self) -> None:
         """The HTTP session (created on the event loop that will use it)."""
         if self.session is None:
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self.session = run_session()
         self.last_progress = time.monotonic()
 
     async def run_step(self, step: int, rows: list[dict],

@@ -215,3 +215,40 @@ def test_minirls_agent_server_speaks_gyms_failure_shapes(stack, base_cfg):
     assert parse_rollout(plain, Coords(0, 0, 0, 0), **kw).mask_reason is None
     masked = parse_rollout(lost, Coords(0, 0, 1, 0), **kw)
     assert masked.mask_reason == "mask_sample" and masked.evidence["failure_kind"] == "session_lost" and masked.calls
+
+
+def test_a_run_longer_than_aiohttps_default_timeout_is_waited_for(base_cfg, monkeypatch):
+    """aiohttp's session default is a 300 s total timeout: a longer `/run` (rollout_timeout_s None, upstream's
+    default, or above 300) raised a bare TimeoutError that escaped the failure policy and ended the run, with
+    no failure event. The sessions of the rollout manager and of validation set no total timeout: a `/run` is
+    bounded by rollout_timeout_s alone. aiohttp's default is scaled to 1 s here, and the `/run` takes 2 s."""
+    import aiohttp.client
+
+    from minirl.rollout.manager import run_session
+
+    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=1, sock_connect=30))
+
+    async def run_handler(request):
+        row = await request.json()
+        await asyncio.sleep(2)
+        return web.json_response({**row, "response": {"output": [_item(10)]}, "reward": 1.0})
+
+    cfg = copy.deepcopy(base_cfg)
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 2
+    cfg.async_rl.rollout_failure.nemo_gym.rollout_timeout_s = None
+    events: list[dict] = []
+
+    async def go():
+        runner, url = await serve_run(run_handler)
+        m = RolloutManager(cfg, [url], events.append, VOCAB, sleep=lambda s: asyncio.sleep(0))
+        try:
+            async with run_session() as validation:
+                assert validation.timeout.total is None
+            m.open()
+            return await m.run_group(0, 0, prompt_row(cfg, 0, 0))
+        finally:
+            await m.session.close()
+            await runner.cleanup()
+
+    out = asyncio.run(go())
+    assert out.status == "committed" and len(out.rollouts) == 2 and events == []
