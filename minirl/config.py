@@ -316,9 +316,9 @@ class RolloutFailureConfig:
     """Backoff ceiling; must be >= backoff_base_s."""
     agent_restart_window_s: float = bounded(60.0, ge=0)
     """A group whose `/run` cannot reach any agent server (connection refused or reset: a server down or
-    restarting) keeps retrying with the backoff above, past `max_infra_attempts_per_prompt`, until its
-    backoff adds up to this many seconds (minirl; 0: upstream, the attempts alone, ~7.5 s with
-    configs/default.yaml's backoff)."""
+    restarting) keeps retrying with the backoff above (at least 1 s a wait), past
+    `max_infra_attempts_per_prompt`, until its backoff adds up to this many seconds (minirl; 0: upstream,
+    the attempts alone, ~7.5 s with configs/default.yaml's backoff)."""
     generation_restart_window_s: float = bounded(120.0, ge=0)
     """A group whose every failed row is minirl's agent finding no model server (GenerationUnavailable:
     a generation worker down, or restarting at its port as Ray restarts it after its engine died) keeps

@@ -129,6 +129,11 @@ def identical_answer(exc: BaseException) -> tuple[int, str] | None:
     return status, str(exc)
 
 
+RESTART_POLL_S = 1.0
+"""The shortest wait between a group's attempts in its restart window (past max_infra_attempts_per_prompt):
+the window is measured in the waits, and under `backoff_base_s=0` the group retried for ever."""
+
+
 def restart_window(rf, failures: list[BaseException]) -> float:
     """The backoff, in seconds, that a group whose attempt failed with `failures` may spend past
     `max_infra_attempts_per_prompt` waiting for a restart: `agent_restart_window_s` when no row reached
@@ -360,8 +365,9 @@ class RolloutManager:
         window_s = restart_window(self.rf, [e for _, e in failures])
         restarting = run.out.backoff_s < window_s
         if self.can_redispatch and (run.infra < self.rf.max_infra_attempts_per_prompt or restarting):
-            delay = backoff(self.rf, run.infra)
             past_budget = run.infra >= self.rf.max_infra_attempts_per_prompt
+            # the window is the waits' sum: in it a wait is at least RESTART_POLL_S, or a backoff of 0 never ends it
+            delay = max(backoff(self.rf, run.infra), RESTART_POLL_S if past_budget else 0.0)
             window = {"restart_window_s": window_s} if past_budget else {}
             self._failed(run.out, failures, "retried", backoff_s=delay, group_attempt=run.gid, **window)
             run.out.backoff_s += delay

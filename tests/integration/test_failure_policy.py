@@ -607,3 +607,34 @@ def test_an_external_agents_forged_logprobs_and_stale_call_mask_their_rollouts(s
     assert "differs from the engine's record by" in kept0[1].evidence["errors"][-1]
     assert counts1["calls_matched"] == 1 and counts1["calls_stale"] == 1
     assert [r.mask_reason for r in kept1] == ["stale_calls", None]
+
+
+def test_a_zero_backoff_restart_window_ends(base_cfg):
+    """`backoff_base_s=0` is a valid config, and the restart window is measured in the group's waits: a group
+    whose agent servers all refused it (nothing listens at the port: a real refused connection) retried for
+    ever. In the window a wait is at least RESTART_POLL_S, so the group is dropped once its waits pass
+    `agent_restart_window_s`."""
+    from minirl.cluster import free_port
+    from minirl.rollout.manager import RESTART_POLL_S
+    from minirl.wire import RolloutRedispatchExhausted
+
+    cfg = policy_cfg(base_cfg, groups=1, backoff_base_s=0.0, max_backoff_s=0.0, max_infra_attempts_per_prompt=2,
+                     agent_restart_window_s=5.0)
+    sleeps: list[float] = []
+
+    async def sleep(s):
+        sleeps.append(s)
+        if len(sleeps) > 50:
+            raise RuntimeError("the restart window never ended")
+
+    async def go():
+        m = RolloutManager(cfg, [f"http://127.0.0.1:{free_port('127.0.0.1')}"], lambda e: None, VOCAB, sleep=sleep)
+        m.open()
+        try:
+            return await m.run_group(0, 0, prompt_row(cfg, 0, 0))
+        finally:
+            await m.session.close()
+
+    with pytest.raises(RolloutRedispatchExhausted):
+        asyncio.run(go())
+    assert sleeps == [0.0] + [RESTART_POLL_S] * 5  # one within the attempt budget, then the window's 5 s
