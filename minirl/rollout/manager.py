@@ -29,6 +29,7 @@ from minirl.timeline import Occupancy
 from minirl.types import GroupOutcome, Rollout
 from minirl.wire import (
     Coords,
+    DATA,
     INFRA,
     AgentBadAnswer,
     AgentUnreachable,
@@ -313,6 +314,9 @@ class RolloutManager:
           RolloutRedispatchExhausted;
         - a DATA failure is retried without backoff up to `max_data_attempts_per_prompt`, then skipped
           within `max_skipped_prompts` (past it, upstream's skip-budget error), or re-raised unchanged at 0;
+        - which failure decides an attempt whose rows failed differently: one that will not pass, then a
+          DATA one over an INFRA one (the row's own answer recurs whatever the fleet does), whatever the
+          rows' order;
         - within a group attempt, a row that failed with INFRA is re-sent alone, up to
           `nemo_gym.max_row_attempts` sends; siblings that came back keep their results (row redispatch),
           and keep them across group attempts too unless `nemo_gym.keep_returned_rows=false` (upstream);
@@ -335,7 +339,8 @@ class RolloutManager:
             failures = await self._group_attempt(run)
             if not failures:
                 return self._resolved(run)
-            failures.sort(key=lambda f: not will_not_pass(f[1]))  # one that will not pass decides
+            # one that will not pass decides, then a DATA failure over an INFRA one: never the rows' order
+            failures.sort(key=lambda f: (not will_not_pass(f[1]), classify(f[1]) != DATA))
             kind = classify(failures[0][1])
             ended = await (self._after_infra(run, failures) if kind == INFRA else self._after_data(run, failures))
             if ended is not None:

@@ -252,3 +252,40 @@ def test_a_run_longer_than_aiohttps_default_timeout_is_waited_for(base_cfg, monk
 
     out = asyncio.run(go())
     assert out.status == "committed" and len(out.rollouts) == 2 and events == []
+
+
+def test_a_group_whose_rows_fail_data_and_infra_meets_the_same_fate_whatever_their_order(base_cfg):
+    """One row answers a 400 (DATA, non-terminal), its sibling a 500 (INFRA). Before, the failures were
+    sorted by `will_not_pass` alone and the first row's class decided: DATA on row 0 skipped the group
+    after 2 attempts, DATA on row 1 retried it as INFRA with backoff and dropped it after 5. A DATA failure
+    now decides over an INFRA one, whichever row had it."""
+    cfg = copy.deepcopy(base_cfg)
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 1, 2
+    rf = cfg.async_rl.rollout_failure
+    rf.max_identical_failures, rf.max_skipped_prompts, rf.nemo_gym.max_row_attempts = 0, 1, 1
+
+    def fate(data_row: int):
+        events: list[dict] = []
+
+        async def run_handler(request):
+            row = await request.json()
+            if row["_minirl"]["rollout"] == data_row:
+                return web.json_response({"error": "bad row"}, status=400)
+            return web.json_response({"error": "agent crashed"}, status=500)
+
+        async def go():
+            runner, url = await serve_run(run_handler)
+            m = RolloutManager(cfg, [url], events.append, VOCAB, sleep=lambda s: asyncio.sleep(0))
+            m.open()
+            try:
+                out = await m.run_group(0, 0, prompt_row(cfg, 0, 0))
+            finally:
+                await m.session.close()
+                await runner.cleanup()
+            return out.status, out.group_attempts, sorted({(e["class"], e["decision"]) for e in events
+                                                           if e["type"] == "failure"})
+
+        return asyncio.run(go())
+
+    decisions = [("data", "retried"), ("data", "skipped"), ("infra", "retried"), ("infra", "skipped")]
+    assert fate(0) == fate(1) == ("skipped", rf.max_data_attempts_per_prompt, decisions)
