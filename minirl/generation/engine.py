@@ -89,6 +89,9 @@ class GenResult:
     text: str
     finish_reason: str
     version_start: int
+    """The weights version of its first step: an update applied after the engine accepted it but before
+    any step began re-stamps it. (One that vLLM's scheduler left waiting through that step and the
+    update keeps the older version: a stamp may be too old, never too new.)"""
     version_end: int
     top: list[list[tuple[int, float, str | None]]] | None = None
     """Each position's logprob entries as vLLM orders them (the sampled token first, then the top
@@ -203,7 +206,8 @@ class VllmEngine:
         self.last_add_t = 0.0  # and of the latest request accepted: a burst's arrival spread, for benches
         self.dead: BaseException | None = None  # set when a step or the loop fails: the engine serves no more
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[str, tuple[Future, int]] = {}
+        self._pending: dict[str, tuple[Future, int]] = {}  # request id -> (its future, its version_start)
+        self._unstepped: list[str] = []  # requests accepted since the last step began: an update re-stamps them
         self._held: tuple | None = None  # a draining weight update, waiting for the requests in flight
         self._deferred: list[tuple] = []  # requests that arrived while it waits
         self.on_dead = on_dead
@@ -308,6 +312,9 @@ class VllmEngine:
                 self._reload_t0 = None
             llm.reset_prefix_cache()
             self.version = version
+            for rid in self._unstepped:  # no step has run them: their first token comes from these weights
+                if rid in self._pending:
+                    self._pending[rid] = (self._pending[rid][0], version)
             self.weights_s += time.monotonic() - t0
 
         return self._submit("drain" if drain else "run", apply, fut)
@@ -506,6 +513,7 @@ class VllmEngine:
         if not self._pending:
             self.first_add_t = self.last_add_t
         self._pending[rid] = (fut, self.version)
+        self._unstepped.append(rid)
 
     def _abort(self, rid: str) -> None:
         """An `abort`: the request leaves vLLM, or the requests deferred behind a draining update (an abort
@@ -644,6 +652,7 @@ class VllmEngine:
     def _step(self, engine) -> list:
         """One engine step, timed (the watchdog reads `_step_t0`); a failure fails everything, loudly."""
         self._step_t0 = t0 = time.monotonic()
+        self._unstepped = []
         try:
             if self._crash == "step":
                 raise RuntimeError("injected engine_crash")

@@ -1,7 +1,8 @@
 """A draining weight update (`update_weights(drain=True)`) and what arrives while it is held, through the
 session's real vLLM engine: a request whose caller leaves while it is deferred behind the update is
 aborted there and never generated, a second drain waits its turn instead of replacing the first, an
-update whose caller gave up is not run (the engine serves on), and a request id in flight is refused.
+update whose caller gave up is not run (the engine serves on), a request id in flight is refused, and a
+request no step has run takes the version of an update applied before its first step.
 
 The engine's next step is held (`hang`) while the jobs are sent, so it takes them all together with the
 first request in flight, as a busy engine does."""
@@ -66,6 +67,31 @@ def test_a_second_drain_waits_its_turn_and_both_land_in_order(engine, weights):
         assert versions == [(v0, v0), (v0 + 1, v0 + 1), (v0 + 2, v0 + 2)]
         assert u1.result(timeout=10) is None and u2.result(timeout=10) is None, "an update's future never resolved"
         assert engine.version == v0 + 2
+    finally:
+        engine.unhang()
+        engine.update_weights(weights, v0).result(timeout=120)
+
+
+def test_a_request_no_step_has_run_takes_the_version_of_an_update_before_its_first_step(engine, weights):
+    """An update in flight (no drain) that the engine applies after accepting a request but before any step
+    ran it: the request's first token comes from the new weights, so its version_start is the new version.
+    Before, it was stamped at accept, one version too old (a ledger at the staleness window's edge could
+    call it stale). A request already stepped keeps its version."""
+    import time
+
+    v0 = engine.version
+    try:
+        engine.hang()
+        stepped = engine.generate([1, 388, 201, 300], params(8, 1))
+        deadline = time.monotonic() + 60
+        while engine._step_t0 is None and time.monotonic() < deadline:  # held inside its first step
+            time.sleep(0.005)
+        unstepped = engine.generate([1, 388, 201, 301], params(8, 2))
+        update = engine.update_weights(weights, v0 + 1)
+        engine.unhang()
+        versions = [(r.version_start, r.version_end) for r in (f.result(timeout=120) for f in (stepped, unstepped))]
+        assert update.result(timeout=10) is None
+        assert versions == [(v0, v0 + 1), (v0 + 1, v0 + 1)]
     finally:
         engine.unhang()
         engine.update_weights(weights, v0).result(timeout=120)
