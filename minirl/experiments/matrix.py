@@ -36,9 +36,12 @@ SUMMARIZE = ["policy.model_name=models/tiny-summarize", "env.task=doors_memory",
              "agent.context_history.policy.summarize.threshold_tokens=[210,250]"]
 """configs/summarize.yaml's task and model: the tiny-doors model writes no summaries to speak of."""
 HEALTH = ["cluster.num_generation_workers=2", "async_rl.generation_fleet_health.enabled=true",
-          "async_rl.generation_fleet_health.probe_interval_s=1", "async_rl.generation_fleet_health.probe_timeout_s=0.5"]
+          "async_rl.generation_fleet_health.probe_interval_s=2", "async_rl.generation_fleet_health.probe_timeout_s=1.5"]
 """Every cell runs on both of its model's shared workers with fleet health on: the router's probes
-quarantine the worker its `worker_hang` wedges, and the run trains on, on the other."""
+quarantine the worker its `worker_hang` wedges, and the run trains on, on the other. A probe has 1.5 s to
+answer (upstream: 2 s every 5 s): at 0.5 s, a suite on a saturated 2-core machine (2026-12-07, fresh
+clone) saw the healthy worker miss three probes in a row beside the hung one, and the cell died with
+GenerationFleetUnhealthy, 0 of 2 healthy."""
 HANG_STEP = 1
 """The prompt step whose rollout a cell's `worker_hang` waits at (a weight update behind it, the run still
 young); 2 under `replace:stream`, whose first refill diverts prompt step 1 into the spare pool."""
