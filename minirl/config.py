@@ -29,6 +29,7 @@ from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from minirl.faults import AGENT_SIDE_KINDS, FAULT_KINDS
+from minirl.wire import ROUTER_MAX_BODY_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"
@@ -166,8 +167,9 @@ class VllmConfig:
     """An engine step that has not returned after this many seconds is a dead engine: the generation
     worker ends and Ray restarts it (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300, which vLLM
     applies only with tensor parallelism). 0: no limit."""
-    max_request_bytes: int = bounded(16_000_000, ge=1)
-    """Largest request body the generation server accepts (aiohttp's client_max_size); a larger one gets 413."""
+    max_request_bytes: int = bounded(16_000_000, ge=1, le=ROUTER_MAX_BODY_BYTES)
+    """Largest request body the generation server accepts (aiohttp's client_max_size); a larger one gets 413.
+    At most 67,108,864 (64 MiB), the generation router's own limit (`wire.ROUTER_MAX_BODY_BYTES`)."""
     gather_gap_s: float = bounded(0.02, ge=0)
     """On a CPU engine: requests that reach an idle engine are gathered until none has come for this
     long (or `gather_max_s` has passed) before its first step, so a burst (a step's first turns)

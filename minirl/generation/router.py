@@ -16,14 +16,15 @@ import time
 from pathlib import Path
 
 import aiohttp
+import yarl
 from aiohttp import web
 
 from minirl.config import GenerationFleetHealthConfig, GenerationRouterConfig
 from minirl.runtime.http_thread import HttpThread
-from minirl.wire import NO_HEALTHY_BACKEND, ROLLOUT_HEADER, SEED_HEADER
+from minirl.wire import NO_HEALTHY_BACKEND, ROLLOUT_HEADER, ROUTER_MAX_BODY_BYTES, SEED_HEADER
 
 FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER, SEED_HEADER)
-MAX_BODY_BYTES = 64 * 2**20  # above every worker's vllm_cfg.max_request_bytes: the worker answers a too-large body
+MAX_BODY_BYTES = ROUTER_MAX_BODY_BYTES  # no smaller than any worker's vllm_cfg.max_request_bytes (config bounds it)
 
 
 def _error(status: int, message: str, kind: str | None = None) -> web.Response:
@@ -183,6 +184,8 @@ class GenerationRouter:
                 failure = f"/health did not answer within probe_timeout_s={h.probe_timeout_s}"
             except (aiohttp.ClientError, ConnectionError) as exc:
                 failure = f"/health failed: {exc!r}"
+            except Exception as exc:  # anything else (an error body json cannot read): a failed probe, never a
+                failure = f"/health probe failed: {exc!r}"  # prober that ends unseen and stops counting
             self.record_probe(url, failure)
             await asyncio.sleep(max(0.0, h.probe_interval_s - (time.monotonic() - started)))
 
@@ -234,7 +237,7 @@ class GenerationRouter:
         return min(eligible, key=lambda u: self.outstanding[u]) if eligible else None
 
     async def _exchange(self, backend: str, request: web.Request, body: bytes, headers: dict) -> tuple[int, bytes, str]:
-        url = backend + request.rel_url.path_qs
+        url = yarl.URL(backend + request.rel_url.raw_path_qs, encoded=True)  # the path as sent: not decoded first
         async with self.session.request(request.method, url, data=body, headers=headers) as resp:
             return resp.status, await resp.read(), resp.content_type
 

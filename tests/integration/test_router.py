@@ -11,6 +11,7 @@ import socket
 
 import aiohttp
 import pytest
+import yarl
 from aiohttp import web
 
 from minirl.config import ConfigError, GenerationFleetHealthConfig, GenerationRouterConfig, load_config
@@ -231,6 +232,66 @@ def test_a_quarantine_names_the_error_an_unhealthy_worker_answered():
             await b.runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_a_probe_that_fails_in_an_unforeseen_way_counts_and_its_prober_goes_on():
+    """A 503 whose body json cannot read (nested past the recursion limit: RecursionError) ended that worker's
+    prober unseen, so a worker failing every probe was never quarantined. Any exception in a probe is now a
+    failed probe."""
+
+    class Nested(Backend):
+        async def health(self, request):
+            return web.Response(body=b"[" * 200_000, status=503, content_type="application/json")
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        a, b = Nested("a"), Backend("b")
+        urls = [await a.start(), await b.start()]
+        router = await loop.run_in_executor(
+            None, lambda: GenerationRouter(router_cfg(), urls, health=GenerationFleetHealthConfig(**FAST)))
+        try:
+            await until(lambda: urls[0] in router.quarantined, what="a's quarantine")
+            assert "RecursionError" in router.quarantined[urls[0]]
+            assert not any(t.done() for t in router.probers), "a prober ended"
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await a.runner.cleanup()
+            await b.runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_a_request_path_is_forwarded_as_sent():
+    """The router forwarded the decoded path: `%23` cut the path as a fragment, `%3F` made it a query, `%2F` a
+    slash, `%2525` was decoded twice. The worker now gets the path the client sent, byte for byte."""
+    seen: list[str] = []
+
+    async def echo(request):
+        seen.append(request.raw_path)
+        return web.json_response({})
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        app = web.Application()
+        app.router.add_route("*", "/{p:.*}", echo)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        router = await loop.run_in_executor(None, lambda: GenerationRouter(router_cfg(), [url]))
+        paths = ["/v1/models?q=a%26b%3Dc", "/v1/models%23frag/x", "/x%3Fy=1", "/a%2Fb", "/%2525"]
+        try:
+            async with aiohttp.ClientSession() as http:
+                for path in paths:
+                    async with http.post(yarl.URL(router.url + path, encoded=True), data=b"{}") as resp:
+                        assert resp.status == 200, path
+        finally:
+            await loop.run_in_executor(None, router.stop)
+            await runner.cleanup()
+        return paths
+
+    assert asyncio.run(go()) == seen
 
 
 def test_fleet_health_config_is_validated():

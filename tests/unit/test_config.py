@@ -85,6 +85,9 @@ def test_fault_list_in_yaml_flow_style():
         (["policy.generation.vllm_cfg.omp_threads=0"], "policy.generation.vllm_cfg.omp_threads", ">= 1"),
         (["async_rl.stall_watchdog.stall_timeout_s=-1"], "async_rl.stall_watchdog.stall_timeout_s", "> 0"),
         (["agent.max_request_bytes=-1"], "agent.max_request_bytes", ">= 1"),
+        # the generation router in front of the worker would refuse (413, DATA) what the worker would serve
+        (["policy.generation.vllm_cfg.max_request_bytes=100000000"], "policy.generation.vllm_cfg.max_request_bytes",
+         "[1, 67108864]"),
         (["loss_fn.ratio_clip_min=1"], "loss_fn.ratio_clip_min", "must be < 1"),
         (["loss_fn.ratio_clip_min=-0.1"], "loss_fn.ratio_clip_min", ">= 0"),
         (["loss_fn.ratio_clip_max=-0.1"], "loss_fn.ratio_clip_max", ">= 0"),
