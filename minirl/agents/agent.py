@@ -98,12 +98,14 @@ def finish_episode(row: dict, ep: Episode) -> dict:
         ep.ev.segment_rewards = segment_rewards(row["task"], ep.output)
     ended = ("length", "context_length", "guard_reject", "max_compactions", "summary_failed", SUMMARY_FAILED_SCORED)
     status = "incomplete" if ep.ev.end_reason in ended else "completed"
+    # a cut reply and lane A are Gym's vllm_model's `max_output_tokens`; minirl's own ends keep their names
+    reason = "max_output_tokens" if ep.ev.end_reason in ("length", "context_length") else ep.ev.end_reason
     response = {
         "id": new_id("resp"),
         "object": "response",
         "status": status,
         "output": ep.output,
-        "incomplete_details": {"reason": ep.ev.end_reason} if status == "incomplete" else None,
+        "incomplete_details": {"reason": reason} if status == "incomplete" else None,
     }
     return {**row, "response": response, "reward": reward, "evidence": ep.ev.as_dict()}
 
@@ -126,7 +128,7 @@ async def _admit(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy
     names = "max_total_tokens"
     if ch.guards.on_reject == "raise":
         raise ContextGuardRejected(
-            f"Context guard rejected model call at complete action boundary: step={call} guards={names}")
+            f"Context guard rejected model call at complete action boundary: step={call + 1} guards={names}")
     ep.ev.capture_failed, ep.ev.end_reason = True, "guard_reject"
     return False
 

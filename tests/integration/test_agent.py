@@ -54,7 +54,8 @@ def test_guard_reject_with_raise_is_http_500_lane_b(stack, base_cfg):
 
     status, body = asyncio.run(go())
     assert status == 500
-    assert ("Context guard rejected model call at complete action boundary: step=0 guards=max_total_tokens"
+    # Gym's agent counts its steps from 1 (`step += 1` before the call's guard)
+    assert ("Context guard rejected model call at complete action boundary: step=1 guards=max_total_tokens"
             in body["error"])
 
 
@@ -86,6 +87,9 @@ def test_lane_a_overflow_is_an_empty_reply_and_a_200(stack, base_cfg):
     last = body["response"]["output"][-1]
     assert last["type"] == "message" and "generation_token_ids" not in last
     assert "maximum context length" in body["evidence"]["errors"][0]
+    # as Gym's vllm_model answers an overflow: `incomplete`, reason max_output_tokens (scripts/gym_check.py)
+    assert body["response"]["status"] == "incomplete"
+    assert body["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert calls[0]["status"] == 400  # the server recorded the refused call
 
 
