@@ -1225,7 +1225,7 @@ def _base_config(base: Path | None) -> DictConfig:
     if base is not None:
         try:
             st = Path(base).stat()
-            version = (str(base), st.st_size, st.st_mtime_ns)
+            version = (str(Path(base).resolve()), st.st_size, st.st_mtime_ns)
         except OSError:
             _read_yaml(base)  # its ConfigError names the file
     if version not in _BASES:
