@@ -29,7 +29,6 @@ from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from minirl.faults import AGENT_SIDE_KINDS, FAULT_KINDS
-from minirl.wire import ROUTER_MAX_BODY_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"
@@ -60,6 +59,11 @@ def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, l
     bounds = {name: v for name, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     return field(default=default, metadata=bounds)
 
+
+ROUTER_MAX_BODY_BYTES = 64 * 2**20
+"""The largest request body the generation router relays (a larger one it answers 413 itself, which an
+agent reads as DATA). A worker's own limit (`policy.generation.vllm_cfg.max_request_bytes`) is bounded by it,
+or the router would refuse a body its worker would serve."""
 
 GREEDY_TEMPERATURE = 1e-5
 """vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
@@ -169,7 +173,7 @@ class VllmConfig:
     applies only with tensor parallelism). 0: no limit."""
     max_request_bytes: int = bounded(16_000_000, ge=1, le=ROUTER_MAX_BODY_BYTES)
     """Largest request body the generation server accepts (aiohttp's client_max_size); a larger one gets 413.
-    At most 67,108,864 (64 MiB), the generation router's own limit (`wire.ROUTER_MAX_BODY_BYTES`)."""
+    At most 67,108,864 (64 MiB), the generation router's own limit (`ROUTER_MAX_BODY_BYTES`)."""
     gather_gap_s: float = bounded(0.02, ge=0)
     """On a CPU engine: requests that reach an idle engine are gathered until none has come for this
     long (or `gather_max_s` has passed) before its first step, so a burst (a step's first turns)

@@ -116,11 +116,6 @@ class GenerationUnavailable(RolloutInfraFailure):
     """No generation server could serve the call."""
 
 
-ROUTER_MAX_BODY_BYTES = 64 * 2**20
-"""The largest request body the generation router relays (a larger one it answers 413 itself, which an
-agent reads as DATA). A worker's own limit (`policy.generation.vllm_cfg.max_request_bytes`) may not be
-larger, or the router would refuse a body its worker would serve."""
-
 NO_HEALTHY_BACKEND = "NoHealthyBackendError"
 """The `error.type` of the generation router's answer when no worker is eligible (its status is
 `async_rl.generation_router.no_healthy_backend_status`, a 4xx so that Gym does not retry it): a

@@ -19,9 +19,9 @@ import aiohttp
 import yarl
 from aiohttp import web
 
-from minirl.config import GenerationFleetHealthConfig, GenerationRouterConfig
+from minirl.config import ROUTER_MAX_BODY_BYTES, GenerationFleetHealthConfig, GenerationRouterConfig
 from minirl.runtime.http_thread import HttpThread
-from minirl.wire import NO_HEALTHY_BACKEND, ROLLOUT_HEADER, ROUTER_MAX_BODY_BYTES, SEED_HEADER
+from minirl.wire import NO_HEALTHY_BACKEND, ROLLOUT_HEADER, SEED_HEADER
 
 FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER, SEED_HEADER)
 MAX_BODY_BYTES = ROUTER_MAX_BODY_BYTES  # no smaller than any worker's vllm_cfg.max_request_bytes (config bounds it)

@@ -187,7 +187,11 @@ def test_an_idle_engine_gathers_a_burst_before_its_first_step(engine):
 def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine, base_cfg, tokenizer):
     """Issue K: without draining, an update lands between engine steps and a request in flight records
     the version it started under and the one it finished under; with `drain`, the update waits for the
-    request in flight, and a request arriving meanwhile waits for the update."""
+    request in flight, and a request arriving meanwhile waits for the update. The engine is held in the
+    request's first step (`hang`) while the update is sent: an update the engine takes before that step
+    re-stamps the request (test_engine_drain.py), since its first token then comes from the new weights."""
+    import time
+
     from vllm import SamplingParams
 
     from minirl.trainer.policy_worker import PolicyWorker
@@ -198,8 +202,14 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
     long = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, logprobs=0, seed=3)
     v0 = engine.version
     try:
+        engine.hang()
         running = engine.generate(prompt, long)
-        engine.update_weights(weights, version=v0 + 1).result(timeout=120)
+        deadline = time.monotonic() + 60
+        while engine._step_t0 is None and time.monotonic() < deadline:  # held inside its first step
+            time.sleep(0.005)
+        update = engine.update_weights(weights, version=v0 + 1)
+        engine.unhang()
+        update.result(timeout=120)
         mixed = running.result(timeout=120)
         assert (mixed.version_start, mixed.version_end) == (v0, v0 + 1)
 
@@ -212,6 +222,7 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
         assert (a.version_start, a.version_end) == (v0 + 1, v0 + 1), "the update waited for the request in flight"
         assert (b.version_start, b.version_end) == (v0 + 2, v0 + 2), "the later request waited for the update"
     finally:
+        engine.unhang()
         engine.update_weights(weights, version=v0).result(timeout=120)
 
 
