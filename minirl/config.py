@@ -1229,9 +1229,9 @@ def _base_config(base: Path | None) -> DictConfig:
     if base is not None:
         try:
             st = Path(base).stat()
-            version = (str(Path(base).resolve()), st.st_size, st.st_mtime_ns)
-        except OSError:
-            _read_yaml(base)  # its ConfigError names the file
+        except OSError as exc:  # as `_read_yaml` names a file it cannot read
+            raise ConfigError("--config", f"cannot read {base}: {exc}") from None
+        version = (str(Path(base).resolve()), st.st_size, st.st_mtime_ns)
     if version not in _BASES:
         merged = OmegaConf.structured(MinirlConfig)
         if base is not None:

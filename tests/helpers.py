@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from minirl.config import REPO_ROOT
 
@@ -125,3 +126,11 @@ def first_step_size(engine, spacings_s) -> int:
     for f in futures:
         f.result(timeout=60)
     return next(size for start, _, size in list(engine.step_log) if start >= t0)
+
+
+def wait_held_in_step(engine, timeout: float = 60.0) -> None:
+    """Wait until `engine`, hung with `engine.hang()`, is held inside a step: what it accepted before has
+    begun its first step, and what is sent now is taken after that step."""
+    deadline = time.monotonic() + timeout
+    while engine._step_t0 is None and time.monotonic() < deadline:
+        time.sleep(0.005)

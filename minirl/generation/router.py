@@ -24,7 +24,6 @@ from minirl.runtime.http_thread import HttpThread
 from minirl.wire import NO_HEALTHY_BACKEND, ROLLOUT_HEADER, SEED_HEADER
 
 FORWARDED_HEADERS = ("Content-Type", ROLLOUT_HEADER, SEED_HEADER)
-MAX_BODY_BYTES = ROUTER_MAX_BODY_BYTES  # no smaller than any worker's vllm_cfg.max_request_bytes (config bounds it)
 
 
 def _error(status: int, message: str, kind: str | None = None) -> web.Response:
@@ -57,7 +56,7 @@ class GenerationRouter:
     retries); with no eligible worker the answer is `no_healthy_backend_status` (409 by default), a
     status Gym does not retry, so the caller sees the outage at once, typed `NO_HEALTHY_BACKEND` so
     that minirl's own agents read it as the outage it is (INFRA), not a 4xx of the data. A body over
-    `MAX_BODY_BYTES` gets 413, in the same JSON error body as every other answer of the router's own.
+    `ROUTER_MAX_BODY_BYTES` gets 413, in the same JSON error body as every other answer of the router's own.
     A quarantined worker's requests in flight are answered 503 at once (INFRA: minirl redispatches
     their rollouts), those that were in flight across a `set_health` too.
     A client that stops sending mid-body for `connect_timeout_s` gets 408 and its connection is
@@ -108,7 +107,7 @@ class GenerationRouter:
     async def _setup(self) -> web.Application:
         self.evicted = {}  # on this app's loop: a start that failed on a taken port left its own
         self._admit_all()
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=ROUTER_MAX_BODY_BYTES)
         app.router.add_route("*", "/{path:.*}", self.forward)
         app.cleanup_ctx.append(self._session_ctx)
         return app
@@ -255,14 +254,15 @@ class GenerationRouter:
             if not chunk:
                 return bytes(body)
             body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=len(body))
+            if len(body) > ROUTER_MAX_BODY_BYTES:
+                raise web.HTTPRequestEntityTooLarge(max_size=ROUTER_MAX_BODY_BYTES, actual_size=len(body))
 
     async def forward(self, request: web.Request) -> web.Response:
         try:
             body = await self._read_body(request)
         except web.HTTPRequestEntityTooLarge as exc:  # raised, aiohttp would answer it in plain text
-            return _error(413, f"the request body is over the router's limit of {MAX_BODY_BYTES} bytes: {exc.text}")
+            return _error(413, f"the request body is over the router's limit of {ROUTER_MAX_BODY_BYTES} bytes: "
+                               f"{exc.text}")
         if body is None:
             stalled = _error(408, "the request body stalled: nothing arrived for "
                                   f"connect_timeout_s={self.cfg.connect_timeout_s} before it was complete")

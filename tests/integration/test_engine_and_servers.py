@@ -7,7 +7,7 @@ import time
 
 import aiohttp
 import numpy as np
-from helpers import child_result, first_step_size
+from helpers import child_result, first_step_size, wait_held_in_step
 
 from minirl.agents.agent import chat_tools
 from minirl.agents.env import TOOLS, DoorsEnv
@@ -190,8 +190,6 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
     request in flight, and a request arriving meanwhile waits for the update. The engine is held in the
     request's first step (`hang`) while the update is sent: an update the engine takes before that step
     re-stamps the request (test_engine_drain.py), since its first token then comes from the new weights."""
-    import time
-
     from vllm import SamplingParams
 
     from minirl.trainer.policy_worker import PolicyWorker
@@ -204,9 +202,7 @@ def test_in_flight_weight_updates_record_both_versions_and_a_drain_waits(engine,
     try:
         engine.hang()
         running = engine.generate(prompt, long)
-        deadline = time.monotonic() + 60
-        while engine._step_t0 is None and time.monotonic() < deadline:  # held inside its first step
-            time.sleep(0.005)
+        wait_held_in_step(engine)
         update = engine.update_weights(weights, version=v0 + 1)
         engine.unhang()
         update.result(timeout=120)

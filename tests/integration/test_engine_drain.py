@@ -12,6 +12,7 @@ from __future__ import annotations
 from concurrent.futures import CancelledError
 
 import pytest
+from helpers import wait_held_in_step
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +78,11 @@ def test_a_request_no_step_has_run_takes_the_version_of_an_update_before_its_fir
     ran it: the request's first token comes from the new weights, so its version_start is the new version.
     Before, it was stamped at accept, one version too old (a ledger at the staleness window's edge could
     call it stale). A request already stepped keeps its version."""
-    import time
-
     v0 = engine.version
     try:
         engine.hang()
         stepped = engine.generate([1, 388, 201, 300], params(8, 1))
-        deadline = time.monotonic() + 60
-        while engine._step_t0 is None and time.monotonic() < deadline:  # held inside its first step
-            time.sleep(0.005)
+        wait_held_in_step(engine)
         unstepped = engine.generate([1, 388, 201, 301], params(8, 2))
         update = engine.update_weights(weights, v0 + 1)
         engine.unhang()

@@ -511,12 +511,12 @@ def test_a_request_in_flight_across_set_health_is_failed_when_its_worker_is_quar
 
 
 def test_a_body_over_the_limit_gets_the_routers_json_413():
-    """A request body over MAX_BODY_BYTES is answered 413 in the router's JSON error body, as every
+    """A request body over ROUTER_MAX_BODY_BYTES is answered 413 in the router's JSON error body, as every
     other error of the router's own is (aiohttp's own answer is plain text); the router serves on."""
     import io
     import json
 
-    from minirl.generation.router import MAX_BODY_BYTES
+    from minirl.config import ROUTER_MAX_BODY_BYTES
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -524,7 +524,7 @@ def test_a_body_over_the_limit_gets_the_routers_json_413():
         router = await loop.run_in_executor(None, GenerationRouter, router_cfg(), [await a.start()])
         try:
             async with aiohttp.ClientSession() as http:
-                big = io.BytesIO(b"x" * (MAX_BODY_BYTES + 1024))  # raw bytes this large: aiohttp warns
+                big = io.BytesIO(b"x" * (ROUTER_MAX_BODY_BYTES + 1024))  # raw bytes this large: aiohttp warns
                 async with http.post(router.url + "/v1/chat/completions", data=big,
                                      headers={"Content-Type": "application/json"}) as r:
                     big = r.status, r.content_type, await r.read()
