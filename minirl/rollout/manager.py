@@ -378,7 +378,8 @@ class RolloutManager:
             run.out.backoff_s += delay
             await self.sleep(delay)
             return None
-        self._failed(run.out, failures, "dropped", group_attempt=run.gid)
+        # the rows' events carry the group's fate: a drop past the budget ends the run (its `drop` event: raised)
+        self._failed(run.out, failures, "raised" if self._drop_raises() else "dropped", group_attempt=run.gid)
         message = self._exhausted_message(run.step, run.group, run.infra, exc)
         return self._drop(run.step, run.group, run.out, exc, message)
 
@@ -439,10 +440,14 @@ class RolloutManager:
             f"recovering. Last failure was {type(exc).__name__}: {exc}"
         )
 
+    def _drop_raises(self) -> bool:
+        """Whether the next drop is past `max_consecutive_dropped_prompts` (it ends the run)."""
+        return self.consecutive_drops + 1 > self.rf.max_consecutive_dropped_prompts
+
     def _drop(self, step: int, group: int, out: GroupOutcome, exc: BaseException, exhausted: str) -> GroupOutcome:
         """Charge a drop to the run-scoped budget; past it, raise `exhausted`, chained to `exc`."""
+        over = self._drop_raises()
         self.consecutive_drops += 1
-        over = self.consecutive_drops > self.rf.max_consecutive_dropped_prompts
         self.emit({"type": "drop", "step": step, "group": group, "reason": f"{type(exc).__name__}: {exc}",
                    "consecutive_drops": self.consecutive_drops, "decision": "raised" if over else "dropped"})
         self.lost.append(f"{type(exc).__name__}: {exc}")

@@ -154,7 +154,9 @@ def test_upstream_cc_never_redispatches(stack, base_cfg):
     run = run_step(stack, policy_cfg(base_cfg, [once], redispatch=False))
     assert isinstance(run.error, RolloutRedispatchExhausted) and run.sleeps == []
     assert "after 1 attempt(s)" in str(run.error) and "exceeding max_consecutive_dropped_prompts=0" in str(run.error)
-    assert [e["decision"] for e in run.failures()] == ["dropped"]
+    # the drop past the budget ends the run: its row's event says so, as its `drop` event (before: `dropped`)
+    assert [e["decision"] for e in run.failures()] == ["raised"]
+    assert [e["decision"] for e in run.events if e["type"] == "drop"] == ["raised"]
     assert_invariants(run)
 
 
@@ -171,6 +173,7 @@ def test_transport_and_timeout_end_like_lane_b(stack, base_cfg, kind, cls, text)
             and "exceeding max_consecutive_dropped_prompts=0" in str(run.error))
     (failure,) = run.failures()
     assert failure["class"] == "infra" and failure["reason"] == cls.__name__ and text in failure["error"]
+    assert failure["decision"] == "raised"
 
     cfg = policy_cfg(base_cfg, [fault], groups=4, redispatch=False, rollout_timeout_s=6.0,
                      max_consecutive_dropped_prompts=5)
