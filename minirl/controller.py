@@ -12,6 +12,7 @@ took, lost or evicted, never another step's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import numpy as np
@@ -184,6 +185,11 @@ def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[G
         "reward_mean_trained": float(np.mean([r.reward for r in trained])) if trained else float("nan"),
         "episode_calls_mean": float(np.mean([len(r.calls) for r in all_rollouts])) if all_rollouts else 0.0,
     }
+
+
+def _kept(outcomes: list[GroupOutcome]) -> list[Rollout]:
+    """The rollouts of the committed groups, masked ones included."""
+    return [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
 
 
 def _loss_mass(cfg: MinirlConfig, batch: TrainBatch) -> list[float]:
@@ -368,9 +374,9 @@ class Controller:
         gen_s, waited = time.perf_counter() - take.since, time.perf_counter() - waited
         after = self._ask_clocks()  # read as the take ends, awaited once the batch is packed
         check_step(self.cfg, step, take.outcomes)
-        kept = [r for o in take.outcomes if o.status == "committed" for r in o.rollouts.values()]
-        ledger, generated = await self._check_ledger(step, version, take, kept)
+        ledger, generated = await self._check_ledger(step, version, take, _kept(take.outcomes))
         self.source.ledgered()  # until here a failure leaves the take's records to the run's end
+        kept = _kept(take.outcomes)  # less the groups the ledger's masks left with no valid owner (`_unowned`)
         selection = self.cfg.context_compaction.call_selection  # which captured calls train (rollout/selection.py)
         reselected = 0 if selection == "returned_history" else select_calls(
             selection, kept, take.calls, self.cfg.policy.max_total_sequence_length)
@@ -400,18 +406,28 @@ class Controller:
 
     async def _check_ledger(self, step: int, version: int, take: StepTake, kept: list[Rollout]) -> tuple[dict, int]:
         """The kept rollouts against the ledger: the servers' call logs, or for an external agent (no
-        rollout header) its calls matched by their tokens. Returns the ledger's counts and the tokens generated."""
+        rollout header) its calls matched by their tokens; under CC, the groups its masks leave with no valid
+        owner are dropped (`_unowned`). Returns the ledger's counts and the tokens generated."""
         window = self.source.window
         oldest = take.oldest(version, window)
+        drop = functools.partial(self._unowned, step, take)
         if not self.cfg.agent.external_url:
-            ledger = self.ledger.close_step(step, take.calls, kept, version, oldest=oldest)
+            ledger = self.ledger.close_step(step, take.calls, kept, version, oldest=oldest, drop=drop)
             return ledger, sum(len(c.get("generation_token_ids") or []) for c in take.calls)
         records = self.pool + await self._drain(None)
-        ledger, left = self.ledger.match_external(step, records, kept, version, oldest=oldest)
+        ledger, left = self.ledger.match_external(step, records, kept, version, oldest=oldest, drop=drop)
         keep = step - 1 - window  # a record is kept for the window's steps (async runs ahead), then retired
         self.pool = [rec for rec in left if rec.setdefault("drained_step", step) >= keep]
-        ledger["calls_retired"] = len(left) - len(self.pool)
+        ledger["calls_retired"] += len(left) - len(self.pool)
         return ledger, ledger["tokens_matched"]
+
+    def _unowned(self, step: int, take: StepTake) -> set[tuple[int, int]]:
+        """The ledger's masks are set: under CC the groups they left with no valid owner are dropped (the
+        manager's budget), and the step is checked again without them (the floor, upstream's full count)."""
+        dropped = self.manager.drop_unowned(take.outcomes)
+        if dropped:
+            check_step(self.cfg, step, take.outcomes)
+        return dropped
 
     def _step_stats(self, version: int, take: StepTake, ledger: dict, generated: int,
                     gen_s: float, engine_busy_s: float, engine_gather_s: float) -> dict:

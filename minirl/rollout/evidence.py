@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from minirl.agents.compaction import counter_names
@@ -304,6 +305,10 @@ def same_call(rec: dict, call: Call) -> bool:
             and list(rec.get("generation_token_ids") or ()) == call.gen)
 
 
+Drop = Callable[[], set[tuple[int, int]]]
+"""Called by the ledger once a step's masks are set: the (step, group) of the committed groups dropped for them."""
+
+
 class Ledger:
     """Every model call of every attempt, keyed by (step, group, rollout, attempt), owned by the
     controller and written to `run_dir/ledger/step_N.jsonl`.
@@ -321,7 +326,7 @@ class Ledger:
             directory.mkdir(parents=True, exist_ok=True)
 
     def match_external(self, step: int, pool: list[dict], rollouts: list[Rollout], version: int,
-                       oldest: int | None = None) -> tuple[Counter, list[dict]]:
+                       oldest: int | None = None, drop: Drop | None = None) -> tuple[Counter, list[dict]]:
         """An external agent's calls carry no rollout header: find each committed call in `pool`
         (the servers' headerless records) by its token content, prompt ids + generated ids. Each
         of these masks its rollout (counted; the controller writes the `mask` event) and never
@@ -334,7 +339,8 @@ class Ledger:
           `stale_calls`): e.g. an earlier step's call returned again.
         Returns the counts and the records left unmatched (another step's, or a failed attempt's). The
         lines go in coordinate order, and records alike in content are taken in one order (by seed),
-        so a rerun of a seeded run writes the same ledger whatever the arrival order."""
+        so a rerun of a seeded run writes the same ledger whatever the arrival order. `drop`: as
+        `close_step`'s."""
         oldest = version if oldest is None else oldest
         index: dict[tuple, list[dict]] = {}
         for rec in pool:
@@ -374,8 +380,20 @@ class Ledger:
                 fields = ("finish_reason", "version_start", "version_end", "generation_token_ids", "seed")
                 lines.append({**r.coords.as_dict(), "call": i, **{k: rec.get(k) for k in fields},
                               "http_status": 200, "ledger_status": status})
-        self._write(step, lines)
+        self._write(step, self._retire(lines, counts, drop))
         return counts, [rec for recs in index.values() for rec in recs]
+
+    @staticmethod
+    def _retire(lines: list[dict], counts: Counter, drop: Drop | None) -> list[dict]:
+        """The masks are set: the groups `drop` drops for them (no valid owner) train nothing, and
+        their calls' lines say `retired`, so the step's ledger trains the groups its metrics count."""
+        dropped = drop() if drop is not None else set()
+        for line in lines:
+            if (line["step"], line["group"]) in dropped and line["ledger_status"] != "retired":
+                counts[f"calls_{line['ledger_status']}"] -= 1
+                counts["calls_retired"] += 1
+                line["ledger_status"] = "retired"
+        return lines
 
     def _write(self, step: int, lines: list[dict]) -> None:
         if self.dir is not None:
@@ -441,7 +459,7 @@ class Ledger:
         return out
 
     def close_step(self, step: int, server_calls: list[dict], rollouts: list[Rollout], version: int,
-                   oldest: int | None = None) -> Counter:
+                   oldest: int | None = None, drop: Drop | None = None) -> Counter:
         """Check the committed rollouts against the server's record, retire the rest, persist.
 
         The rollouts came from minirl's own agents, whose calls carry the rollout header, so the
@@ -456,6 +474,8 @@ class Ledger:
         long: agents/compaction/summarize.py) are retired: never trained, never a mismatch, never a mask.
         Every other record of a committed attempt is `masked` when its rollout is masked or the segment
         holding its call is (`segment_validity=any` trains the rollout's other segments), else `trained`.
+        `drop` is called once the masks are set, and returns the (step, group) of the committed groups
+        the caller drops for them (under CC, a group left with no valid owner): their calls are `retired`.
         """
         oldest = version if oldest is None else oldest
         by_attempt: dict[tuple, list[dict]] = {}
@@ -495,7 +515,7 @@ class Ledger:
                     )
                 counts[f"calls_{status}"] += 1
                 lines.append(self._line(rec, status))
-        self._write(step, lines)
+        self._write(step, self._retire(lines, counts, drop))
         return counts
 
     @staticmethod

@@ -330,6 +330,7 @@ class RolloutManager:
           the first failure drops the group (INFRA) or goes straight to skip-or-raise (DATA);
         - a group whose rollouts are all masked has no valid owner: under CC it is dropped, with that
           reason, against the same consecutive-drop budget; without CC it trains with zero loss (upstream);
+          the step's ledger, which masks after commit, drops such a group too (`drop_unowned`);
         - cancellation is never retried; it propagates after the reservations are released.
         """
         run = GroupRun(step, group, row, GroupOutcome(group, "committed", step=step),
@@ -408,19 +409,33 @@ class RolloutManager:
 
     def _resolved(self, run: GroupRun) -> GroupOutcome:
         """Every row came back: commit the group, unless under CC it has no valid owner (a drop)."""
-        out, step, group = run.out, run.step, run.group
-        if self.cfg.context_compaction.enabled and all(r.sample_mask == 0 for r in out.rollouts.values()):
-            # upstream under CC: a group with no valid owner is dropped, against the same budget
-            reasons = sorted({r.mask_reason for r in out.rollouts.values()})
-            exc = RolloutDataFailure(f"no valid owner: every rollout of the group is masked ({', '.join(reasons)})")
-            message = (f"{self.prompt_name(step, group)} has no valid owner "
-                       f"(every rollout masked: {', '.join(reasons)}), and this was "
-                       f"drop {self.consecutive_drops + 1} with no rollout committed in between, exceeding "
-                       f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}")
-            return self._drop(step, group, out, exc, message)
+        if self._unowned(run.out):
+            return self._drop_unowned(run.step, run.group, run.out, "")
         self.consecutive_drops = 0
         self.lost.clear()
-        return out
+        return run.out
+
+    def drop_unowned(self, outcomes: list[GroupOutcome]) -> set[tuple[int, int]]:
+        """After the step's ledger masks: a committed group whose rollouts the ledger's masks (unrecorded,
+        stale or mismatched calls) left all masked has no valid owner either, and under CC is dropped as one
+        found at commit is, against the same budget. Its commit reset the count, so the drop is charged where
+        it is found, after the commits since. Returns the dropped groups' (step, group)."""
+        unowned = [o for o in outcomes if o.status == "committed" and self._unowned(o)]
+        for o in unowned:
+            self._drop_unowned(o.step, o.group, o, " by the step's ledger")
+        return {(o.step, o.group) for o in unowned}
+
+    def _unowned(self, out: GroupOutcome) -> bool:
+        return self.cfg.context_compaction.enabled and all(r.sample_mask == 0 for r in out.rollouts.values())
+
+    def _drop_unowned(self, step: int, group: int, out: GroupOutcome, where: str) -> GroupOutcome:
+        """Upstream under CC: a group with no valid owner is dropped, against the consecutive-drop budget."""
+        reasons = ", ".join(sorted({r.mask_reason for r in out.rollouts.values()}))
+        exc = RolloutDataFailure(f"no valid owner: every rollout of the group is masked{where} ({reasons})")
+        message = (f"{self.prompt_name(step, group)} has no valid owner (every rollout masked{where}: {reasons}), "
+                   f"and this was drop {self.consecutive_drops + 1} with no rollout committed in between, exceeding "
+                   f"max_consecutive_dropped_prompts={self.rf.max_consecutive_dropped_prompts}")
+        return self._drop(step, group, out, exc, message)
 
     def prompt_name(self, step: int, group: int) -> str:
         """Upstream's `prompt idx={idx}`: the prompt's position in the prompt stream (its dataset

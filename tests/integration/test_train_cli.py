@@ -66,8 +66,13 @@ UPSTREAM = ["--config", "configs/upstream_pr4124.yaml", "grpo.num_prompts_per_st
             "async_rl.rollout_failure.nemo_gym.rollout_timeout_s=60"]
 
 
+WHOLE_GROUP = {"call_log_lost"}
+"""Kinds injected in every rollout of group 1: the ledger's lane needs every rollout's record of call 0 lost."""
+
+
 def bad(kind: str) -> str:
-    return f"faults.inject=[{{kind: {kind}, step: 0, group: 1, rollout: 0, attempt: 0}}]"
+    rollout = "" if kind in WHOLE_GROUP else " rollout: 0,"
+    return f"faults.inject=[{{kind: {kind}, step: 0, group: 1,{rollout} attempt: 0}}]"
 
 
 FLOOR = re.compile(r"^RuntimeError: training step \S+ lost 1 of 4 prompt group\(s\), leaving 3, below the floor of 4")
@@ -83,13 +88,18 @@ CASES = {
     "fix_3": (["agent_exception"], ["context_compaction.redispatch_dropped_groups=true"], ("ok", 4, 0)),
     # issue I: a model error other than lane A's 400 fails /run with HTTP 500, as lane B does
     "model_error_upstream": (["model_error"], [], ("exhausted",)),
+    # minirl's ledger masks every rollout of a committed group (their call records lost): no valid owner, a drop
+    "ledger_budget_0": (["call_log_lost"], [], ("exhausted",)),
+    "ledger_fix_1": (["call_log_lost"], ["async_rl.rollout_failure.max_consecutive_dropped_prompts=5",
+                                         "context_compaction.allow_step_shrink=true",
+                                         "async_rl.rollout_failure.min_step_batch_fraction=0.75"], ("ok", 3, 0)),
 }
 # The table's `transport` / `timeout` rows ("same outcomes as lane B") run in-process, through the
 # same servers and policy: tests/integration/test_failure_policy.py::test_transport_and_timeout_end_like_lane_b
 
 
 ASYNC = ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true", "grpo.max_num_steps=2"]
-ASYNC_CASES = ["lane_b_budget_0", "fix_1"]  # the rest of the table shares their code paths; each run costs ~30 s
+ASYNC_CASES = ["lane_b_budget_0", "fix_1", "ledger_fix_1"]  # the rest share their code paths; each run costs ~30 s
 
 
 @pytest.mark.parametrize("case,mode", [(c, "sync") for c in CASES] + [(c, "async") for c in ASYNC_CASES])
@@ -109,10 +119,19 @@ def test_review_failure_table(tmp_path, case, mode, shared_engine):
             assert row["redispatched_groups"] == 1 and row["redispatched_rows"] == 1
         if case == "fix_2":  # the ended episode's rejection, counted once (its group's outcome, not its rollout too)
             assert row["guard_rejections"] == 1
+        if case == "ledger_fix_1":  # before: trained with zero loss, in groups_trained, no drop charged
+            (drop,) = [e for e in events(tmp_path) if e["type"] == "drop"]
+            assert (drop["step"], drop["group"], drop["decision"], drop["reason"]) == (
+                0, 1, "dropped", "RolloutDataFailure: no valid owner: every rollout of the group is masked by the "
+                "step's ledger (unrecorded_calls)") and row["calls_unrecorded"] == 2
+            lines = [json.loads(x) for x in (tmp_path / "ledger" / "step_0.jsonl").read_text().splitlines()]
+            assert {x["ledger_status"] for x in lines if (x["step"], x["group"]) == (0, 1)} == {"retired"}
     elif expect[0] == "exhausted":
         assert proc.returncode != 0
         assert (tail.startswith("RolloutRedispatchExhausted:")
                 and "exceeding max_consecutive_dropped_prompts=0" in tail), tail
+        if kind in WHOLE_GROUP:
+            assert "prompt idx=1 has no valid owner (every rollout masked by the step's ledger" in tail, tail
     else:
         assert proc.returncode != 0
         assert FLOOR.match(tail), tail
@@ -120,7 +139,8 @@ def test_review_failure_table(tmp_path, case, mode, shared_engine):
     # ledger never written, so they are retired at the run's end (before, they were in no ledger line)
     assert check_run(tmp_path, proc.returncode, tail, load_config(str(tmp_path / "config.yaml"))) is None
     faults = [e for e in events(tmp_path) if e["type"] == "fault"]
-    assert faults and all((e["kind"], e["step"], e["group"], e["rollout"]) == (kind, 0, 1, 0) for e in faults)
+    assert faults and all((e["kind"], e["step"], e["group"]) == (kind, 0, 1) for e in faults)
+    assert {e["rollout"] for e in faults} == ({0, 1} if kind in WHOLE_GROUP else {0})
 
 
 def test_a_model_error_on_the_default_config_is_redispatched_not_masked(tmp_path, shared_engine):

@@ -517,3 +517,60 @@ def test_reward_mean_keeps_its_meaning_and_reward_mean_trained_leaves_masked_rol
     _, stats = assemble(cfg, [GroupOutcome(0, "committed", rollouts)], pad_id=0)
     assert stats["rollouts_masked"] == 1
     assert stats["reward_mean"] == pytest.approx(0.5) and stats["reward_mean_trained"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("cc", [True, False])
+def test_a_group_the_ledger_masks_whole_drops_under_cc_and_trains_with_zero_loss_without(cc, tmp_path):
+    """The ledger masks after the group committed (here every rollout of groups 1 and 2 lost its second
+    call's record). Under CC such a group has no valid owner, as one masked whole at commit: it is
+    dropped, counted, charged to the consecutive-drop budget (a second one past it ends the run), and its
+    recorded calls are `retired` in the ledger, not `masked` as a trained group's. Without CC it trains
+    with zero loss (upstream). Before, a CC group trained with zero loss too, counted in
+    `groups_trained`, and no budget was charged."""
+    from minirl.rollout.manager import RolloutManager
+    from minirl.wire import RolloutRedispatchExhausted
+
+    cfg = MinirlConfig()
+    cfg.context_compaction.enabled = cc
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt = 3, 2
+    cfg.async_rl.rollout_failure.min_step_batch_fraction = 1 / 3
+    cfg.async_rl.rollout_failure.max_consecutive_dropped_prompts = 1
+    outcomes, records = [], []
+    for g in range(3):
+        rollouts = {}
+        for r in range(2):
+            rollouts[r] = parse(result([item([1, 2], [3 + r]), item([1, 2, 3 + r, 4], [5])], reward=float(r)))
+            rollouts[r].coords = c = Coords(0, g, r, 0)
+            records += [record(c, 0, [1, 2], [3 + r])] + ([record(c, 1, [1, 2, 3 + r, 4], [5])] if g == 0 else [])
+        outcomes.append(GroupOutcome(g, "committed", rollouts, step=0))
+    events = []
+    manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 50)
+
+    def close(groups, directory):
+        return Ledger(directory).close_step(0, [x for x in records if x["group"] in [o.group for o in groups]],
+                                           [r for o in groups for r in o.rollouts.values()], version=0,
+                                           drop=lambda: manager.drop_unowned(groups))
+
+    step, last = outcomes[:2], outcomes[2:]
+    counts = close(step, tmp_path)
+    lines = [(x["group"], x["ledger_status"]) for x in map(json.loads, (tmp_path / "step_0.jsonl").open())]
+    check_step(cfg, 0, step)
+    _, stats = assemble(cfg, step, 0)
+    if not cc:
+        assert [o.status for o in step] == ["committed"] * 2 and events == []
+        assert lines == [(0, "trained")] * 4 + [(1, "masked")] * 2
+        assert (counts["calls_unrecorded"], counts["calls_masked"], counts["calls_retired"]) == (2, 2, 0)
+        assert (stats["groups_trained"], stats["dropped_prompt_groups"], stats["rollouts_masked"]) == (2, 0, 2)
+        return
+    assert [o.status for o in step] == ["committed", "dropped"] and step[1].rollouts == {}
+    assert lines == [(0, "trained")] * 4 + [(1, "retired")] * 2
+    assert (counts["calls_unrecorded"], counts["calls_masked"], counts["calls_retired"]) == (2, 0, 2)
+    assert (stats["groups_trained"], stats["dropped_prompt_groups"], stats["rollouts_masked"]) == (1, 1, 0)
+    assert [(e["type"], e["group"], e["decision"], e["reason"]) for e in events] == [
+        ("drop", 1, "dropped", "RolloutDataFailure: no valid owner: every rollout of the group is masked by the "
+                               "step's ledger (unrecorded_calls)")]
+    with pytest.raises(RolloutRedispatchExhausted, match=re.escape(
+            "prompt idx=2 has no valid owner (every rollout masked by the step's ledger: unrecorded_calls), and this "
+            "was drop 2 with no rollout committed in between, exceeding max_consecutive_dropped_prompts=1")):
+        close(last, tmp_path / "again")
+    assert not (tmp_path / "again" / "step_0.jsonl").exists()  # the step failed: its records go to the run's end
