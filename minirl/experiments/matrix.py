@@ -29,8 +29,10 @@ from minirl.experiments.invariants import check_run, read_jsonl
 from minirl.experiments.switches import cell_overrides, refusal_examples, refused, switches
 
 FAULT_RATE = 0.0125
-"""Each of the four kinds (five with summarize) fires on 1.25% of rollout attempts: about 5% in all."""
-FAULTS = ("agent_exception", "transport", "guard_reject", "model_error")
+"""Each of the five kinds (six with summarize) fires on 1.25% of rollout attempts: about 6% in all."""
+FAULTS = ("agent_exception", "transport", "guard_reject", "model_error", "call_log_lost")
+"""`call_log_lost` (the server answers, its record of call 0 never reaches the call log) takes the ledger's
+mask path under every switch: the rollout, or under `segment_validity=any` its segment, is masked."""
 SUMMARIZE = ["policy.model_name=models/tiny-summarize", "env.task=doors_memory", "env.num_rooms=4",
              "agent.max_steps=4", "agent.context_history.guards.max_total_tokens=256",
              "agent.context_history.policy.summarize.threshold_tokens=[210,250]"]
@@ -147,7 +149,7 @@ def coverage(cells: list[dict]) -> tuple[int, int, list[tuple]]:
 
 def cell_args(cell: dict, run_dir: Path, steps: int, attach: list[str], seed: int) -> list[str]:
     """A cell's `minirl.train` overrides: a few steps of the tiny model attached to both of its model's
-    shared generation workers with fleet health on, a seeded fault mix of about 5% (FAULTS; a summary
+    shared generation workers with fleet health on, a seeded fault mix of about 6% (FAULTS; a summary
     fault where summarize is on) and one worker hang (`hang`), checkpoints where the driver is killed."""
     summarize = cell["compaction"] == "summarize"
     rates = [f"faults.rate.{k}={FAULT_RATE}" for k in (*FAULTS, *(("summary_empty",) if summarize else ()))]

@@ -42,7 +42,8 @@ def write_report(out: Path, rows: list[dict], refusals: list[dict], coverage: tu
         "",
         "## Cells",
         "",
-        "Fault mix: `agent_exception`, `transport`, `guard_reject`, `model_error` at 1.25% of rollout attempts each "
+        "Fault mix: `agent_exception`, `transport`, `guard_reject`, `model_error`, `call_log_lost` at 1.25% of rollout "
+        "attempts each "
         "(and `summary_empty` where summarize is on), and one `worker_hang` per cell: one of the two generation "
         "workers the cell runs on wedged at a seeded rollout of step 1, with fleet health on (`hangs`: the hang "
         "planned, `quarantined`: the router's quarantines, the hung worker's and any transient one's). `kill`: the "
