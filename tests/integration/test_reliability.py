@@ -152,7 +152,10 @@ def test_killed_agent_server_mid_group_is_recovered_by_redispatch(tmp_path, shar
 def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shared_engine):
     """Issue N: an external agent answers group 1 with reward=1e39, group 2 with +inf logprobs and
     group 3 with positive logprobs (group 0 is good). The run never trains on them: each is a DATA
-    failure naming the field, no metrics row has a null loss, and the engine's weights stay finite."""
+    failure naming the field, no metrics row has a null loss, and the engine's weights stay finite.
+    Without CC: the ledger masks group 0's made-up tokens (no server recorded them), and under CC a group
+    masked whole has no valid owner, so every group of the step would be lost and the run would end at
+    the floor (tests/integration/test_train_cli.py's `ledger_*` rows)."""
 
     from aiohttp import web
 
@@ -176,7 +179,7 @@ def test_an_external_agent_returning_bad_numbers_is_never_trained(tmp_path, shar
     url, loop = serve_run_in_thread(run_handler)
     try:
         proc = run_cli(*SMALL, "grpo.max_num_steps=2", "checkpoint.enabled=false", f"agent.external_url={url}",
-                       "async_rl.rollout_failure.max_skipped_prompts=6",
+                       "context_compaction.enabled=false", "async_rl.rollout_failure.max_skipped_prompts=6",
                        "async_rl.rollout_failure.max_data_attempts_per_prompt=1",
                        "async_rl.rollout_failure.min_step_batch_fraction=0.25", f"run_dir={tmp_path}", *shared_engine)
     finally:
