@@ -33,8 +33,9 @@ class RolloutPump:
     dispatches the next group once the sampler admits it at the current policy version, fewer than
     `async_rl.max_inflight_prompts` groups are in flight, the buffer has a free place, and no weight
     sync is under way (`pause` .. `set_version`: the version changes only after the new weights are
-    served). A dispatched group holds one *place* of its step (and one buffer place) until a record
-    commits; under `on_dropped_prompt: replace` a lost prompt's place takes a spare (`_substitute`).
+    served; a group's retry waits out a sync too). A dispatched group holds one *place* of its step
+    (and one buffer place) until a record commits; under `on_dropped_prompt: replace` a lost prompt's
+    place takes a spare (`_substitute`).
     Besides the manager's stall watchdog, `_starvation_watch` ends a wait no arriving group can end."""
 
     def __init__(self, cfg: MinirlConfig, manager: RolloutManager, buffer: GroupBuffer, sampler: Sampler,
@@ -266,9 +267,11 @@ class RolloutPump:
         ride on the job (`lost`), where a checkpoint finds them."""
         lost, start, dispatched = job[5], [], time.monotonic()
 
-        def attempt(kept: int | None) -> int:
-            """A group attempt starts under the version served now; the place's stamp is the oldest
+        async def attempt(kept: int | None) -> int:
+            """A group attempt starts once no weight sync is under way (a retry is a dispatch too, and
+            dispatch pauses during a sync), under the version served then; the place's stamp is the oldest
             version its rows ran under: this one, or an older kept row's (keep_returned_rows)."""
+            await self.permitted.wait()
             if start:
                 self.inflight[start.pop()] -= 1
             start.append(self.version if kept is None else min(kept, self.version))

@@ -58,7 +58,7 @@ class GroupRun:
     row: dict
     out: GroupOutcome
     row_attempt: list[int]
-    on_attempt: Callable[[int | None], int] | None = None
+    on_attempt: Callable[[int | None], Awaitable[int]] | None = None
     infra: int = 0
     data: int = 0
     gid: str = ""
@@ -300,12 +300,13 @@ class RolloutManager:
 
     # -- a group ---------------------------------------------------------------------------------
     async def run_group(self, step: int, group: int, row: dict,
-                        on_attempt: Callable[[int | None], int] | None = None) -> GroupOutcome:
-        """One prompt group under the failure policy. `on_attempt` (the async pump's) is called as
+                        on_attempt: Callable[[int | None], Awaitable[int]] | None = None) -> GroupOutcome:
+        """One prompt group under the failure policy. `on_attempt` (the async pump's) is awaited as
         each group attempt starts, where upstream reserves the attempt under the current version,
         with the oldest version among the rows kept from earlier attempts (None: none), and returns
-        the version the attempt starts under; the outcome's `start_weight` is then the oldest
-        version any of its kept rows' attempts started under.
+        the version the attempt starts under (once no weight sync is under way: a retry is a dispatch
+        too); the outcome's `start_weight` is then the oldest version any of its kept rows' attempts
+        started under.
 
         - every group attempt reserves a fresh group id and releases it, whatever happens;
         - an INFRA failure is retried after min(backoff_base_s * 2**(k-1), max_backoff_s), up to
@@ -355,9 +356,9 @@ class RolloutManager:
         run.gid = f"grp-{uuid.uuid4().hex[:12]}"
         self.reservations[run.gid] = (run.step, run.group)
         out.group_attempts += 1
-        if run.on_attempt is not None:
-            run.weight = run.on_attempt(run.oldest_kept())
         try:
+            if run.on_attempt is not None:
+                run.weight = await run.on_attempt(run.oldest_kept())
             return await self._attempt(run)
         finally:
             del self.reservations[run.gid]

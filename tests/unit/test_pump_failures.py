@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -16,7 +17,7 @@ from minirl.async_rl.source import BufferSource
 from minirl.config import ConfigError, load_config
 from minirl.data import check_rows, task_row, task_seed
 from minirl.rollout.manager import RolloutManager
-from minirl.wire import RolloutStall
+from minirl.wire import GymTransportError, RolloutStall
 
 ITEM = {"type": "function_call", "name": "open_door", "arguments": "{}", "call_id": "c",
         "prompt_token_ids": [1, 2, 3], "generation_token_ids": [5, 6], "generation_log_probs": [-0.1, -0.2]}
@@ -108,3 +109,46 @@ def test_a_stall_event_names_the_step_the_train_pump_is_on():
         asyncio.run(go())
     assert taken == [[(0, "committed")], [(1, "committed")]]
     assert [(e["step"], e["in_flight"]) for e in events if e["type"] == "stall"] == [(2, 2)]
+
+
+def test_a_group_retry_waits_out_a_weight_sync_and_starts_under_the_new_version():
+    """Dispatch pauses during a weight sync (upstream), and a group retry is a dispatch too. Step 1's
+    group, dispatched a version ahead, fails its first attempt (INFRA); the sync begins while it backs
+    off, and its retry goes out only once the new weights are served, stamped with them. Before, the
+    retry went out in the middle of the sync, stamped with the old version."""
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=2",
+                             "policy.train_global_batch_size=2", "async_rl.rollout_failure.backoff_base_s=1.0",
+                             "async_rl.rollout_failure.nemo_gym.max_row_attempts=1",
+                             "async_rl.rollout_failure.nemo_gym.keep_returned_rows=false"])
+    events, sends, clock, held = [], [], {}, {}
+
+    async def post(session, url, row):
+        c = row["_minirl"]
+        sends.append((c["step"], c["rollout"], time.monotonic()))
+        if (c["step"], c["rollout"]) == (1, 0) and "sync" not in clock:
+            held["source"].syncing()  # a weight sync begins as the attempt fails, so the retry's backoff ends in it
+            clock["sync"] = time.monotonic()
+            raise GymTransportError("NeMo-Gym /run for step 1 failed in transport: reset")
+        return {**row, "response": {"output": [ITEM]}, "reward": 0.0}
+
+    async def go():
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, post=post)
+        source = held["source"] = BufferSource(cfg, manager, no_records)
+        try:
+            await asyncio.wait_for(source.take(0, 0), 10)
+            while "sync" not in clock:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(1.5)  # past the 1 s backoff
+            clock["published"] = time.monotonic()
+            source.published(1)
+            return await asyncio.wait_for(source.take(1, 1), 10)
+        finally:
+            await source.close()
+            await manager.session.close()
+
+    take = asyncio.run(go())
+    retry = [t for step, _, t in sends if step == 1][2:]  # after the failed attempt's two sends
+    assert [e["decision"] for e in events if e["type"] == "failure"] == ["retried"]
+    assert len(retry) == 2 and min(retry) >= clock["published"], (clock, sends)
+    assert [o.status for o in take.outcomes] == ["committed"] and take.start_weights == [1]
