@@ -1,7 +1,8 @@
 """`python -m minirl.train` end to end, as a user runs it: Ray actors, vLLM, HTTP servers, torch.
 
 The failure table is the review's (cc-dropped-group-review.txt): one step of 4 groups x 2
-rollouts with one bad rollout, group 1 rollout 0, under the upstream preset and each fix."""
+rollouts with one bad rollout, group 1 rollout 0, under the upstream preset and each fix; its
+`ledger_*` rows are minirl's own lane (every rollout of group 1 loses a call's record)."""
 
 from __future__ import annotations
 
