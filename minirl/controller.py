@@ -376,7 +376,7 @@ class Controller:
         check_step(self.cfg, step, take.outcomes)
         ledger, generated = await self._check_ledger(step, version, take, _kept(take.outcomes))
         self.source.ledgered()  # until here a failure leaves the take's records to the run's end
-        kept = _kept(take.outcomes)  # less the groups the ledger's masks left with no valid owner (`_unowned`)
+        kept = _kept(take.outcomes)  # less the groups the ledger's masks left with no valid owner (`_ledger_drops`)
         selection = self.cfg.context_compaction.call_selection  # which captured calls train (rollout/selection.py)
         reselected = 0 if selection == "returned_history" else select_calls(
             selection, kept, take.calls, self.cfg.policy.max_total_sequence_length)
@@ -407,10 +407,10 @@ class Controller:
     async def _check_ledger(self, step: int, version: int, take: StepTake, kept: list[Rollout]) -> tuple[dict, int]:
         """The kept rollouts against the ledger: the servers' call logs, or for an external agent (no
         rollout header) its calls matched by their tokens; under CC, the groups its masks leave with no valid
-        owner are dropped (`_unowned`). Returns the ledger's counts and the tokens generated."""
+        owner are dropped (`_ledger_drops`). Returns the ledger's counts and the tokens generated."""
         window = self.source.window
         oldest = take.oldest(version, window)
-        drop = functools.partial(self._unowned, step, take)
+        drop = functools.partial(self._ledger_drops, step, take)
         if not self.cfg.agent.external_url:
             ledger = self.ledger.close_step(step, take.calls, kept, version, oldest=oldest, drop=drop)
             return ledger, sum(len(c.get("generation_token_ids") or []) for c in take.calls)
@@ -421,7 +421,7 @@ class Controller:
         ledger["calls_retired"] += len(left) - len(self.pool)
         return ledger, ledger["tokens_matched"]
 
-    def _unowned(self, step: int, take: StepTake) -> set[tuple[int, int]]:
+    def _ledger_drops(self, step: int, take: StepTake) -> set[tuple[int, int]]:
         """The ledger's masks are set: under CC the groups they left with no valid owner are dropped (the
         manager's budget), and the step is checked again without them (the floor, upstream's full count)."""
         dropped = self.manager.drop_unowned(take.outcomes)
