@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # before Ray starts: one line naming the key
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointError as exc:  # a checkpoint.resume path that does not verify: a run-ending failure
+        print(f"CheckpointError: {exc}", file=sys.stderr)
+        return 1
     print(f"minirl: run directory {run_dir}", flush=True)
     from minirl.cluster import Cluster, cause, describe
 

@@ -231,18 +231,16 @@ def check_resume(cfg) -> None:
     async, ASYNC_RESUME_KEYS); else ConfigError naming each changed key with its old and new values:
     the restored data position, buffer and cursor are only meaningful under the config that wrote
     them. A checkpoint written before
-    configs were saved is not checked for those. Which checkpoint is taken, and what is skipped on the
-    way, is decided (and reported) again by `select` once the run starts."""
+    configs were saved is not checked for those. An explicit path that does not verify raises `select`'s
+    CheckpointError here, before Ray starts and before anything is written. Which checkpoint is taken,
+    and what is skipped on the way, is decided (and reported) again by `select` once the run starts."""
     from dataclasses import asdict
 
     from minirl.config import ConfigError
 
     if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and cfg.run_dir is None):
         return
-    try:
-        path, _ = select(Path(cfg.run_dir or "."), cfg.checkpoint.resume)
-    except CheckpointError:
-        return  # the run reports it, as before
+    path, _ = select(Path(cfg.run_dir or "."), cfg.checkpoint.resume)
     if path is None:
         return
     check_model(cfg, path)

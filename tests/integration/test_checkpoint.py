@@ -250,14 +250,17 @@ def test_auto_resume_falls_back_past_a_truncated_newest_checkpoint_with_no_gap(t
         (1, ["env.data_seed: 1234 -> 7"])], "resumed from step_0, saying the prompt stream changed"
     assert checkpoint.verify(damaged.parent.parent) is None, "step 1 was written again, whole"
 
-    # an explicit path to a damaged checkpoint ends the run naming the path and the file
+    # an explicit path to a damaged checkpoint ends the run naming the path and the file, before Ray starts
+    # (no run directory line, nothing written: the earlier run's files as they were)
     with open(damaged, "r+b") as f:
         f.truncate(7)
-    third = run_cli(*small, "grpo.max_num_steps=4", f"checkpoint.resume={damaged.parent.parent}")
-    assert third.returncode == 1
+    kept = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    third = run_cli(*small, "grpo.max_num_steps=4", f"checkpoint.resume={damaged.parent.parent}", timeout=120)
+    assert third.returncode == 1 and third.stdout == "", third.stdout
     assert last_line(third.stderr).startswith(
         f"CheckpointError: checkpoint.resume={damaged.parent.parent} cannot be trusted: policy/model.safetensors: size "
         "7 != ")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == kept, "the earlier run is intact"
 
     # an explicit older checkpoint of the same run_dir abandons the newer ones: set aside, said so
     root = tmp_path / "checkpoints"
