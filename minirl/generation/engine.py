@@ -97,6 +97,9 @@ class GenResult:
     """Each position's logprob entries as vLLM orders them (the sampled token first, then the top
     ones or the requested `logprob_token_ids`): (token id, logprob, decoded text); only when the
     request asked for more than the sampled token's."""
+    stop_reason: int | str | None = None
+    """vLLM's `CompletionOutput.stop_reason`: the stop string or the `stop_token_ids` token that ended the
+    reply; None when it ended otherwise (its EOS token, its length)."""
 
 
 def checkpoint_shapes(model: str) -> tuple[dict[str, tuple[int, ...]], set[str]] | None:
@@ -692,4 +695,5 @@ class VllmEngine:
             version_start=version,
             version_end=self.version,
             top=[[(t, e.logprob, e.decoded_token) for t, e in lp.items()] for lp in comp.logprobs] if wide else None,
+            stop_reason=comp.stop_reason,
         )

@@ -611,6 +611,7 @@ class ModelServer:
             choice["logprobs"] = {"content": content}
         choice["finish_reason"] = ("tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop"
                                    else result.finish_reason)
+        choice["stop_reason"] = result.stop_reason  # vLLM's, not OpenAI's: the stop string or token (None: dropped)
         if req.return_token_ids:
             choice["token_ids"] = list(result.token_ids)
         n_out = len(result.token_ids)

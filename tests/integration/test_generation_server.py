@@ -2,7 +2,7 @@
 record with the status its client got, even one refused before the server read it (a body over
 `max_request_bytes`), and the client gets vLLM's JSON error body; the
 headerless calls' bound counts what it evicts; `continue_final_message` and `add_generation_prompt`
-render the prompt as vLLM renders it."""
+render the prompt as vLLM renders it; a choice names the stop string or token that ended it (`stop_reason`)."""
 
 from __future__ import annotations
 
@@ -128,3 +128,29 @@ def test_a_request_the_engine_finishes_with_error_is_vllms_500(stack, tokenizer)
     assert failed["status"] == 500 and failed["error"] == "Internal server error", failed
     assert failed["finish_reason"] == "error" and len(failed["generation_token_ids"]) == 1, failed
     assert classify(HttpModelClient._error(status, body, "model call")) == INFRA
+
+
+def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(stack):
+    """`vllm serve`'s choice carries vLLM's `stop_reason`: the stop string or `stop_token_ids` token that
+    ended the reply, absent (None, dropped) when it ended otherwise. Before, minirl's choices never had it.
+    One seeded reply run to its length, then the same request stopped at one of its tokens and at a piece of
+    its text: the same tokens up to the stop, and the stop named."""
+    body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 16, "seed": 5,
+            "ignore_eos": True, "return_token_ids": True}
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            free = (await post(http, s.model_url + CHAT, body))[1]["choices"][0]
+            ids, text = free["token_ids"], free["message"]["content"]
+            token = ids[5]
+            by_token = (await post(http, s.model_url + CHAT, {**body, "stop_token_ids": [token]}))[1]["choices"][0]
+            stop = next(text[k:k + 3] for k in range(2, len(text)) if text.find(text[k:k + 3]) == k)  # text before it
+            by_string = (await post(http, s.model_url + CHAT, {**body, "stop": [stop]}))[1]["choices"][0]
+            return free, token, by_token, stop, by_string
+
+    free, token, by_token, stop, by_string = asyncio.run(go())
+    assert free["finish_reason"] == "length" and "stop_reason" not in free, free
+    assert by_token["finish_reason"] == "stop" and by_token["stop_reason"] == token, by_token
+    assert by_token["token_ids"] == free["token_ids"][:free["token_ids"].index(token) + 1]
+    assert by_string["finish_reason"] == "stop" and by_string["stop_reason"] == stop, by_string
+    assert by_string["message"]["content"] == free["message"]["content"].split(stop)[0] != ""

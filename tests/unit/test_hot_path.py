@@ -126,6 +126,7 @@ def reference(server, body, req, prompt, result) -> dict:
                                       for tc in parsed["tool_calls"]])
     finish = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason
     choice = ChatCompletionResponseChoice(index=0, message=message, logprobs=logprobs, finish_reason=finish,
+                                          stop_reason=result.stop_reason,
                                           token_ids=result.token_ids if req.return_token_ids else None)
     usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=len(result.token_ids),
                       total_tokens=len(prompt) + len(result.token_ids))
@@ -165,8 +166,8 @@ def test_response_is_vllm_classes_dump(server, tokenizer, options, tools):
     lps[2] = -math.inf  # clamped to -9999 as vLLM clamps it
     top = [[(t, lp, text), (t + 1, lp - 1.0, "x"), (t + 2, lp - 2.0, None)] for t, lp, text in zip(ids, lps, decoded)]
     for tops in (None, top):
-        for finish in ("stop", "length"):
-            result = GenResult([1, 2, 3], ids, lps, decoded, REPLY, finish, 0, 1, tops)
+        for finish, stop_reason in (("stop", None), ("length", None), ("stop", "</tool_call>"), ("stop", ids[-1])):
+            result = GenResult([1, 2, 3], ids, lps, decoded, REPLY, finish, 0, 1, tops, stop_reason)
             mine, finite = server._response(body, req, [1, 2, 3], result)
             theirs = reference(server, body, req, [1, 2, 3], result)
             for d in (mine, theirs):  # fresh ids and the clock
