@@ -27,7 +27,7 @@ import numpy as np
 
 from aiohttp import web
 from pydantic import ValidationError
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam, ChatCompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.entrypoints.serve.exception_handling.handlers.validation import _format_error, clean_loc_for_param
@@ -546,7 +546,16 @@ class ModelServer:
                                                   HTTPStatus.INTERNAL_SERVER_ERROR))
 
     def _sampling_params(self, req: ChatCompletionRequest, prompt: list[int]):
-        """The request's sampling parameters as vLLM builds them; the sampled token's logprob always asked."""
+        """The request's sampling parameters as vLLM builds them; the sampled token's logprob always asked.
+        A forced tool choice (`forces_a_call`) first goes through vLLM's hermes parser's `adjust_request`, as
+        `vllm serve --tool-call-parser hermes --enable-auto-tool-choice` renders it: its structural tag makes
+        the reply a `<tool_call>` block."""
+        if forces_a_call(req):
+            from vllm.parser.parser_manager import ParserManager
+
+            hermes = ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True,
+                                              tokenizer=self.tokenizer)
+            req = hermes(self.tokenizer, req.tools).adjust_request(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = getattr(req, field)
         if asked is not None and asked < 1:  # vLLM's own check would name max_tokens for either field
@@ -595,6 +604,9 @@ class ModelServer:
         tool_choice = body.get("tool_choice", "auto" if tools else "none")
         parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none",
                              reasoning_parser=self.reasoning_parser)
+        forced = forces_a_call(req)
+        if forced and not (parsed["content"] or "").strip():  # vLLM's parser: no text besides the calls is None,
+            parsed["content"] = ""  # and its forced-choice message says `content or ""`
         # vLLM's `get_chat_request_role`: without a generation prompt the reply continues the final message's role
         role = "assistant" if req.add_generation_prompt else body["messages"][-1]["role"]
         message = _without_none({"role": role, "content": parsed["content"]})
@@ -609,8 +621,12 @@ class ModelServer:
         if req.logprobs:
             content, finite = self._logprobs(req, result)
             choice["logprobs"] = {"content": content}
-        choice["finish_reason"] = ("tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop"
-                                   else result.finish_reason)
+        if forced:  # vLLM: "tool_calls" for a required call that stopped, a named one keeps the engine's reason
+            choice["finish_reason"] = ("tool_calls" if req.tool_choice == "required" and result.finish_reason == "stop"
+                                       else result.finish_reason)
+        else:
+            choice["finish_reason"] = ("tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop"
+                                       else result.finish_reason)
         choice["stop_reason"] = result.stop_reason  # vLLM's, not OpenAI's: the stop string or token (None: dropped)
         if req.return_token_ids:
             choice["token_ids"] = list(result.token_ids)
@@ -622,6 +638,12 @@ class ModelServer:
         if req.return_token_ids:
             response["prompt_token_ids"] = list(result.prompt_token_ids)
         return response, finite
+
+
+def forces_a_call(req: ChatCompletionRequest) -> bool:
+    """`tool_choice` "required" or a named function, with tools: vLLM constrains the reply to a call."""
+    return bool(req.tools) and (req.tool_choice == "required"
+                                or isinstance(req.tool_choice, ChatCompletionNamedToolChoiceParam))
 
 
 def _without_none(d: dict) -> dict:

@@ -7,6 +7,7 @@ render the prompt as vLLM renders it; a choice names the stop string or token th
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 from test_bad_input import CHAT, GOOD_CHAT, post
@@ -154,3 +155,32 @@ def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(stack):
     assert by_token["token_ids"] == free["token_ids"][:free["token_ids"].index(token) + 1]
     assert by_string["finish_reason"] == "stop" and by_string["stop_reason"] == stop, by_string
     assert by_string["message"]["content"] == free["message"]["content"].split(stop)[0] != ""
+
+
+def test_a_forced_tool_choice_is_constrained_to_a_call_as_vllm_serve_does(stack):
+    """`tool_choice: "required"` or a named function: `vllm serve --tool-call-parser hermes` constrains the
+    reply with the hermes parser's structural tag, so it is a `<tool_call>` block of a listed function (with
+    arguments of its schema when the function is `strict`), and says `finish_reason: tool_calls` for a
+    required call (a named one keeps `stop`), `content: ""`. Before, minirl sent no constraint: the tiny
+    model, trained to call `open_door`, answered a forced `lookup` as it answers `auto`, with no call of it."""
+    tools = [{"type": "function", "function": {"name": "lookup", "strict": True, "parameters": {
+        "type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]}}}]
+    body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 48, "seed": 2,
+            "tools": tools}
+    named = {"type": "function", "function": {"name": "lookup"}}
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            return [(await post(http, s.model_url + CHAT, {**body, "tool_choice": c}))
+                    for c in ("auto", "required", named)]
+
+    (auto_status, auto), (req_status, required), (named_status, by_name) = asyncio.run(go())
+    assert auto_status == req_status == named_status == 200
+    unforced = auto["choices"][0]["message"].get("tool_calls", [])
+    assert all(c["function"]["name"] != "lookup" for c in unforced), auto  # the model's own habit
+    for answer, finish in ((required, "tool_calls"), (by_name, "stop")):
+        choice = answer["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "lookup" and isinstance(
+            json.loads(call["function"]["arguments"])["q"], int), choice
+        assert choice["message"]["content"] == "" and choice["finish_reason"] == finish, choice

@@ -94,8 +94,8 @@ def reference(server, body, req, prompt, result) -> dict:
     """The response as the front end built it before: from vLLM's protocol classes, dumped."""
     from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
     from vllm.entrypoints.openai.chat_completion.protocol import (
-        ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionResponse,
-        ChatCompletionResponseChoice, ChatMessage)
+        ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
+        ChatCompletionNamedToolChoiceParam, ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage)
     from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
     from minirl.generation.chat_format import parse_reply
@@ -125,6 +125,14 @@ def reference(server, body, req, prompt, result) -> dict:
                           tool_calls=[ToolCall(id=tc["id"], function=FunctionCall(**tc["function"]))
                                       for tc in parsed["tool_calls"]])
     finish = "tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop" else result.finish_reason
+    if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, ChatCompletionNamedToolChoiceParam)):
+        # vLLM's parser: text besides the calls that is only whitespace is None; serving: `content or ""`, and
+        # "tool_calls" only for a required call that stopped
+        content = parsed["content"] if parsed["content"] and parsed["content"].strip() else None
+        message = ChatMessage(role="assistant", content=content or "", reasoning=parsed["reasoning"],
+                              tool_calls=message.tool_calls)
+        finish = "tool_calls" if req.tool_choice == "required" and result.finish_reason == "stop" \
+            else result.finish_reason
     choice = ChatCompletionResponseChoice(index=0, message=message, logprobs=logprobs, finish_reason=finish,
                                           stop_reason=result.stop_reason,
                                           token_ids=result.token_ids if req.return_token_ids else None)
@@ -149,7 +157,7 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=range(len(OPTIONS)))
-@pytest.mark.parametrize("tools", [False, True])
+@pytest.mark.parametrize("tools", [False, True, "required", "named"])
 def test_response_is_vllm_classes_dump(server, tokenizer, options, tools):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -158,6 +166,9 @@ def test_response_is_vllm_classes_dump(server, tokenizer, options, tools):
         body["tools"] = [{"type": "function",
                           "function": {"name": "open_door",
                                        "parameters": {"type": "object", "properties": {"code": {}}}}}]
+    if tools in ("required", "named"):  # a forced call
+        body["tool_choice"] = "required" if tools == "required" else {"type": "function",
+                                                                       "function": {"name": "open_door"}}
     req = ChatCompletionRequest.model_validate(body)
     ids = tokenizer(REPLY, add_special_tokens=False)["input_ids"]
     decoded = [tokenizer.decode([t]) for t in ids]
