@@ -35,6 +35,7 @@ from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
 from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 from vllm.exceptions import GenerationError
+from vllm.parser.parser_manager import ParserManager
 from vllm.utils import random_uuid
 
 from minirl.runtime import jsonio
@@ -281,6 +282,8 @@ class ModelServer:
         self.max_chars_per_token = max(len(t) for t in tokenizer.get_vocab())
         self.segments = SegmentEncoder(tokenizer, INLINE_BYTES)
         self.detokenizer = Detokenizer(tokenizer)
+        # vLLM's parser class for `--tool-call-parser hermes --enable-auto-tool-choice`: its `adjust_request`
+        self.hermes = ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tokenizer)
 
     def app(self, max_request_bytes: int = VllmConfig.max_request_bytes) -> web.Application:
         app = web.Application(client_max_size=max_request_bytes, middlewares=[self.gate])
@@ -547,15 +550,13 @@ class ModelServer:
 
     def _sampling_params(self, req: ChatCompletionRequest, prompt: list[int]):
         """The request's sampling parameters as vLLM builds them; the sampled token's logprob always asked.
-        A forced tool choice (`forces_a_call`) first goes through vLLM's hermes parser's `adjust_request`, as
-        `vllm serve --tool-call-parser hermes --enable-auto-tool-choice` renders it: its structural tag makes
-        the reply a `<tool_call>` block."""
-        if forces_a_call(req):
-            from vllm.parser.parser_manager import ParserManager
-
-            hermes = ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True,
-                                              tokenizer=self.tokenizer)
-            req = hermes(self.tokenizer, req.tools).adjust_request(req)
+        A request with tools and a `tool_choice` other than "none" first goes through vLLM's hermes parser's
+        `adjust_request`, as `vllm serve --tool-call-parser hermes --enable-auto-tool-choice` renders it
+        (~16 us): its reply is decoded with `skip_special_tokens=False`, so a model whose tool tokens are
+        special keeps them in the text the parser reads, and a forced choice (`forces_a_call`) gets the
+        structural tag that makes the reply a `<tool_call>` block."""
+        if req.tools and req.tool_choice != "none":
+            req = self.hermes(self.tokenizer, req.tools).adjust_request(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = getattr(req, field)
         if asked is not None and asked < 1:  # vLLM's own check would name max_tokens for either field

@@ -162,17 +162,20 @@ def test_a_forced_tool_choice_is_constrained_to_a_call_as_vllm_serve_does(stack)
     reply with the hermes parser's structural tag, so it is a `<tool_call>` block of a listed function (with
     arguments of its schema when the function is `strict`), and says `finish_reason: tool_calls` for a
     required call (a named one keeps `stop`), `content: ""`. Before, minirl sent no constraint: the tiny
-    model, trained to call `open_door`, answered a forced `lookup` as it answers `auto`, with no call of it."""
+    model, trained to call `open_door`, answered a forced `lookup` as it answers an unconstrained `auto`,
+    with no call of it."""
     tools = [{"type": "function", "function": {"name": "lookup", "strict": True, "parameters": {
         "type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]}}}]
     body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 48, "seed": 2,
             "tools": tools}
     named = {"type": "function", "function": {"name": "lookup"}}
 
-    async def go():
+    loose = [{"type": "function", "function": {k: v for k, v in tools[0]["function"].items() if k != "strict"}}]
+
+    async def go():  # auto with a function that is not strict: no constraint (a strict one gets vLLM's tag too)
         async with stack() as s, aiohttp.ClientSession() as http:
-            return [(await post(http, s.model_url + CHAT, {**body, "tool_choice": c}))
-                    for c in ("auto", "required", named)]
+            return [(await post(http, s.model_url + CHAT, {**body, "tool_choice": c, "tools": t}))
+                    for c, t in (("auto", loose), ("required", tools), (named, tools))]
 
     (auto_status, auto), (req_status, required), (named_status, by_name) = asyncio.run(go())
     assert auto_status == req_status == named_status == 200
@@ -184,3 +187,23 @@ def test_a_forced_tool_choice_is_constrained_to_a_call_as_vllm_serve_does(stack)
         assert call["function"]["name"] == "lookup" and isinstance(
             json.loads(call["function"]["arguments"])["q"], int), choice
         assert choice["message"]["content"] == "" and choice["finish_reason"] == finish, choice
+
+
+def test_a_tool_request_keeps_special_tokens_in_its_text_as_vllm_serve_does(stack, tokenizer):
+    """vLLM's hermes parser decodes a tool request's reply with `skip_special_tokens=False` (a model whose
+    tool tokens are special keeps them for the parser); a request without tools, or with `tool_choice:
+    "none"`, keeps vLLM's default and skips them. Before, minirl skipped them in every reply. The reply is
+    held to a special token (`<|im_start|>`) with `allowed_token_ids`."""
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 3, "seed": 1,
+            "ignore_eos": True, "allowed_token_ids": [special]}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+
+    async def go():
+        async with stack() as s, aiohttp.ClientSession() as http:
+            return [(await post(http, s.model_url + CHAT, {**body, **extra}))[1]["choices"][0]["message"]
+                    for extra in ({"tools": tools}, {"tools": tools, "tool_choice": "none"}, {})]
+
+    with_tools, none_chosen, without = asyncio.run(go())
+    assert with_tools["content"] == "<|im_start|>" * 3, with_tools
+    assert not none_chosen.get("content") and not without.get("content"), (none_chosen, without)  # skipped
