@@ -606,8 +606,10 @@ class ModelServer:
         parsed = parse_reply(result.text, tools_enabled=bool(tools) and tool_choice != "none",
                              reasoning_parser=self.reasoning_parser)
         forced = forces_a_call(req)
-        if forced and not (parsed["content"] or "").strip():  # vLLM's parser: no text besides the calls is None,
-            parsed["content"] = ""  # and its forced-choice message says `content or ""`
+        if not (parsed["content"] or "").strip() and (parsed["tool_calls"] or forced):
+            parsed["content"] = None  # vLLM's parser: whitespace besides the calls (or a forced call's) is no text
+        if forced or not result.text:  # vLLM's serving: a forced choice's message says `content or ""`, and an
+            parsed["content"] = parsed["content"] or ""  # empty reply keeps its "" (dropped only when None)
         # vLLM's `get_chat_request_role`: without a generation prompt the reply continues the final message's role
         role = "assistant" if req.add_generation_prompt else body["messages"][-1]["role"]
         message = _without_none({"role": role, "content": parsed["content"]})

@@ -220,3 +220,36 @@ def test_stretches_encode_as_the_whole_text(server, tokenizer):
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
         assert server.segments.encode(text) == list(tokenizer(text, add_special_tokens=False)["input_ids"]), repr(text)
+
+
+CALL = '<tool_call>{"name": "open_door", "arguments": {"code": 3}}</tool_call>'
+
+
+@pytest.mark.parametrize("text", ["\n" + CALL, "  \n" + CALL + "\n", "Trying. " + CALL, "", "  ", "no call"])
+@pytest.mark.parametrize("choice", [None, "auto", "none", "required", "named"])
+def test_the_message_is_vllms_parser_and_serving(server, tokenizer, monkeypatch, text, choice):
+    """The reply's message as `vllm serve --tool-call-parser hermes --enable-auto-tool-choice` (no reasoning
+    parser) makes it: vLLM's own parser's `parse`, then serving's message rules (a forced choice says
+    `content or ""`). Whitespace-only text besides the calls is None, an empty reply's content is ""."""
+    from vllm.entrypoints.generate.base.protocol import ToolCall
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatMessage
+
+    monkeypatch.setattr(server, "reasoning_parser", None)
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Room 1."}]}
+    if choice is not None:
+        body["tools"] = [{"type": "function", "function": {"name": "open_door", "parameters": {
+            "type": "object", "properties": {"code": {}}}}}]
+        body["tool_choice"] = choice if choice != "named" else {"type": "function", "function": {"name": "open_door"}}
+    req = ChatCompletionRequest.model_validate(body)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    result = GenResult([1], ids, [0.0] * len(ids), [None] * len(ids), text, "stop", 0, 0, None)
+    mine = server._response(body, req, [1], result)[0]["choices"][0]["message"]
+    for call in mine.get("tool_calls", []):
+        call["id"] = "call"
+
+    parser = server.hermes(tokenizer, req.tools)
+    _, content, calls = parser.parse(text, req, enable_auto_tools=True, model_output_token_ids=ids)
+    forced = choice in ("required", "named")
+    message = ChatMessage(role="assistant", content=(content or "") if forced else content,
+                          tool_calls=[ToolCall(id="call", function=c) for c in calls or []])
+    assert mine == message.model_dump(exclude_none=True), (mine, content, calls)
