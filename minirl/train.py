@@ -6,7 +6,8 @@ step's rollouts and assembles the batch, the policy workers take one GRPO step o
 weights go to every generation worker, then metrics are logged and a checkpoint written when due.
 Exit codes: 0 on success; 2 for a bad config key or value, or surroundings the config cannot use
 (one line naming the key; docs/contracts.md lists the cases); 1 for a run-ending failure. Either way
-`ExceptionClass: message` is the last stderr line, and once the run directory exists, a `run_failed` event.
+`ExceptionClass: message` is the last stderr line, and once the run has claimed its run directory, a
+`run_failed` event.
 """
 
 from __future__ import annotations
