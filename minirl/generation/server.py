@@ -607,9 +607,9 @@ class ModelServer:
                              reasoning_parser=self.reasoning_parser)
         forced = forces_a_call(req)
         if not (parsed["content"] or "").strip() and (parsed["tool_calls"] or forced):
-            parsed["content"] = None  # vLLM's parser: whitespace besides the calls (or a forced call's) is no text
-        if forced or not result.text:  # vLLM's serving: a forced choice's message says `content or ""`, and an
-            parsed["content"] = parsed["content"] or ""  # empty reply keeps its "" (dropped only when None)
+            parsed["content"] = None  # vLLM's parser: text besides the calls that is only whitespace is none
+        if forced or not result.text:  # vLLM's serving: a forced choice's `content or ""`; an empty reply keeps ""
+            parsed["content"] = parsed["content"] or ""
         # vLLM's `get_chat_request_role`: without a generation prompt the reply continues the final message's role
         role = "assistant" if req.add_generation_prompt else body["messages"][-1]["role"]
         message = _without_none({"role": role, "content": parsed["content"]})
@@ -624,12 +624,9 @@ class ModelServer:
         if req.logprobs:
             content, finite = self._logprobs(req, result)
             choice["logprobs"] = {"content": content}
-        if forced:  # vLLM: "tool_calls" for a required call that stopped, a named one keeps the engine's reason
-            choice["finish_reason"] = ("tool_calls" if req.tool_choice == "required" and result.finish_reason == "stop"
-                                       else result.finish_reason)
-        else:
-            choice["finish_reason"] = ("tool_calls" if parsed["tool_calls"] and result.finish_reason == "stop"
-                                       else result.finish_reason)
+        # vLLM: "tool_calls" for a reply that stopped on parsed calls, or a forced choice's only when "required"
+        called = req.tool_choice == "required" if forced else bool(parsed["tool_calls"])
+        choice["finish_reason"] = "tool_calls" if called and result.finish_reason == "stop" else result.finish_reason
         choice["stop_reason"] = result.stop_reason  # vLLM's, not OpenAI's: the stop string or token (None: dropped)
         if req.return_token_ids:
             choice["token_ids"] = list(result.token_ids)
