@@ -2,7 +2,9 @@
 record with the status its client got, even one refused before the server read it (a body over
 `max_request_bytes`), and the client gets vLLM's JSON error body; the
 headerless calls' bound counts what it evicts; `continue_final_message` and `add_generation_prompt`
-render the prompt as vLLM renders it; a choice names the stop string or token that ended it (`stop_reason`)."""
+render the prompt as vLLM renders it; a choice names the stop string or token that ended it (`stop_reason`);
+a tool request goes through vLLM's hermes `adjust_request` (a forced choice's structural tag, special tokens
+kept in the text)."""
 
 from __future__ import annotations
 
@@ -169,7 +171,6 @@ def test_a_forced_tool_choice_is_constrained_to_a_call_as_vllm_serve_does(stack)
     body = {"messages": [{"role": "user", "content": "open door 3"}], "max_completion_tokens": 48, "seed": 2,
             "tools": tools}
     named = {"type": "function", "function": {"name": "lookup"}}
-
     loose = [{"type": "function", "function": {k: v for k, v in tools[0]["function"].items() if k != "strict"}}]
 
     async def go():  # auto with a function that is not strict: no constraint (a strict one gets vLLM's tag too)
