@@ -5,10 +5,11 @@ the same seeds, side by side in one run, with a latency-bound environment (`env.
     python bench/async_speedup.py --quick         # 6 steps, one seed
     python bench/async_speedup.py --default-run   # the default run (no tool latency, own threads), sync vs s=1
 
-Each seed runs sync, then async at each staleness bound, back to back on one shared generation
-worker (started once, as the sweep does). Every run gives the engine and the trainer `--threads`
-torch threads each (default 1: on the 2-core build machine that partitions the cores, where 2 + 2
-threads overlapping would spin against each other; sync runs measured no slower at 1 + 1).
+Each seed runs sync and async at each staleness bound back to back, counterbalanced (sync first on an
+even seed, last on an odd one), on one shared generation worker (started once, as the sweep does).
+Every run gives the engine and the trainer `--threads` torch threads each (default 1: on the 2-core
+build machine that partitions the cores, where 2 + 2 threads overlapping would spin against each other;
+sync runs measured no slower at 1 + 1).
 Async runs truncate the importance weights with `tis` at `--tis` (2.0): untruncated, one seed's
 async runs collapsed to reward 0 (twice, reproducibly), and truncated the same run ended at 0.83.
 Samples per second = rollouts trained / the summed `step_time_s` (start-up excluded; in async a
@@ -142,19 +143,23 @@ def report(results: list[dict]) -> None:
 
 
 def seed_arms(seed: int, arms: list[tuple], run_arm) -> list[dict]:
-    """One seed: sync, then each (mode, staleness, variant) arm, back to back; each with its ratio to sync."""
-    base = {**run_arm("sync", 0, seed, None), "ratio": 1.0}
-    print(f"seed {seed}: sync {base['samples_per_s']:.2f} samples/s, median step {base['step_time_median_s']:.2f} s, "
-          f"reward(last 5) {base['reward_last5']:.3f}", flush=True)
-    results = [base]
-    for mode, s, variant in arms:
+    """One seed: sync and each (mode, staleness, variant) arm, back to back, counterbalanced: sync first on an
+    even seed, last on an odd one (the arms reversed too), so a machine that drifts over the hour, or warms up,
+    weighs on both sides alike. Returns sync's result first, then the arms', each with its ratio to sync."""
+    order = [("sync", 0, None), *arms]
+    if seed % 2:
+        order.reverse()
+    results = []
+    for mode, s, variant in order:
         r = run_arm(mode, s, seed, variant)
-        r["ratio"] = r["samples_per_s"] / base["samples_per_s"]
         results.append(r)
-        print(f"seed {seed}: {r['mode']} {r['samples_per_s']:.2f} samples/s ({r['ratio']:.2f}x sync), median step "
-              f"{r['step_time_median_s']:.2f} s, reward(last 5) {r['reward_last5']:.3f}, "
-              f"staleness {r['staleness_mean']:.2f}",
-              flush=True)
+        print(f"seed {seed}: {r['mode']} {r['samples_per_s']:.2f} samples/s, median step "
+              f"{r['step_time_median_s']:.2f} s, reward(last 5) {r['reward_last5']:.3f}"
+              + (f", staleness {r['staleness_mean']:.2f}" if mode != "sync" else ""), flush=True)
+    results = results[::-1] if seed % 2 else results  # sync first, then the arms in their order
+    for r in results:
+        r["ratio"] = r["samples_per_s"] / results[0]["samples_per_s"]
+    print(f"seed {seed}: " + ", ".join(f"{r['mode']} {r['ratio']:.2f}x sync" for r in results[1:]), flush=True)
     return results
 
 
