@@ -77,7 +77,8 @@ def assemble(cfg: MinirlConfig, outcomes: list[GroupOutcome], pad_id: int) -> tu
         settle_segments(r, cfg.grpo.segment_validity)
     scored = [_scored(cfg, o) for o in kept]
     rows = [_credited(cfg, g) for g in scored]
-    batch = _pack([row for g_rows, _ in rows for row in g_rows], pad_id)
+    slot = {id(o): i for i, o in enumerate(outcomes)}  # a prompt group's own, where async mixes prompt steps
+    batch = _pack([(slot[id(o)], *row) for o, (g_rows, _) in zip(kept, rows) for row in g_rows], pad_id)
     if cfg.loss_fn.segment_weighting != "token_mean":
         _weigh(batch, cfg.loss_fn.segment_weighting)
     stats = _rollout_stats(cfg, outcomes, kept, batch)
@@ -96,11 +97,12 @@ def settle_segments(r: Rollout, validity: str) -> None:
 
 
 def _weigh(batch: TrainBatch, weighting: str) -> None:
-    """Each trained row's `segment_weights` (1 on the rows that train nothing)."""
+    """Each trained row's `segment_weights` (1 on the rows that train nothing). A rollout is named by its
+    group's slot, not its group index: an async step can take group g of two prompt steps."""
     tokens = batch.valid_mask().sum(-1)
     trained = np.flatnonzero(tokens > 0)
     batch.loss_weight = np.ones(len(tokens), dtype=np.float32)
-    batch.loss_weight[trained] = segment_weights(batch.group[trained] * (1 << 32) + batch.rollout[trained],
+    batch.loss_weight[trained] = segment_weights(batch.slot[trained] * (1 << 32) + batch.rollout[trained],
                                                  tokens[trained], weighting)
 
 
@@ -142,10 +144,10 @@ def _credited(cfg: MinirlConfig, g: ScoredGroup) -> tuple[list[tuple[Rollout, Tr
     return [(r, t, own.get(id(t), a)) for r, t, a in rows], fallbacks
 
 
-def _pack(rows: list[tuple[Rollout, Trace, float]], pad_id: int) -> TrainBatch:
-    """One padded batch row per trace, its valid-token totals counted."""
-    batch = TrainBatch.zeros(len(rows), max((len(t.tokens) for _, t, _ in rows), default=1), pad_id)
-    for i, (rollout, trace, adv) in enumerate(rows):
+def _pack(rows: list[tuple[int, Rollout, Trace, float]], pad_id: int) -> TrainBatch:
+    """One padded batch row per (slot, rollout, trace, advantage), its valid-token totals counted."""
+    batch = TrainBatch.zeros(len(rows), max((len(t.tokens) for _, _, t, _ in rows), default=1), pad_id)
+    for i, (slot, rollout, trace, adv) in enumerate(rows):
         n = len(trace.tokens)
         batch.input_ids[i, :n] = trace.tokens
         batch.loss_mask[i, :n] = trace.loss_mask
@@ -155,6 +157,7 @@ def _pack(rows: list[tuple[Rollout, Trace, float]], pad_id: int) -> TrainBatch:
         batch.sample_mask[i] = rollout.sample_mask if trace.mask_reason is None else 0
         batch.group[i] = rollout.coords.group
         batch.rollout[i] = rollout.coords.rollout
+        batch.slot[i] = slot
     return batch.count_valid()
 
 
@@ -176,7 +179,7 @@ def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[G
         "rollouts_masked": len(all_rollouts) - len(trained),
         "traces_trained": sum(t.mask_reason is None for r in trained for t in r.traces),
         "segments_masked": sum(t.mask_reason is not None for r in all_rollouts for t in r.traces),
-        "loss_mass_by_group": _loss_mass(cfg, batch),
+        "loss_mass_by_group": _loss_mass(batch, len(outcomes)),
         "tokens_trained": int(batch.global_valid_tokens),
         "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
         **summary_stats(all_rollouts),  # summarizing compaction (summaries_failed: the controller adds the raised ones)
@@ -192,12 +195,13 @@ def _kept(outcomes: list[GroupOutcome]) -> list[Rollout]:
     return [r for o in outcomes if o.status == "committed" for r in o.rollouts.values()]
 
 
-def _loss_mass(cfg: MinirlConfig, batch: TrainBatch) -> list[float]:
-    """Each prompt group's share of the step's loss mass (its trained tokens x their segment weight),
-    indexed by group: what `loss_fn.segment_weighting` moves between easy and hard prompts."""
+def _loss_mass(batch: TrainBatch, groups: int) -> list[float]:
+    """Each prompt group's share of the step's loss mass (its trained tokens x their segment weight), one
+    per group outcome the step took, in `prompt_seeds`' order (a sync step: indexed by group; a lost group
+    places none): what `loss_fn.segment_weighting` moves between easy and hard prompts."""
     mass = batch.valid_mask().sum(-1) * (1.0 if batch.loss_weight is None else batch.loss_weight)
     total = float(mass.sum())
-    by_group = np.bincount(batch.group, weights=mass, minlength=cfg.grpo.num_prompts_per_step)
+    by_group = np.bincount(batch.slot, weights=mass, minlength=groups)
     return [round(float(m) / total, 6) if total else 0.0 for m in by_group]
 
 

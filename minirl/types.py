@@ -171,6 +171,9 @@ class TrainBatch:
     sample_mask: np.ndarray  # float32 [T], 0 for a masked rollout's traces and for a masked segment
     group: np.ndarray | None = None  # int64 [T], the rollout's group (for tests and metrics)
     rollout: np.ndarray | None = None  # int64 [T], the rollout's index in its group
+    slot: np.ndarray | None = None
+    """int64 [T], the index of the row's group among the step's group outcomes (its `prompt_seeds` entry):
+    unlike `group`, unique to one prompt group even when an async step takes groups of several prompt steps."""
     loss_weight: np.ndarray | None = None
     """float32 [T], each row's segment weight (`loss_fn.segment_weighting`, mean 1 over the trained
     rows); None: every trained token counts once (token_mean, the default arithmetic)."""
@@ -189,6 +192,7 @@ class TrainBatch:
             sample_mask=np.zeros(rows, dtype=np.float32),
             group=np.zeros(rows, dtype=np.int64),
             rollout=np.zeros(rows, dtype=np.int64),
+            slot=np.zeros(rows, dtype=np.int64),
         )
 
     def valid_mask(self) -> np.ndarray:

@@ -34,12 +34,13 @@ def mass_skew(run_dir: Path) -> dict:
     The report shows skew two ways: the sweep's rollout-count skew (mean rooms of the rollouts
     trained minus those dispatched: what masks and drops remove), and this loss-mass skew: each
     step's `loss_mass_by_group` (a group's trained tokens x their segment weight, as a share of the
-    step's) weighted by its prompt's room count, minus the mean room count dispatched. Weighting
-    moves the second and never the first (it trains the same rollouts, with other weights). A step that
-    trained no token (every rollout masked: its shares are all 0) places no mass, and is left out of
-    both means rather than read as mass on 0 rooms."""
+    step's; one per group the step took, in `prompt_seeds`' order) weighted by its prompt's room
+    count, minus the mean room count dispatched. Weighting moves the second and never the first (it
+    trains the same rollouts, with other weights). A step that trained no token (every rollout
+    masked: its shares are all 0) places no mass, and is left out of both means rather than read as
+    mass on 0 rooms."""
     from minirl.config import load_config
-    from minirl.data import num_rooms, task_seed
+    from minirl.data import num_rooms
 
     path = Path(run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
@@ -51,7 +52,7 @@ def mass_skew(run_dir: Path) -> dict:
     cfg = load_config(str(Path(run_dir) / "config.yaml"))
     mass = dispatched = 0.0
     for r in massed:
-        rooms = [num_rooms(cfg, task_seed(cfg, r["step"], g)) for g in range(cfg.grpo.num_prompts_per_step)]
+        rooms = [num_rooms(cfg, seed) for seed in r["prompt_seeds"]]  # loss_mass_by_group's order
         mass += sum(m * k for m, k in zip(r["loss_mass_by_group"], rooms))
         dispatched += sum(rooms) / len(rooms)
     return {**out, "mass_rooms_mean": mass / len(massed), "mass_shift": (mass - dispatched) / len(massed)}

@@ -15,6 +15,7 @@ of minirl.algo.grpo and minirl.controller:
   std of the same set, divided by std + 1e-6 where std > 0, 0 for a group of at most one member.
 """
 
+import dataclasses
 import math
 import random
 
@@ -137,6 +138,14 @@ def edge_groups(seed: int) -> list[GroupOutcome]:
     return outcomes
 
 
+def of_steps(*steps: int, seed: int) -> list[GroupOutcome]:
+    """An async step's groups: edge_groups of each prompt step in `steps`, taken together (as the windowed,
+    ready_first and weight_fifo samplers and in_order's promoted lenders take them), so group indices repeat."""
+    return [GroupOutcome(o.group, "committed", {k: dataclasses.replace(r, coords=dataclasses.replace(r.coords, step=s))
+                                                for k, r in o.rollouts.items()}, step=s)
+            for s in steps for o in edge_groups(seed + s)]
+
+
 def expected_rows(outcomes, validity, exclude, weighting):
     """Per batch row (rollouts in order, traces in order): sample mask, advantage, loss weight."""
     masks, advs, keys, tokens = [], [], [], []
@@ -150,7 +159,7 @@ def expected_rows(outcomes, validity, exclude, weighting):
                 m = float(v and t.mask_reason is None)
                 masks.append(m)
                 advs.append(a)
-                keys.append((o.group, r.coords.rollout))
+                keys.append((r.coords.step, o.group, r.coords.rollout))
                 tokens.append(sum(t.loss_mask) if m else 0)
     trained = [i for i, n in enumerate(tokens) if n]
     w = [1.0] * len(masks)
@@ -181,6 +190,24 @@ def test_masks_baseline_and_weights_match_the_reference(validity, exclude, weigh
         assert batch.global_valid_tokens == sum(batch.loss_mask[i].sum() for i in np.flatnonzero(want_mask))
         mass = [sum(want_w[i] * batch.loss_mask[i].sum() * want_mask[i] for i in np.flatnonzero(batch.group == g))
                 for g in range(len(outcomes))]
+        np.testing.assert_allclose(stats["loss_mass_by_group"], np.array(mass) / sum(mass), atol=2e-6)
+
+
+@pytest.mark.parametrize("weighting", ["rollout_equal", "length_ratio"])
+def test_an_async_step_of_two_prompt_steps_weighs_each_rollout_as_its_own(weighting):
+    """Group g of prompt steps 3 and 4 in one optimizer step: each rollout's segments are weighed as its
+    own, never pooled with the other step's rollout r of group g (found by review: both were keyed by
+    (group, rollout)); `loss_mass_by_group` has one share per group, in the step's `prompt_seeds` order."""
+    cfg = config("all", weighting, True, groups=5)
+    for seed in range(8):
+        outcomes = of_steps(3, 4, seed=seed)
+        want_mask, _, want_w = expected_rows(outcomes, "all", True, weighting)
+        batch, stats = assemble(cfg, outcomes, pad_id=0)
+        np.testing.assert_allclose(batch.loss_weight, want_w, rtol=1e-6)
+        rows = [k for o in outcomes for r in o.rollouts.values() for k in [o] * len(r.traces)]
+        mass = [sum(want_w[i] * batch.loss_mask[i].sum() * want_mask[i] for i, o in enumerate(rows) if o is mine)
+                for mine in outcomes]
+        assert len(stats["loss_mass_by_group"]) == len(outcomes) == 10
         np.testing.assert_allclose(stats["loss_mass_by_group"], np.array(mass) / sum(mass), atol=2e-6)
 
 

@@ -44,6 +44,8 @@ def test_a_step_that_trained_no_token_places_no_loss_mass(tmp_path: Path):
     rooms = {s: [num_rooms(cfg, task_seed(cfg, s, g)) for g in range(2)] for s in (0, 1)}
     steps = [{"step": 0, "loss_mass_by_group": [0.25, 0.75], "rollouts_trained": 8, "traces_trained": 8},
              {"step": 1, "loss_mass_by_group": [0.0, 0.0], "rollouts_trained": 0, "traces_trained": 0}]
+    for r in steps:
+        r["prompt_seeds"] = [task_seed(cfg, r["step"], g) for g in range(2)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     out = mass_skew(tmp_path)
     placed = 0.25 * rooms[0][0] + 0.75 * rooms[0][1]
