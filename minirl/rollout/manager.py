@@ -274,16 +274,20 @@ class RolloutManager:
             await asyncio.gather(*tasks, watchdog, return_exceptions=True)
 
     async def watchdog(self, step: int | Callable[[], int]) -> None:
-        """Raise RolloutStall (or warn) when nothing in flight has completed for stall_timeout_s. Its
-        `stall` event names `step`: the synchronous step, or (a callable, the async pump's, which runs one
-        watchdog for the whole run) the step it returns when the event is written."""
+        """Raise RolloutStall (or warn) when nothing in flight has completed for stall_timeout_s: timed from
+        the last completion, or from the oldest send in flight if later (an async pump idles between steps
+        with nothing in flight: that wait is no stall). Its `stall` event names `step`: the synchronous
+        step, or (a callable, the async pump's, which runs one watchdog for the whole run) the step it
+        returns when the event is written."""
         wd = self.cfg.async_rl.stall_watchdog
         if wd.stall_timeout_s is None:
             await asyncio.Event().wait()
         while True:
             await asyncio.sleep(min(1.0, wd.stall_timeout_s / 4))
-            idle = time.monotonic() - self.last_progress
-            if self.in_flight and idle > wd.stall_timeout_s:
+            if not self.in_flight:
+                continue
+            idle = time.monotonic() - max(self.last_progress, min(self.in_flight.values()))
+            if idle > wd.stall_timeout_s:
                 oldest = sorted(self.in_flight.items(), key=lambda kv: kv[1])[:8]
                 what = ", ".join(f"{k} ({time.monotonic() - t0:.0f}s)" for k, t0 in oldest)
                 message = (

@@ -111,6 +111,41 @@ def test_a_stall_event_names_the_step_the_train_pump_is_on():
     assert [(e["step"], e["in_flight"]) for e in events if e["type"] == "stall"] == [(2, 2)]
 
 
+def test_an_idle_pump_between_steps_is_no_stall():
+    """Staleness 0: the pump sends nothing while a step trains. The watchdog timed idleness from the last
+    completed send, so the first send after a training step longer than stall_timeout_s was a stall at
+    once, though nothing had been in flight meanwhile (found by review). Each rollout takes 0.2 s here, each
+    step trains 1 s against a 0.5 s timeout: no stall; a rollout that hangs is still one."""
+    cfg = load_config(None, ["async_rl.enabled=true", "grpo.num_prompts_per_step=1",
+                             "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=2",
+                             "async_rl.sampler.max_staleness_versions=0",
+                             "async_rl.stall_watchdog.stall_timeout_s=0.5"])
+    events, taken = [], []
+
+    async def post(session, url, row):
+        await (asyncio.Event().wait() if row["_minirl"]["step"] == 3 else asyncio.sleep(0.2))
+        return {**row, "response": {"output": [ITEM]}, "reward": 0.0}
+
+    async def go():
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, post=post)
+        source = BufferSource(cfg, manager, no_records)
+        try:
+            for step in range(4):
+                take = await asyncio.wait_for(source.take(step, step), 10)
+                taken.append([(o.step, o.status) for o in take.outcomes])
+                await asyncio.sleep(1.0)  # the optimizer step: nothing may be dispatched at staleness 0
+                source.syncing()
+                source.published(step + 1)
+        finally:
+            await source.close()
+            await manager.session.close()
+
+    with pytest.raises(RolloutStall, match=r"no rollout completed for 0\.[5-9].* 2 in flight: s3.g0.r"):
+        asyncio.run(go())
+    assert taken == [[(s, "committed")] for s in range(3)]
+    assert [(e["step"], e["in_flight"]) for e in events if e["type"] == "stall"] == [(3, 2)]
+
+
 def test_a_group_retry_waits_out_a_weight_sync_and_starts_under_the_new_version():
     """Dispatch pauses during a weight sync (upstream), and a group retry is a dispatch too. Step 1's
     group, dispatched a version ahead, fails its first attempt (INFRA); the sync begins while it backs
