@@ -44,12 +44,13 @@ def check_step(cfg: MinirlConfig, step: int, outcomes: list[GroupOutcome]) -> No
     kept = [o for o in outcomes if o.status == "committed"]
     lost = n - len(kept)
     floor = step_floor(cfg)
-    if len(kept) < floor:
+    if len(kept) < floor:  # the shortfall's failures: a replaced prompt's spare filled its place
+        failures = [o.reason or o.status for o in outcomes if o.status in ("dropped", "skipped")]
         fraction = cfg.async_rl.rollout_failure.min_step_batch_fraction
         raise RuntimeError(  # upstream's text, with the cause named before upstream's guess at it
             f"training step {step} lost {lost} of {n} prompt group(s), leaving {len(kept)}, below the floor of "
             f"{floor} set by async_rl.rollout_failure.min_step_batch_fraction={fraction}. "
-            + dominant_failure([o.reason or o.status for o in outcomes if o.status != "committed"]).rstrip(".")
+            + dominant_failure(failures).rstrip(".")
             + ". Either the generation fleet is failing a whole step's worth of prompts, or the drop budgets are "
             "set too high to catch it: they are run-scoped and cannot bound how short a single step gets."
         )

@@ -163,6 +163,17 @@ def test_floor_message_is_upstreams():
     check_step(step_cfg(True, 0.75), 7, outs)  # fix 1: trains 3 of 4
 
 
+def test_a_replaced_prompt_is_no_lost_group_in_the_floor_message():
+    """Under `replace` a prompt whose spare committed is `replaced`: the step did not lose it, so the floor
+    message's dominant failure is the shortfall's alone (it read "all 2 lost group(s)" of a step that lost 1)."""
+    outs = [outcome(0, "committed"), outcome(1, "dropped"), outcome(0, "replaced")]
+    outs[1].reason, outs[2].reason = "GymTransportError: HTTP 503", "RolloutTimeout: exceeded 6.0s"
+    cfg = step_cfg(False, 1.0)
+    cfg.grpo.num_prompts_per_step = 2
+    with pytest.raises(RuntimeError, match=r"lost 1 of 2 .*Dominant failure \(all 1 lost group\(s\)\): GymTransport"):
+        check_step(cfg, 0, outs)
+
+
 def test_cc_step_checks():
     partial = [outcome(g, "committed") for g in range(4)]
     del partial[2].rollouts[1]
