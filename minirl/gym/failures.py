@@ -190,7 +190,10 @@ def error_failure(status: int, raw: bytes, message: str,
 def failure_facts(exc: BaseException) -> dict:
     """`{failure_kind, stage, terminal}` for any failure: what it carries, else named from its class.
     `terminal` says the row is never sent again for it: the failure's own fact where it has one,
-    else true only for a deterministic failure (a DATA failure without the fact is retried)."""
+    else true only for a deterministic failure (a DATA failure without the fact is retried). A
+    deterministic failure is its repeated answer's kind and stage (an agent's 500 stays `agent_run_error`)."""
+    if isinstance(exc, DeterministicFailure) and exc.__cause__ is not None:
+        return {**failure_facts(exc.__cause__), "terminal": True}
     kind = getattr(exc, "failure_kind", None)
     if not isinstance(kind, str):
         kind = _kind_of(exc)

@@ -226,6 +226,9 @@ def test_a_siblings_deterministic_failure_logs_each_rows_own_class(base_cfg):
                    if e["type"] == "failure" and "scope" not in e}
     assert group_level == {(0, "DeterministicFailure", "data", "skipped", True),
                            (1, "GymTransportError", "infra", "skipped", False)}
+    # the repeated answer's own kind: an agent's 500 (it was filed `minirl:bad_result`, a result that does not parse)
+    assert {e["failure_kind"] for e in events if e["type"] == "failure" and e["rollout"] == 0} == {"agent_run_error"}
+    assert out.failures_by_kind == {"agent_run_error": 2, "agent_request_failed": 2}, out.failures_by_kind
 
 
 # ------------------------------------------------------------------------ AA LOW: `terminal` on retries
