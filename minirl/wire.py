@@ -206,11 +206,14 @@ def _infra_types() -> tuple[type, ...]:
         types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError]
     except ImportError:  # pragma: no cover
         pass
-    try:  # upstream's list: the actor, its node, its objects, a get that timed out, an unavailable actor
+    try:  # upstream's list (NeMo-RL 7ea279a): the actor, its scheduling, its worker, node, raylet and RPC, its
+        # objects and the object store, a get that timed out, memory
         import ray.exceptions as rex
 
-        types += [rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError,
-                  rex.ObjectLostError, rex.OwnerDiedError, rex.GetTimeoutError, rex.RaySystemError]
+        types += [rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.ActorUnschedulableError,
+                  rex.TaskUnschedulableError, rex.WorkerCrashedError, rex.NodeDiedError, rex.LocalRayletDiedError,
+                  rex.RpcError, rex.ObjectLostError, rex.OwnerDiedError, rex.ObjectFetchTimedOutError,
+                  rex.GetTimeoutError, rex.OutOfMemoryError, rex.ObjectStoreFullError, rex.RaySystemError]
     except (ImportError, AttributeError):  # pragma: no cover
         pass
     return tuple(types)
@@ -224,23 +227,32 @@ def http_class(status: int) -> str:
 
 
 def classify(exc: BaseException) -> str:
-    """INFRA or DATA, by the first recognisable link of the `__cause__` chain (at most 8 links; it
-    stops at a cycle); anything it does not recognise is DATA."""
+    """INFRA or DATA, as upstream's `classify_rollout_failure`: a RolloutDataFailure is DATA; else INFRA
+    when any link of the `__cause__` chain is (at most 8 links; it stops at a cycle), anything else DATA."""
+    if isinstance(exc, RolloutDataFailure):
+        return DATA
     seen: set[int] = set()
     link: BaseException | None = exc
     for _ in range(8):
         if link is None or id(link) in seen:
             break
         seen.add(id(link))
-        if isinstance(link, RolloutDataFailure):
-            return DATA
-        if isinstance(link, RolloutInfraFailure) or isinstance(link, _INFRA_TYPES):
+        if _is_infra(link):
             return INFRA
-        status = getattr(link, "status", None)
-        if isinstance(status, int) and 100 <= status < 600:
-            return http_class(status)
         link = link.__cause__
     return DATA
+
+
+def _is_infra(link: BaseException) -> bool:
+    """One link, as upstream's `_is_infra`: a RolloutFailure by its class (the status minirl's carry is the
+    answer they came from, already read into the class); another HTTP answer by its status (a 4xx
+    describes the request: the walk goes on to its cause); anything else by its type."""
+    if isinstance(link, (RolloutDataFailure, RolloutInfraFailure)):
+        return isinstance(link, RolloutInfraFailure)
+    status = getattr(link, "status", None)
+    if isinstance(status, int) and 100 <= status < 600:
+        return http_class(status) == INFRA
+    return isinstance(link, _INFRA_TYPES)
 
 
 # ------------------------------------------------------------------------------ /run error body

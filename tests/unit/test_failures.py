@@ -78,6 +78,14 @@ def test_explicit_data_failure_wins_over_infra_cause():
     assert classify(chain(RolloutDataFailure("bad"), ConnectionError())) == DATA
 
 
+def test_the_walk_goes_on_past_a_4xx_or_a_data_link_as_upstreams():
+    """Upstream's `_is_infra` reads one link: a 4xx or a RolloutDataFailure below the top is not INFRA, and
+    the walk goes on to its cause (the first recognisable link decided before)."""
+    assert classify(chain(RuntimeError("wrapper"), Status(400), ConnectionError())) == INFRA
+    assert classify(chain(RuntimeError("wrapper"), RolloutDataFailure("bad"), TimeoutError())) == INFRA
+    assert classify(chain(RuntimeError("wrapper"), Status(400), KeyError("x"))) == DATA
+
+
 def test_walk_stops_after_eight_links_and_on_cycles():
     links = [ValueError(str(i)) for i in range(8)] + [ConnectionError()]
     assert classify(chain(*links)) == DATA  # the INFRA cause is the 9th link
@@ -123,10 +131,13 @@ def test_budget_errors_are_not_rollout_failures():
 
 
 def test_ray_errors_follow_upstreams_infra_list():
+    """NeMo-RL 7ea279a's `_INFRA_TYPES`, every Ray entry (seven were missing: a node out of memory was DATA)."""
     import ray.exceptions as rex
 
-    for cls in (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.NodeDiedError,
-                rex.ObjectLostError, rex.OwnerDiedError, rex.GetTimeoutError):
+    for cls in (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError, rex.ActorUnschedulableError,
+                rex.TaskUnschedulableError, rex.WorkerCrashedError, rex.NodeDiedError, rex.LocalRayletDiedError,
+                rex.OwnerDiedError, rex.RpcError, rex.GetTimeoutError, rex.ObjectFetchTimedOutError,
+                rex.ObjectLostError, rex.OutOfMemoryError, rex.ObjectStoreFullError, rex.RaySystemError):
         exc = cls.__new__(cls)  # constructors differ; classification looks at the type only
         assert classify(exc) == INFRA, cls
 
