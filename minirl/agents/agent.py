@@ -125,11 +125,11 @@ async def _admit(ep: Episode, ch: ContextHistoryConfig, policy: CompactionPolicy
         ep.prefix = None
     if decision != "reject":
         return True
-    names = "max_total_tokens"
+    rejected = f"Context guard rejected model call at complete action boundary: step={call + 1} guards=max_total_tokens"
     if ch.guards.on_reject == "raise":
-        raise ContextGuardRejected(
-            f"Context guard rejected model call at complete action boundary: step={call + 1} guards={names}")
+        raise ContextGuardRejected(rejected)
     ep.ev.capture_failed, ep.ev.end_reason = True, "guard_reject"
+    ep.ev.errors.append(rejected)  # its `mask` event says the guard ended it, not an overflow (lane A's mask too)
     return False
 
 

@@ -70,6 +70,9 @@ def test_guard_reject_with_end_episode_is_a_masked_200_fix_2(stack, base_cfg):
     assert status == 200
     ev = body["evidence"]
     assert ev["capture_failed"] and ev["end_reason"] == "guard_reject" and ev["calls"] == 0
+    # the rollout's `mask` event names the guard (it read as lane A's overflow: capture_failed, no error)
+    assert ev["errors"] == ["Context guard rejected model call at complete action boundary: step=1 "
+                            "guards=max_total_tokens"]
     assert ev["guard"] == [{"call": 0, "limit": None, "reserved": 0, "injected": True, "decision": "reject"}]
     assert body["response"]["status"] == "incomplete"
 
