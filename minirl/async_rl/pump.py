@@ -50,6 +50,8 @@ class RolloutPump:
         self.inflight: Counter = Counter()  # start_weight of each place's current attempt -> places
         # in flight -> its job: [step, group, target_step, replacement, attempts used, lost outcomes]
         self.tasks: dict[asyncio.Task, list] = {}
+        # a place whose prompt was lost for good, while it moves the prompt's call records: id(job) -> its record
+        self.parked: dict[int, GroupRecord] = {}
         self.error: BaseException | None = None
         self.wake = asyncio.Event()
         self.main: asyncio.Task | None = None
@@ -74,11 +76,16 @@ class RolloutPump:
         its record and ends in one loop step, but `_done` drops it from `tasks` a loop iteration
         later, so a task that is done is not in flight: its record is in the buffer already (or
         it failed, and the run ends). A place in flight is its job, the outcomes of the prompts it
-        gave up on (`lost`) included, so the step that trains it after a resume counts them."""
+        gave up on (`lost`) included, so the step that trains it after a resume counts them. A place
+        whose prompt was lost for good (its drop or skip charged already) is its record, parked while
+        it moves the prompt's call records: in flight, a resume would send the prompt again and charge
+        it twice. (One that committed is still in flight then: its call records are on their way.)"""
+        live = [job for task, job in self.tasks.items() if not task.done()]
         # each job with a copy of its `lost`, which the place goes on appending to
-        in_flight = sorted(((*job[:5], list(job[5])) for task, job in self.tasks.items() if not task.done()),
+        in_flight = sorted(((*job[:5], list(job[5])) for job in live if id(job) not in self.parked),
                            key=lambda job: job[:2])
-        return {"next": self.next, "in_flight": in_flight, "ready": list(self.buffer.ready),
+        parked = [self.parked[id(job)] for job in live if id(job) in self.parked]
+        return {"next": self.next, "in_flight": in_flight, "ready": [*self.buffer.ready, *parked],
                 "pool": list(self.pool), "spare_batches": self.spare_batches,
                 "pacer": None if self.pacer is None else self.pacer.state()}
 
@@ -283,17 +290,26 @@ class RolloutPump:
                 step, group = job[0], job[1]
                 row = prompt_row(self.cfg, step, group)
                 outcome = await self.manager.run_group(step, group, row, on_attempt=attempt)
+                # decided before the records move, with no await: a checkpoint meanwhile sees the place as it
+                # will be (re-aimed at a spare with this prompt in `lost`, or parked as its lost record)
+                substituted = outcome.status != "committed" and self._substitute(job, outcome)
+                if substituted:
+                    lost.append(outcome)
+                elif outcome.status != "committed":
+                    self.parked[id(job)] = GroupRecord(step, group, start[0], outcome, target_step=job[2],
+                                                       replacement=job[3], lost=lost)
                 await self.on_resolved(step, group)
-                if outcome.status == "committed" or not self._substitute(job, outcome):
+                if not substituted:
                     break
-                lost.append(outcome)
                 await self.buffer.touched()  # a promotion may have completed the short step: it trains now
                 await self.permitted.wait()  # a substitute is a fresh dispatch: it waits out a weight sync
                 self._dispatched(job)
         except asyncio.CancelledError:
+            self.parked.pop(id(job), None)
             await self.buffer.release()
             raise
         except BaseException as exc:  # a run-ending failure: stop dispatching, hand it to the train pump
+            self.parked.pop(id(job), None)
             await self.buffer.release()
             await self._fail(exc)
             return
@@ -303,7 +319,8 @@ class RolloutPump:
         step, group, target, replacement = job[:4]
         if self.pacer is not None and outcome.status == "committed":
             self.pacer.observed(prompt_class(prompt_row(self.cfg, step, group)), time.monotonic() - dispatched)
-        record = GroupRecord(step, group, start[0], outcome, target_step=target, replacement=replacement, lost=lost)
+        record = self.parked.pop(id(job), None) or GroupRecord(step, group, start[0], outcome, target_step=target,
+                                                               replacement=replacement, lost=lost)
         await self.buffer.commit(record)
 
     def _substitute(self, job: list, outcome) -> bool:

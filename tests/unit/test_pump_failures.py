@@ -187,3 +187,61 @@ def test_a_group_retry_waits_out_a_weight_sync_and_starts_under_the_new_version(
     assert [e["decision"] for e in events if e["type"] == "failure"] == ["retried"]
     assert len(retry) == 2 and min(retry) >= clock["published"], (clock, sends)
     assert [o.status for o in take.outcomes] == ["committed"] and take.start_weights == [1]
+
+
+def test_a_checkpoint_while_a_lost_group_moves_its_records_charges_its_drop_once():
+    """Group 0 is dropped (its drop charged) and is moving its call records off the servers when the
+    checkpoint is cut. The pump listed it in flight, so the resumed run sent the prompt again and charged
+    its drop a second time (here past a budget of 1: the run ended); now it is its lost record, and the
+    resumed step takes what the uninterrupted one took, with no second drop (found by review)."""
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+                             "policy.train_global_batch_size=4", "grpo.max_num_steps=1",
+                             "async_rl.rollout_failure.max_infra_attempts_per_prompt=1",
+                             "async_rl.rollout_failure.max_consecutive_dropped_prompts=1",
+                             "async_rl.rollout_failure.min_step_batch_fraction=0.5",
+                             "async_rl.stall_watchdog.stall_timeout_s=null"])
+
+    async def post(session, url, row):
+        if row["_minirl"]["group"] == 0:
+            await asyncio.sleep(0.05)  # group 1 commits first
+            raise GymTransportError("NeMo-Gym /run failed with HTTP 503: down")
+        return {**row, "response": {"output": [ITEM]}, "reward": 0.0}
+
+    async def nosleep(s):
+        pass
+
+    async def run(resume=None, cut=False):
+        events, moved, moves = [], asyncio.Event(), []
+
+        async def drain(step):
+            moves.append(step)
+            if cut and len(moves) == 2:  # the dropped group's move: the checkpoint is cut while it waits
+                await moved.wait()
+            return []
+
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, sleep=nosleep, post=post)
+        source = BufferSource(cfg, manager, drain)
+        if resume is not None:
+            source.restore(resume[0])
+            manager.load_state(resume[1])
+        checkpoint = None
+        try:
+            taking = asyncio.ensure_future(source.take(0, 0))
+            if cut:
+                while len(moves) < 2:
+                    await asyncio.sleep(0.01)
+                checkpoint = source.snapshot(), manager.state()  # Controller.snapshot: between two awaits
+                moved.set()
+            take = await asyncio.wait_for(taking, 5)
+        finally:
+            await source.close()
+            await manager.session.close()
+        drops = [(e["step"], e["group"], e["consecutive_drops"]) for e in events if e["type"] == "drop"]
+        return sorted((o.step, o.group, o.status) for o in take.outcomes), drops, checkpoint
+
+    taken, drops, checkpoint = asyncio.run(run(cut=True))
+    assert taken == [(0, 0, "dropped"), (0, 1, "committed")] and drops == [(0, 0, 1)]
+    assert checkpoint[1]["consecutive_drops"] == 1
+    resumed, drops, _ = asyncio.run(run(resume=checkpoint))
+    assert resumed == taken and drops == []
