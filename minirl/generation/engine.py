@@ -282,7 +282,8 @@ class VllmEngine:
 
     def update_weights(self, named: list, version: int, drain: bool = False) -> Future:
         """New weights between two engine steps. Requests in flight continue under them (their
-        result records both versions), unless `drain`: then the update waits until every request in
+        result records both versions; vLLM preempts them and recomputes their KV, so the prefix cache
+        holds no KV of the old weights), unless `drain`: then the update waits until every request in
         flight has finished, and requests that arrive meanwhile wait for the update; so does a second
         drain, which then drains in its turn (the requests that came before it first). Weights that do
         not fit the served checkpoint fail the future (ValueError naming the tensor) and change nothing.
@@ -313,7 +314,14 @@ class VllmEngine:
                 raise failed from exc
             finally:
                 self._reload_t0 = None
-            llm.reset_prefix_cache()
+            # no KV of the old weights may serve a later request stamped `version`: vLLM resets the prefix cache
+            # only with no request running, so the requests in flight (an in-flight update) are preempted and
+            # recompute their KV under the new weights (vLLM's way for RL); a reset that fails serves no more
+            if not llm.reset_prefix_cache(reset_running_requests=True):
+                failed = RuntimeError(f"the update to weights version {version}: vLLM could not reset its prefix "
+                                      "cache, so later requests would reuse KV of the old weights")
+                self._fail(failed)
+                raise failed
             self.version = version
             for rid in self._unstepped:  # no step has run them: their first token comes from these weights
                 if rid in self._pending:

@@ -128,3 +128,39 @@ def test_a_request_id_in_flight_already_is_refused(engine):
         assert engine.dead is None and engine.in_flight == 0
     finally:
         engine.unhang()
+
+
+def test_an_in_flight_update_leaves_no_kv_of_the_old_weights_to_a_later_request(engine, weights):
+    """An update with a request in flight (`async_rl.in_flight_weight_updates`, the upstream preset): vLLM's
+    `reset_prefix_cache()` refuses while a request holds KV, and minirl ignored its answer, so a later
+    request with a cached prefix (a group's rollouts share their prompt) reused KV of the old weights while
+    stamped with the new version: "a stamp may be too old, never too new" broke (found by review). Now the
+    requests in flight are preempted and recompute under the new weights: a prompt cached under v0 samples
+    after an in-flight update as it does after an update with nothing in flight."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    rng = np.random.default_rng(0)
+    new = [(n, (a + rng.normal(0, 0.05, a.shape)).astype(a.dtype)) for n, a in weights]
+    prompt = [1] + [300 + (i * 7) % 150 for i in range(400)]  # 25 full KV blocks to cache
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+    v0 = engine.version
+    try:
+        engine.generate(prompt, greedy).result(timeout=120)  # its blocks cached under v0
+        engine.hang()
+        running = engine.generate([1] + [200 + i % 90 for i in range(50)], params(64, 1))
+        wait_held_in_step(engine)
+        update = engine.update_weights(new, v0 + 1)  # in flight: `running` holds KV
+        engine.unhang()
+        update.result(timeout=120)
+        after = engine.generate(prompt, greedy).result(timeout=120)
+        mixed = running.result(timeout=120)
+        engine.update_weights(new, v0 + 1).result(timeout=120)  # nothing in flight: a clean cache
+        clean = engine.generate(prompt, greedy).result(timeout=120)
+        assert (mixed.version_start, mixed.version_end) == (v0, v0 + 1) and len(mixed.token_ids) == 64
+        assert (after.version_start, clean.version_start) == (v0 + 1, v0 + 1)
+        assert after.token_ids == clean.token_ids, (after.token_ids, clean.token_ids)
+        np.testing.assert_allclose(after.logprobs, clean.logprobs, atol=1e-3)
+    finally:
+        engine.unhang()
+        engine.update_weights(weights, v0).result(timeout=120)
