@@ -273,7 +273,8 @@ class LossConfig:
     truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
     """Truncation of those weights: null, `tis` (clamp to [ratio_min or 0, ratio]), `icepop` (zero
     the tokens outside [ratio_min, ratio]) or `seq-mask-tis` (zero every token of a sequence whose
-    geometric-mean weight falls outside [ratio_min, ratio]; the others keep theirs untruncated)."""
+    geometric-mean weight falls outside [ratio_min, ratio]; the others keep theirs untruncated; refused
+    under context compaction, as upstream's multi-trace guide refuses it: a sequence is a physical trace)."""
     truncated_importance_sampling_ratio: Optional[float] = None
     """Upper bound of the truncated weights (required with a truncation type)."""
     truncated_importance_sampling_ratio_min: Optional[float] = None
@@ -976,14 +977,15 @@ class MinirlConfig:
             _require(self.agent.external_url is None, "context_compaction.call_selection",
                      f"{cc.call_selection} needs minirl's own agents: an external agent's calls carry no rollout "
                      "header, so no captured call can be told apart as its rollout's")
-            _require(self.loss_fn.truncated_importance_sampling_type != "seq-mask-tis",
-                     "loss_fn.truncated_importance_sampling_type",
-                     "seq-mask-tis with context_compaction.call_selection other than returned_history: "
-                     "sequence-level correction masks depend on physical trace boundaries and cannot preserve "
-                     "split/merged equivalence")
         if cc.enabled:  # upstream: validate_cc_objective
             _require(self.loss_fn.token_level_loss, "loss_fn.token_level_loss",
                      "context compaction requires token_level_loss=true")
+            # upstream's multi-trace guide: every CC rollout is rebuilt from its captured calls (returned_history
+            # is one selection policy) and a compaction rewrite starts a new trace
+            _require(self.loss_fn.truncated_importance_sampling_type != "seq-mask-tis",
+                     "loss_fn.truncated_importance_sampling_type",
+                     "seq-mask-tis with context_compaction.enabled=true: sequence-level correction masks depend on "
+                     "physical trace boundaries and cannot preserve split/merged equivalence")
             _require(cc.allow_step_shrink or rf.min_step_batch_fraction == 1,
                      "async_rl.rollout_failure.min_step_batch_fraction",
                      "context compaction requires min_step_batch_fraction=1")

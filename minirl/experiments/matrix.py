@@ -78,7 +78,11 @@ def pairwise_cells() -> list[dict]:
 
 def _completion(missing: list[tuple]) -> list[dict]:
     """Cells that hold the `missing` pairs (a, va, b, vb): each new cell takes every pair that fits it
-    (its switches still free or already at those values) and that the table does not refuse there."""
+    (its switches still free or already at those values) and that the table does not refuse there. A pair
+    no cell can hold is an error naming it (a refusal the table lacks), not a loop."""
+    unfit = [p for p in missing if _fill({p[0]: p[1], p[2]: p[3]}) is None]
+    if unfit:
+        raise ValueError(f"the table allows pairs no cell can hold, e.g. {unfit[0]}: add the refusal that implies it")
     cells = []
     while missing:
         fixed: dict = {}
@@ -95,13 +99,14 @@ def _completion(missing: list[tuple]) -> list[dict]:
 
 
 def _fill(fixed: dict) -> dict | None:
-    """The default cell under `fixed`, in in_order or sync mode, with or without IS correction where those
-    are free: the first the table does not refuse, or None."""
-    for mode in ("in_order", "sync"):
-        for correction in ("tis", None):
-            cell = _default_cell() | {"mode": mode, "is_correction": correction} | fixed
-            if refused(cell) is None:
-                return cell
+    """The default cell under `fixed`, in in_order or sync mode, with or without IS correction, with CC or
+    without (and recency compaction) where those are free: the first the table does not refuse, or None."""
+    for cc in (True, False):
+        for mode in ("in_order", "sync"):
+            for correction in ("tis", None):
+                cell = _default_cell() | {"mode": mode, "is_correction": correction, "cc": cc} | fixed
+                if refused(cell) is None:
+                    return cell
     return None
 
 

@@ -164,6 +164,11 @@ REFUSED = [
             "a staleness window above 0 trains rollouts of older weights"),
     Refusal({"cc": (False,), "compaction": ("summarize",)}, "agent.context_history.policy.type",
             "summarize needs the compaction agent"),
+    Refusal({"cc": (True,), "is_correction": ("seq-mask-tis",)}, "loss_fn.truncated_importance_sampling_type",
+            "sequence-level masks depend on trace boundaries (upstream's multi-trace guide)"),
+    Refusal({"is_correction": ("seq-mask-tis",), "compaction": ("summarize",)},
+            "loss_fn.truncated_importance_sampling_type",
+            "implied by the two rules above: seq-mask-tis needs CC off, summarize needs it on"),
 ]
 """Combinations of switch values that minirl refuses with a ConfigError (exit 2) before Ray starts."""
 

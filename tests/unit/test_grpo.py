@@ -472,11 +472,16 @@ def test_seq_mask_tis_matches_reference():
 def test_seq_mask_tis_config():
     from minirl.config import ConfigError, load_config
 
-    cfg = load_config(None, ["loss_fn.use_importance_sampling_correction=true",
-                             "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
-                             "loss_fn.truncated_importance_sampling_ratio=1.002",
-                             "loss_fn.truncated_importance_sampling_ratio_min=0.999"])
+    seq_mask = ["loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+                "loss_fn.truncated_importance_sampling_ratio=1.002",
+                "loss_fn.truncated_importance_sampling_ratio_min=0.999"]
+    cfg = load_config("configs/plain.yaml", seq_mask)
     assert cfg.loss_fn.truncated_importance_sampling_type == "seq-mask-tis"
+    # upstream's multi-trace guide: under CC a compaction rewrite splits a rollout into traces, each its own sequence
+    with pytest.raises(ConfigError, match=r"^loss_fn\.truncated_importance_sampling_type: seq-mask-tis with "
+                                          r"context_compaction\.enabled=true: sequence-level correction masks"):
+        load_config(None, seq_mask)
     with pytest.raises(ConfigError, match="truncated_importance_sampling_ratio_min.*seq-mask-tis"):
         load_config(None, ["loss_fn.use_importance_sampling_correction=true",
                            "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
