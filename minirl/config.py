@@ -787,12 +787,18 @@ class DataConfig:
                 raise ConfigError(key, f"{path}: {_not_a_file(Path(path))}")
 
 
+_ABSENT = object()
+"""`OmegaConf.select`'s default where a key names nothing."""
+
+
 def _not_a_file(path: Path) -> str:
     """What `path`, which is not a regular file, is instead: for a message that says so."""
     try:
         mode = path.stat().st_mode
     except OSError as exc:
         return "no such file" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc.strerror or exc})"
+    except ValueError as exc:  # a NUL byte in the path
+        return f"cannot be read ({exc})"
     kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
     return f"is {next((name for test, name in kinds if test(mode)), 'a special file')}, not a file of rows"
@@ -958,6 +964,12 @@ class MinirlConfig:
         g, rf, cc = self.grpo, self.async_rl.rollout_failure, self.context_compaction
         _require(self.run_dir is None or self.run_dir.strip() != "", "run_dir",
                  f"must name a folder (null: runs/<UTC timestamp>), got {self.run_dir!r}")
+        _require(self.run_dir is None or "\0" not in self.run_dir, "run_dir",
+                 f"a path cannot hold a NUL byte, got {self.run_dir!r}")
+        # vLLM seeds its generator with numpy (below 2**32), each generation worker with grpo.seed + its rank
+        top = g.seed + self.cluster.num_generation_workers - 1
+        _require(top < 2**32, "grpo.seed", f"must leave grpo.seed + cluster.num_generation_workers - 1 below 2**32 "
+                                           f"(numpy's and vLLM's seed range), got {top}")
         self._check_resources()
         want = g.num_prompts_per_step * g.num_generations_per_prompt
         _require(self.policy.train_global_batch_size == want, "policy.train_global_batch_size",
@@ -1085,6 +1097,10 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
     for key, value in node.items():
         full = f"{prefix}{key}"
         if key not in schema.keys():  # `in schema` is False for a field still MISSING (FaultSpec.kind)
+            if isinstance(key, str) and "." in key and OmegaConf.select(schema, key, default=_ABSENT) is not _ABSENT:
+                head, _, rest = key.partition(".")
+                raise ConfigError(full, f"a dotted key is for the command line; in a YAML file write it nested "
+                                        f"({head}: {{{rest}: ...}})")
             raise ConfigError(_leaf(full, value), "unknown config key")
         child = schema._get_node(key)
         if isinstance(child, DictConfig):

@@ -125,6 +125,9 @@ def test_fault_list_in_yaml_flow_style():
         # a negative timeout read as no limit; an empty run_dir wrote the run into the working directory
         (["policy.generation.vllm_cfg.step_timeout_s=-1"], "policy.generation.vllm_cfg.step_timeout_s", ">= 0"),
         (["run_dir=' '"], "run_dir", "must name a folder (null: runs/<UTC timestamp>), got ' '"),
+        # numpy refuses a seed of 2**32 in vLLM's workers, after Ray started (found by review)
+        (["grpo.seed=4294967295", "cluster.num_generation_workers=2"], "grpo.seed",
+         "below 2**32 (numpy's and vLLM's seed range), got 4294967296"),
     ],
 )
 def test_errors_name_the_key(overrides, key, text):
@@ -250,6 +253,10 @@ def test_valid_edge_values_pass():
          "could not be converted"),
         ("faults:\n  inject:\n    kind: worker_kill\n    step: 1\n", "faults.inject", "is a list: give it [...]"),
         ("faults:\n  rate:\n    timeout: [0.1]\n", "faults.rate.timeout", "must be a number, got a list [0.1]"),
+        # found by review: a dotted key said "unknown", and a NUL byte in a path was a traceback (exit 1)
+        ("grpo.seed: 5\n", "grpo.seed", "in a YAML file write it nested (grpo: {seed: ...})"),
+        ('run_dir: "runs/x\\0y"\n', "run_dir", "a path cannot hold a NUL byte"),
+        ('data:\n  train_jsonl: "rows\\0.jsonl"\n', "data.train_jsonl", "cannot be read (embedded null byte)"),
     ],
 )
 def test_yaml_file_errors_are_one_line_naming_the_key_or_file(tmp_path, text, key, problem):
