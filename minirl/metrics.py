@@ -4,7 +4,8 @@ Invariant: `metrics.jsonl` gets exactly one line per completed optimizer step, w
 step's update and weight sync (a non-finite value is written as null), and TensorBoard the same
 scalars, a resumed run first purging those of the steps it runs again; `events.jsonl` gets one
 line per drop, retry, mask, compaction, guard decision, fault and failure, each flushed as it
-happens, so a crash loses nothing logged; the progress line never fails on a missing value.
+happens, so a crash loses nothing logged (and a line a crash cut is mended before the next is
+appended); the progress line never fails on a missing value.
 """
 
 from __future__ import annotations
@@ -46,12 +47,48 @@ def _fmt(value, spec: str) -> str:
 
 
 class EventLog:
+    """Appends to `path`, after mending the end an earlier process left there (`mend_tail`)."""
+
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        mend_tail(path)
         self.f = open(path, "a", buffering=1)
 
     def write(self, event: dict) -> None:
         self.f.write(json.dumps({"t": round(time.time(), 3), **event}, default=str) + "\n")
+
+
+def mend_tail(path: Path, chunk: int = 1 << 16) -> None:
+    """A JSONL log whose last line a kill or a full disk cut mid-write: the next line appended would join
+    it, and both would be lost to every reader. A cut tail that is a whole record gets its newline; any
+    other is dropped, with one warning line on stderr naming the file (as `checkpoint.keep_records` does)."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, 2)
+        start = end
+        while start > 0:  # back to the newline before the tail
+            start = max(0, start - chunk)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0 or start == 0:
+                start = start + newline + 1 if newline >= 0 else 0
+                break
+        if start == end:
+            return
+        f.seek(start)
+        tail = f.read()
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:
+            whole = False
+        if whole:
+            f.write(b"\n")
+            return
+        f.truncate(start)
+    shown = tail[:40].decode("utf-8", "replace")
+    print(f"minirl: {path}: dropping its last line, cut mid-write (not a JSON record: {shown!r}"
+          f"{'...' if len(tail) > 40 else ''})", file=sys.stderr, flush=True)
 
 
 class TensorBoardScalars:
