@@ -7,7 +7,8 @@ checks it with validation on (`prepare_data`; exit 2 naming the key). Prints the
 object, then writes them to `--out` (default `<run_dir>/eval/step_N/metrics.json`, beside the
 evaluation's own events: the training run's logs stay as they were), which is checked to be writable
 before anything starts (`check_out`); a `policy.model_name` of another shape than the checkpoint's
-is refused then too (`checkpoint.check_model`). Exit codes as `minirl.train`: 2 for a ConfigError, before Ray
+is refused then too (`checkpoint.check_model`), and so is a checkpoint whose files do not match its manifest
+(sizes and hashes: a ConfigError naming `--checkpoint`). Exit codes as `minirl.train`: 2 for a ConfigError, before Ray
 (`cluster.ray_address` probed first, as train does) or from inside the cluster.
 A run that attached to a sweep's engines, once they are gone, needs
 `cluster.ray_address=null cluster.attach_generation_workers=null`.
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
                           [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
         prepare_data(cfg)
         checkpoint.check_model(cfg, ckpt)  # a `policy.model_name` override of another shape: named, before Ray
+        # every file against the manifest, hashes too (as the resume inside checks it), before anything is written:
+        # with sizes alone, a damaged file started Ray and the engines first, and left an eval directory behind
+        if (reason := checkpoint.verify(ckpt)) is not None:
+            raise ConfigError("--checkpoint", f"{args.checkpoint} is no checkpoint that can be trusted: {reason}")
         probe_ray_address(cfg)  # a cluster to join answers (Ray itself retries one that does not for minutes)
         try:
             eval_dir.mkdir(parents=True, exist_ok=True)
@@ -78,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--checkpoint", f"cannot write {eval_dir}: {exc.strerror or exc}") from None
         out = Path(args.out) if args.out else eval_dir / "metrics.json"
         check_out(out)
-        if (reason := checkpoint.verify(ckpt, hashes=False)) is not None:  # the last check before Ray; resume hashes
-            raise ConfigError("--checkpoint", f"{args.checkpoint} is no checkpoint that can be trusted: {reason}")
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2
