@@ -210,10 +210,13 @@ def dataset_rows(cfg: MinirlConfig, key: str) -> Rows:
 
 def check_rows(cfg: MinirlConfig, key: str) -> str | None:
     """Every row of `data.<key>` read and checked (`row_problem`; a training row also `class_problem`;
-    when minirl's own agent pool serves, also `agent_problem`): a line that is not a usable row is a
+    when minirl's own agent pool serves, also `agent_problem`; then nemo-gym's request model,
+    `gym.shapes.params_problem`): a line that is not a usable row is a
     ConfigError naming the key, the file and the line (a line that is not JSON in Gym's own words).
     Returns a line naming the result fields found (rows copied from a rollout dump), which every
     lookup leaves out, or None."""
+    from minirl.gym.shapes import params_problem  # pydantic's models: loaded for a file of rows only
+
     path = Path(getattr(cfg.data, key))
     found: dict[str, None] = {}
     rows = carrying = 0
@@ -230,6 +233,8 @@ def check_rows(cfg: MinirlConfig, key: str) -> str | None:
                 problem = class_problem(row, cfg)
             if problem is None and not cfg.agent.external_urls():
                 problem = agent_problem(_completed(row, _fill(cfg)), cfg)
+            if problem is None:  # last: the checks above name what minirl reads in their own words
+                problem = params_problem(row["responses_create_params"])
             if problem:
                 raise ConfigError(f"data.{key}", f"'{path}' line {line_no}: {problem}")
             fields = result_fields(row)

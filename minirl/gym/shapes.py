@@ -8,6 +8,8 @@ for every row the package's own models reject in the fields written down here.
 
 from __future__ import annotations
 
+import json
+
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -74,6 +76,22 @@ class ResponsesCreateParams(BaseModel):
     truncation: Optional[Literal["auto", "disabled"]] = None
     user: Optional[str] = None
     stream: Optional[Literal[False]] = None
+
+
+def params_problem(params: dict) -> str | None:
+    """What Gym's request model refuses among a row's `responses_create_params` (an unknown field, a field
+    of the wrong type), its `input` items aside (written down here for messages only: a row's other item
+    types are Gym's to judge), as one line naming the field; None when it passes."""
+    from pydantic import ValidationError
+
+    try:
+        ResponsesCreateParams.model_validate({**params, "input": ""})
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        field = ".".join(str(part) for part in err["loc"])
+        return (f"responses_create_params.{field}: {err['msg']}, got {json.dumps(err.get('input'), default=str)[:80]} "
+                "(nemo-gym's request model refuses it, so a Gym /run would answer 422)")
+    return None
 
 
 class RunRequest(BaseModel):

@@ -92,10 +92,16 @@ def test_a_row_minirls_agents_cannot_run_is_refused_before_ray(base_cfg, tmp_pat
     with pytest.raises(ConfigError, match=r"^data\.train_jsonl: ") as err:
         data.prepare(cfg)
     assert f"'{tmp_path / 'train.jsonl'}' line 2: " in str(err.value) and re.search(message, str(err.value)), err.value
-    # the same row is for an external Gym agent to judge (a string input is valid for Gym)
+    # the same row is for an external Gym agent to judge (a string input is valid for Gym), unless nemo-gym's own
+    # request model refuses it: a Gym /run would answer 422 and the prompt be lost mid-run
     external = own_pool_cfg(base_cfg, tmp_path, [good[0], changed(good[1], path, value)],
                             external_url="http://127.0.0.1:9")
-    data.prepare(external)
+    if path == "responses_create_params.tools":
+        with pytest.raises(ConfigError, match=r"line 2: responses_create_params\.tools: Input should be a valid list, "
+                                              r"got \"x\" \(nemo-gym's request model refuses it"):
+            data.prepare(external)
+    else:
+        data.prepare(external)
 
 
 @pytest.mark.parametrize("task", [{"num_rooms": 3}, {"env": "doors_memory", "num_rooms": 3, "seed": "7"},

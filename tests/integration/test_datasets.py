@@ -104,6 +104,13 @@ BAD_LINES = [
      r"line 2: responses_create_params.temperature=0.5 differs from policy.generation.temperature=1.0"),
     ({"responses_create_params": {"input": "hi"}, "agent_ref": "simple_agent"},
      r"line 2: agent_ref must be an object with a string name"),
+    # what nemo-gym's own request model refuses (a Gym /run answers 422, and the prompt was lost mid-run)
+    ({"responses_create_params": {"input": "hi", "max_tokens": 8}},
+     r"line 2: responses_create_params.max_tokens: Extra inputs are not permitted, got 8 \(nemo-gym's request"),
+    ({"responses_create_params": {"input": "hi", "metadata": {"k": 1}}},
+     r"line 2: responses_create_params.metadata.k: Input should be a valid string"),
+    ({"responses_create_params": {"input": "hi", "stream": True}}, r"line 2: responses_create_params.stream: "),
+    ({"responses_create_params": {"input": "hi", "tools": "x"}}, r"line 2: responses_create_params.tools: "),
     # nested past json's recursion limit (msgspec refuses it, json.loads raised RecursionError)
     ('{"responses_create_params": {"input": "hi", "metadata": ' + "[" * 1200 + "]" * 1200 + "}}",
      r"Malformed JSON in '.*' at line 2: maximum recursion depth exceeded"),
