@@ -1175,18 +1175,20 @@ def _read_yaml(file: str | Path) -> dict:
 
 
 def _parse_overrides(overrides: list[str]) -> list[tuple[str, dict]]:
-    """`a.b=v` strings -> (key, nested dict) layers, values parsed as YAML (flow style allowed)."""
+    """`a.b=v` strings -> (key, nested dict) layers, values parsed as YAML (flow style allowed). A text
+    field's value that YAML reads as a number or a boolean keeps its text (YAML 1.1 read `run_dir=0755` as
+    493 and `12:30` as 750); a `${...}` interpolation stays one, resolved with the merged config's keys."""
     out = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(item, "an override must look like dotted.key=value")
         key, raw = item.split("=", 1)
         try:
-            value = OmegaConf.from_dotlist([f"v={raw}"])["v"]
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]), resolve=False)["v"]
         except OmegaConfBaseException as exc:
             raise ConfigError(key, f"cannot parse value {raw!r}: {exc}") from None
-        if isinstance(value, (DictConfig, ListConfig)):
-            value = OmegaConf.to_container(value)
+        if isinstance(value, (bool, int, float)) and _text_field(key):
+            value = raw
         node: dict = {}
         cursor = node
         parts = key.split(".")
@@ -1195,6 +1197,16 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, dict]]:
         cursor[parts[-1]] = value
         out.append((key, node))
     return out
+
+
+def _text_field(key: str) -> bool:
+    """Is dotted `key` a field of MinirlConfig typed str (or Optional[str])?"""
+    node: Any = MinirlConfig
+    for name in key.split("."):
+        if not is_dataclass(node) or name not in {f.name for f in fields(node)}:
+            return False
+        node = get_type_hints(node)[name]
+    return node is str or node == Optional[str]
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), base: Path | None = DEFAULT_YAML) -> MinirlConfig:

@@ -368,3 +368,16 @@ def test_a_gym_side_fault_plan_is_checked_as_a_runs_is(data, key, problem):
     assert err.value.key == key and problem in err.value.problem
     plan = faults_section({"seed": 3, "inject": [{"kind": "session_lost", "step": 1, "group": 0, "rollout": 0}]})
     assert plan.seed == 3 and plan.inject[0].group == 0 and plan.inject[0].attempt is None
+
+
+def test_a_text_override_keeps_its_text_and_an_interpolation_resolves():
+    """Found by review: YAML 1.1 read `run_dir=0755` as 493, `20241204_1200` as 202412041200 and `12:30` as 750,
+    so the run wrote to another folder than the one named; and `${grpo.seed}` in an override was refused as
+    'not found' (it was resolved against a throwaway one-key config)."""
+    for text in ("0755", "20241204_1200", "12:30", "1e3", "true"):
+        assert load_config(None, [f"run_dir={text}"]).run_dir == text
+    assert load_config(None, ["run_dir=runs/seed_${grpo.seed}", "grpo.seed=7"]).run_dir == "runs/seed_7"
+    assert load_config(None, ["grpo.val_period=${grpo.max_num_steps}"]).grpo.val_period == 40
+    assert load_config(None, ["run_dir=null"]).run_dir is None and load_config(None, ["grpo.seed=0x10"]).grpo.seed == 16
+    with pytest.raises(ConfigError, match=r"^run_dir: .*nope"):
+        load_config(None, ["run_dir=${nope}"])
