@@ -342,10 +342,15 @@ class ModelServer:
         except Exception as exc:  # ValidationError, or a VLLMValidationError from a validator
             raise HTTPError.of(exc) from None
         self._check_model(req.model)
+        _refuse_template(req)
         if req.stream:
             raise HTTPError.bad_request("minirl's model server does not stream; send stream=false", "stream")
         if (req.n or 1) != 1:
             raise HTTPError.bad_request("minirl's model server supports n=1 only", "n")
+        for field, given in UNSERVED:  # asked of vLLM, which would do it: refused, never silently ignored
+            if given(req):
+                raise HTTPError.bad_request(f"minirl's model server does not do {field}={getattr(req, field)!r}; "
+                                            "leave it out", field)
         prefix = self._required_prefix(body)
         chars = rendered_chars(body["messages"], body.get("tools"))
         limit = self.engine.max_model_len * self.max_chars_per_token
@@ -397,6 +402,7 @@ class ModelServer:
             if "messages" in body:
                 req = TokenizeChatRequest.model_validate(body)
                 self._check_model(req.model)
+                _refuse_template(req)
                 prefix = self._required_prefix(body)
                 rendered = self.render(body["messages"], body.get("tools"), req.add_generation_prompt,
                                        req.continue_final_message)
@@ -613,6 +619,8 @@ class ModelServer:
         # vLLM's `get_chat_request_role`: without a generation prompt the reply continues the final message's role
         role = "assistant" if req.add_generation_prompt else body["messages"][-1]["role"]
         message = _without_none({"role": role, "content": parsed["content"]})
+        if req.parallel_tool_calls is False:  # vLLM's `maybe_filter_parallel_tool_calls`: the first call only
+            parsed["tool_calls"] = parsed["tool_calls"][:1]
         if parsed["tool_calls"]:  # ChatMessage's serializer drops an empty list
             message["tool_calls"] = [{"id": tc["id"], "type": "function",
                                       "function": {"name": tc["function"]["name"],
@@ -638,6 +646,22 @@ class ModelServer:
         if req.return_token_ids:
             response["prompt_token_ids"] = list(result.prompt_token_ids)
         return response, finite
+
+
+UNSERVED = (("use_beam_search", lambda r: r.use_beam_search),
+            ("prompt_logprobs", lambda r: r.prompt_logprobs is not None),
+            ("truncate_prompt_tokens", lambda r: r.truncate_prompt_tokens is not None),
+            ("include_reasoning", lambda r: r.include_reasoning is False))
+"""Request fields vLLM's server honours and minirl's does not: a request that sets one is a 400 naming it."""
+
+
+def _refuse_template(req) -> None:
+    """vLLM's 400 for a request that brings its own chat template (`vllm serve` without
+    `--trust-request-chat-template`); minirl's server renders with the model's only."""
+    kwargs = req.chat_template_kwargs or {}
+    if req.chat_template is not None or kwargs.get("chat_template") is not None:
+        raise HTTPError.bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                                    "set. Refused request with untrusted chat template.")
 
 
 def forces_a_call(req: ChatCompletionRequest) -> bool:

@@ -165,6 +165,26 @@ def test_an_unknown_model_is_vllms_404_and_the_served_one_or_none_is_served(fron
     assert named[0] == unnamed[0] == 200 and named[1]["model"] == unnamed[1]["model"] == served
 
 
+def test_what_vllm_would_do_and_minirl_does_not_is_a_400_naming_it(front):
+    """vLLM's server refuses a request's own chat template (without --trust-request-chat-template), and runs
+    beam search, prompt logprobs, prompt truncation and `include_reasoning: false`; minirl's served them all
+    with 200, silently ignoring each (found by review). Now each is a 400: the template vLLM's, the others
+    naming their field."""
+    template = "Chat template is passed with request, but --trust-request-chat-template is not set. " \
+               "Refused request with untrusted chat template."
+    for extra in ({"chat_template": "{{ messages }}"}, {"chat_template_kwargs": {"chat_template": "x"}}):
+        for path, body in ((CHAT, {**GOOD_CHAT, **extra}), ("/tokenize", {"messages": GOOD_CHAT["messages"], **extra})):
+            status, answer = ask(front, body, path=path)
+            assert status == 400 and answer["error"]["message"] == template, (path, extra, answer)
+    for field, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 5),
+                         ("include_reasoning", False)):
+        status, answer = ask(front, {**GOOD_CHAT, field: value})
+        assert status == 400 and answer["error"]["param"] == field, (field, answer)
+        assert answer["error"]["message"].startswith(f"minirl's model server does not do {field}="), answer
+    served = {**GOOD_CHAT, "chat_template_kwargs": {}, "use_beam_search": False, "include_reasoning": True}
+    assert ask(front, served)[0] == 200
+
+
 def test_top_logprobs_20_gives_20_per_token_sampled_first_as_vllm_orders_them(front):
     status, body = ask(front, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 20, "max_completion_tokens": 6, "seed": 3,
                                "return_tokens_as_token_ids": True, "return_token_ids": True})

@@ -253,3 +253,34 @@ def test_the_message_is_vllms_parser_and_serving(server, tokenizer, monkeypatch,
     message = ChatMessage(role="assistant", content=(content or "") if forced else content,
                           tool_calls=[ToolCall(id="call", function=c) for c in calls or []])
     assert mine == message.model_dump(exclude_none=True), (mine, content, calls)
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_two_calls_in_one_reply_are_one_when_parallel_tool_calls_is_false(server, tokenizer, monkeypatch, parallel):
+    """vLLM's serving keeps a reply's first tool call only when the request says `parallel_tool_calls: false`
+    (`maybe_filter_parallel_tool_calls`, run here on vLLM's own choice); Gym rows carry the field. minirl
+    returned every call (found by review)."""
+    from vllm.entrypoints.generate.base.protocol import ToolCall
+    from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionRequest,
+                                                                  ChatCompletionResponseChoice, ChatMessage)
+    from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
+
+    monkeypatch.setattr(server, "reasoning_parser", None)
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Room 1."}],
+            "tools": [{"type": "function", "function": {"name": "open_door", "parameters": {
+                "type": "object", "properties": {"code": {}}}}}]}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    req = ChatCompletionRequest.model_validate(body)
+    text = CALL + "\n" + CALL.replace("3", "4")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    result = GenResult([1], ids, [0.0] * len(ids), [None] * len(ids), text, "stop", 0, 0, None)
+    mine = server._response(body, req, [1], result)[0]["choices"][0]["message"]
+    for call in mine.get("tool_calls", []):
+        call["id"] = "call"
+    _, content, calls = server.hermes(tokenizer, req.tools).parse(text, req, enable_auto_tools=True,
+                                                                  model_output_token_ids=ids)
+    choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(
+        role="assistant", content=content, tool_calls=[ToolCall(id="call", function=c) for c in calls]))
+    theirs = maybe_filter_parallel_tool_calls(choice, req).message.model_dump(exclude_none=True)
+    assert mine == theirs and len(mine["tool_calls"]) == (1 if parallel is False else 2), (mine, theirs)
