@@ -240,6 +240,12 @@ def check_resume(cfg) -> None:
 
     if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and cfg.run_dir is None):
         return
+    named = Path(cfg.checkpoint.resume)
+    if (named.name.startswith(ABANDONED) and cfg.run_dir is not None
+            and named.resolve().parent == directory(Path(cfg.run_dir)).resolve()):
+        raise ConfigError("checkpoint.resume", f"{named} is a continuation this run_dir abandoned; resumed in place "
+                          "its steps would mix with the newer line's metric lines and checkpoints (a step skipped, "
+                          "resume=auto taking the other line): resume it into a new run_dir")
     path, _ = select(Path(cfg.run_dir or "."), cfg.checkpoint.resume)
     if path is None:
         return

@@ -201,6 +201,12 @@ def test_a_resume_from_an_older_checkpoint_sets_the_newer_aside(tmp_path):
     save(tmp_path, 4, keep_last_k=3)
     assert checkpoint.latest_verified(tmp_path) == (root / "step_4", [])
     assert checkpoint.set_aside_newer(tmp_path, 5) == [], "nothing newer: nothing moved"
+    # resumed in place, a set-aside step would run on under this line's metrics and checkpoints (review: step 3 of
+    # line A after line B's steps 1-2, with step 3 skipped and `auto` then taking line B): refused before Ray
+    cfg = load_config(None, [f"run_dir={tmp_path}", f"checkpoint.resume={root / 'abandoned_step_4'}"])
+    with pytest.raises(ConfigError, match=r"^checkpoint\.resume: .*abandoned_step_4 is a continuation this run_dir "
+                                          r"abandoned; .* resume it into a new run_dir"):
+        checkpoint.check_resume(cfg)
 
 
 def rows(path: Path) -> list[dict]:
