@@ -146,10 +146,17 @@ class Cluster:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """The run's `run_failed` (when it failed) and its end-of-run books, then Ray down. A SIGTERM or Ctrl-C
+        while they are written ends a run that had ended well, with its own `run_failed`; a run that had
+        failed already ends with that failure (a KeyboardInterrupt here would have replaced it)."""
         try:
             if exc is not None:
                 self._run_failed(exc)
             self._finish()
+        except KeyboardInterrupt as stop:
+            if exc is None:
+                self._run_failed(stop)
+                raise
         finally:
             ray.shutdown()
 
