@@ -26,7 +26,8 @@ from helpers import child_result
 
 from minirl.agents.agent import ModelReply, run_episode
 from minirl.agents.compaction.summarize import SUMMARY_KIND, threshold, trim_middle
-from minirl.agents.compaction.summary_format import HANDOFF_PREFIX, SUMMARY_REQUEST, summary_text
+from minirl.agents.compaction.summary_format import (HANDOFF_PREFIX, SUMMARY_REQUEST, continuation, is_handoff,
+                                                    summary_text)
 from minirl.config import ConfigError, FaultSpec, load_config
 from minirl.controller import assemble
 from minirl.data import prompt_row
@@ -260,6 +261,13 @@ def test_trim_middle_keeps_the_initial_context_and_the_newest_turns():
     trimmed = trim_middle(history, 2)
     assert trimmed == initial + [it for t in turns[3:] for it in t]
     assert trim_middle(trim_middle(trimmed, 2), 2) is None  # one turn left: nothing to trim
+    # after an earlier summary its handoff and the observation after it stay: the earlier rooms' only record
+    # (found by review: they were the oldest "turn" and the first to go, so the next summary lost them)
+    carried = continuation(history[:4], 2, "note7 seen in room 1")
+    (h,) = [i for i, item in enumerate(carried) if is_handoff(item)]
+    longer = carried + [it for t in turns[1:] for it in t]
+    assert trim_middle(longer, 2) == carried + [it for t in turns[3:] for it in t]
+    assert trim_middle(carried + turns[4], 2) is None and carried[:h] == initial
 
 
 def test_max_compactions_ends_the_rollout_as_truncated():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from minirl.agents.compaction.base import CompactionResult
 from minirl.agents.compaction.rewrite import RewritePolicy
-from minirl.agents.compaction.summary_format import SUMMARY_REQUEST, continuation, summary_text
+from minirl.agents.compaction.summary_format import SUMMARY_REQUEST, continuation, is_handoff, summary_text
 from minirl.agents.env import DoorsEnv, room_scores
 from minirl.agents.episode import Episode, ModelClient, ModelReply
 from minirl.agents.items import items_to_messages, new_id, reply_to_items
@@ -48,16 +48,24 @@ def threshold(cfg: SummarizeConfig, seed: int) -> int:
 
 def trim_middle(history: list[dict], initial_len: int) -> list[dict] | None:
     """The history with the oldest half of its turns dropped (a turn: the model's items and the tool
-    replies after them); the initial context and the newest turn always stay. None: nothing to drop."""
+    replies after them); the initial context, the newest turn and an earlier summary's handoff (with the
+    observation after it: the only place facts of the rooms before it survive) always stay, since the
+    reference trims "the middle of the history". None: nothing to drop."""
+    start = initial_len
+    handoffs = [i for i in range(initial_len, len(history)) if is_handoff(history[i])]
+    if handoffs:
+        start = handoffs[-1] + 1
+        while start < len(history) and not _by_model(history[start]):
+            start += 1
     turns: list[list[dict]] = []
-    for item in history[initial_len:]:
+    for item in history[start:]:
         if not turns or (_by_model(item) and not _by_model(turns[-1][-1])):
             turns.append([])
         turns[-1].append(item)
     if len(turns) < 2:
         return None
     keep = turns[(len(turns) + 1) // 2:]
-    return history[:initial_len] + [item for turn in keep for item in turn]
+    return history[:start] + [item for turn in keep for item in turn]
 
 
 def _by_model(item: dict) -> bool:
