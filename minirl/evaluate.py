@@ -72,11 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                           [*args.overrides, f"checkpoint.resume={ckpt}", f"run_dir={eval_dir}"])
         prepare_data(cfg)
         checkpoint.check_model(cfg, ckpt)  # a `policy.model_name` override of another shape: named, before Ray
-        # every file against the manifest, hashes too (as the resume inside checks it), before anything is written:
-        # with sizes alone, a damaged file started Ray and the engines first, and left an eval directory behind
+        probe_ray_address(cfg)  # a cluster to join answers (Ray itself retries one that does not for minutes)
+        if args.out:
+            check_out(Path(args.out))
+        # every file against the manifest, hashes too (as the resume inside checks it), the last check and before
+        # anything is written: with sizes alone, a damaged file started Ray and the engines first, and left an eval
+        # directory behind
         if (reason := checkpoint.verify(ckpt)) is not None:
             raise ConfigError("--checkpoint", f"{args.checkpoint} is no checkpoint that can be trusted: {reason}")
-        probe_ray_address(cfg)  # a cluster to join answers (Ray itself retries one that does not for minutes)
         try:
             eval_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

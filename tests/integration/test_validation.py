@@ -4,6 +4,7 @@ configured fault can touch, and `python -m minirl.evaluate` on a real checkpoint
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -402,8 +403,9 @@ def test_evaluate_exits_2_on_a_config_error_as_train_does(tmp_path):
 
     ckpt = tmp_path / "run" / "checkpoints" / "step_0"
     ckpt.mkdir(parents=True)
-    (ckpt / "w").write_bytes(b"w")  # a manifest whose file is there at its size: evaluate's last check before Ray
-    (ckpt / "state.json").write_text(json.dumps({"manifest": {"w": {"size": 1, "sha256": "0" * 64}}}))
+    (ckpt / "w").write_bytes(b"w")  # a manifest its file matches, size and hash: evaluate's last check before Ray
+    digest = hashlib.sha256(b"w").hexdigest()
+    (ckpt / "state.json").write_text(json.dumps({"manifest": {"w": {"size": 1, "sha256": digest}}}))
     for override, start in ((f"cluster.ray_address=127.0.0.1:{free_port('127.0.0.1')}",
                              "ConfigError: cluster.ray_address: nothing answers at"),
                             ("cluster.num_generation_workers=64", "ConfigError: cluster.num_cpus: the workers need")):
