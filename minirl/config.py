@@ -862,7 +862,8 @@ class CheckpointConfig:
     keep_last_k: int = bounded(2, ge=0)
     """Keep this many newest checkpoints (0 keeps all)."""
     resume: str = "none"
-    """`none`, `auto` (newest complete checkpoint in run_dir) or a checkpoint directory."""
+    """`none`, `auto` (newest checkpoint in run_dir that verifies; step 0 when there is none, a CheckpointError
+    when there are some and none verifies) or a checkpoint directory."""
 
 
 @dataclass

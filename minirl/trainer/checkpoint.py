@@ -166,11 +166,21 @@ def latest_verified(run_dir: Path, hashes: bool = True) -> tuple[Path | None, li
 
 
 def select(run_dir: Path, resume: str) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The checkpoint `checkpoint.resume` names (None: start from step 0), and those skipped on the way."""
+    """The checkpoint `checkpoint.resume` names (None: start from step 0), and those skipped on the way.
+    `auto` where checkpoints are there and none verifies is a CheckpointError naming each and why: step 0
+    would run again over the run's records (its metric lines dropped, its ledger and checkpoints rewritten)."""
     if resume == "none":
         return None, []
     if resume == "auto":
-        return latest_verified(run_dir)
+        path, skipped = latest_verified(run_dir)
+        if path is None and skipped:
+            named = "; ".join(f"{p.name}: {reason}" for p, reason in skipped[:3])
+            raise CheckpointError(
+                f"checkpoint.resume=auto: no checkpoint in {directory(run_dir)} verifies ({named}"
+                f"{'; ...' if len(skipped) > 3 else ''}): starting again at step 0 would run over this run's records; "
+                "repair one and name it in checkpoint.resume, or start afresh in another run_dir"
+            )
+        return path, skipped
     if (reason := verify(Path(resume))) is not None:
         raise CheckpointError(
             f"checkpoint.resume={resume} cannot be trusted: {reason} "

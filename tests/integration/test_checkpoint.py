@@ -82,10 +82,32 @@ def test_auto_takes_the_newest_that_verifies_and_reports_each_skipped(tmp_path):
         ("step_2", "policy/model.safetensors: size 1000 != 4096"),
         ("step_1", "trainer_state.pt: missing"),
     ]
-    # nothing verifies: start from step 0, still reporting every one skipped
+    # nothing verifies: an error naming each (before, the run started again at step 0 over the run's records)
     (path / "state.json").unlink()
-    path, skipped = checkpoint.select(tmp_path, "auto")
-    assert path is None and [p.name for p, _ in skipped] == ["step_2", "step_1", "step_0"]
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.select(tmp_path, "auto")
+    assert str(err.value).startswith(
+        f"checkpoint.resume=auto: no checkpoint in {checkpoint.directory(tmp_path)} verifies (step_2: "
+        "policy/model.safetensors: size 1000 != 4096; step_1: trainer_state.pt: missing; step_0: state.json "
+        "unreadable (")
+    # none there at all: a run that never saved starts at step 0
+    assert checkpoint.select(tmp_path / "fresh", "auto") == (None, [])
+
+
+def test_auto_with_no_checkpoint_that_verifies_ends_the_run_before_anything_is_written(tmp_path, capsys):
+    """From the command line: exit 1, one CheckpointError line, before Ray starts, the run's files as they were.
+    Before, the run started at step 0 and dropped every metric line of the run it was to continue."""
+    from minirl.train import main
+
+    bad = save(tmp_path, 0)
+    (bad / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    kept = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main([f"run_dir={tmp_path}", "checkpoint.resume=auto"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"CheckpointError: checkpoint.resume=auto: no checkpoint in {tmp_path / 'checkpoints'} "
+                           "verifies (step_0: trainer_state.pt: size 0 != 17): "), line
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == kept
 
 
 def test_auto_skips_a_checkpoint_whose_manifest_is_empty(tmp_path):
