@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from minirl.runtime.files import naming
+
 REQUIRED_FIELDS = (
     "step",
     "groups_target",
@@ -55,7 +57,8 @@ class EventLog:
         self.f = open(path, "a", buffering=1)
 
     def write(self, event: dict) -> None:
-        self.f.write(json.dumps({"t": round(time.time(), 3), **event}, default=str) + "\n")
+        with naming(self.f.name):
+            self.f.write(json.dumps({"t": round(time.time(), 3), **event}, default=str) + "\n")
 
 
 def mend_tail(path: Path, chunk: int = 1 << 16) -> None:
@@ -135,7 +138,8 @@ class MetricsLogger:
         missing = [k for k in REQUIRED_FIELDS if k not in metrics]
         assert not missing, f"metrics lack {missing}"
         row = {k: _clean(v) for k, v in metrics.items()}
-        self.f.write(json.dumps(row) + "\n")
+        with naming(self.f.name):
+            self.f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":

@@ -31,6 +31,7 @@ from minirl.rollout.agent_pool import AgentPool
 from minirl.rollout.evidence import parse_scored, reward_bound
 from minirl.rollout.manager import backoff, post_run, run_session
 from minirl.rollout.masking import PASS_REWARD
+from minirl.runtime.files import naming
 from minirl.trainer import checkpoint
 from minirl.wire import (ATTEMPT_INDEX, INFRA, ROLLOUT_ID, ROLLOUT_INDEX, SUMMARY_FAILED_SCORED, TASK_INDEX,
                          AgentUnreachable, RolloutFailure, RolloutTimeout, classify, with_extra_body)
@@ -238,7 +239,7 @@ class Validator:
         import ray
 
         metrics = ray.get(self.controller.validate.remote(version))
-        with open(self.path, "a") as f:
+        with naming(self.path), open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.cfg.logger.progress:
             print(f"validation of version {version}: reward {metrics['val_reward_mean']:.3f}  success "

@@ -21,6 +21,7 @@ from minirl.agents.compaction import counter_names
 from minirl.agents.compaction.summarize import SUMMARY_COUNTERS
 from minirl.algo.grpo import rollout_votes
 from minirl.gym.failures import MASK_SAMPLE, episode_failure, sample_mask
+from minirl.runtime.files import naming
 from minirl.types import Call, Rollout, Trace
 from minirl.wire import Coords, RolloutDataFailure, is_summary_call, short as _short
 
@@ -397,7 +398,8 @@ class Ledger:
 
     def _write(self, step: int, lines: list[dict]) -> None:
         if self.dir is not None:
-            with open(self.dir / f"step_{step}.jsonl", "w") as f:
+            path = self.dir / f"step_{step}.jsonl"
+            with naming(path), open(path, "w") as f:
                 for line in lines:
                     f.write(json.dumps(line) + "\n")
 
@@ -532,10 +534,10 @@ class Ledger:
         every call a server served is then in exactly one ledger line (minirl/experiments/invariants.py)."""
         if self.dir is None:
             return
-        with open(self.dir / "run_end.jsonl", "w") as f:
+        with naming(self.dir / "run_end.jsonl"), open(self.dir / "run_end.jsonl", "w") as f:
             for rec in sorted(left, key=lambda rec: str(rec.get("key"))):
                 f.write(json.dumps({**self._line(rec, "retired"), "reason": "run_end: no step took its group"}) + "\n")
-        with open(self.dir / "served.jsonl", "w") as f:
+        with naming(self.dir / "served.jsonl"), open(self.dir / "served.jsonl", "w") as f:
             for account in served:
                 f.write(json.dumps({k: account[k] for k in ("rank", "served_count", "dropped", "served", "error")
                                     if k in account}) + "\n")

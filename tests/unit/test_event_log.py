@@ -44,3 +44,27 @@ def test_a_whole_file_is_left_as_it_is_and_a_cut_first_line_goes(tmp_path):
     path.write_text(long_tail)
     mend_tail(path, chunk=8)
     assert path.read_text() == whole
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
+    """A real ENOSPC (the files are links to /dev/full): the OS's error says only "No space left on device",
+    which named no file on the run's last line; each log's write now names its own (minirl.runtime.files)."""
+    import errno
+
+    import pytest
+
+    from minirl.metrics import REQUIRED_FIELDS, MetricsLogger
+    from minirl.rollout.evidence import Ledger
+
+    (tmp_path / "events.jsonl").symlink_to("/dev/full")
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger" / "step_0.jsonl").symlink_to("/dev/full")
+    metrics = MetricsLogger(tmp_path, tensorboard=False, progress=False, total_steps=1)
+    ledger = Ledger(tmp_path / "ledger")
+    for write, name in ((lambda: EventLog(tmp_path / "events.jsonl").write({"type": "drop"}), "events.jsonl"),
+                        (lambda: metrics.log(dict.fromkeys(REQUIRED_FIELDS, 0)), "metrics.jsonl"),
+                        (lambda: ledger._write(0, [{"step": 0}]), "ledger/step_0.jsonl")):
+        with pytest.raises(OSError) as err:
+            write()
+        assert err.value.errno == errno.ENOSPC and str(err.value).endswith(f": '{tmp_path / name}'"), err.value
