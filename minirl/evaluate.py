@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         prepare_data(cfg)
         checkpoint.check_model(cfg, ckpt)  # a `policy.model_name` override of another shape: named, before Ray
         probe_ray_address(cfg)  # a cluster to join answers (Ray itself retries one that does not for minutes)
-        if args.out:
-            check_out(Path(args.out))
+        out = Path(args.out) if args.out else None
+        if out is not None:
+            check_out(out)
         # every file against the manifest, hashes too (as the resume inside checks it), the last check and before
         # anything is written: with sizes alone, a damaged file started Ray and the engines first, and left an eval
         # directory behind
@@ -84,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             eval_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError("--checkpoint", f"cannot write {eval_dir}: {exc.strerror or exc}") from None
-        out = Path(args.out) if args.out else eval_dir / "metrics.json"
-        check_out(out)
+        if out is None:  # the default, in the eval directory just made
+            out = eval_dir / "metrics.json"
+            check_out(out)
     except ConfigError as exc:
         print(f"ConfigError: {exc}", file=sys.stderr)
         return 2

@@ -534,10 +534,11 @@ class Ledger:
         every call a server served is then in exactly one ledger line (minirl/experiments/invariants.py)."""
         if self.dir is None:
             return
-        with naming(self.dir / "run_end.jsonl"), open(self.dir / "run_end.jsonl", "w") as f:
+        run_end, served_path = self.dir / "run_end.jsonl", self.dir / "served.jsonl"
+        with naming(run_end), open(run_end, "w") as f:
             for rec in sorted(left, key=lambda rec: str(rec.get("key"))):
                 f.write(json.dumps({**self._line(rec, "retired"), "reason": "run_end: no step took its group"}) + "\n")
-        with naming(self.dir / "served.jsonl"), open(self.dir / "served.jsonl", "w") as f:
+        with naming(served_path), open(served_path, "w") as f:
             for account in served:
                 f.write(json.dumps({k: account[k] for k in ("rank", "served_count", "dropped", "served", "error")
                                     if k in account}) + "\n")

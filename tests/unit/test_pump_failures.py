@@ -77,14 +77,38 @@ def test_a_training_rows_difficulty_that_no_prompt_class_can_be_is_refused_with_
     assert check_rows(load_config(None, [f"data.train_jsonl={tiers}", *PACED]), "train_jsonl") is None
 
 
+def run_one_group_steps(stall_timeout_s: float, post, steps: int, events: list, taken: list,
+                        train_s: float = 0.0) -> None:
+    """An async run at staleness 0, one group of 2 rollouts a step, its `/run` answered by `post`: takes
+    `steps` steps (each "training" `train_s` before its weight sync), appending each take's (step, status)
+    pairs to `taken` and the manager's events to `events`; whatever the run raises propagates."""
+    cfg = load_config(None, ["async_rl.enabled=true", "grpo.num_prompts_per_step=1",
+                             "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=2",
+                             "async_rl.sampler.max_staleness_versions=0",
+                             f"async_rl.stall_watchdog.stall_timeout_s={stall_timeout_s}"])
+
+    async def go():
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, post=post)
+        source = BufferSource(cfg, manager, no_records)
+        try:
+            for step in range(steps):
+                take = await asyncio.wait_for(source.take(step, step), 10)
+                taken.append([(o.step, o.status) for o in take.outcomes])
+                if train_s:
+                    await asyncio.sleep(train_s)
+                source.syncing()
+                source.published(step + 1)
+        finally:
+            await source.close()
+            await manager.session.close()
+
+    asyncio.run(go())
+
+
 def test_a_stall_event_names_the_step_the_train_pump_is_on():
     """One manager watchdog runs for the whole async run: its `stall` event named the step the pump
     started at (0) for ever. Here step 2's group hangs (an agent server that took the request and never
     answers) while the train pump waits for step 2."""
-    cfg = load_config(None, ["async_rl.enabled=true", "grpo.num_prompts_per_step=1",
-                             "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=2",
-                             "async_rl.sampler.max_staleness_versions=0",
-                             "async_rl.stall_watchdog.stall_timeout_s=0.4"])
     events, taken = [], []
 
     async def post(session, url, row):
@@ -92,21 +116,8 @@ def test_a_stall_event_names_the_step_the_train_pump_is_on():
             await asyncio.Event().wait()
         return {**row, "response": {"output": [ITEM]}, "reward": 0.0}
 
-    async def go():
-        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, post=post)
-        source = BufferSource(cfg, manager, no_records)
-        try:
-            for step in range(3):
-                take = await asyncio.wait_for(source.take(step, step), 10)
-                taken.append([(o.step, o.status) for o in take.outcomes])
-                source.syncing()
-                source.published(step + 1)
-        finally:
-            await source.close()
-            await manager.session.close()
-
     with pytest.raises(RolloutStall, match=r"no rollout completed .* 2 in flight: s2.g0.r"):
-        asyncio.run(go())
+        run_one_group_steps(0.4, post, 3, events, taken)
     assert taken == [[(0, "committed")], [(1, "committed")]]
     assert [(e["step"], e["in_flight"]) for e in events if e["type"] == "stall"] == [(2, 2)]
 
@@ -116,32 +127,14 @@ def test_an_idle_pump_between_steps_is_no_stall():
     completed send, so the first send after a training step longer than stall_timeout_s was a stall at
     once, though nothing had been in flight meanwhile (found by review). Each rollout takes 0.2 s here, each
     step trains 1 s against a 0.5 s timeout: no stall; a rollout that hangs is still one."""
-    cfg = load_config(None, ["async_rl.enabled=true", "grpo.num_prompts_per_step=1",
-                             "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=2",
-                             "async_rl.sampler.max_staleness_versions=0",
-                             "async_rl.stall_watchdog.stall_timeout_s=0.5"])
     events, taken = [], []
 
     async def post(session, url, row):
         await (asyncio.Event().wait() if row["_minirl"]["step"] == 3 else asyncio.sleep(0.2))
         return {**row, "response": {"output": [ITEM]}, "reward": 0.0}
 
-    async def go():
-        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], events.append, 100, post=post)
-        source = BufferSource(cfg, manager, no_records)
-        try:
-            for step in range(4):
-                take = await asyncio.wait_for(source.take(step, step), 10)
-                taken.append([(o.step, o.status) for o in take.outcomes])
-                await asyncio.sleep(1.0)  # the optimizer step: nothing may be dispatched at staleness 0
-                source.syncing()
-                source.published(step + 1)
-        finally:
-            await source.close()
-            await manager.session.close()
-
     with pytest.raises(RolloutStall, match=r"no rollout completed for 0\.[5-9].* 2 in flight: s3.g0.r"):
-        asyncio.run(go())
+        run_one_group_steps(0.5, post, 4, events, taken, train_s=1.0)  # train_s: nothing dispatched at staleness 0
     assert taken == [[(s, "committed")] for s in range(3)]
     assert [(e["step"], e["in_flight"]) for e in events if e["type"] == "stall"] == [(3, 2)]
 
