@@ -183,7 +183,7 @@ def _rollout_stats(cfg: MinirlConfig, outcomes: list[GroupOutcome], kept: list[G
         "loss_mass_by_group": _loss_mass(batch, len(outcomes)),
         "tokens_trained": int(batch.global_valid_tokens),
         "compactions": sum(r.evidence.get("compactions", 0) for r in all_rollouts),
-        **summary_stats(all_rollouts),  # summarizing compaction (summaries_failed: the controller adds the raised ones)
+        **summary_stats(all_rollouts),  # summarizing compaction (a step's summaries_failed: from outcomes)
         # every kept rollout, masked ones too
         "reward_mean": float(np.mean([r.reward for o in kept for r in _in_order(o)])) if all_rollouts else float("nan"),
         "reward_mean_trained": float(np.mean([r.reward for r in trained])) if trained else float("nan"),
@@ -400,7 +400,8 @@ class Controller:
         stats["timing/train/exposed_generation"] = waited
         spent = [*take.outcomes, *take.evicted]
         stats.update(kind_counts(spent, kept))
-        stats["summaries_failed"] += sum(o.summaries_failed for o in spent)  # raised: failed attempts
+        # failed summaries of every row that returned or failed, as guard_rejections: not only the kept rows'
+        stats["summaries_failed"] = sum(o.summaries_failed for o in spent)
         self.unlogged = spent  # counted by run_failed until its metrics line is written (`_settle`)
         return batch, stats
 

@@ -88,7 +88,7 @@ class GroupOutcome:
     backoff_s: float = 0.0
     step: int = 0
     guard_rejections: int = 0  # guard rejections: failed sends (on_reject=raise), returned rows' records (end_episode)
-    summaries_failed: int = 0  # failed sends answered SummaryFailed (on_summary_failure=raise)
+    summaries_failed: int = 0  # failed sends answered SummaryFailed (raise), returned rows' failed summaries (the rest)
     deterministic_failures: int = 0  # rows whose failure was found deterministic (max_identical_failures)
     failures_by_kind: dict[str, int] = field(default_factory=dict)  # its `failure` events by Gym's failure_kind
 

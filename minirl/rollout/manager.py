@@ -577,6 +577,7 @@ class RolloutManager:
             # its guard's rejections (on_reject=end_episode ends the episode, the row returns), counted
             # as it returns: a group lost later (dropped, skipped, its row discarded) still counts them
             out.guard_rejections += sum(g.get("decision") == "reject" for g in rollout.evidence.get("guard", []))
+            out.summaries_failed += rollout.evidence.get("summaries_failed", 0)  # its failed summaries, so too
             self._agent_events(rollout)
             out.rollouts[r] = rollout
             if run.weight is not None:

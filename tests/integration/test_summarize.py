@@ -501,6 +501,38 @@ def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tok
     assert [e["type"] for e in events].count("drop") == 1
 
 
+def test_a_lost_groups_failed_summary_is_still_counted(stack, base_cfg, tokenizer):
+    """on_summary_failure=end_episode: row 0's summary fails (the default tiny model writes no block), its
+    episode ends and the row returns; row 1's every /run is cut, so the group is dropped. Its outcome still
+    counts row 0's failed summary, as it counts the row returned and its guard rejections (docs/contracts.md:
+    the counts sum over every group outcome the step took). Before, only kept rollouts' failed summaries
+    reached `summaries_failed`: a lost or evicted group's were in no metric, though its `summary` event was."""
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = stack_cfg(base_cfg, ("grpo.num_generations_per_prompt", 2), (f"{SUMMARY}.on_summary_failure", "end_episode"),
+                    ("async_rl.rollout_failure.nemo_gym.max_row_attempts", 1),
+                    ("async_rl.rollout_failure.max_infra_attempts_per_prompt", 1),
+                    (f"{SUMMARY}.max_summary_attempts", 1),
+                    faults=[{"kind": "transport", "step": 0, "group": 0, "rollout": 1}])
+    cfg.async_rl.rollout_failure.max_consecutive_dropped_prompts = 1
+    events: list[dict] = []
+
+    async def go():
+        async with stack(cfg) as s:
+            manager = RolloutManager(cfg, [s.agent_url], events.append, len(tokenizer))
+            manager.open()
+            try:
+                return await manager.run_group(0, 0, row_of(cfg, seed=3))
+            finally:
+                await manager.session.close()
+
+    outcome = asyncio.run(go())
+    assert outcome.status == "dropped" and outcome.rows_returned == 1
+    failed = [e for e in events if e["type"] == "summary" and e.get("decision") == "failed"]
+    assert len(failed) == 1 and failed[0]["rollout"] == 0, [e for e in events if e["type"] == "summary"]
+    assert outcome.summaries_failed == 1
+
+
 ACCEPTED_CHILD = """
 import asyncio, json, sys
 sys.path[:0] = ["tests", "tests/integration"]  # conftest.py, and this file
