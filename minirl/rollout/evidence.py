@@ -21,6 +21,7 @@ from minirl.agents.compaction import counter_names
 from minirl.agents.compaction.summarize import SUMMARY_COUNTERS
 from minirl.algo.grpo import rollout_votes
 from minirl.gym.failures import MASK_SAMPLE, episode_failure, sample_mask
+from minirl.rollout.masking import stronger_mask
 from minirl.runtime.files import naming
 from minirl.types import Call, Rollout, Trace
 from minirl.wire import Coords, RolloutDataFailure, is_summary_call, short as _short
@@ -254,8 +255,8 @@ def parse_rollout(result, coords: Coords, *, vocab_size: int, max_len: int, over
     mask_reason = "capture_failed" if capture_failed else ("overlong" if truncated and overlong_filtering else None)
     if evidence.get("end_reason") == "summary_failed":  # on_summary_failure=end_episode
         mask_reason = mask_reason or "summary_failed"
-    if gym_mask is not None:
-        mask_reason = MASK_SAMPLE
+    if gym_mask is not None:  # the verifier's flag, unless the episode has no result to measure
+        mask_reason = stronger_mask(MASK_SAMPLE, mask_reason)
         evidence.update(gym_mask)
     return Rollout(coords, reward, calls, traces, capture_failed, evidence, mask_reason)
 
@@ -356,7 +357,7 @@ class Ledger:
                 found = index.get((tuple(c.prompt), tuple(c.gen)))
                 if not found:
                     counts["calls_unrecorded"] += 1
-                    r.mask_reason = r.mask_reason or "unrecorded_calls"
+                    r.mask_reason = stronger_mask(r.mask_reason, "unrecorded_calls")
                     continue
                 rec = found.pop()
                 status = "matched"
@@ -377,7 +378,7 @@ class Ledger:
                     counts["tokens_matched"] += len(c.gen)
                 else:
                     counts[f"calls_{status}"] += 1
-                    r.mask_reason = r.mask_reason or {"stale": "stale_calls"}.get(status, status)
+                    r.mask_reason = stronger_mask(r.mask_reason, {"stale": "stale_calls"}.get(status, status))
                 fields = ("finish_reason", "version_start", "version_end", "generation_token_ids", "seed")
                 lines.append({**r.coords.as_dict(), "call": i, **{k: rec.get(k) for k in fields},
                               "http_status": 200, "ledger_status": status})
@@ -412,7 +413,7 @@ class Ledger:
                 t.mask_reason = t.mask_reason or reason
             first += t.calls
         if not rollout_votes([t.mask_reason is None for t in r.traces] or [False], self.segment_validity):
-            r.mask_reason = r.mask_reason or reason
+            r.mask_reason = stronger_mask(r.mask_reason, reason)
 
     @staticmethod
     def _attempt_key(record: dict) -> tuple:

@@ -45,6 +45,18 @@ def row_kind(r: Rollout) -> str:
     return "trained" if r.mask_reason is None else ROW_KINDS.get(r.mask_reason, "placeholder")
 
 
+def stronger_mask(first: str | None, second: str | None) -> str | None:
+    """The mask reason a rollout keeps when two find it: a reason whose kind keeps the row out of every
+    baseline (`placeholder`, `seq_logprob_error`) over one a baseline policy may reinstate (`env_flag`,
+    `truncated`), else `first`. Upstream: placeholders and sequence-logprob-error rows stay out of both,
+    whatever else flagged them (a verifier's `mask_sample` on an episode a context overflow ended, the
+    ledger's `logprob_mismatch` on an `overlong` row)."""
+    if first is None or second is None:
+        return first or second
+    reinstated = [ROW_KINDS.get(r, "placeholder") in REINSTATED_KINDS for r in (first, second)]
+    return second if reinstated == [True, False] else first
+
+
 def baseline_members(rollouts: list[Rollout], excludes_masked: bool, rewards_in_baseline: bool) -> np.ndarray:
     """Which rollouts' rewards count in their group's baseline, std and "at most one member" count:
     the trained rows only (`grpo.baseline_excludes_masked=true`), those plus the `env_flag` and

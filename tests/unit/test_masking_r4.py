@@ -220,3 +220,54 @@ def test_segment_weights_are_not_rollout_equal_nor_partition_preserving_under_th
     unsplit = segment_weights([0, 1], [40, 40], "length_ratio")
     assert (split[0] * 10 + split[1] * 30) / (split[2] * 40) == pytest.approx(50 / 40)
     assert unsplit[0] * 40 / (unsplit[1] * 40) == pytest.approx(1.0)
+
+
+def _result(**extra) -> dict:
+    ev = {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [4, 5], "generation_log_probs": [-0.1, -0.2]}
+    return {"response": {"output": [{"type": "message", "role": "assistant", "content": "x", **ev}]}, "reward": 1.0,
+            **extra}
+
+
+def test_a_verifiers_flag_does_not_reinstate_an_episode_with_no_result():
+    """A context overflow ended the episode (`capture_failed`: a placeholder) and the verifier flagged it
+    too (`mask_sample`): the row stays a placeholder, out of every baseline. Before, the flag replaced the
+    reason, and under masked_sample_rewards_in_baseline its reward re-entered its siblings' baseline."""
+    from minirl.rollout.evidence import parse_rollout
+    from minirl.rollout.masking import baseline_members, row_kind
+
+    for extra, kind in (({}, "placeholder"), ({"mask_sample": True}, "placeholder")):
+        r = parse_rollout(_result(evidence={"capture_failed": True}, **extra), Coords(0, 0, 0, 0), vocab_size=256,
+                          max_len=100, overlong_filtering=True)
+        assert (r.mask_reason, row_kind(r)) == ("capture_failed", kind)
+        assert not baseline_members([r], True, True)[0]
+    r = parse_rollout(_result(mask_sample=True), Coords(0, 0, 0, 0), vocab_size=256, max_len=5, overlong_filtering=True)
+    assert r.mask_reason == "mask_sample", "between two reinstated kinds the verifier's flag wins, as before"
+
+
+@pytest.mark.parametrize("extra,max_len", [({}, 5), ({"mask_sample": True}, 100)])
+def test_the_ledgers_logprob_mismatch_takes_a_row_out_of_the_baseline_whatever_flagged_it_first(extra, max_len):
+    """A row masked `overlong` or `mask_sample` (kinds a baseline policy may reinstate) whose logprobs the
+    ledger then finds forged becomes a seq_logprob_error row, out of both (upstream's sample_masks.py).
+    Before, the first reason stayed and the untrusted reward kept its place in the baseline."""
+    from minirl.rollout.evidence import Ledger, parse_rollout
+    from minirl.rollout.masking import baseline_members, row_kind
+
+    r = parse_rollout(_result(**extra), Coords(0, 0, 0, 0), vocab_size=256, max_len=max_len, overlong_filtering=True)
+    assert row_kind(r) in ("truncated", "env_flag")
+    pool = [{"prompt_token_ids": [1, 2, 3], "generation_token_ids": [4, 5], "generation_log_probs": [-3.0, -0.2],
+             "version_start": 0, "version_end": 0, "status": 200}]
+    counts, _ = Ledger(None).match_external(0, pool, [r], version=0)
+    assert counts["calls_logprob_mismatch"] == 1
+    assert (r.mask_reason, row_kind(r)) == ("logprob_mismatch", "seq_logprob_error")
+    assert not baseline_members([r], True, True)[0]
+
+
+def test_stronger_mask_keeps_the_first_of_equal_standing():
+    from minirl.rollout.masking import stronger_mask
+
+    assert stronger_mask(None, "overlong") == "overlong" and stronger_mask("overlong", None) == "overlong"
+    assert stronger_mask("overlong", "logprob_mismatch") == "logprob_mismatch"
+    assert stronger_mask("capture_failed", "mask_sample") == "capture_failed"
+    assert stronger_mask("mask_sample", "capture_failed") == "capture_failed"
+    assert stronger_mask("unrecorded_calls", "stale_calls") == "unrecorded_calls"
+    assert stronger_mask("summary_failed", "overlong") == "summary_failed"
