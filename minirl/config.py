@@ -663,6 +663,11 @@ class GuardsConfig:
     on_reject: Literal["raise", "end_episode"] = "end_episode"
     """Fix 2 `end_episode`: stop, verify, return (rollout masked). `raise` reproduces upstream (HTTP 500)."""
 
+    def check(self) -> None:
+        _require(self.max_total_tokens is None or self.reserved_generation_tokens < self.max_total_tokens,
+                 "reserved_generation_tokens", f"must be < max_total_tokens ({self.max_total_tokens}): the guard "
+                 f"would refuse every call, got {self.reserved_generation_tokens}")
+
 
 @dataclass
 class ContextHistoryConfig:
@@ -783,6 +788,7 @@ class DataConfig:
     def check(self) -> None:
         for key in ("train_jsonl", "validation_jsonl"):
             path = getattr(self, key)
+            _require(path != "", key, "must be a file's path or null, got ''")
             if path is not None and not Path(path).is_file():
                 raise ConfigError(key, f"{path}: {_not_a_file(Path(path))}")
 
@@ -1184,10 +1190,15 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, dict]]:
         if "=" not in item:
             raise ConfigError(item, "an override must look like dotted.key=value")
         key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(item, "an override must look like dotted.key=value (no key before the '=')")
         try:
             value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]), resolve=False)["v"]
-        except OmegaConfBaseException as exc:
-            raise ConfigError(key, f"cannot parse value {raw!r}: {exc}") from None
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:  # OmegaConf's own, or YAML's ('[2,3')
+            if not _text_field(key):  # a text field keeps it as typed: `cluster.ray_address=[::1]:6379`
+                why = str(exc).replace("\n", " ")
+                raise ConfigError(key, f"cannot parse value {raw!r}: {why}") from None
+            value = raw
         if isinstance(value, (bool, int, float)) and _text_field(key):
             value = raw
         node: dict = {}
@@ -1466,7 +1477,7 @@ def _check_outside(cfg: MinirlConfig) -> None:
     _require(not isinstance(positions, int) or max_len <= positions, "policy.generation.vllm_cfg.max_model_len",
              f"must be <= the model's max_position_embeddings ({positions}, {model / 'config.json'}), got {max_len}")
     resume = cfg.checkpoint.resume
-    _require(resume in ("none", "auto") or Path(resume).is_dir(), "checkpoint.resume",
+    _require(resume in ("none", "auto") or (resume != "" and Path(resume).is_dir()), "checkpoint.resume",
              f"must be none, auto or an existing checkpoint directory; {resume!r} is not a directory")
     url = cfg.agent.external_url
     urls = [url] if isinstance(url, str) else list(url or [])

@@ -381,3 +381,36 @@ def test_a_text_override_keeps_its_text_and_an_interpolation_resolves():
     assert load_config(None, ["run_dir=null"]).run_dir is None and load_config(None, ["grpo.seed=0x10"]).grpo.seed == 16
     with pytest.raises(ConfigError, match=r"^run_dir: .*nope"):
         load_config(None, ["run_dir=${nope}"])
+
+
+@pytest.mark.parametrize("override,key", [
+    ("env.num_rooms_choices=[2,3", "env.num_rooms_choices"), ("faults.inject=[{kind: timeout]", "faults.inject"),
+    ("grpo.seed={1", "grpo.seed"), ("=3", "=3")])
+def test_a_value_yaml_cannot_read_is_a_config_error_naming_the_key(override, key):
+    """Found by review: a value YAML's parser refuses (an unclosed `[`) raised yaml's ParserError, a traceback
+    and exit 1 naming no key; an empty key was 'unknown config key'."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_a_text_field_keeps_a_value_yaml_cannot_read_as_typed():
+    """An IPv6 head's address, a run_dir starting with `{`: a str field's text is the user's, as 0755 is."""
+    assert load_config(None, ["cluster.ray_address=[::1]:6379"]).cluster.ray_address == "[::1]:6379"
+    assert load_config(None, ["run_dir={x"]).run_dir == "{x"
+
+
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(tmp_path):
+    """`Path('')` is '.': `checkpoint.resume: ""` passed the check and failed later as an untrustworthy
+    checkpoint, `data.train_jsonl: ""` said ': is a directory'."""
+    for key, text in (("checkpoint", "resume: ''"), ("data", "train_jsonl: ''")):
+        (tmp_path / f"{key}.yaml").write_text(f"{key}:\n  {text}\n")
+        with pytest.raises(ConfigError, match=rf"^{key}\.(resume|train_jsonl): .*''"):
+            load_config(str(tmp_path / f"{key}.yaml"))
+
+
+def test_a_guard_that_would_refuse_every_call_is_a_config_error():
+    guards = "agent.context_history.guards"
+    with pytest.raises(ConfigError, match=rf"^{guards}.reserved_generation_tokens: must be < max_total_tokens \(10\)"):
+        load_config(None, [f"{guards}.max_total_tokens=10", f"{guards}.reserved_generation_tokens=20"])
+    assert load_config(None, [f"{guards}.max_total_tokens=30", f"{guards}.reserved_generation_tokens=20"])
