@@ -356,7 +356,10 @@ class RolloutManager:
         """One group attempt under a fresh group id, reserved while it runs: its rows' final failures."""
         out = run.out
         if out.group_attempts and not self.rf.nemo_gym.keep_returned_rows:
-            out.rollouts = {}  # upstream: a group retry re-runs every row
+            for rollout in out.rollouts.values():  # upstream: a group retry re-runs every row
+                self.emit({"type": "discard", **rollout.coords.as_dict(), "reason": "group_retry",
+                           "decision": "rerun", "group_attempt": out.group_attempts + 1})
+            out.rollouts = {}
         run.gid = f"grp-{uuid.uuid4().hex[:12]}"
         self.reservations[run.gid] = (run.step, run.group)
         out.group_attempts += 1

@@ -535,6 +535,8 @@ def test_a_group_retry_keeps_returned_rows_unless_keep_returned_rows_is_false(st
         assert g0.status == "committed" and g0.group_attempts == 2
         assert g0.rollouts[0].coords.attempt == 1 and g0.rollouts[1].coords.attempt == max(sibling_attempts)
         assert {c["attempt"] for c in run.calls if c["rollout"] == 1} == sibling_attempts
+        discards = [e for e in run.events if e["type"] == "discard"]  # the returned row thrown away says so
+        assert [(e["rollout"], e["attempt"], e["group_attempt"]) for e in discards] == ([] if keep else [(1, 0, 2)])
         assert_invariants(run)
 
 
