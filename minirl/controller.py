@@ -424,7 +424,9 @@ class Controller:
         ledger, left = self.ledger.match_external(step, records, kept, version, oldest=oldest, drop=drop)
         keep = step - 1 - window  # a record is kept for the window's steps (async runs ahead), then retired
         self.pool = [rec for rec in left if rec.setdefault("drained_step", step) >= keep]
-        ledger["calls_retired"] += len(left) - len(self.pool)
+        aged = [rec for rec in left if rec["drained_step"] < keep]
+        self.ledger.retire(step, aged, "external: no rollout returned it within the window's steps")
+        ledger["calls_retired"] += len(aged)
         return ledger, ledger["tokens_matched"]
 
     def _ledger_drops(self, step: int, take: StepTake) -> set[tuple[int, int]]:

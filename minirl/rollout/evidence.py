@@ -527,6 +527,16 @@ class Ledger:
                                           "version_start", "version_end", "generation_token_ids", "seed")},
                 "http_status": rec.get("status"), "ledger_status": status, "error": rec.get("error")}
 
+    def retire(self, step: int, records: list[dict], reason: str) -> None:
+        """Records no rollout took, retired at `step` (an external agent's, kept in the controller's pool
+        for the window's steps): appended to the step's ledger file as `retired` lines with `reason`."""
+        if self.dir is None or not records:
+            return
+        path = self.dir / f"step_{step}.jsonl"
+        with naming(path), open(path, "a") as f:
+            for rec in sorted(records, key=lambda rec: (str(rec.get("key")), rec.get("seed") or 0)):
+                f.write(json.dumps({**self._line(rec, "retired"), "reason": reason}) + "\n")
+
     def close_run(self, left: list[dict], served: list[dict]) -> None:
         """The run's end: the call records no step's ledger took (of groups still buffered or in flight,
         late records of retired attempts) are retired into `run_end.jsonl`, each with its `reason`; each

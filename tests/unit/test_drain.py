@@ -66,3 +66,29 @@ def test_a_take_failing_on_one_worker_leaves_the_others_records_to_run_end(tmp_p
     retired = [json.loads(line) for line in (tmp_path / "ledger" / "run_end.jsonl").read_text().splitlines()]
     assert sorted((r["rollout"], r["call"]) for r in retired) == [(healthy, 0), (healthy, 1)]
     assert event["calls_retired_at_end"] == 2
+
+
+def test_an_external_agents_record_no_rollout_took_is_retired_into_a_step_ledger(tmp_path):
+    """agent.external_url: the records no rollout matched wait in the controller's pool for the window's
+    steps, then are retired and counted in `calls_retired`. Before, they left the pool with no ledger line
+    in any step's file nor run_end.jsonl (the ledger holds every call, docs/failure-policy.md)."""
+    from minirl.types import SOURCE_COUNTS, StepTake
+
+    unmatched = {"prompt_token_ids": [9, 9], "generation_token_ids": [7], "generation_log_probs": [-0.1],
+                 "seed": 1, "version_start": 0, "version_end": 0, "status": 200}
+    worker = _Worker([unmatched])
+    cfg = load_config(None, ["agent.external_url=http://127.0.0.1:9", "agent.name=ext"])
+
+    async def run():
+        controller = Controller(cfg, str(tmp_path), ["http://127.0.0.1:9"], [worker], 512, 0)
+        retired = []
+        for step in range(3):
+            take = StepTake([], [], [], 0.0, dict.fromkeys(SOURCE_COUNTS, 0))
+            ledger, _ = await controller._check_ledger(step, step, take, [])
+            retired.append(ledger["calls_retired"])
+        return retired
+
+    assert asyncio.run(run()) == [0, 0, 1]
+    lines = [json.loads(line) for line in (tmp_path / "ledger" / "step_2.jsonl").read_text().splitlines()]
+    assert [(x["generation_token_ids"], x["ledger_status"]) for x in lines] == [([7], "retired")]
+    assert lines[0]["reason"].startswith("external:")
