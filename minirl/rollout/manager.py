@@ -224,6 +224,11 @@ class RolloutManager:
     def load_state(self, state: dict) -> None:
         self.consecutive_drops, self.skipped = state["consecutive_drops"], state["skipped"]
 
+    def unsettle(self, outcomes: list[GroupOutcome]) -> None:
+        """Groups a checkpoint carried over (an async resume's buffer): begun, in no step's metrics yet."""
+        for o in outcomes:
+            self.unsettled[o.step, o.group] = o
+
     def settle(self, outcomes: list[GroupOutcome]) -> None:
         """These groups are counted in a step's metrics: they leave `unsettled`."""
         for o in outcomes:

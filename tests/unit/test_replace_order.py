@@ -1,5 +1,6 @@
-"""`replace`'s promotion picks its lender by coordinates, never by the order in which groups
-committed (which is the machine's scheduling): a choice that hung on commit order failed CI once."""
+"""The pump's books of places and records: `replace`'s promotion picks its lender by coordinates, never
+by the order in which groups committed (which is the machine's scheduling): a choice that hung on commit
+order failed CI once; and a resume's restored groups count as begun."""
 
 from __future__ import annotations
 
@@ -32,3 +33,24 @@ def test_the_lender_is_the_same_whatever_order_the_later_groups_committed_in():
         assert pump._substitute([0, 1, 0, False, 0], GroupOutcome(1, "dropped", step=0))
         lenders.add(next(k for k, r in records.items() if r.promoted))
     assert lenders == {(0, 2)}
+
+
+def test_a_resumed_pumps_restored_groups_count_in_a_run_failed_until_a_step_takes_them():
+    """An async resume puts the checkpoint's finished groups back in the buffer and relaunches the places in
+    flight with the prompts they gave up on: their sends count in the manager's `spent` (a run_failed's
+    rollout_attempts / rollouts_generated: "the groups in no metrics line") until a step settles them.
+    Before, only groups begun in this process counted, and a resumed run that failed first reported 0."""
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.config import load_config
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true"])
+    manager = RolloutManager(cfg, ["http://127.0.0.1:9"], lambda e: None, 100)
+    pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 4, 1), 3, 3, None)
+    done = GroupOutcome(0, "committed", step=3, row_sends=6, rows_returned=4)
+    lost = GroupOutcome(1, "dropped", step=3, row_sends=5, rows_returned=0)
+    pump._restore({"next": (3, 2), "in_flight": [(9, 1, 3, True, 1, [lost])], "pool": [], "spare_batches": 0,
+                   "ready": [GroupRecord(3, 0, 3, done, target_step=3)], "pacer": None}, 3)
+    assert manager.spent() == (11, 4)
+    manager.settle([done, lost])
+    assert manager.spent() == (0, 0)
