@@ -222,6 +222,7 @@ class Controller:
 
         self.cfg, self.gen_workers, self.pad_id = cfg, gen_workers, pad_id
         self.events = EventLog(Path(run_dir) / "events.jsonl")
+        self.metrics_path = Path(run_dir) / "metrics.jsonl"  # the driver's: read only by run_failed
         self.ledger = Ledger(Path(run_dir) / "ledger", cfg.grpo.segment_validity)
         self.manager = RolloutManager(cfg, agent_urls, self.events.write, vocab_size)
         self.source: StepSource = (BufferSource if cfg.async_rl.enabled else SyncSource)(cfg, self.manager, self._drain)
@@ -308,6 +309,10 @@ class Controller:
         if self.failed:
             return
         self.failed = True
+        from minirl.metrics import last_record
+
+        if self.unlogged and (last_record(self.metrics_path) or {}).get("step") == self.step:
+            self._settle()  # its metrics line was written before the failure (its TensorBoard write, a SIGTERM)
         sends, returned = self.manager.spent()  # the groups no step's metrics counted yet
         self.events.write({"type": "run_failed", "step": self.step, "error": error,
                            "rollout_attempts": sends, "rollouts_generated": returned})

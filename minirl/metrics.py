@@ -61,6 +61,34 @@ class EventLog:
             self.f.write(json.dumps({"t": round(time.time(), 3), **event}, default=str) + "\n")
 
 
+def _line_start(f, end: int, chunk: int = 1 << 16) -> int:
+    """The offset of the line `end` ends: just past the newline before it, or 0."""
+    start = end
+    while start > 0:
+        start = max(0, start - chunk)
+        f.seek(start)
+        newline = f.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+    return 0
+
+
+def last_record(path: Path) -> dict | None:
+    """The last line of a JSONL log, parsed; None when there is none, or it was cut mid-write."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, 2)
+            f.seek(max(0, end - 1))
+            if end == 0 or f.read(1) != b"\n":
+                return None
+            start = _line_start(f, end - 1)
+            f.seek(start)
+            record = json.loads(f.read(end - 1 - start))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def mend_tail(path: Path, chunk: int = 1 << 16) -> None:
     """A JSONL log whose last line a kill or a full disk cut mid-write: the next line appended would join
     it, and both would be lost to every reader. A cut tail that is a whole record gets its newline; any
@@ -69,14 +97,7 @@ def mend_tail(path: Path, chunk: int = 1 << 16) -> None:
         return
     with open(path, "rb+") as f:
         end = f.seek(0, 2)
-        start = end
-        while start > 0:  # back to the newline before the tail
-            start = max(0, start - chunk)
-            f.seek(start)
-            newline = f.read(end - start).rfind(b"\n")
-            if newline >= 0 or start == 0:
-                start = start + newline + 1 if newline >= 0 else 0
-                break
+        start = _line_start(f, end, chunk)
         if start == end:
             return
         f.seek(start)

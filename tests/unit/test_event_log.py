@@ -68,3 +68,18 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
         with pytest.raises(OSError) as err:
             write()
         assert err.value.errno == errno.ENOSPC and str(err.value).endswith(f": '{tmp_path / name}'"), err.value
+
+
+def test_last_record_reads_the_last_whole_line_only(tmp_path):
+    from minirl.metrics import last_record
+
+    path = tmp_path / "metrics.jsonl"
+    assert last_record(path) is None
+    path.write_text("")
+    assert last_record(path) is None
+    path.write_text('{"step": 0}\n{"step": 1}\n')
+    assert last_record(path) == {"step": 1}
+    path.write_text('{"step": 0}\n{"step": 1')  # cut mid-write: not a line a run wrote whole
+    assert last_record(path) is None
+    path.write_text('{"step": 0}\n' + json.dumps({"step": 1, "pad": "x" * 70_000}) + "\n")  # longer than one chunk
+    assert last_record(path)["step"] == 1
