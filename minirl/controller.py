@@ -394,12 +394,13 @@ class Controller:
         stats["rollouts_reselected"] = reselected
         for r in kept:
             if r.mask_reason:
-                self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason,
+                self.events.write({"type": "mask", **r.coords.as_dict(), "reason": r.mask_reason, "decision": "masked",
                                    **mask_facts(r.mask_reason, r.evidence), "errors": r.evidence.get("errors", [])})
             for k, t in enumerate(r.traces):  # a masked segment, alone (segment_validity=any) or with its rollout's
                 if t.mask_reason:  # own `mask` line (a `mask` line is one rollout: stats.rooms_mix counts them)
                     self.events.write({"type": "segment_mask", **r.coords.as_dict(), "trace": k, "kind": t.kind,
-                                       "reason": t.mask_reason, "rollout_masked": bool(r.mask_reason)})
+                                       "reason": t.mask_reason, "decision": "masked",
+                                       "rollout_masked": bool(r.mask_reason)})
         busy1, gather1 = await self._engine_s(after)
         stats.update(self._step_stats(version, take, ledger, generated, gen_s, busy1 - busy0, gather1 - gather0))
         stats["timing/train/exposed_generation"] = waited

@@ -141,7 +141,8 @@ class BufferSource:
             self.consumed.update(_keys(r))  # a late record of it (a retired attempt's) is an orphan from now
             calls = [c for key in _keys(r) for c in self.calls.pop(key, [])]
             self.orphans += calls
-            self.manager.emit({"type": "evict", "step": r.step, "group": r.group, "start_weight": r.start_weight,
+            self.manager.emit({"type": "evict", "step": r.step, "group": r.group, "rollout": None, "attempt": None,
+                               "decision": "evicted", "start_weight": r.start_weight,
                                "train_version": version, "max_staleness_versions": self.sampler.s,
                                "reason": "stale" if r.start_weight < version - self.sampler.s else "short_weight",
                                "gen_tokens": sum(len(c.get("generation_token_ids") or []) for c in calls)})

@@ -476,7 +476,8 @@ class RolloutManager:
         """Charge a drop to the run-scoped budget; past it, raise `exhausted`, chained to `exc`."""
         over = self._drop_raises()
         self.consecutive_drops += 1
-        self.emit({"type": "drop", "step": step, "group": group, "reason": f"{type(exc).__name__}: {exc}",
+        self.emit({"type": "drop", "step": step, "group": group, "rollout": None, "attempt": None,  # the whole group
+                   "reason": f"{type(exc).__name__}: {exc}",
                    "consecutive_drops": self.consecutive_drops, "decision": "raised" if over else "dropped"})
         self.lost.append(f"{type(exc).__name__}: {exc}")
         if over:
@@ -693,10 +694,11 @@ class RolloutManager:
     def _agent_events(self, r: Rollout) -> None:
         ev, c = r.evidence, r.coords.as_dict()
         if ev.get("compactions"):
-            self.emit({"type": "compaction", **c, "compactions": ev["compactions"],
+            self.emit({"type": "compaction", **c, "reason": self.cfg.agent.context_history.policy.type,
+                       "decision": "compacted", "compactions": ev["compactions"],
                        "images_dropped": ev.get("images_dropped", 0),
                        "reasoning_dropped": ev.get("reasoning_dropped", 0)})
         for g in ev.get("guard", []):  # the agent's record may not overwrite the event's type or coordinates
-            self.emit({**g, "type": "guard", **c})
+            self.emit({"reason": "max_total_tokens", **g, "type": "guard", **c})
         for s in ev.get("summary", []):  # a summarizing compaction's requests, failures and its limit
             self.emit({**s, "type": "summary", **c})
