@@ -409,6 +409,8 @@ class RolloutManager:
             self.skipped += 1
             self._failed(run.out, failures, "skipped", group_attempt=run.gid)
             run.out.status, run.out.reason, run.out.rollouts = "skipped", f"{type(exc).__name__}: {exc}", {}
+            self.emit({"type": "skip", "step": run.step, "group": run.group, "rollout": None, "attempt": None,
+                       "reason": run.out.reason, "skipped": self.skipped, "decision": "skipped"})  # as a drop's line
             self.lost.append(run.out.reason)
             return run.out
         self._failed(run.out, failures, "raised", group_attempt=run.gid)

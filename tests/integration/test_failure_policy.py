@@ -195,6 +195,8 @@ def test_data_failure_retried_without_backoff_then_raised_or_skipped(stack, base
 
     run = run_step(stack, policy_cfg(base_cfg, [bad], max_data_attempts_per_prompt=2, max_skipped_prompts=1))
     assert run.error is None and run.outcomes[0].status == "skipped" and run.manager.skipped == 1
+    (skip,) = [e for e in run.events if e["type"] == "skip"]  # the group's own line, as a drop has
+    assert (skip["step"], skip["group"], skip["skipped"], skip["decision"]) == (0, 0, 1, "skipped")
 
     both = {"kind": "bad_output", "step": 0, "rollout": 0}  # groups 0 and 1: the second exceeds the budget
     run = run_step(stack, policy_cfg(base_cfg, [both], max_data_attempts_per_prompt=1, max_skipped_prompts=1))
