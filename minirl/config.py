@@ -848,7 +848,8 @@ class ClusterConfig:
     cpus_per_policy_worker: float = bounded(1.0, ge=0)
     """CPUs Ray reserves per policy worker."""
     host: str = "127.0.0.1"
-    """Address HTTP servers bind; `auto` picks the node's IP when the cluster has several nodes."""
+    """Address HTTP servers bind; `auto` picks the node's IP when the cluster has several nodes. Checked
+    before start: it resolves, and on a local Ray (no `ray_address`) this machine can bind it."""
 
     def check(self) -> None:
         _require(self.attach_generation_workers is None or self.ray_address is not None, "attach_generation_workers",
@@ -1462,8 +1463,28 @@ def resource_shortfall(cfg: MinirlConfig, res: str, have: float | None, where: s
             f"x cluster.{key}_per_policy_worker={per_pol:g}), more than Ray offers ({where})")
 
 
+def _check_host(host: str, local: bool) -> None:
+    """`cluster.host` resolves, and on a local Ray (every server on this machine) this machine can bind it;
+    otherwise the first server's bind failed after Ray had started, naming no key."""
+    if host == "auto":
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        raise ConfigError("cluster.host", f"{host!r} does not resolve ({exc})") from None
+    if local:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(addr)
+        except OSError as exc:
+            raise ConfigError("cluster.host", f"{host!r}: this machine cannot bind it ({exc.strerror or exc}); "
+                              "use an address of its own, or auto") from None
+
+
 def _check_outside(cfg: MinirlConfig) -> None:
-    """What the config points at: the model directory loads, the resume path exists, the URL parses."""
+    """What the config points at: the model directory loads, the resume path exists, the URL parses, the
+    servers' address resolves (and, on a local Ray, binds here)."""
+    _check_host(cfg.cluster.host, local=cfg.cluster.ray_address is None)
     model = Path(cfg.policy.model_name)
     try:
         model_cfg = json.loads((model / "config.json").read_text())

@@ -414,3 +414,25 @@ def test_a_guard_that_would_refuse_every_call_is_a_config_error():
     with pytest.raises(ConfigError, match=rf"^{guards}.reserved_generation_tokens: must be < max_total_tokens \(10\)"):
         load_config(None, [f"{guards}.max_total_tokens=10", f"{guards}.reserved_generation_tokens=20"])
     assert load_config(None, [f"{guards}.max_total_tokens=30", f"{guards}.reserved_generation_tokens=20"])
+
+
+def test_a_host_that_does_not_resolve_or_bind_here_is_a_config_error():
+    """Found by review: `cluster.host` was never checked; a typo failed in the first server's bind after Ray
+    had started (`gaierror`), naming no key. On a local Ray every server is on this machine, so it must bind."""
+    with pytest.raises(ConfigError, match=r"^cluster.host: 'no-such-host\.invalid' does not resolve"):
+        load_config(None, ["cluster.host=no-such-host.invalid"])
+    import socket
+
+    def foreign(ip: str) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind((ip, 0))
+            except OSError:
+                return True
+        return False
+
+    ip = next(ip for ip in ("203.0.113.7", "198.51.100.7", "192.0.2.77") if foreign(ip))  # documentation nets
+    with pytest.raises(ConfigError, match=rf"^cluster.host: '{ip}': this machine cannot bind it"):
+        load_config(None, [f"cluster.host={ip}"])
+    for host in ("auto", "127.0.0.1", "localhost", "0.0.0.0"):
+        assert load_config(None, [f"cluster.host={host}"]).cluster.host == host
