@@ -219,7 +219,9 @@ def keep_records(path: Path, keep: Callable[[dict], bool]) -> list[dict]:
             kept.append((line, record))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(line + "\n" for line, _ in kept))
+    _fsync(tmp)  # on disk before it replaces the records: a machine crash leaves the old file or the new
     os.replace(tmp, path)
+    _fsync(path.parent)
     return [record for _, record in kept]
 
 

@@ -50,3 +50,22 @@ def test_a_cut_last_validation_line_is_dropped_with_a_warning(tmp_path, capsys):
     path.write_text(rows[0] + "\n{oops\n" + rows[1] + "\n")
     with pytest.raises(RecordError, match=rf"^{path}, line 2: "):
         Validator(load_config(None, []), None, tmp_path, start=1)
+
+
+def test_the_kept_records_reach_the_disk_before_they_replace_the_file(tmp_path, monkeypatch):
+    """Found by review: the rewrite renamed its temporary file over metrics.jsonl unsynced, so a machine
+    crash right after a resume could leave an empty metrics.jsonl. The temporary file is fsynced before the
+    rename, the folder after it (the order of the real calls, recorded on their way through)."""
+    import os
+
+    from minirl.trainer import checkpoint
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(LINES) + "\n")
+    order, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (order.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                            fsync(fd))[1])
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (order.append(("replace", str(b))), replace(a, b))[1])
+    _truncate_metrics(tmp_path, 2)
+    assert order == [("fsync", str(tmp_path / ".metrics.jsonl.tmp")), ("replace", str(path)), ("fsync", str(tmp_path))]
+    assert path.read_text() == LINES[0] + "\n" + LINES[1] + "\n"
