@@ -114,23 +114,27 @@ SPLIT_DOC = ("trainer lane: exposed + process + train + sync = the step, (comput
 
 def report(results: list[dict]) -> None:
     """The table per mode: samples/s, the ratio to sync over seeds (mean ± 95% t-interval of the
-    per-seed ratios: each seed's arms meet the same prompts), reward; then where each step's time
-    goes, the cores busy, and the ceiling that the cores set on the ratio."""
-    from minirl.experiments.stats import mean_ci
+    per-seed ratios: each seed's arms meet the same prompts), the reward (mean ± 95% t over seeds) and
+    its paired difference to sync (per seed, mean ± 95% t: the reward rule's test); then where each
+    step's time goes, the cores busy, and the ceiling that the cores set on the ratio. Every ± is a
+    95% t half-width; one seed prints its value alone."""
+    from minirl.experiments.stats import mean_ci, paired_ci
 
-    def ci(xs: list[float]) -> str:
+    def ci(xs: list[float], digits: int = 2) -> str:
         mean, half = mean_ci([x for x in xs if x == x])
-        return f"{mean:.2f} ± {half:.2f}" if half == half else f"{mean:.2f}"
+        return f"{mean:.{digits}f} ± {half:.{digits}f}" if half == half else f"{mean:.{digits}f}"
 
     modes = list(dict.fromkeys(r["mode"] for r in results))
     by = {m: [r for r in results if r["mode"] == m] for m in modes}
+    sync = {r["seed"]: r["reward_last5"] for r in by.get("sync", [])}
     print(f"{'mode':<20}{'samples/s':>10}{'x sync (95% CI)':>18}{'median step s':>15}{'reward(last 5)':>18}"
-          f"{'samples':>9}")
+          f"{'- sync, paired':>18}{'samples':>9}")
     for mode, rs in by.items():
-        rew = [r["reward_last5"] for r in rs]
-        spread = f" ± {statistics.stdev(rew):.3f}" if len(rew) > 1 else ""
+        diff, half, n = paired_ci({r["seed"]: r["reward_last5"] for r in rs}, sync)
+        paired = "" if mode == "sync" or not n else f"{diff:+.3f}" + (f" ± {half:.3f}" if half == half else "")
         print(f"{mode:<20}{statistics.mean(r['samples_per_s'] for r in rs):>10.2f}{ci([r['ratio'] for r in rs]):>18}"
-              f"{statistics.mean(r['step_time_median_s'] for r in rs):>15.2f}{statistics.mean(rew):>11.3f}{spread:<7}"
+              f"{statistics.mean(r['step_time_median_s'] for r in rs):>15.2f}"
+              f"{ci([r['reward_last5'] for r in rs], 3):>18}{paired:>18}"
               f"{statistics.mean(r['samples'] for r in rs):>9.0f}")
     print("\nwhere a step's time goes, seconds per step (mean over steps and seeds); " + SPLIT_DOC)
     print(f"{'mode':<20}" + "".join(f"{name:>10}" for name in SPLIT.values()) + f"{'cores busy':>12}")
