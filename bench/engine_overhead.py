@@ -66,6 +66,11 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def _ci(mean: float, half: float) -> str:
+    """mean ± 95% t half-width; one round has no interval, and says so."""
+    return f"{mean:.3f} ± {half:.3f}" if half == half else f"{mean:.3f} (one round: no interval)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 rounds of 64 prompts")
@@ -206,14 +211,14 @@ def main(argv=None) -> int:
     print(f"| P1 engine_overhead ({n} prompts x {rounds} rounds, {Path(cfg.policy.model_name).name}) "
           f"| {statistics.median(r for r, _, _, _ in results):.0f} | "
           f"{statistics.median(p for _, p, _, _ in results):.0f} | {statistics.median(ratios):.3f} | >= 0.9 "
-          f"| {mean:.3f} ± {half:.3f} | "
+          f"| {_ci(mean, half)} | "
           f"{1000 * raw_in:.0f} ms / {1000 * minirl_in:.0f} ms |")
     if served:
         s_mean, s_half = mean_ci([r for _, r in served])
         print("| reference: `vllm serve` in minirl's place, one HTTP hop "
               f"| {statistics.median(r for r, _, _, _ in results):.0f} | "
               f"{statistics.median(t for t, _ in served):.0f} | {statistics.median(r for _, r in served):.3f} | — "
-              f"| {s_mean:.3f} ± {s_half:.3f} | — |")
+              f"| {_ci(s_mean, s_half)} | — |")
     print()
     med = {name: statistics.median(c[name] for c in cpus) for name in cpus[0]}
     print(f"minirl's last request reached the front end at {1000 * statistics.median(front_in):.0f} ms "

@@ -69,8 +69,10 @@ def _redispatch(here: dict[str, list[dict]], shift: dict[str, Estimate]) -> Ques
     rs, e = here["+redispatch"], shift["+redispatch"]
     gaps = [_paired(here[p], rs, "rooms_shift", f"skew: {p} − +redispatch")
             for p in ("+shrink", "+end_episode", DEFAULTS) if p in here]
-    # Yes: its own skew holds 0 and every other policy skews resolvably further toward easy prompts than it does
-    avoids = bool(gaps) and all(g.sign < 0 for g in gaps)
+    # Yes: its own skew holds 0 and every other policy skews resolvably further toward easy prompts than it does;
+    # seeds without spread, or one seed, hold 0 only if it is 0 (no interval says so otherwise)
+    holds_zero = e.sign == 0 and (e.mean == 0 or not (e.spreadless or e.half != e.half))
+    avoids = holds_zero and bool(gaps) and all(g.sign < 0 for g in gaps)
     ans = "**No**" if e.sign else "**Yes**" if avoids else "**Not resolvably**"
     lines = [f"{ans}. +redispatch re-sent {_mean(rs, 'groups_redispatched'):.1f} groups a run, dropped "
              f"{_mean(rs, 'groups_dropped'):.1f} and masked {_mean(rs, 'rollouts_masked'):.1f}; it trained "

@@ -95,3 +95,21 @@ def test_the_estimates_plot_draws_no_interval_where_there_is_none():
     assert len(ax.containers) == 1  # one errorbar: the estimate with a spread
     assert ax.containers[0].lines[0].get_xdata()[0] == 0.1
     plt.close(fig)
+
+
+def test_redispatch_avoids_the_skew_only_where_its_own_skew_holds_0():
+    """Found by review: seeds that all gave the same nonzero skew (no spread, so no interval) were read as
+    holding 0, and "Does redispatch avoid the skew?" answered Yes for a policy that skews in every seed."""
+    from minirl.experiments.estimates import Estimate
+    from minirl.experiments.questions import _redispatch
+
+    def rows(shifts):
+        return [{"seed": s, "rooms_shift": v, "groups_redispatched": 1.0, "groups_dropped": 0.0, "rollouts_masked": 0.0}
+                for s, v in enumerate(shifts)]
+
+    shrink = rows([-1.0, -1.2, -0.9])  # skews resolvably further than either redispatch below
+    for own, answer in (([-0.5] * 3, "**Not resolvably**"), ([0.0] * 3, "**Yes**"), ([-0.4, 0.1, 0.2], "**Yes**")):
+        here = {"+redispatch": rows(own), "+shrink": shrink}
+        mean, half = sum(own) / 3, 0.0 if len(set(own)) == 1 else 1.0
+        _, lines, _ = _redispatch(here, {"+redispatch": Estimate("skew", mean, half, 3)})
+        assert lines[0].startswith(answer), (own, lines[0])
