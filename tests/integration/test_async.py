@@ -114,7 +114,8 @@ def test_replace_keeps_a_step_whole_through_two_drops_in_it_and_a_skip(tmp_path,
     assert sorted(r[5:] for r in replaced) == [(0, 4), (0, 5), (0, 6)]  # spare batch 0: groups N.. of prompt step 0
     (pool,) = [e for e in evs if e["type"] == "spare_pool"]
     assert (pool["batch"], pool["prompts"], pool["low_water"]) == (0, [[0, 4], [0, 5], [0, 6], [0, 7]], 1)
-    assert sum(e["type"] == "drop" for e in evs) == 2 and sum(e.get("decision") == "skipped" for e in evs) == 1
+    assert sum(e["type"] == "drop" for e in evs) == 2 and sum(e["type"] == "skip" for e in evs) == 1
+    assert sum(e["type"] == "failure" and e["decision"] == "skipped" for e in evs) == 1
     seeds = [set(r["prompt_seeds"]) for r in rows]  # every prompt the step's places held, the lost ones too
     from minirl.config import load_config
     from minirl.data import prompt_row
