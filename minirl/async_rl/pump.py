@@ -199,8 +199,11 @@ class RolloutPump:
             while not (self.permitted.is_set() and self.sampler.admit(step, self.version) and len(self.tasks) < limit
                        and self._paced(step + self._diverted(), group)):
                 self.wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):  # paced: the clock and the train pump's wait move too
-                    await asyncio.wait_for(self.wake.wait(), None if self.pacer is None else 0.2)
+                # paced: the clock and the train pump's wait move too. Not wait_for: on Python 3.11 it swallows a
+                # cancel that meets a wake already set (CPython gh-86296), and `stop` then waited for ever
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(None if self.pacer is None else 0.2):
+                        await self.wake.wait()
             await self.buffer.reserve()
             await self.permitted.wait()  # a sync may have begun while the place was reserved
             self._launch([step + self._diverted(), group, step, False, 0, []])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from minirl.async_rl.source import BufferSource
 from minirl.config import load_config
 from minirl.generation.server import CallLog
@@ -130,3 +132,41 @@ def test_a_resumed_source_files_late_records_as_the_run_it_resumes_would():
     resumed.restore(before.snapshot())
     asyncio.run(resumed.resolved(0, 0))
     assert resumed.orphans == [held, late] and resumed.calls == {}
+
+
+@pytest.mark.parametrize("ticks", [0, 1, 2])
+def test_a_paced_pumps_stop_ends_when_a_wake_meets_the_cancel(ticks):
+    """Found by review: under `admission=paced` the dispatch loop waited on its wake with `asyncio.wait_for(...,
+    0.2)`, which on Python 3.11 swallows a cancel that arrives just after the wake was set (CPython gh-86296):
+    `stop` then waited for ever, and the run's `finish` hit the driver's 30 s timeout with no run_end. The wake
+    set 0 or 1 loop ticks before the stop hung every time."""
+    from minirl.async_rl.buffer import GroupBuffer
+    from minirl.async_rl.pump import RolloutPump
+    from minirl.async_rl.samplers import make_sampler
+    from minirl.rollout.manager import RolloutManager
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2", "async_rl.sampler.admission=paced",
+                             "async_rl.stall_watchdog.stall_timeout_s=null"])
+
+    async def go():
+        manager = RolloutManager(cfg, ["http://127.0.0.1:9"], lambda e: None, 100)
+        manager.open()
+        pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 2, 1), 0, 0, None)
+        pump.pause()  # a weight sync is under way: the dispatch loop waits on its wake
+        pump.start()
+        await asyncio.sleep(0.01)
+        pump.wake.set()  # a place's done callback, or a new version
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        try:
+            await asyncio.wait_for(pump.stop(), 5)
+        finally:
+            pump.error = RuntimeError("end")  # a hung loop still exits, so the test ends either way
+            pump.permitted.set()
+            pump.wake.set()
+            await manager.session.close()
+        assert pump.main.done()
+
+    asyncio.run(go())
+
