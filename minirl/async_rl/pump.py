@@ -98,7 +98,8 @@ class RolloutPump:
         self.next, self.pool = tuple(snap["next"]), [tuple(p) for p in snap.get("pool", [])]
         self.spare_batches = snap.get("spare_batches", 0)
         # what they spent counts in a run_failed until a step's metrics take them, as the groups begun here
-        self.manager.unsettle([r.outcome for r in self.buffer.ready] + [o for job in self.relaunch for o in job[5]])
+        self.manager.unsettle([o for r in self.buffer.ready for o in (r.outcome, *r.lost)]
+                              + [o for job in self.relaunch for o in job[5]])
         if self.pacer is not None and snap.get("pacer"):  # paced before the stop: what it observed
             self.pacer.load(snap["pacer"], time.monotonic())
         self.manager.emit({"type": "buffer_restored", "step": first_step, "version": self.version,

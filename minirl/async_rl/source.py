@@ -90,6 +90,11 @@ class BufferSource:
         in_flight = [] if self.pump is None else await self.pump.stop()
         await asyncio.gather(*self.moving, return_exceptions=True)  # records a cancelled place was filing
         buffered = [] if self.pump is None else sorted([r.step, r.group] for r in self.buffer.ready)
+        if self.pump is None and self.restored:  # a resumed run that ended before its first take (its pump never
+            restored, self.restored = self.restored, None  # started): the checkpoint's groups are the unfinished
+            buffered = sorted([r.step, r.group] for r in restored["pump"]["ready"])
+            in_flight = sorted([job[0], job[1]] for job in restored["pump"]["in_flight"])
+            self.calls.update(restored["calls"])
         held = [c for records in self.calls.values() for c in records] + self.orphans + self.unledgered
         self.calls, self.orphans, self.unledgered = {}, [], []
         return {"buffered": buffered, "in_flight": in_flight}, held

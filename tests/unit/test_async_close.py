@@ -170,3 +170,23 @@ def test_a_paced_pumps_stop_ends_when_a_wake_meets_the_cancel(ticks):
 
     asyncio.run(go())
 
+
+def test_a_resumed_source_that_ends_before_its_first_take_reports_the_checkpoints_groups_unfinished():
+    """Found by review: a resumed async run that failed before its first take (the resume's weight sync, a
+    validation at start) reported no unfinished group in run_end, and the checkpoint's call records of them
+    were retired nowhere: the pump, which restores them, had not started."""
+    import pickle
+
+    from minirl.async_rl.buffer import GroupRecord
+    from minirl.rollout.manager import GroupOutcome
+
+    cfg = load_config(None, ["async_rl.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+                             "grpo.num_prompts_per_step=2"])
+    record = GroupRecord(3, 0, 3, GroupOutcome(0, "committed", step=3), target_step=3)
+    call = {"key": "s3.g0.r0.a0.c0", "step": 3, "group": 0}
+    source = BufferSource(cfg, None, None)
+    source.restore(pickle.dumps({"pump": {"next": (4, 0), "in_flight": [(3, 1, 3, False, 0, [])], "ready": [record],
+                                          "pool": [], "spare_batches": 0, "pacer": None},
+                                 "calls": {(3, 0): [call]}, "orphans": [], "consumed": set()}))
+    unfinished, held = asyncio.run(source.close())
+    assert unfinished == {"buffered": [[3, 0]], "in_flight": [[3, 1]]} and held == [call]

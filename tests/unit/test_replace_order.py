@@ -49,8 +49,12 @@ def test_a_resumed_pumps_restored_groups_count_in_a_run_failed_until_a_step_take
     pump = RolloutPump(cfg, manager, GroupBuffer(8), make_sampler("in_order", 4, 1), 3, 3, None)
     done = GroupOutcome(0, "committed", step=3, row_sends=6, rows_returned=4)
     lost = GroupOutcome(1, "dropped", step=3, row_sends=5, rows_returned=0)
+    spare = GroupOutcome(2, "committed", step=8, row_sends=2, rows_returned=2)  # stood in for a prompt its place lost
+    given_up = GroupOutcome(0, "dropped", step=2, row_sends=4, rows_returned=0)
     pump._restore({"next": (3, 2), "in_flight": [(9, 1, 3, True, 1, [lost])], "pool": [], "spare_batches": 0,
-                   "ready": [GroupRecord(3, 0, 3, done, target_step=3)], "pacer": None}, 3)
-    assert manager.spent() == (11, 4)
-    manager.settle([done, lost])
+                   "ready": [GroupRecord(3, 0, 3, done, target_step=3),
+                             GroupRecord(8, 2, 3, spare, replacement=True, lost=[given_up], target_step=3)],
+                   "pacer": None}, 3)
+    assert manager.spent() == (17, 6)
+    manager.settle([done, lost, spare, given_up])
     assert manager.spent() == (0, 0)
