@@ -12,6 +12,7 @@ whose message starts with the offending dotted key; nothing downstream re-valida
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import importlib
 import json
@@ -1109,7 +1110,9 @@ def _check_keys(node: Any, schema: Any, prefix: str) -> None:
                 head, _, rest = key.partition(".")
                 raise ConfigError(full, f"a dotted key is for the command line; in a YAML file write it nested "
                                         f"({head}: {{{rest}: ...}})")
-            raise ConfigError(_leaf(full, value), "unknown config key")
+            close = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1, cutoff=0.8)
+            raise ConfigError(_leaf(full, value), "unknown config key"
+                              + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
         child = schema._get_node(key)
         if isinstance(child, DictConfig):
             if not isinstance(value, dict):

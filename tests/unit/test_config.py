@@ -1,5 +1,6 @@
 """Config loading: layering, interpolation, and one clear error naming the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -436,3 +437,14 @@ def test_a_host_that_does_not_resolve_or_bind_here_is_a_config_error():
         load_config(None, [f"cluster.host={ip}"])
     for host in ("auto", "127.0.0.1", "localhost", "0.0.0.0"):
         assert load_config(None, [f"cluster.host={host}"]).cluster.host == host
+
+
+def test_an_unknown_key_near_a_real_one_names_it():
+    """A misspelt key says which key it is near; a key near none says only that it is unknown."""
+    for override, said in (("grpo.num_prompt_per_step=4", "(did you mean grpo.num_prompts_per_step?)"),
+                           ("policy.optimizer.lrr=1", "(did you mean policy.optimizer.lr?)"),
+                           ("faults.inject=[{kind: timeout, grup: 1}]", "(did you mean faults.inject[0].group?)")):
+        with pytest.raises(ConfigError, match=r"unknown config key " + re.escape(said) + "$"):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match=r"^no\.such\.key: unknown config key$"):
+        load_config(None, ["no.such.key=1"])
