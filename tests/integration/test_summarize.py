@@ -468,12 +468,22 @@ def test_end_episode_scored_through_the_real_stack_trains_one_failed_summary_eac
     assert batch.global_valid_tokens == sum(len(c.gen) for r in rollouts for c in r.calls)
 
 
+async def run_group(s, cfg, events: list, tokenizer):
+    """Group 0 of step 0 (row_of's seed 3) through a rollout manager to the stack `s`'s agent server."""
+    from minirl.rollout.manager import RolloutManager
+
+    manager = RolloutManager(cfg, [s.agent_url], events.append, len(tokenizer))
+    manager.open()
+    try:
+        return await manager.run_group(0, 0, row_of(cfg, seed=3))
+    finally:
+        await manager.session.close()
+
+
 def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tokenizer):
     """on_summary_failure=raise: the attempt fails with SummaryFailed (HTTP 500), which the rollout
     manager retries as INFRA (row redispatch), then drops against the drop budget: never a reward
     of 0. The summary_failed events and counter follow."""
-    from minirl.rollout.manager import RolloutManager
-
     cfg = stack_cfg(base_cfg, ("grpo.num_generations_per_prompt", 2),
                     ("async_rl.rollout_failure.nemo_gym.max_row_attempts", 2),
                     ("async_rl.rollout_failure.max_infra_attempts_per_prompt", 1),
@@ -482,12 +492,7 @@ def test_exhausted_attempts_are_a_retryable_harness_failure(stack, base_cfg, tok
 
     async def go():
         async with stack(cfg) as s:
-            manager = RolloutManager(cfg, [s.agent_url], events.append, len(tokenizer))
-            manager.open()
-            try:
-                outcome = await manager.run_group(0, 0, row_of(cfg, seed=3))
-            finally:
-                await manager.session.close()
+            outcome = await run_group(s, cfg, events, tokenizer)
             direct = await post(s.agent_url, row_of(cfg, attempt=9, seed=3))
             return outcome, outcome.summaries_failed, direct
 
@@ -507,8 +512,6 @@ def test_a_lost_groups_failed_summary_is_still_counted(stack, base_cfg, tokenize
     counts row 0's failed summary, as it counts the row returned and its guard rejections (docs/contracts.md:
     the counts sum over every group outcome the step took). Before, only kept rollouts' failed summaries
     reached `summaries_failed`: a lost or evicted group's were in no metric, though its `summary` event was."""
-    from minirl.rollout.manager import RolloutManager
-
     cfg = stack_cfg(base_cfg, ("grpo.num_generations_per_prompt", 2), (f"{SUMMARY}.on_summary_failure", "end_episode"),
                     ("async_rl.rollout_failure.nemo_gym.max_row_attempts", 1),
                     ("async_rl.rollout_failure.max_infra_attempts_per_prompt", 1),
@@ -519,12 +522,7 @@ def test_a_lost_groups_failed_summary_is_still_counted(stack, base_cfg, tokenize
 
     async def go():
         async with stack(cfg) as s:
-            manager = RolloutManager(cfg, [s.agent_url], events.append, len(tokenizer))
-            manager.open()
-            try:
-                return await manager.run_group(0, 0, row_of(cfg, seed=3))
-            finally:
-                await manager.session.close()
+            return await run_group(s, cfg, events, tokenizer)
 
     outcome = asyncio.run(go())
     assert outcome.status == "dropped" and outcome.rows_returned == 1
