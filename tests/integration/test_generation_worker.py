@@ -88,13 +88,28 @@ def test_engines_spin_only_while_their_threads_fit_the_cores(monkeypatch):
     assert engine_env(one)["GOMP_SPINCOUNT"] == engine_env(two)["GOMP_SPINCOUNT"] == "20k"
 
 
+def test_ray_env_sets_the_daemons_defaults_and_a_set_value_wins(monkeypatch):
+    from minirl.cluster import ACTOR_ENV, RAY_DAEMON_ENV, ray_env
+
+    monkeypatch.delenv("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert ray_env() == {**ACTOR_ENV, "RAY_AUTH_MODE": "token"}
+    assert os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] == RAY_DAEMON_ENV["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"]
+    monkeypatch.setenv("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "1000")
+    ray_env()
+    assert os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] == "1000"
+
+
 def test_the_front_end_runs_apart_from_the_engine_and_dies_with_it(base_cfg):
-    from minirl.cluster import ACTOR_ENV, start_generation_workers
+    from minirl.cluster import ray_env, start_generation_workers
     from minirl.trainer.policy_worker import PolicyWorker
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False,
-             runtime_env={"env_vars": {**ACTOR_ENV, "RAY_AUTH_MODE": "disabled"}})
+             runtime_env={"env_vars": ray_env()})
     try:
+        # Ray's daemons, started by this process, inherit RAY_DAEMON_ENV: the log monitor lists its folder every 0.5 s
+        (monitor,) = [p for p in psutil.Process().children(recursive=True) if "log_monitor" in " ".join(p.cmdline())]
+        assert monitor.environ()["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] == "0"
         # two restarts allowed: the engine_hang's and the worker_kill's below; the engine_crash's death is its last
         bounded = load_config(None, [*WATCHDOG, "cluster.generation_worker_max_restarts=2"])
         (worker,) = start_generation_workers(bounded, "127.0.0.1")
