@@ -93,6 +93,10 @@ class GenerationRouter:
     def start(self) -> str:
         return self.http.url
 
+    def routes_to(self) -> list[str]:
+        """The workers this router forwards to (a run reuses a shared router only for exactly its own)."""
+        return list(self.backends)
+
     def stats(self) -> dict:
         return {"outstanding": dict(self.outstanding), "served": dict(self.served)}
 
@@ -317,9 +321,10 @@ def start_router(cfg, backends: list[str], host: str, name: str | None = None) -
 
 
 def run_router(cfg, model_urls: list[str], host: str) -> tuple[object, str] | tuple[None, None]:
-    """The run's router as (actor, url): the attached workers' router when there is one (under this
-    run's fleet health), else a new one; (None, None) when `async_rl.generation_router.enabled` is
-    false. The caller holds the actor: a Ray actor lives while a handle to it does."""
+    """The run's router as (actor, url): the attached workers' router (under this run's fleet health) when
+    there is one forwarding to exactly the workers this run attached, else a new one; (None, None) when
+    `async_rl.generation_router.enabled` is false. The caller holds the actor: a Ray actor lives while a
+    handle to it does."""
     import ray
 
     if not cfg.async_rl.generation_router.enabled:
@@ -328,10 +333,11 @@ def run_router(cfg, model_urls: list[str], host: str) -> tuple[object, str] | tu
     if attach:
         try:
             actor = ray.get_actor(f"{attach}-router", namespace="minirl")
+        except ValueError:  # the attached workers have no router
+            actor = None
+        if actor is not None and ray.get(actor.routes_to.remote()) == [u.rstrip("/") for u in model_urls]:
             ray.get(actor.set_health.remote(cfg.async_rl.generation_fleet_health))
             return actor, ray.get(actor.start.remote())
-        except ValueError:  # the attached workers have no router: start this run's own
-            pass
     return start_router(cfg, model_urls, host)
 
 

@@ -27,12 +27,16 @@ def start(cfg, name: str) -> dict:
     import ray
 
     from minirl.cluster import NAMESPACE, start_shared_generation
-    from minirl.generation.router import start_router
 
-    attach = start_shared_generation(cfg, name)
+    attach = start_shared_generation(cfg, name, router_host=cfg.cluster.host)
     workers = [ray.get(ray.get_actor(f"{name}-{i}", namespace=NAMESPACE).start.remote())
                for i in range(cfg.cluster.num_generation_workers)]
-    _router, router = start_router(cfg, workers, cfg.cluster.host, name=name)
+    if cfg.async_rl.generation_router.enabled:  # started with the workers
+        router = ray.get(ray.get_actor(f"{name}-router", namespace=NAMESPACE).start.remote())
+    else:  # Gym reaches the workers through one URL whatever the runs' own setting
+        from minirl.generation.router import start_router
+
+        _router, router = start_router(cfg, workers, cfg.cluster.host, name=name)
     return {"policy_base_url": router.rstrip("/") + "/v1", "policy_model_name": cfg.policy.model_name,
             "router": router, "workers": workers, "attach": attach}
 

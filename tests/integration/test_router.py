@@ -104,6 +104,34 @@ def test_least_outstanding_and_refused_worker_skipped(tmp_path):
     assert (tmp_path / "endpoints.json").read_text().count("generation_router") == 1 and ends["agents"] == ["http://a"]
 
 
+def test_a_run_reuses_the_shared_router_only_when_it_attached_every_worker_behind_it(shared_engine):
+    """start_shared_generation starts `<name>-router` over its workers; run_router hands it to a run that
+    attached exactly those (under the run's fleet health), and starts the run's own for a run attached to
+    fewer, which must not be routed to a worker it never reset."""
+    from helpers import SHARED_WORKERS, connect
+
+    from minirl.generation.router import run_router
+
+    ray = connect(shared_engine)
+    try:
+        shared = ray.get_actor("shared-gen-router")
+        workers = [ray.get(ray.get_actor(f"shared-gen-{i}").start.remote()) for i in range(SHARED_WORKERS)]
+        assert ray.get(shared.routes_to.remote()) == workers
+        fleet = "async_rl.generation_fleet_health"
+        both = load_config(None, [*shared_engine, f"cluster.num_generation_workers={SHARED_WORKERS}",
+                                  f"{fleet}.enabled=true", f"{fleet}.probe_interval_s=7"])
+        actor, url = run_router(both, workers, "127.0.0.1")
+        assert url == ray.get(shared.start.remote())
+        assert ray.get(shared.__ray_call__.remote(lambda router: router.health.probe_interval_s)) == 7
+        ray.get(shared.set_health.remote(GenerationFleetHealthConfig()))  # as the next run would: probes off
+        one = load_config(None, shared_engine)
+        own, own_url = run_router(one, workers[:1], "127.0.0.1")
+        assert own_url != url and ray.get(own.routes_to.remote()) == workers[:1]
+        ray.get(own.stop.remote())
+    finally:
+        ray.shutdown()
+
+
 def test_no_eligible_worker_gets_the_no_shard_status():
     async def go():
         router = await asyncio.get_running_loop().run_in_executor(
