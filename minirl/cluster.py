@@ -407,7 +407,7 @@ def start_shared_generation(cfg: MinirlConfig, name: str, router_host: str = "12
     Their weights store is detached and named `<name>-store` too: each attached run publishes through
     it, so a worker Ray restarts mid-run catches up with that run's weights, as an owned worker does.
     So is their router, `<name>-router` (on `router_host`; none when `async_rl.generation_router.enabled`
-    is false): a run attached to all of them uses it under its own fleet health (`run_router`), and so skips
+    is false): each attached run takes it over for the workers it attached (`run_router`), and so skips
     starting its own (1.9 CPU-s a run in the suite).
     Returns the overrides that attach a run; `ray.shutdown()` stops this cluster and nothing else."""
     if not ray.is_initialized():  # a second model's workers join the same cluster (the switch matrix's)

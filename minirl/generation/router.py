@@ -94,7 +94,7 @@ class GenerationRouter:
         return self.http.url
 
     def routes_to(self) -> list[str]:
-        """The workers this router forwards to (a run reuses a shared router only for exactly its own)."""
+        """The workers this router forwards to."""
         return list(self.backends)
 
     def stats(self) -> dict:
@@ -149,13 +149,19 @@ class GenerationRouter:
             opened = live
 
     # -- fleet health ----------------------------------------------------------------------------
-    def set_health(self, health: GenerationFleetHealthConfig) -> None:
-        """(Re)start fleet health under `health` (a run attaching to a running router brings its own):
-        every worker admitted, no probe counted yet; probers only when `health.enabled`."""
+    def set_health(self, health: GenerationFleetHealthConfig, backends: list[str] | None = None) -> None:
+        """(Re)start fleet health under `health` (a run attaching to a running router brings its own), over
+        `backends` when given (the workers that run attached, until the next run's): every worker admitted,
+        no probe counted yet; probers only when `health.enabled`. A request in flight on a worker left out
+        finishes there, as it would have."""
 
         async def apply():
             for task in self.probers:
                 task.cancel()
+            if backends is not None:
+                self.backends = [u.rstrip("/") for u in backends]
+                for u in self.backends:
+                    self.outstanding.setdefault(u, 0), self.down_until.setdefault(u, 0.0), self.served.setdefault(u, 0)
             self.health = health
             self._admit_all()
             self.probers = [asyncio.ensure_future(self._prober(u)) for u in self.backends] if health.enabled else []
@@ -321,10 +327,10 @@ def start_router(cfg, backends: list[str], host: str, name: str | None = None) -
 
 
 def run_router(cfg, model_urls: list[str], host: str) -> tuple[object, str] | tuple[None, None]:
-    """The run's router as (actor, url): the attached workers' router (under this run's fleet health) when
-    there is one forwarding to exactly the workers this run attached, else a new one; (None, None) when
-    `async_rl.generation_router.enabled` is false. The caller holds the actor: a Ray actor lives while a
-    handle to it does."""
+    """The run's router as (actor, url): the attached workers' router when there is one, taken over by
+    this run (forwarding to the workers it attached, under its fleet health, as attaching resets each
+    worker), else a new one; (None, None) when `async_rl.generation_router.enabled` is false. The caller
+    holds the actor: a Ray actor lives while a handle to it does."""
     import ray
 
     if not cfg.async_rl.generation_router.enabled:
@@ -333,11 +339,10 @@ def run_router(cfg, model_urls: list[str], host: str) -> tuple[object, str] | tu
     if attach:
         try:
             actor = ray.get_actor(f"{attach}-router", namespace="minirl")
-        except ValueError:  # the attached workers have no router
-            actor = None
-        if actor is not None and ray.get(actor.routes_to.remote()) == [u.rstrip("/") for u in model_urls]:
-            ray.get(actor.set_health.remote(cfg.async_rl.generation_fleet_health))
+            ray.get(actor.set_health.remote(cfg.async_rl.generation_fleet_health, model_urls))
             return actor, ray.get(actor.start.remote())
+        except ValueError:  # the attached workers have no router: start this run's own
+            pass
     return start_router(cfg, model_urls, host)
 
 

@@ -104,10 +104,9 @@ def test_least_outstanding_and_refused_worker_skipped(tmp_path):
     assert (tmp_path / "endpoints.json").read_text().count("generation_router") == 1 and ends["agents"] == ["http://a"]
 
 
-def test_a_run_reuses_the_shared_router_only_when_it_attached_every_worker_behind_it(shared_engine):
-    """start_shared_generation starts `<name>-router` over its workers; run_router hands it to a run that
-    attached exactly those (under the run's fleet health), and starts the run's own for a run attached to
-    fewer, which must not be routed to a worker it never reset."""
+def test_an_attached_run_takes_the_shared_router_over_for_the_workers_it_attached(shared_engine):
+    """start_shared_generation starts `<name>-router` over its workers; run_router hands it to each attached
+    run, forwarding to the workers that run attached (and reset) only, under the run's fleet health."""
     from helpers import SHARED_WORKERS, connect
 
     from minirl.generation.router import run_router
@@ -116,18 +115,20 @@ def test_a_run_reuses_the_shared_router_only_when_it_attached_every_worker_behin
     try:
         shared = ray.get_actor("shared-gen-router")
         workers = [ray.get(ray.get_actor(f"shared-gen-{i}").start.remote()) for i in range(SHARED_WORKERS)]
-        assert ray.get(shared.routes_to.remote()) == workers
+        url = ray.get(shared.start.remote())
         fleet = "async_rl.generation_fleet_health"
         both = load_config(None, [*shared_engine, f"cluster.num_generation_workers={SHARED_WORKERS}",
                                   f"{fleet}.enabled=true", f"{fleet}.probe_interval_s=7"])
-        actor, url = run_router(both, workers, "127.0.0.1")
-        assert url == ray.get(shared.start.remote())
-        assert ray.get(shared.__ray_call__.remote(lambda router: router.health.probe_interval_s)) == 7
-        ray.get(shared.set_health.remote(GenerationFleetHealthConfig()))  # as the next run would: probes off
-        one = load_config(None, shared_engine)
-        own, own_url = run_router(one, workers[:1], "127.0.0.1")
-        assert own_url != url and ray.get(own.routes_to.remote()) == workers[:1]
-        ray.get(own.stop.remote())
+        assert run_router(both, workers, "127.0.0.1")[1] == url
+        assert ray.get(shared.routes_to.remote()) == workers
+        def probing(router):
+            return router.health.probe_interval_s, len(router.probers)
+
+        assert ray.get(shared.__ray_call__.remote(probing)) == (7, SHARED_WORKERS)
+        # a run attached to the first worker alone: never routed to the other, which it did not reset
+        assert run_router(load_config(None, shared_engine), workers[:1], "127.0.0.1")[1] == url
+        assert ray.get(shared.routes_to.remote()) == workers[:1]
+        assert ray.get(shared.__ray_call__.remote(probing))[1] == 0  # its fleet health: off
     finally:
         ray.shutdown()
 
