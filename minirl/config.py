@@ -826,7 +826,8 @@ class ClusterConfig:
     """vLLM engines, each behind its own HTTP endpoint."""
     attach_generation_workers: Optional[str] = None
     """Reuse running detached generation workers named `<this>-<rank>` (namespace `minirl`): they
-    are reset to this run's faults and initial weights. For sweeps of short runs, which then skip
+    are reset to this run's faults and initial weights, and their router `<this>-router`, when there is
+    one, forwards to them alone under this run's fleet health. For sweeps of short runs, which then skip
     engine start-up (see minirl/experiments/sweep.py). Needs `cluster.ray_address` (the cluster that
     runs them). None starts new ones."""
     num_policy_workers: int = bounded(1, ge=1)
