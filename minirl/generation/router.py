@@ -67,10 +67,8 @@ class GenerationRouter:
     def __init__(self, cfg: GenerationRouterConfig, backends: list[str], host: str = "127.0.0.1",
                  health: GenerationFleetHealthConfig | None = None):
         self.cfg = cfg
-        self.backends = [u.rstrip("/") for u in backends]
-        self.outstanding = {u: 0 for u in self.backends}
-        self.down_until = {u: 0.0 for u in self.backends}
-        self.served = {u: 0 for u in self.backends}
+        self.outstanding, self.down_until, self.served = {}, {}, {}
+        self._route_to(backends)
         self.health = health or GenerationFleetHealthConfig()
         self.probers: list[asyncio.Task] = []
         last: OSError | None = None
@@ -92,10 +90,6 @@ class GenerationRouter:
 
     def start(self) -> str:
         return self.http.url
-
-    def routes_to(self) -> list[str]:
-        """The workers this router forwards to."""
-        return list(self.backends)
 
     def stats(self) -> dict:
         return {"outstanding": dict(self.outstanding), "served": dict(self.served)}
@@ -159,14 +153,20 @@ class GenerationRouter:
             for task in self.probers:
                 task.cancel()
             if backends is not None:
-                self.backends = [u.rstrip("/") for u in backends]
-                for u in self.backends:
-                    self.outstanding.setdefault(u, 0), self.down_until.setdefault(u, 0.0), self.served.setdefault(u, 0)
+                self._route_to(backends)
             self.health = health
             self._admit_all()
             self.probers = [asyncio.ensure_future(self._prober(u)) for u in self.backends] if health.enabled else []
 
         self.http.run(apply())
+
+    def _route_to(self, backends: list[str]) -> None:
+        """Forward to `backends` from now on; the counts of a worker left out stay, for its requests in flight."""
+        self.backends = [u.rstrip("/") for u in backends]
+        for u in self.backends:
+            self.outstanding.setdefault(u, 0)
+            self.down_until.setdefault(u, 0.0)
+            self.served.setdefault(u, 0)
 
     def _admit_all(self) -> None:
         """Every worker out of quarantine, no probe counted (on the router's loop). A worker's `evicted`

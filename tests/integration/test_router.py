@@ -119,16 +119,15 @@ def test_an_attached_run_takes_the_shared_router_over_for_the_workers_it_attache
         fleet = "async_rl.generation_fleet_health"
         both = load_config(None, [*shared_engine, f"cluster.num_generation_workers={SHARED_WORKERS}",
                                   f"{fleet}.enabled=true", f"{fleet}.probe_interval_s=7"])
-        assert run_router(both, workers, "127.0.0.1")[1] == url
-        assert ray.get(shared.routes_to.remote()) == workers
         def probing(router):
-            return router.health.probe_interval_s, len(router.probers)
+            return router.backends, router.health.probe_interval_s, len(router.probers)
 
-        assert ray.get(shared.__ray_call__.remote(probing)) == (7, SHARED_WORKERS)
+        assert run_router(both, workers, "127.0.0.1")[1] == url
+        assert ray.get(shared.__ray_call__.remote(probing)) == (workers, 7, SHARED_WORKERS)
         # a run attached to the first worker alone: never routed to the other, which it did not reset
         assert run_router(load_config(None, shared_engine), workers[:1], "127.0.0.1")[1] == url
-        assert ray.get(shared.routes_to.remote()) == workers[:1]
-        assert ray.get(shared.__ray_call__.remote(probing))[1] == 0  # its fleet health: off
+        backends, _, probers = ray.get(shared.__ray_call__.remote(probing))
+        assert backends == workers[:1] and probers == 0  # its fleet health: off
     finally:
         ray.shutdown()
 
