@@ -374,10 +374,12 @@ def test_the_cpu_engines_repacking_reload_serves_exactly_what_vllms_own_reload_s
         engine.run(lambda llm: llm.reset_prefix_cache()).result(timeout=60)
         theirs = _sampled(engine, prompt)
         engine.update_weights(_with_tied_head(_checkpoint_weights(base_cfg, 0.02, 2)), 201).result(timeout=120)
+        between = _sampled(engine, prompt)  # other weights, through our reload: other tokens
         engine.update_weights(weights, 202).result(timeout=120)
         ours = _sampled(engine, prompt)
     finally:
         engine.update_weights(original, 0).result(timeout=120)
+    assert between != theirs
     assert ours == theirs
     assert np.isfinite(ours[1]).all()
 
@@ -387,13 +389,16 @@ def test_an_update_that_leaves_out_the_tied_head_repacks_the_head_from_the_new_e
     reload kept that head packed from the old weights: the update served the new embedding and layers under
     the old head. Now the head follows the embedding, as with the head named."""
     prompt = [1, 388, 201, 300, 17, 42]
-    weights = _checkpoint_weights(base_cfg, 0.05, 3)
+    weights, original = _checkpoint_weights(base_cfg, 0.05, 3), _with_tied_head(_checkpoint_weights(base_cfg, 0.0, 0))
     try:
-        engine.update_weights(_with_tied_head(weights), 203).result(timeout=120)
+        engine.update_weights(original, 203).result(timeout=120)
+        before = _sampled(engine, prompt)
+        engine.update_weights(_with_tied_head(weights), 204).result(timeout=120)
         named = _sampled(engine, prompt)
-        engine.update_weights(_with_tied_head(_checkpoint_weights(base_cfg, 0.0, 0)), 204).result(timeout=120)
-        engine.update_weights(weights, 205).result(timeout=120)
+        engine.update_weights(original, 205).result(timeout=120)
+        engine.update_weights(weights, 206).result(timeout=120)
         left_out = _sampled(engine, prompt)
     finally:
-        engine.update_weights(_with_tied_head(_checkpoint_weights(base_cfg, 0.0, 0)), 0).result(timeout=120)
+        engine.update_weights(original, 0).result(timeout=120)
+    assert named != before
     assert left_out == named
