@@ -200,11 +200,13 @@ def _repacked_layers(model) -> tuple[list, list] | None:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     owners, tied, seen = [], [], set()
-    for layer in model.modules():
+    # heads last: a head tied to an embedding is the tied one, whichever the model registered first (an update
+    # may leave a tied head out, and an owner that loads nothing would repack from uninitialized memory)
+    for layer in sorted(model.modules(), key=lambda m: isinstance(m, ParallelLMHead)):
         method = getattr(layer, "quant_method", None)
         if not isinstance(method, QuantizeMethodBase) or is_deferred_attention_layer(layer):
             continue
